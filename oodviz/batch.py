@@ -1,0 +1,93 @@
+"""The unit of data every detector consumes.
+
+A :class:`Batch` carries what a classifier produced for ``B`` inputs:
+
+- ``features``: penultimate-layer features, float tensor ``[B, D]``;
+- ``logits``: classifier outputs, float tensor ``[B, C]``;
+- ``labels``: integer class labels ``[B]`` in ``0..C-1``; ``-1`` marks an OOD (or unlabelled
+  outlier) sample, which detectors ignore when fitting.
+
+Any of the three may be ``None``; a detector says which ones it needs. Feature maps
+(``[B, C, H, W]``) or token sequences (``[B, T, D]``) are rejected rather than flattened: pool
+them first (the original out-of-memory report behind oodviz was 49 x 1024 ViT tokens per image
+silently flattened into 50,176-dimensional "features").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+OOD_LABEL = -1
+
+
+def _as_tensor(name: str, value) -> Tensor | None:
+    if value is None or isinstance(value, Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    raise TypeError(f"Batch.{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
+
+
+def _same_device(actual: torch.device, wanted: torch.device) -> bool:
+    # "cuda" means the current CUDA device; a tensor reports "cuda:0".
+    return actual.type == wanted.type and (wanted.index is None or actual.index == wanted.index)
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Features ``[B, D]``, logits ``[B, C]`` and labels ``[B]`` (``-1`` = OOD) of ``B`` samples."""
+
+    features: Tensor | None = None
+    logits: Tensor | None = None
+    labels: Tensor | None = None
+
+    def __post_init__(self):
+        for name in ("features", "logits", "labels"):
+            object.__setattr__(self, name, _as_tensor(name, getattr(self, name)))
+        for name in ("features", "logits"):
+            value = getattr(self, name)
+            if value is not None and value.ndim != 2:
+                hint = (
+                    " Pool feature maps [B, C, H, W] or tokens [B, T, D] to [B, D] first "
+                    "(for example with mean over the spatial or token axis)."
+                    if name == "features" and value.ndim > 2
+                    else ""
+                )
+                raise ValueError(f"Batch.{name} must be 2-D [B, {name[0].upper()}], got shape {tuple(value.shape)}.{hint}")
+            if value is not None and not value.is_floating_point():
+                raise ValueError(f"Batch.{name} must be a floating-point tensor, got {value.dtype}")
+        if self.labels is not None:
+            if self.labels.ndim != 1:
+                raise ValueError(f"Batch.labels must be 1-D [B], got shape {tuple(self.labels.shape)}")
+            if self.labels.is_floating_point() or self.labels.is_complex() or self.labels.dtype == torch.bool:
+                raise ValueError(f"Batch.labels must be an integer tensor (class index, -1 = OOD), got {self.labels.dtype}")
+        sizes = {name: len(t) for name in ("features", "logits", "labels") if (t := getattr(self, name)) is not None}
+        if len(set(sizes.values())) > 1:
+            raise ValueError(f"Batch fields disagree on the number of samples: {sizes}")
+
+    def __len__(self) -> int:
+        for t in (self.features, self.logits, self.labels):
+            if t is not None:
+                return len(t)
+        return 0
+
+    @property
+    def device(self) -> torch.device | None:
+        """Device of the first tensor present (features, then logits, then labels)."""
+        for t in (self.features, self.logits, self.labels):
+            if t is not None:
+                return t.device
+        return None
+
+    def to(self, device: torch.device | str) -> Batch:
+        """This batch with every tensor on ``device`` (non-blocking where the source is pinned)."""
+        device = torch.device(device)
+        tensors = [t for t in (self.features, self.logits, self.labels) if t is not None]
+        if all(_same_device(t.device, device) for t in tensors):
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(move(self.features), move(self.logits), move(self.labels))

@@ -1,0 +1,63 @@
+"""OOD detectors behind one API: ``available()`` lists them, ``create(name, **params)`` makes one.
+
+Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
+``score(batches, device=None)`` (CPU float tensor ``[N]``, higher = more OOD); see
+:mod:`oodviz.detectors.base`. One module per method, its docstring giving the formula.
+"""
+
+from oodviz.detectors.base import Detector, FitData, NotFittedError
+from oodviz.detectors.energy import Energy
+from oodviz.detectors.entropy import Entropy
+from oodviz.detectors.gen import GEN
+from oodviz.detectors.klm import KLMatching
+from oodviz.detectors.knn import KNN
+from oodviz.detectors.mahalanobis import Mahalanobis
+from oodviz.detectors.maxlogit import MaxLogit
+from oodviz.detectors.msp import MaxSoftmax
+from oodviz.detectors.rmd import RelativeMahalanobis
+from oodviz.detectors.she import SHE
+from oodviz.detectors.tempscale import TemperatureScaling
+from oodviz.detectors.vim import ViM
+
+_REGISTRY: dict[str, type[Detector]] = {
+    cls.name: cls
+    for cls in (
+        MaxSoftmax,
+        MaxLogit,
+        Energy,
+        Entropy,
+        GEN,
+        TemperatureScaling,
+        KLMatching,
+        Mahalanobis,
+        RelativeMahalanobis,
+        ViM,
+        SHE,
+        KNN,
+    )
+}
+
+
+def available() -> list[str]:
+    """Names of every detector, for ``create``."""
+    return list(_REGISTRY)
+
+
+def detector_class(name: str) -> type[Detector]:
+    """The class registered under ``name`` (its ``summary``, ``paper``, ``inputs``, parameters)."""
+    if name not in _REGISTRY:
+        raise ValueError(f"Unknown detector {name!r}; choose one of: {', '.join(available())}")
+    return _REGISTRY[name]
+
+
+def create(name: str, **params) -> Detector:
+    """A new, unfitted detector ``name`` with the given parameters."""
+    cls = detector_class(name)
+    unknown = sorted(set(params) - set(cls.param_names()))
+    if unknown:
+        valid = ", ".join(cls.param_names()) or "none"
+        raise ValueError(f"Detector {name!r} has no parameter(s) {', '.join(unknown)}; valid parameters: {valid}")
+    return cls(**params)
+
+
+__all__ = ["Detector", "FitData", "NotFittedError", "available", "create", "detector_class"]

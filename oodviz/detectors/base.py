@@ -1,0 +1,312 @@
+"""The detector API shared by every method.
+
+Every detector is made with keyword parameters (``create(name, **params)``), fitted with
+``fit(batches, head=None, device=None)`` and applied with ``score(batches, device=None)``.
+
+- ``batches`` is a re-iterable of :class:`oodviz.Batch` (a list, or an object whose ``__iter__``
+  starts over), or a single ``Batch``. Fitting reads it as a stream, one batch at a time, and
+  keeps only sufficient statistics, so memory does not grow with the number of samples.
+- ``head`` is the classifier's final linear layer, ``(weight [C, D], bias [C])`` or an
+  ``nn.Linear``.
+- ``device=None`` uses the device of the batches; any other device moves each batch there as
+  it is consumed. Fitted state is moved to the scoring device, so fitting on one device and
+  scoring on another works.
+- Scores come back as a CPU float32 tensor ``[N]``; **higher = more OOD** for every detector.
+
+Subclasses set the class attributes describing what they need and implement ``_fit`` (reading
+:class:`FitData`, possibly several times) and ``_score`` (one validated batch on the device).
+Fitted state lives in attributes ending in ``_``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from oodviz.batch import OOD_LABEL, Batch
+
+Head = tuple[Tensor, Tensor]
+
+
+class NotFittedError(ValueError, AttributeError):
+    """Raised when ``score`` is called on a detector that needs ``fit`` first."""
+
+
+def _iter_batches(batches: Batch | Iterable[Batch]) -> Iterator[Batch]:
+    if isinstance(batches, Batch):
+        yield batches
+        return
+    try:
+        iterator = iter(batches)
+    except TypeError:
+        raise ValueError(
+            f"batches must be an oodviz.Batch or an iterable of them, got {type(batches).__name__}"
+        ) from None
+    for i, batch in enumerate(iterator):
+        if not isinstance(batch, Batch):
+            raise ValueError(
+                f"batches must yield oodviz.Batch objects; item {i} is a {type(batch).__name__}. "
+                "Wrap your tensors: Batch(features=..., logits=..., labels=...)."
+            )
+        yield batch
+
+
+def _first_device(batches) -> torch.device:
+    for batch in _iter_batches(batches):
+        if len(batch):
+            return batch.device
+    return torch.device("cpu")
+
+
+def _resolve_device(batches, device) -> torch.device:
+    return torch.device(device) if device is not None else _first_device(batches)
+
+
+def _check_head(head, device: torch.device) -> Head:
+    if isinstance(head, torch.nn.Linear):
+        weight, bias = head.weight, head.bias
+    elif isinstance(head, (tuple, list)) and len(head) == 2:
+        weight, bias = head
+    else:
+        raise ValueError(
+            "head must be the final linear layer as (weight [C, D], bias [C]) or a torch.nn.Linear, "
+            f"got {type(head).__name__}"
+        )
+    weight = torch.as_tensor(weight).detach().to(device=device, dtype=torch.float32)
+    if weight.ndim != 2:
+        raise ValueError(f"head weight must be 2-D [C, D], got shape {tuple(weight.shape)}")
+    if bias is None:
+        bias = torch.zeros(weight.shape[0], device=device)
+    bias = torch.as_tensor(bias).detach().to(device=device, dtype=torch.float32)
+    if bias.shape != (weight.shape[0],):
+        raise ValueError(
+            f"head bias must have shape [C] = ({weight.shape[0]},) to match weight {tuple(weight.shape)}, "
+            f"got {tuple(bias.shape)}"
+        )
+    if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
+        raise ValueError("head weight or bias contains NaN or infinity; pass the trained layer's parameters")
+    return weight, bias
+
+
+class _Shapes:
+    """D and C seen so far; every later batch (and the head) must agree."""
+
+    def __init__(self, detector_name: str, n_features: int | None = None, n_classes: int | None = None):
+        self.detector_name = detector_name
+        self.n_features = n_features
+        self.n_classes = n_classes
+
+    def check(self, batch: Batch, index: int, inputs: tuple[str, ...]) -> None:
+        for field in inputs:
+            if getattr(batch, field) is None:
+                raise ValueError(
+                    f"{self.detector_name} needs {field} but batch {index} has none; "
+                    f"extract {field} for every batch (Batch({field}=...))."
+                )
+        for field, attr, letter in (("features", "n_features", "D"), ("logits", "n_classes", "C")):
+            value = getattr(batch, field)
+            if value is None or field not in inputs:
+                continue
+            width = value.shape[1]
+            known = getattr(self, attr)
+            if known is None:
+                setattr(self, attr, width)
+            elif width != known:
+                raise ValueError(
+                    f"{self.detector_name}: batch {index} has {field} with {letter}={width}, expected {letter}={known} "
+                    f"(from earlier batches, the head or the fit); every batch must come from the same model layer."
+                )
+            if not torch.isfinite(value).all():
+                bad = int((~torch.isfinite(value)).any(dim=1).sum())
+                raise ValueError(
+                    f"{self.detector_name}: batch {index} has {bad} sample(s) with NaN or infinite {field}; "
+                    "check the model and its input normalisation, or drop those samples."
+                )
+
+
+class FitData:
+    """The fit input as a stream: each ``iter()`` is one validated pass over the batches.
+
+    Batches come out on ``device`` with OOD rows (label ``-1``) removed. Shapes are checked
+    against each other and against the head; labels against ``0..C-1`` where ``C`` is known.
+    """
+
+    def __init__(self, batches, device: torch.device, detector: Detector, head: Head | None):
+        self._batches = batches
+        self.device = device
+        self.head = head
+        self._detector = detector
+        self._shapes = _Shapes(
+            detector.name,
+            n_features=None if head is None else head[0].shape[1],
+            n_classes=None if head is None else head[0].shape[0],
+        )
+        self._rows_per_pass: int | None = None
+
+    @property
+    def n_features(self) -> int | None:
+        return self._shapes.n_features
+
+    @property
+    def n_classes(self) -> int | None:
+        return self._shapes.n_classes
+
+    def __iter__(self) -> Iterator[Batch]:
+        detector = self._detector
+        rows = 0
+        for index, batch in enumerate(_iter_batches(self._batches)):
+            batch = batch.to(self.device)
+            if batch.labels is None and detector.needs_labels:
+                raise ValueError(
+                    f"{detector.name} fits on class labels but batch {index} has none; "
+                    "pass Batch(labels=...) with the in-distribution class of each sample."
+                )
+            if batch.labels is not None:
+                batch = self._keep_in_distribution(batch, index)
+            if not len(batch):
+                continue
+            self._shapes.check(batch, index, detector.inputs)
+            rows += len(batch)
+            yield batch
+        if rows == 0:
+            raise ValueError(
+                f"{detector.name}.fit got no in-distribution samples: the batches were empty or every label was -1 (OOD)."
+            )
+        if self._rows_per_pass is not None and rows != self._rows_per_pass:
+            raise ValueError(
+                f"{detector.name}.fit reads the batches {detector.fit_passes} times, but the second pass gave {rows} "
+                f"samples instead of {self._rows_per_pass}; pass a list or an iterable whose __iter__ restarts "
+                "the same data."
+            )
+        self._rows_per_pass = rows
+
+    def _keep_in_distribution(self, batch: Batch, index: int) -> Batch:
+        labels = batch.labels
+        if (labels < OOD_LABEL).any():
+            raise ValueError(
+                f"batch {index} has labels below -1 (min {int(labels.min())}); labels are class indices 0..C-1, "
+                "or -1 for OOD samples."
+            )
+        n_classes = self.n_classes
+        if n_classes is None and batch.logits is not None and "logits" in self._detector.inputs:
+            n_classes = batch.logits.shape[1]
+        if n_classes is not None and (labels >= n_classes).any():
+            raise ValueError(
+                f"batch {index} has label {int(labels.max())} but the model has C={n_classes} classes; "
+                f"labels must be 0..{n_classes - 1} (or -1 for OOD)."
+            )
+        known = labels != OOD_LABEL
+        if bool(known.all()):
+            return batch
+        keep = lambda t: None if t is None else t[known]  # noqa: E731
+        return Batch(keep(batch.features), keep(batch.logits), labels[known])
+
+
+class Detector:
+    """Base class: parameters in ``__init__``, ``fit`` returns self, fitted state ends in ``_``."""
+
+    #: name in the registry (``oodviz.detectors.create(name)``)
+    name: ClassVar[str]
+    #: one line a user can read in a menu
+    summary: ClassVar[str]
+    #: the paper the score follows
+    paper: ClassVar[str]
+    #: batch fields the detector reads, in fit and score
+    inputs: ClassVar[tuple[str, ...]]
+    #: fit needs the classifier's final layer as ``head``
+    needs_head: ClassVar[bool] = False
+    #: fit needs class labels (OOD rows, label -1, are always ignored)
+    needs_labels: ClassVar[bool] = False
+    #: False for detectors that are a fixed function of the logits
+    needs_fit: ClassVar[bool] = True
+    #: how many times fit reads the batches (1 = a one-shot iterator is fine)
+    fit_passes: ClassVar[int] = 1
+
+    # -- parameters -------------------------------------------------------------------------
+    @classmethod
+    def param_names(cls) -> list[str]:
+        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+    def get_params(self) -> dict:
+        """The constructor parameters and their current values."""
+        return {name: getattr(self, name) for name in self.param_names()}
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
+        return f"{type(self).__name__}({params})"
+
+    # -- fit / score ------------------------------------------------------------------------
+    @torch.no_grad()
+    def fit(self, batches, head=None, device=None):
+        """Fit on in-distribution batches (OOD rows, label -1, are ignored) and return self.
+
+        :param batches: a re-iterable of :class:`~oodviz.Batch`, or one ``Batch``
+        :param head: the final linear layer, ``(weight [C, D], bias [C])`` or ``nn.Linear``
+        :param device: where to compute; ``None`` = the device of the batches
+        """
+        if not self.needs_fit:
+            return self
+        if self.fit_passes > 1 and not isinstance(batches, Batch) and iter(batches) is batches:
+            raise ValueError(
+                f"{self.name}.fit reads the batches {self.fit_passes} times but got a one-shot iterator "
+                f"({type(batches).__name__}); pass a list, or an object whose __iter__ starts over."
+            )
+        device = _resolve_device(batches, device)
+        if head is not None:
+            head = _check_head(head, device)
+        elif self.needs_head:
+            raise ValueError(
+                f"{self.name} needs the classifier's final linear layer: call fit(batches, head=(weight [C, D], bias [C]))."
+            )
+        data = FitData(batches, device, self, head)
+        self._fit(data)
+        self.n_features_in_ = data.n_features
+        self.n_classes_ = data.n_classes
+        return self
+
+    @torch.no_grad()
+    def score(self, batches, device=None) -> Tensor:
+        """Outlier scores, a CPU float32 tensor ``[N]`` in the order of the batches; higher = more OOD."""
+        if self.needs_fit and not hasattr(self, "n_features_in_"):
+            raise NotFittedError(
+                f"This {self.name} detector is not fitted yet: call fit(batches) with in-distribution data before score."
+            )
+        device = _resolve_device(batches, device)
+        self._move_fitted(device)
+        shapes = _Shapes(self.name, getattr(self, "n_features_in_", None), getattr(self, "n_classes_", None))
+        scores = []
+        for index, batch in enumerate(_iter_batches(batches)):
+            if not len(batch):
+                continue
+            batch = batch.to(device)
+            shapes.check(batch, index, self.inputs)
+            scores.append(self._score(batch).float().cpu())
+        if not scores:
+            raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
+        return torch.cat(scores)
+
+    def _move_fitted(self, device: torch.device) -> None:
+        for key, value in vars(self).items():
+            if key.endswith("_") and isinstance(value, Tensor) and value.device != device:
+                setattr(self, key, value.to(device))
+
+    def _fit(self, data: FitData) -> None:
+        raise NotImplementedError
+
+    def _score(self, batch: Batch) -> Tensor:
+        raise NotImplementedError
+
+
+def check_all_classes_seen(detector_name: str, empty: list[int], what: str = "samples") -> None:
+    """Raise if some class in ``0..C-1`` had no fitting samples (its statistics would be NaN)."""
+    if empty:
+        shown = ", ".join(map(str, empty[:10])) + (" ..." if len(empty) > 10 else "")
+        raise ValueError(
+            f"{detector_name} cannot fit: class(es) {shown} have no {what} in the fit data "
+            f"({len(empty)} of them). Every class 0..C-1 needs at least one; use more (or stratified) "
+            "in-distribution data, or relabel the classes contiguously."
+        )

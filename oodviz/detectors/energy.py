@@ -1,0 +1,33 @@
+"""Energy score.
+
+Liu et al., *Energy-based Out-of-distribution Detection*, NeurIPS 2020,
+https://arxiv.org/abs/2010.03759
+
+    score(x) = E(x; T) = -T * log sum_k exp(z_k(x) / T)
+
+``z`` are the logits ``[B, C]``, ``T > 0`` the temperature (1 in the paper). The free energy is
+high for OOD inputs, so it is the OOD score as is. Needs no fit.
+"""
+
+import torch
+from torch import Tensor
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import Detector
+
+
+class Energy(Detector):
+    name = "energy"
+    summary = "Free energy of the logits, -T logsumexp(z/T): a smoother maximum logit."
+    paper = "https://arxiv.org/abs/2010.03759"
+    inputs = ("logits",)
+    needs_fit = False
+
+    def __init__(self, temperature: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"energy: temperature must be > 0, got {temperature}")
+        self.temperature = float(temperature)
+
+    def _score(self, batch: Batch) -> Tensor:
+        t = self.temperature
+        return -t * torch.logsumexp(batch.logits.float() / t, dim=1)

@@ -1,0 +1,63 @@
+"""KL matching.
+
+Hendrycks et al., *Scaling Out-of-Distribution Detection for Real-World Settings*, ICML 2022,
+https://arxiv.org/abs/1911.11132
+
+Fit: for each class ``k`` a template posterior ``d_k`` ``[C]``, the mean softmax of the
+in-distribution samples the model *predicts* as ``k`` (labels are not needed):
+
+    d_k = mean_{x: argmax p(x) = k} p(x),     p = softmax(z)
+
+Score, with ``z`` the logits ``[B, C]``:
+
+    score(x) = min_k KL(p(x) || d_k) = min_k sum_j p_j (log p_j - log d_kj)
+
+computed for all ``k`` at once as ``sum_j p_j log p_j - p @ log(d)^T``. Higher = more OOD.
+The minimum runs over the classes predicted at least once in the fit data (as in the paper and
+pytorch-ood); classes never predicted are listed in ``unmatched_classes_`` and reported by a
+warning. Fit keeps per-class sums ``[C, C]`` in float64, whatever the number of samples.
+"""
+
+import warnings
+
+import torch
+from torch import Tensor
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.stats import ClassMeans
+
+
+class KLMatching(Detector):
+    name = "klm"
+    summary = "KL divergence of the softmax to the mean softmax of its predicted class."
+    paper = "https://arxiv.org/abs/1911.11132"
+    inputs = ("logits",)
+
+    def _fit(self, data: FitData) -> None:
+        sums = None
+        for batch in data:
+            p = batch.logits.float().softmax(dim=1)
+            if sums is None:
+                sums = ClassMeans(n_classes=p.shape[1])
+            sums.update(p, p.argmax(dim=1))
+        matched = sums.counts > 0
+        self.unmatched_classes_ = torch.nonzero(~matched).flatten().tolist()
+        if self.unmatched_classes_:
+            warnings.warn(
+                f"klm: the model predicts none of the fit samples as class(es) {self.unmatched_classes_[:10]}"
+                f"{' ...' if len(self.unmatched_classes_) > 10 else ''}; they get no template. "
+                "More in-distribution data gives every class one.",
+                stacklevel=3,
+            )
+        self.templates_ = sums.means[matched].float()  # [K, C], K = classes predicted at least once
+        self.template_classes_ = torch.nonzero(matched).flatten()
+
+    def _score(self, batch: Batch) -> Tensor:
+        z = batch.logits.float()
+        log_p = z.log_softmax(dim=1)
+        p = log_p.exp()
+        # A template entry of exactly 0 gives KL = +inf for any p_j > 0; keep it finite and huge.
+        log_d = self.templates_.log().clamp(min=torch.finfo(torch.float32).min)
+        kl = (p * log_p).sum(dim=1, keepdim=True) - p @ log_d.T
+        return kl.amin(dim=1)

@@ -1,0 +1,59 @@
+"""Simplified Hopfield energy (SHE).
+
+Zhang et al., *Out-of-Distribution Detection based on In-Distribution Data Patterns
+Memorization with Modern Hopfield Energy*, ICLR 2023, https://openreview.net/forum?id=KkazG4lgKL
+
+Fit: for each class ``k`` a stored pattern ``m_k`` ``[D]``, the mean feature of the
+in-distribution samples of class ``k`` that the model classifies correctly.
+
+Score, with features ``x`` ``[B, D]`` and the model's prediction ``k_hat = argmax z(x)``:
+
+    score(x) = -<x, m_{k_hat}>
+
+The paper's energy ``<x, m_k_hat>`` is high for in-distribution inputs, so it is negated:
+higher = more OOD. Predictions come from the batch's logits when present, otherwise from
+the head ``(W, b)`` given to ``fit``, as ``argmax(x W^T + b)``. Fit keeps per-class sums
+``[C, D]`` (float64).
+"""
+
+from torch import Tensor
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
+from oodviz.detectors.stats import ClassMeans
+
+
+class SHE(Detector):
+    name = "she"
+    summary = "Inner product of the features with the mean correct feature of the predicted class."
+    paper = "https://openreview.net/forum?id=KkazG4lgKL"
+    inputs = ("features",)
+    needs_labels = True
+
+    def _predictions(self, batch: Batch) -> Tensor:
+        if batch.logits is not None:
+            return batch.logits.argmax(dim=1)
+        if self.head_weight_ is None:
+            raise ValueError(
+                "she needs the model's predictions: give the batches logits, or call fit(batches, head=(W, b))."
+            )
+        return (batch.features.float() @ self.head_weight_.T + self.head_bias_).argmax(dim=1)
+
+    def _fit(self, data: FitData) -> None:
+        self.head_weight_, self.head_bias_ = data.head or (None, None)
+        sums = ClassMeans(n_classes=data.n_classes)
+        for batch in data:
+            correct = self._predictions(batch) == batch.labels
+            sums.update(batch.features[correct], batch.labels[correct])
+        if sums.counts is None:
+            raise ValueError("she cannot fit: no in-distribution sample is classified correctly; check the labels.")
+        check_all_classes_seen(self.name, sums.empty_classes(data.n_classes), "correctly classified samples")
+        self.patterns_ = sums.means.float()  # [C, D]
+
+    def _score(self, batch: Batch) -> Tensor:
+        predicted = self._predictions(batch)
+        if int(predicted.max()) >= len(self.patterns_):
+            raise ValueError(
+                f"she: the model predicts class {int(predicted.max())} but was fitted on {len(self.patterns_)} classes."
+            )
+        return -(batch.features.float() * self.patterns_[predicted]).sum(dim=1)

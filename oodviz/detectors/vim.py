@@ -1,0 +1,91 @@
+"""Virtual-logit matching (ViM).
+
+Wang et al., *ViM: Out-Of-Distribution with Virtual-logit Matching*, CVPR 2022,
+https://arxiv.org/abs/2203.10807
+
+With the head ``(W [C, D], b [C])``, features are moved to the origin ``u = -W^+ b`` (where every
+logit is zero). Fit, two streaming passes over the in-distribution features ``x``:
+
+1. the uncentred second moment ``S = 1/N sum_i (x_i - u)(x_i - u)^T`` ``[D, D]`` (float64) and
+   the mean maximum logit; ``R`` ``[D, D - dim]`` spans the eigenvectors of ``S`` outside the
+   ``dim`` largest (the residual space);
+2. ``alpha = mean_i max_k z_ik / mean_i |(x_i - u) R|``, matching the virtual logit's scale to the
+   real logits' (``z = x W^T + b``).
+
+Score (higher = more OOD):
+
+    score(x) = alpha |(x - u) R| - logsumexp_k z_k(x)
+
+i.e. the virtual logit minus the energy of the real logits, the negated confidence of the
+paper. ``dim=None`` applies the paper's rule: 1000 for ``D >= 2048``, 512 for ``D >= 768``,
+otherwise ``D // 2``. Labels are not needed.
+"""
+
+import torch
+from torch import Tensor
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.stats import ACCUMULATE
+
+
+def default_dim(n_features: int) -> int:
+    """The principal-space dimension the ViM paper uses for feature dimension ``D``."""
+    if n_features >= 2048:
+        return 1000
+    if n_features >= 768:
+        return 512
+    return n_features // 2
+
+
+class ViM(Detector):
+    name = "vim"
+    summary = "Norm of the feature residual outside the principal subspace, as a virtual logit against the energy."
+    paper = "https://arxiv.org/abs/2203.10807"
+    inputs = ("features",)
+    needs_head = True
+    fit_passes = 2
+
+    def __init__(self, dim: int | None = None):
+        if dim is not None and (int(dim) != dim or dim < 1):
+            raise ValueError(f"vim: dim (principal subspace dimension) must be a positive integer or None, got {dim}")
+        self.dim = None if dim is None else int(dim)
+
+    def _fit(self, data: FitData) -> None:
+        weight, bias = data.head
+        n_features = weight.shape[1]
+        dim = default_dim(n_features) if self.dim is None else self.dim
+        if not 0 < dim < n_features:
+            raise ValueError(
+                f"vim: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
+                "choose a smaller principal subspace."
+            )
+        origin = -(torch.linalg.pinv(weight.to(ACCUMULATE)) @ bias.to(ACCUMULATE))  # [D]
+        second_moment = torch.zeros(n_features, n_features, dtype=ACCUMULATE, device=data.device)
+        max_logit_sum, n = 0.0, 0
+        for batch in data:
+            x = batch.features.to(ACCUMULATE) - origin
+            second_moment += x.T @ x
+            max_logit_sum += float((batch.features.float() @ weight.T + bias).amax(dim=1).sum())
+            n += len(x)
+        _, eigenvectors = torch.linalg.eigh(second_moment / n)  # ascending eigenvalues
+        residual = eigenvectors[:, : n_features - dim].float()  # [D, D - dim]
+        origin = origin.float()
+        norm_sum = 0.0
+        for batch in data:
+            norm_sum += float(((batch.features.float() - origin) @ residual).norm(dim=1).sum())
+        if norm_sum == 0:
+            raise ValueError(
+                f"vim: the features have no component outside the top {dim} principal directions; "
+                "choose a smaller dim."
+            )
+        self.origin_ = origin
+        self.residual_space_ = residual
+        self.alpha_ = (max_logit_sum / n) / (norm_sum / n)
+        self.head_weight_, self.head_bias_ = weight, bias
+
+    def _score(self, batch: Batch) -> Tensor:
+        x = batch.features.float()
+        virtual_logit = self.alpha_ * ((x - self.origin_) @ self.residual_space_).norm(dim=1)
+        energy = torch.logsumexp(x @ self.head_weight_.T + self.head_bias_, dim=1)
+        return virtual_logit - energy

@@ -1,0 +1,55 @@
+"""OOD metrics, OOD as the positive class (the convention of pytorch-ood 0.4 and OpenOOD v1.5).
+
+Scores: higher = more OOD. With ``n`` ID and ``m`` OOD scores:
+
+- ``auroc``: area under the ROC curve of OOD-vs-ID (``sklearn.metrics.roc_auc_score``; ties count
+  one half);
+- ``aupr_out``: average precision with OOD positive (``average_precision_score(is_ood, score)``);
+- ``aupr_in``: average precision with ID positive and the negated score;
+- ``fpr95``: the fraction of ID samples flagged as OOD at the highest threshold that flags at least
+  95% of the OOD samples, i.e. the false-positive rate at the first ROC point with TPR >= 0.95.
+
+All four are fractions in ``[0, 1]``, computed in float64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
+
+RECALL_LEVEL = 0.95
+
+
+def _as_scores(name: str, scores) -> np.ndarray:
+    if hasattr(scores, "detach"):
+        scores = scores.detach().cpu().numpy()
+    values = np.asarray(scores, dtype=np.float64).reshape(-1)
+    if values.size == 0:
+        raise ValueError(f"ood_metrics: {name} is empty; it needs at least one score.")
+    bad = ~np.isfinite(values)
+    if bad.any():
+        raise ValueError(
+            f"ood_metrics: {name} has {int(bad.sum())} NaN or infinite score(s); "
+            "fix the detector input (non-finite features or logits) before computing metrics."
+        )
+    return values
+
+
+def fpr_at_recall(is_ood: np.ndarray, scores: np.ndarray, recall: float = RECALL_LEVEL) -> float:
+    """False-positive rate (ID flagged) at the first threshold reaching ``recall`` of the OOD samples."""
+    fpr, tpr, _ = roc_curve(is_ood, scores, drop_intermediate=False)
+    return float(fpr[np.searchsorted(tpr, recall, side="left")])
+
+
+def ood_metrics(id_scores, ood_scores) -> dict[str, float]:
+    """``{"auroc", "aupr_in", "aupr_out", "fpr95"}`` for ID and OOD scores (higher = more OOD)."""
+    id_values = _as_scores("id_scores", id_scores)
+    ood_values = _as_scores("ood_scores", ood_scores)
+    scores = np.concatenate([id_values, ood_values])
+    is_ood = np.concatenate([np.zeros(id_values.size, dtype=np.int8), np.ones(ood_values.size, dtype=np.int8)])
+    return {
+        "auroc": float(roc_auc_score(is_ood, scores)),
+        "aupr_in": float(average_precision_score(1 - is_ood, -scores)),
+        "aupr_out": float(average_precision_score(is_ood, scores)),
+        "fpr95": fpr_at_recall(is_ood, scores),
+    }
