@@ -3,13 +3,12 @@
 Shannon entropy of the softmax, the uncertainty baseline used e.g. by Hendrycks & Gimpel
 (ICLR 2017, https://arxiv.org/abs/1610.02136) and in pytorch-ood and OpenOOD:
 
-    score(x) = H(p) = -sum_k p_k log p_k = logsumexp(z) - sum_k p_k z_k,   p = softmax(z)
+    score(x) = H(p) = -sum_k p_k log p_k,   p = softmax(z)
 
-``z`` are the logits ``[B, C]``; computed from the logits directly (no clipping of ``p``), so
-it is exact for saturated softmaxes. Higher = more uncertain = more OOD. Needs no fit.
+``z`` are the logits ``[B, C]``; ``log p`` comes from ``log_softmax`` (no clipping of ``p`` as in
+pytorch-ood), so tiny entropies of confident predictions stay distinct instead of rounding to 0. Higher = more uncertain = more OOD. Needs no fit.
 """
 
-import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
@@ -24,6 +23,5 @@ class Entropy(Detector):
     needs_fit = False
 
     def _score(self, batch: Batch) -> Tensor:
-        z = batch.logits.float()
-        p = z.softmax(dim=1)
-        return (torch.logsumexp(z, dim=1) - (p * z).sum(dim=1)).clamp(min=0)
+        log_p = batch.logits.float().log_softmax(dim=1)
+        return -(log_p.exp() * log_p).sum(dim=1)

@@ -35,6 +35,12 @@ class GEN(Detector):
         self.m = int(m)
 
     def _score(self, batch: Batch) -> Tensor:
-        p = batch.logits.float().softmax(dim=1)
-        top = torch.topk(p, k=min(self.m, p.shape[1]), dim=1).values
-        return (top.pow(self.gamma) * (1 - top).pow(self.gamma)).sum(dim=1)
+        z = batch.logits.float()
+        log_norm = torch.logsumexp(z, dim=1, keepdim=True)
+        top_z, top_index = torch.topk(z, k=min(self.m, z.shape[1]), dim=1)
+        log_p = top_z - log_norm  # [B, M], descending
+        # Only the top class can have p > 1/2, where log1p(-p) loses precision.
+        log_1mp = torch.log1p(-log_p.exp())
+        others = z.scatter(1, top_index[:, :1], float("-inf"))
+        log_1mp[:, 0] = (torch.logsumexp(others, dim=1, keepdim=True) - log_norm).squeeze(1)
+        return torch.exp(self.gamma * (log_p + log_1mp)).sum(dim=1)

@@ -83,10 +83,23 @@ class Mahalanobis(Detector):
         self.whitened_means_ = whitened_means.float()  # [C, k]
         self.whitened_norms_ = (whitened_means**2).sum(dim=1).float()  # [C]
 
+    def _whiten(self, features: Tensor) -> Tensor:
+        return (features.float() - self.center_) @ self.whitening_
+
     def class_distances(self, features: Tensor) -> Tensor:
         """Squared Mahalanobis distance of each sample to each class mean, ``[B, C]``."""
-        x = (features.float() - self.center_) @ self.whitening_
-        return squared_distances(x, self.whitened_means_, self.whitened_norms_)
+        return squared_distances(self._whiten(features), self.whitened_means_, self.whitened_norms_)
+
+    def min_distance(self, features: Tensor) -> Tensor:
+        """``min_k`` squared Mahalanobis distance, ``[B]``.
+
+        The expanded form of :meth:`class_distances` picks the closest class; its distance is then
+        recomputed as ``|x' - mu_k'|^2`` directly, which does not cancel when ``x'`` lies far from
+        the grand mean but close to its class (float32 would lose digits there).
+        """
+        x = self._whiten(features)
+        nearest = squared_distances(x, self.whitened_means_, self.whitened_norms_).argmin(dim=1)
+        return (x - self.whitened_means_[nearest]).pow(2).sum(dim=1)
 
     def _score(self, batch: Batch) -> Tensor:
-        return self.class_distances(batch.features).amin(dim=1)
+        return self.min_distance(batch.features)

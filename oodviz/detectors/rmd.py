@@ -37,4 +37,4 @@ class RelativeMahalanobis(Mahalanobis):
 
     def _score(self, batch: Batch) -> Tensor:
         background = ((batch.features.float() - self.center_) @ self.background_whitening_).pow(2).sum(dim=1)
-        return self.class_distances(batch.features).amin(dim=1) - background
+        return self.min_distance(batch.features) - background
