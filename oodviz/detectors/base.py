@@ -55,18 +55,7 @@ def _iter_batches(batches: Batch | Iterable[Batch]) -> Iterator[Batch]:
         yield batch
 
 
-def _first_device(batches) -> torch.device:
-    for batch in _iter_batches(batches):
-        if len(batch):
-            return batch.device
-    return torch.device("cpu")
-
-
-def _resolve_device(batches, device) -> torch.device:
-    return torch.device(device) if device is not None else _first_device(batches)
-
-
-def _check_head(head, device: torch.device) -> Head:
+def _check_head(head) -> Head:
     if isinstance(head, torch.nn.Linear):
         weight, bias = head.weight, head.bias
     elif isinstance(head, (tuple, list)) and len(head) == 2:
@@ -76,12 +65,12 @@ def _check_head(head, device: torch.device) -> Head:
             "head must be the final linear layer as (weight [C, D], bias [C]) or a torch.nn.Linear, "
             f"got {type(head).__name__}"
         )
-    weight = torch.as_tensor(weight).detach().to(device=device, dtype=torch.float32)
+    weight = torch.as_tensor(weight).detach().to(dtype=torch.float32)
     if weight.ndim != 2:
         raise ValueError(f"head weight must be 2-D [C, D], got shape {tuple(weight.shape)}")
     if bias is None:
-        bias = torch.zeros(weight.shape[0], device=device)
-    bias = torch.as_tensor(bias).detach().to(device=device, dtype=torch.float32)
+        bias = torch.zeros(weight.shape[0], device=weight.device)
+    bias = torch.as_tensor(bias).detach().to(device=weight.device, dtype=torch.float32)
     if bias.shape != (weight.shape[0],):
         raise ValueError(
             f"head bias must have shape [C] = ({weight.shape[0]},) to match weight {tuple(weight.shape)}, "
@@ -100,7 +89,7 @@ class _Shapes:
         self.n_features = n_features
         self.n_classes = n_classes
 
-    def check(self, batch: Batch, index: int, inputs: tuple[str, ...]) -> None:
+    def check_widths(self, batch: Batch, index: int, inputs: tuple[str, ...]) -> None:
         for field in inputs:
             if getattr(batch, field) is None:
                 raise ValueError(
@@ -120,6 +109,10 @@ class _Shapes:
                     f"{self.detector_name}: batch {index} has {field} with {letter}={width}, expected {letter}={known} "
                     f"(from earlier batches, the head or the fit); every batch must come from the same model layer."
                 )
+
+    def check_finite(self, batch: Batch, index: int, inputs: tuple[str, ...]) -> None:
+        for field in inputs:
+            value = getattr(batch, field)
             if not torch.isfinite(value).all():
                 bad = int((~torch.isfinite(value)).any(dim=1).sum())
                 raise ValueError(
@@ -131,14 +124,16 @@ class _Shapes:
 class FitData:
     """The fit input as a stream: each ``iter()`` is one validated pass over the batches.
 
-    Batches come out on ``device`` with OOD rows (label ``-1``) removed. Shapes are checked
-    against each other and against the head; labels against ``0..C-1`` where ``C`` is known.
+    Batches come out on ``device`` with OOD rows (label ``-1``) removed. With ``device=None``
+    the device is that of the first batch, known once the first pass has started (the head is
+    moved there then). Shapes are checked against each other and against the head; labels
+    against ``0..C-1`` where ``C`` is known.
     """
 
-    def __init__(self, batches, device: torch.device, detector: Detector, head: Head | None):
+    def __init__(self, batches, device: torch.device | None, detector: Detector, head: Head | None):
         self._batches = batches
         self.device = device
-        self.head = head
+        self._head = head
         self._detector = detector
         self._shapes = _Shapes(
             detector.name,
@@ -146,6 +141,13 @@ class FitData:
             n_classes=None if head is None else head[0].shape[0],
         )
         self._rows_per_pass: int | None = None
+
+    @property
+    def head(self) -> Head | None:
+        """``(weight [C, D], bias [C])`` float32 on ``device``, or None."""
+        if self._head is not None and self.device is not None:
+            self._head = tuple(t.to(self.device) for t in self._head)
+        return self._head
 
     @property
     def n_features(self) -> int | None:
@@ -159,7 +161,12 @@ class FitData:
         detector = self._detector
         rows = 0
         for index, batch in enumerate(_iter_batches(self._batches)):
+            if not len(batch):
+                continue
+            if self.device is None:
+                self.device = batch.device
             batch = batch.to(self.device)
+            self._shapes.check_widths(batch, index, detector.inputs)
             if batch.labels is None and detector.needs_labels:
                 raise ValueError(
                     f"{detector.name} fits on class labels but batch {index} has none; "
@@ -169,7 +176,7 @@ class FitData:
                 batch = self._keep_in_distribution(batch, index)
             if not len(batch):
                 continue
-            self._shapes.check(batch, index, detector.inputs)
+            self._shapes.check_finite(batch, index, detector.inputs)
             rows += len(batch)
             yield batch
         if rows == 0:
@@ -192,8 +199,6 @@ class FitData:
                 "or -1 for OOD samples."
             )
         n_classes = self.n_classes
-        if n_classes is None and batch.logits is not None and "logits" in self._detector.inputs:
-            n_classes = batch.logits.shape[1]
         if n_classes is not None and (labels >= n_classes).any():
             raise ValueError(
                 f"batch {index} has label {int(labels.max())} but the model has C={n_classes} classes; "
@@ -229,7 +234,8 @@ class Detector:
     # -- parameters -------------------------------------------------------------------------
     @classmethod
     def param_names(cls) -> list[str]:
-        return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        parameters = inspect.signature(cls.__init__).parameters.values()
+        return [p.name for p in parameters if p.name != "self" and p.kind is p.POSITIONAL_OR_KEYWORD]
 
     def get_params(self) -> dict:
         """The constructor parameters and their current values."""
@@ -255,9 +261,9 @@ class Detector:
                 f"{self.name}.fit reads the batches {self.fit_passes} times but got a one-shot iterator "
                 f"({type(batches).__name__}); pass a list, or an object whose __iter__ starts over."
             )
-        device = _resolve_device(batches, device)
+        device = None if device is None else torch.device(device)
         if head is not None:
-            head = _check_head(head, device)
+            head = _check_head(head)
         elif self.needs_head:
             raise ValueError(
                 f"{self.name} needs the classifier's final linear layer: call fit(batches, head=(weight [C, D], bias [C]))."
@@ -275,15 +281,19 @@ class Detector:
             raise NotFittedError(
                 f"This {self.name} detector is not fitted yet: call fit(batches) with in-distribution data before score."
             )
-        device = _resolve_device(batches, device)
-        self._move_fitted(device)
+        device = None if device is None else torch.device(device)
         shapes = _Shapes(self.name, getattr(self, "n_features_in_", None), getattr(self, "n_classes_", None))
         scores = []
         for index, batch in enumerate(_iter_batches(batches)):
             if not len(batch):
                 continue
+            if device is None:
+                device = batch.device
+            if not scores:
+                self._move_fitted(device)
             batch = batch.to(device)
-            shapes.check(batch, index, self.inputs)
+            shapes.check_widths(batch, index, self.inputs)
+            shapes.check_finite(batch, index, self.inputs)
             scores.append(self._score(batch).float().cpu())
         if not scores:
             raise ValueError(f"{self.name}.score got no samples: the batches were empty.")

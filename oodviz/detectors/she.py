@@ -40,9 +40,9 @@ class SHE(Detector):
         return (batch.features.float() @ self.head_weight_.T + self.head_bias_).argmax(dim=1)
 
     def _fit(self, data: FitData) -> None:
-        self.head_weight_, self.head_bias_ = data.head or (None, None)
         sums = ClassMeans(n_classes=data.n_classes)
         for batch in data:
+            self.head_weight_, self.head_bias_ = data.head or (None, None)  # on the fit device
             correct = self._predictions(batch) == batch.labels
             sums.update(batch.features[correct], batch.labels[correct])
         if sums.counts is None:

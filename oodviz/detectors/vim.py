@@ -52,18 +52,19 @@ class ViM(Detector):
         self.dim = None if dim is None else int(dim)
 
     def _fit(self, data: FitData) -> None:
-        weight, bias = data.head
-        n_features = weight.shape[1]
+        n_features = data.n_features  # from the head
         dim = default_dim(n_features) if self.dim is None else self.dim
         if not 0 < dim < n_features:
             raise ValueError(
                 f"vim: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
                 "choose a smaller principal subspace."
             )
-        origin = -(torch.linalg.pinv(weight.to(ACCUMULATE)) @ bias.to(ACCUMULATE))  # [D]
-        second_moment = torch.zeros(n_features, n_features, dtype=ACCUMULATE, device=data.device)
-        max_logit_sum, n = 0.0, 0
+        second_moment, max_logit_sum, n = None, 0.0, 0
         for batch in data:
+            if second_moment is None:  # the head is on the fit device once the first batch is in
+                weight, bias = data.head
+                origin = -(torch.linalg.pinv(weight.to(ACCUMULATE)) @ bias.to(ACCUMULATE))  # [D]
+                second_moment = torch.zeros(n_features, n_features, dtype=ACCUMULATE, device=batch.device)
             x = batch.features.to(ACCUMULATE) - origin
             second_moment += x.T @ x
             max_logit_sum += float((batch.features.float() @ weight.T + bias).amax(dim=1).sum())
