@@ -14,6 +14,8 @@ All four are fractions in ``[0, 1]``, computed in float64.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
@@ -39,6 +41,14 @@ def fpr_at_recall(is_ood: np.ndarray, scores: np.ndarray, recall: float = RECALL
     """False-positive rate (ID flagged) at the first threshold reaching ``recall`` of the OOD samples."""
     fpr, tpr, _ = roc_curve(is_ood, scores, drop_intermediate=False)
     return float(fpr[np.searchsorted(tpr, recall, side="left")])
+
+
+def threshold_at_recall(ood_scores, recall: float = RECALL_LEVEL) -> float:
+    """The highest threshold ``t`` with ``mean(ood_scores >= t) >= recall``: flagging ``score >= t``
+    catches at least ``recall`` of the OOD samples. ``fpr95`` is the fraction of ID scores ``>= t``."""
+    values = np.sort(_as_scores("ood_scores", ood_scores))[::-1]
+    needed = max(1, math.ceil(recall * values.size - 1e-9))  # -1e-9: 0.95 * 20 must be 19, not 19.000000000000004
+    return float(values[needed - 1])
 
 
 def ood_metrics(id_scores, ood_scores) -> dict[str, float]:

@@ -1,0 +1,137 @@
+"""The ``oodviz`` command: ``run`` a job in the foreground, list ``runs``, start the ``app``."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from oodviz.models import format_bytes
+
+DEFAULT_RUNS_ROOT = Path("runs")
+
+
+def _progress_line(event: dict) -> str:
+    done, total = event.get("done", 0), event.get("total", 0)
+    parts = [f"{event['stage']}: {done:,}/{total:,}"]
+    if total:
+        parts[0] += f" ({100 * done / total:.0f}%)"
+    if event.get("items_per_s"):
+        parts.append(f"{event['items_per_s']:,.0f}/s")
+    if event.get("eta_s") is not None:
+        parts.append(f"ETA {event['eta_s']:.0f}s")
+    if event.get("batch_size"):
+        parts.append(f"batch {event['batch_size']}")
+    parts.append(f"RSS {format_bytes(event['cpu_rss'])}")
+    if "gpu_allocated" in event:
+        parts.append(f"GPU {format_bytes(event['gpu_allocated'])} (peak {format_bytes(event['gpu_peak'])})")
+    return " | ".join(parts)
+
+
+class TerminalProgress:
+    """Turns run events into one live status line per stage (carriage returns on a terminal)."""
+
+    def __init__(self, stream=sys.stderr):
+        self.stream = stream
+        self.live = stream.isatty()
+        self.width = shutil.get_terminal_size((100, 20)).columns - 1
+
+    def __call__(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "progress" and self.live:
+            self.stream.write("\r" + _progress_line(event)[: self.width].ljust(self.width))
+        elif kind == "end":
+            peak = f", peak RSS {format_bytes(event['peak_cpu_rss'])}" if event.get("peak_cpu_rss") else ""
+            failed = f" — FAILED: {event['error']}" if event.get("error") else ""
+            self.stream.write(("\r" if self.live else "") + f"{event['stage']}: {event['wall_s']:.1f}s{peak}{failed}".ljust(self.width if self.live else 0) + "\n")
+        elif kind in ("warning", "note"):
+            prefix = "WARNING " if kind == "warning" else "  "
+            lines = "".join(f"{prefix}{line}\n" for line in event["message"].splitlines())
+            self.stream.write(("\r" if self.live else "") + lines)
+        elif kind in ("failed", "cancelled"):
+            self.stream.write(f"\nrun {kind}: {event.get('message', '')}\n")
+        self.stream.flush()
+
+
+def cmd_run(args) -> int:
+    from oodviz.runs.config import ConfigError, RunConfig
+    from oodviz.runs.rundir import RunDir
+    from oodviz.runs.worker import execute
+
+    try:
+        config = RunConfig.load(args.config) if args.config else RunConfig()
+        config.validate()
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    try:
+        if args.out:
+            out = Path(args.out)
+            run = RunDir.create(out.parent, config.to_dict(), name=out.name)
+        else:
+            run = RunDir.create(Path(args.runs_root), config.to_dict())
+    except FileExistsError as error:
+        print(error, file=sys.stderr)
+        return 2
+    print(f"run {run.path}", file=sys.stderr)
+    started = time.monotonic()
+    state = execute(run, echo=TerminalProgress())
+    print(f"{state} in {time.monotonic() - started:.1f}s: {run.path}", file=sys.stderr)
+    if state == "done":
+        import pandas as pd
+
+        metrics = pd.read_csv(run.path / "metrics.csv")
+        table = metrics[metrics.ood_dataset.str.endswith("(mean)")].pivot(index="detector", columns="group", values=["auroc", "fpr95"])
+        print("\nMean AUROC / FPR95 per near/far group (OOD is positive; FPR95 = ID flagged at 95% OOD recall):")
+        print(table.round(3).to_string())
+        print(f"\nFull table: {run.path / 'metrics.csv'}")
+    return {"done": 0, "cancelled": 130}.get(state, 1)
+
+
+def cmd_runs(args) -> int:
+    from oodviz.runs.jobs import list_runs, refresh
+    from oodviz.runs.summary import summarise
+
+    runs = list_runs(Path(args.runs_root))
+    if not runs:
+        print(f"no runs under {args.runs_root}")
+        return 0
+    for run in runs:
+        refresh(run)
+        s = summarise(run)
+        best = f"best AUROC {s['best_auroc']:.3f} ({s['best_detector']})" if s.get("best_auroc") is not None else ""
+        print(f"{run.run_id}  {s['state']:<9}  {s['title']:<40}  {best}")
+    return 0
+
+
+def cmd_app(args) -> int:
+    app = Path(__file__).resolve().parent.parent / "app.py"
+    command = [sys.executable, "-m", "streamlit", "run", str(app), "--browser.gatherUsageStats", "false"]
+    if args.port:
+        command += ["--server.port", str(args.port)]
+    return subprocess.call(command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="oodviz", description="Out-of-distribution detection you can see.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("run", help="run a job in the foreground (no CONFIG: the bundled offline default)")
+    run.add_argument("config", nargs="?", help="a run config, .json or .toml (see examples/)")
+    run.add_argument("--out", help="the run directory to create (default: a new one under --runs-root)")
+    run.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT), help="where runs live (default: ./runs)")
+    run.set_defaults(func=cmd_run)
+    runs = commands.add_parser("runs", help="list runs with their status and best AUROC")
+    runs.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT))
+    runs.set_defaults(func=cmd_runs)
+    app = commands.add_parser("app", help="start the Streamlit app")
+    app.add_argument("--port", type=int)
+    app.set_defaults(func=cmd_app)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""Dataset sources behind one registry: ``available_datasets()``, ``dataset_info(name)``, ``load_dataset(name)``.
+
+``load_dataset(name, root="data", download=False, subsample=None, subsample_mode="first", seed=0,
+as_ood=None, transform=None, **params)`` returns an :class:`ImageDataset`:
+``ds[i] -> (PIL image, label, source_index)`` (label ``-1`` = OOD; ``source_index`` indexes the full
+dataset before subsampling), or ``None`` for an unreadable image file (counted in ``ds.skipped``).
+
+Sources (one module each): bundled scikit-learn digits and photo patches (:mod:`.bundled`, offline),
+seeded noise (:mod:`.noise`), torchvision datasets under ``root`` (:mod:`.torchvision_sets`) and the
+user's image folders (:mod:`.folders`). Add one with :func:`register_dataset`.
+"""
+
+from oodviz.data.base import ImageDataset, Source, UnreadableImageError, subsample_indices
+from oodviz.data.registry import (
+    DatasetInfo,
+    available_datasets,
+    dataset_info,
+    dataset_params,
+    load_dataset,
+    register_dataset,
+)
+
+# Importing a source module registers its datasets (in this order in available_datasets()).
+from oodviz.data import bundled, noise, torchvision_sets, folders  # noqa: E402,F401  isort: skip
+from oodviz.data.bundled import DIGITS_HELD_OUT, DIGITS_ID_CLASSES, digits_split  # noqa: E402
+from oodviz.data.folders import IMAGE_EXTENSIONS  # noqa: E402
+from oodviz.data.torchvision_sets import DatasetNotFoundError  # noqa: E402
+
+__all__ = [
+    "DIGITS_HELD_OUT",
+    "DIGITS_ID_CLASSES",
+    "IMAGE_EXTENSIONS",
+    "DatasetInfo",
+    "DatasetNotFoundError",
+    "ImageDataset",
+    "Source",
+    "UnreadableImageError",
+    "available_datasets",
+    "dataset_info",
+    "dataset_params",
+    "digits_split",
+    "load_dataset",
+    "register_dataset",
+    "subsample_indices",
+]

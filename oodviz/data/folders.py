@@ -1,0 +1,145 @@
+"""The user's own images: ``load_dataset("folder", path=...)``.
+
+Two layouts (``layout="auto"`` tells them apart):
+
+- ``"classes"``, ImageFolder-style: ``path/<class>/**/<image>``. Classes are the subfolder
+  names sorted (as ``torchvision.datasets.ImageFolder`` does), labels their positions.
+- ``"flat"``: images anywhere under ``path`` (subfolders included), labels ``-1``, no classes:
+  the usual shape of an OOD folder.
+
+``"auto"`` picks ``"classes"`` when ``path`` has (non-hidden) subfolders and ``"flat"``
+otherwise. Images are files with an extension in :data:`IMAGE_EXTENSIONS` (any case);
+hidden files and folders (name starting with ``.``) are ignored. A file that cannot be
+decoded is not an error: the dataset returns ``None`` for it and counts it in ``skipped``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+from PIL import Image
+
+from oodviz.data.base import Source, UnreadableImageError
+from oodviz.data.registry import DatasetInfo, register_dataset
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+LAYOUTS = ("auto", "classes", "flat")
+MODES = ("RGB", "L", None)
+
+
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def _images_under(directory: str) -> list[str]:
+    """Image files under ``directory`` (recursively, following links), sorted, hidden ones skipped."""
+    found = []
+    for parent, dirs, files in os.walk(directory, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        found.extend(os.path.join(parent, f) for f in sorted(files) if _is_image(f))
+    return found
+
+
+def read_image(path: str, mode: str | None = "RGB") -> Image.Image:
+    """Decode ``path`` fully (so truncation shows here) and convert to ``mode`` (``None`` = keep).
+
+    Raises :class:`UnreadableImageError` for anything that cannot be read or decoded.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                image.load()
+                return image.convert(mode) if mode is not None and image.mode != mode else image.copy()
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError, Image.DecompressionBombWarning) as error:
+        raise UnreadableImageError(f"cannot read image {path}: {error}") from error
+
+
+class FolderSource(Source):
+    """Image files under a folder, in the ``classes`` or ``flat`` layout (see the module docstring)."""
+
+    def __init__(self, path: str, layout: str = "auto", mode: str | None = "RGB"):
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be 'RGB', 'L' or None (keep each file's mode), got {mode!r}")
+        if path is None or str(path) == "":
+            raise ValueError('The "folder" dataset needs path=<a directory of images>')
+        path = os.path.abspath(os.path.expanduser(str(path)))
+        if not os.path.isdir(path):
+            raise ValueError(f"Image folder {path} does not exist or is not a directory")
+        self.path = path
+        self.mode = mode
+        extensions = ", ".join(IMAGE_EXTENSIONS)
+        with os.scandir(path) as entries:
+            entries = sorted(entries, key=lambda e: e.name)
+            subdirs = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+            loose = [e.name for e in entries if e.is_file() and _is_image(e.name)]
+        if layout == "auto":
+            layout = "classes" if subdirs else "flat"
+        self.layout = layout
+        if layout == "flat":
+            self.files = _images_under(path)
+            self._labels = np.full(len(self.files), -1, dtype=np.int64)
+            self.classes = []
+            if not self.files:
+                raise ValueError(f"No images found under {path}; expected files with extensions {extensions}")
+            return
+        if not subdirs:
+            raise ValueError(
+                f"layout='classes' needs one subfolder per class in {path} (path/<class>/<image>), found none; "
+                "use layout='flat' for a folder of unlabelled images"
+            )
+        if loose:
+            raise ValueError(
+                f"{path} has class subfolders ({', '.join(subdirs[:5])}) and also {len(loose)} image(s) directly in it "
+                f"(e.g. {loose[0]}); move them into a class folder, or pass layout='flat' to use every image unlabelled"
+            )
+        files, labels, empty = [], [], []
+        for label, name in enumerate(subdirs):
+            found = _images_under(os.path.join(path, name))
+            if not found:
+                empty.append(name)
+            files.extend(found)
+            labels.extend([label] * len(found))
+        if empty:
+            raise ValueError(
+                f"Class folder(s) {', '.join(empty[:10])} under {path} contain no images (extensions {extensions}); "
+                "add images, remove the folders, or pass layout='flat'"
+            )
+        self.files = files
+        self._labels = np.asarray(labels, dtype=np.int64)
+        self.classes = subdirs
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    @property
+    def labels(self) -> np.ndarray:
+        return self._labels
+
+    def load(self, index: int) -> tuple[Image.Image, int]:
+        return read_image(self.files[index], self.mode), int(self._labels[index])
+
+    def item_name(self, index: int) -> str:
+        return self.files[index]
+
+    @property
+    def display_name(self) -> str:
+        return f"folder:{os.path.basename(self.path)}"
+
+
+def load_folder(root: str, download: bool, path: str | None = None, layout: str = "auto", mode: str | None = "RGB"):
+    return FolderSource(path, layout=layout, mode=mode)
+
+
+register_dataset(
+    DatasetInfo(
+        "folder",
+        "Your own images: class subfolders (path/<class>/<image>, labelled) or a flat folder (unlabelled, OOD)",
+        "id", None, "folder", "varies",
+    ),
+    load_folder,
+)

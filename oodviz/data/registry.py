@@ -1,0 +1,127 @@
+"""The dataset registry: name -> (:class:`DatasetInfo`, loader).
+
+A loader is ``loader(root: str, download: bool, **params) -> Source``; its keyword parameters
+(with defaults) are the dataset's own parameters, checked by :func:`load_dataset`. Adding a
+source is one :func:`register_dataset` call in a module imported by ``oodviz/data/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from oodviz.data.base import ImageDataset, Source, subsample_indices
+
+KINDS = ("id", "ood")
+GROUPS = ("near", "far", None)
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    """What a registered dataset is, for menus and result tables.
+
+    - ``kind``: the role it plays by default, ``"id"`` (labelled, a classifier's training
+      distribution) or ``"ood"`` (labels ``-1``). Any source can be used as OOD with
+      ``load_dataset(..., as_ood=True)``.
+    - ``group``: OpenOOD's grouping of an OOD set, ``"near"`` (close to the bundled ID data:
+      held-out classes or a covariate shift of it) or ``"far"`` (another domain); ``None`` for ID sets.
+    - ``source``: where the data comes from: ``"bundled"`` (ships with scikit-learn, offline),
+      ``"generated"`` (synthesised), ``"torchvision"`` (files under ``root``, downloadable) or
+      ``"folder"`` (the user's own images).
+    - ``image``: image size and PIL mode, e.g. ``"8x8 L"`` (``"varies"`` when it does).
+    """
+
+    name: str
+    description: str
+    kind: str
+    group: str | None
+    source: str
+    image: str = ""
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"DatasetInfo.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.group not in GROUPS:
+            raise ValueError(f"DatasetInfo.group must be one of {GROUPS}, got {self.group!r}")
+
+
+Loader = Callable[..., Source]
+_REGISTRY: dict[str, tuple[DatasetInfo, Loader]] = {}
+
+
+def register_dataset(info: DatasetInfo, loader: Loader, replace: bool = False) -> None:
+    """Add ``loader`` under ``info.name``; ``replace=True`` overrides an existing entry."""
+    if info.name in _REGISTRY and not replace:
+        raise ValueError(f"A dataset named {info.name!r} is already registered; pass replace=True to override it")
+    params = inspect.signature(loader).parameters
+    if "root" not in params or "download" not in params:
+        raise ValueError(f"Loader for {info.name!r} must accept root and download (got {list(params)})")
+    _REGISTRY[info.name] = (info, loader)
+
+
+def available_datasets() -> list[str]:
+    """Names of every registered dataset, for :func:`load_dataset`."""
+    return list(_REGISTRY)
+
+
+def _entry(name: str) -> tuple[DatasetInfo, Loader]:
+    if name not in _REGISTRY:
+        close = difflib.get_close_matches(str(name), list(_REGISTRY), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(f"Unknown dataset {name!r}.{hint} Choose one of: {', '.join(available_datasets())}")
+    return _REGISTRY[name]
+
+
+def dataset_info(name: str) -> DatasetInfo:
+    """The :class:`DatasetInfo` registered under ``name``."""
+    return _entry(name)[0]
+
+
+def dataset_params(name: str) -> dict[str, object]:
+    """The dataset's own parameters (beyond root/download) and their defaults."""
+    loader = _entry(name)[1]
+    return {
+        p.name: (None if p.default is inspect.Parameter.empty else p.default)
+        for p in inspect.signature(loader).parameters.values()
+        if p.name not in ("root", "download")
+    }
+
+
+def load_dataset(
+    name: str,
+    root: str = "data",
+    download: bool = False,
+    subsample: int | None = None,
+    subsample_mode: str = "first",
+    seed: int = 0,
+    as_ood: bool | None = None,
+    transform=None,
+    **params,
+) -> ImageDataset:
+    """Load dataset ``name``: ``ds[i] -> (PIL image, label, source_index)`` or ``None`` (unreadable file).
+
+    :param root: data directory for file-based sources (torchvision layouts under it)
+    :param download: let torchvision sources fetch missing files (network needed)
+    :param subsample: keep at most this many items (``None`` = all; more than the dataset has = all)
+    :param subsample_mode: ``"first"`` (the first ``subsample`` items) or ``"random"`` (seeded by ``seed``)
+    :param seed: seed of ``subsample_mode="random"`` only
+    :param as_ood: ``True`` sets every label to ``-1`` and ``classes`` to ``[]``; ``False`` keeps the
+        source's labels where it has them; ``None`` (default) follows the dataset's ``kind``
+    :param transform: optional callable applied to each PIL image in ``__getitem__``
+    :param params: the dataset's own parameters, see :func:`dataset_params`
+    """
+    info, loader = _entry(name)
+    allowed = dataset_params(name)
+    unknown = sorted(set(params) - set(allowed))
+    if unknown:
+        valid = ", ".join(allowed) or "none"
+        raise ValueError(f"Dataset {name!r} has no parameter(s) {', '.join(unknown)}; its parameters: {valid}")
+    # Validate subsampling before touching any file.
+    subsample_indices(1, subsample, subsample_mode, seed)
+    source = loader(root=str(root), download=bool(download), **params)
+    indices = subsample_indices(len(source), subsample, subsample_mode, seed)
+    ood = info.kind == "ood" if as_ood is None else bool(as_ood)
+    display = getattr(source, "display_name", None) or name
+    return ImageDataset(display, source, indices, as_ood=ood, transform=transform)

@@ -1,0 +1,50 @@
+"""Extraction and the on-disk feature store: run a backbone once, fit and score many detectors.
+
+- :func:`extract` / :func:`extract_or_reuse`: batched extraction of features, logits, labels,
+  predictions and source indices into a store, bounded host memory, OOM back-off, no device
+  side effects (:mod:`oodviz.engine.extract`).
+- :class:`FeatureStore` / :func:`open_store`: one split on disk, ``store.batches()`` streams it as
+  :class:`oodviz.Batch` chunks for ``detector.fit`` / ``score`` (:mod:`oodviz.engine.store`).
+- :func:`store_key` / :func:`key_spec`: the content key of a split.
+"""
+
+from oodviz.engine.extract import PRECISIONS, Cancelled, extract, extract_or_reuse, is_out_of_memory, model_on_device
+from oodviz.engine.store import (
+    FEATURE_DTYPES,
+    STORE_FORMAT,
+    DeviceSplit,
+    FeatureStore,
+    StoreBatches,
+    StoreError,
+    StoreWriter,
+    clean_stale_tmp,
+    describe_transform,
+    find_store,
+    key_spec,
+    list_stores,
+    open_store,
+    store_key,
+)
+
+__all__ = [
+    "FEATURE_DTYPES",
+    "PRECISIONS",
+    "STORE_FORMAT",
+    "Cancelled",
+    "DeviceSplit",
+    "FeatureStore",
+    "StoreBatches",
+    "StoreError",
+    "StoreWriter",
+    "clean_stale_tmp",
+    "describe_transform",
+    "extract",
+    "extract_or_reuse",
+    "find_store",
+    "is_out_of_memory",
+    "key_spec",
+    "list_stores",
+    "model_on_device",
+    "open_store",
+    "store_key",
+]

@@ -1,0 +1,260 @@
+"""The stages of a run: extract every split (or reuse its store), fit, score, metrics, analysis.
+
+``run_pipeline(config, run, reporter)`` is what the worker process and ``oodviz run`` execute.
+Results land in the run directory, each file written atomically:
+
+- ``scores.parquet``: one row per sample of every scored split: ``split`` (``id_test`` or
+  ``ood``), ``dataset``, ``index`` (the sample's index in its dataset), ``label`` (-1 for OOD),
+  ``prediction``, and one column per fitted detector (higher = more OOD);
+- ``metrics.csv``: one row per detector and OOD dataset, then one per detector and near/far group
+  (the mean over that group's datasets): ``detector, ood_dataset, group, auroc, aupr_in,
+  aupr_out, fpr95, id_accuracy, threshold``;
+- ``per_class.csv``: per detector and ID class, the false-alarm rate at the threshold that flags
+  95% of all OOD samples: ``detector, class, class_name, n, accuracy, false_alarms,
+  false_alarm_rate, mean_score``;
+- ``detectors.json``: each detector's parameters, fit time and, when it failed, its error;
+- ``meta.json``: versions, device, the splits and their stores, wall time and peak memory per stage.
+"""
+
+from __future__ import annotations
+
+import io
+import platform
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+import oodviz
+from oodviz.metrics import ood_metrics, threshold_at_recall
+from oodviz.runs.config import DatasetChoice, RunConfig
+from oodviz.runs.reporter import Cancelled, Reporter, Stage
+from oodviz.runs.rundir import RunDir, write_atomic, write_json
+
+SCORE_BATCH = 4096
+
+
+def resolve_device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(choice)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {choice!r} was chosen but no CUDA device is visible; choose device 'cpu' or 'auto'.")
+    return device
+
+
+class Watched:
+    """Batches that report progress (rows of the current pass) and stop at the next batch on cancel."""
+
+    def __init__(self, batches, stage: Stage):
+        self.batches, self.stage = batches, stage
+
+    def __iter__(self):
+        done = 0
+        for batch in self.batches:
+            yield batch
+            done += len(batch)
+            self.stage.progress(done, self.batches.n, {})
+
+
+def feature_store_root(run: RunDir) -> Path:
+    """Stores are shared by every run under the same runs root, so a repeated split is extracted once."""
+    return run.path.parent / ".features"
+
+
+def _load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool):
+    from oodviz.data import load_dataset
+
+    return load_dataset(
+        choice.name,
+        root=config.data_root,
+        download=config.download,
+        subsample=choice.subsample,
+        subsample_mode=choice.subsample_mode,
+        seed=config.seed,
+        as_ood=as_ood,
+        **choice.params,
+    )
+
+
+def _group(choice: DatasetChoice) -> str:
+    from oodviz.data import dataset_info
+
+    return choice.group or dataset_info(choice.name).group or "far"
+
+
+def write_table(path: Path, frame: pd.DataFrame) -> None:
+    """CSV or Parquet by suffix, written atomically."""
+    buffer = io.BytesIO()
+    if path.suffix == ".parquet":
+        frame.to_parquet(buffer, index=False)
+    else:
+        frame.to_csv(buffer, index=False)
+    write_atomic(path, buffer.getvalue())
+
+
+def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
+    from oodviz.detectors import create
+    from oodviz.engine import extract_or_reuse
+    from oodviz.models import estimate_memory, load_backbone
+
+    device = resolve_device(config.device)
+    reporter.device = device
+    meta = {
+        "oodviz": oodviz.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU",
+        "stages": {},
+    }
+
+    with reporter.stage("load model") as stage:
+        backbone = load_backbone(
+            config.backbone, weights=config.weights, checkpoint=config.checkpoint, layer=config.layer, pooling=config.pooling
+        )
+        stage.note(f"{config.backbone}: D={backbone.feature_dim} features, C={backbone.num_classes} classes")
+
+    splits = [("id_fit", config.id_fit, False), ("id_test", config.id_test, False)]
+    splits += [(f"ood:{choice.name}", choice, True) for choice in config.ood]
+    datasets = {}
+    with reporter.stage("load data") as stage:
+        for split, choice, as_ood in splits:
+            datasets[split] = _load_split(config, choice, as_ood)
+        estimate = estimate_memory(backbone, {split: len(ds) for split, ds in datasets.items()})
+        stage.note(estimate.describe())
+        warning = estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
+        if warning:
+            reporter.warn(warning)
+
+    stores = {}
+    for split, choice, _ in splits:
+        with reporter.stage(f"extract {split}") as stage:
+            store = extract_or_reuse(
+                backbone,
+                datasets[split],
+                feature_store_root(run),
+                key_params={"dataset": asdict(choice), "data_root": str(Path(config.data_root).resolve()), "seed": config.seed},
+                device=device,
+                batch_size=config.batch_size,
+                num_workers=config.num_workers,
+                precision=config.precision,
+                feature_dtype=config.feature_dtype,
+                progress=stage.progress,
+                should_cancel=run.cancel_requested,
+            )
+            stores[split] = store
+            stage.note(f"{'reused' if store.reused else 'extracted'} store {store.key}: {store.n} samples")
+            if store.meta.get("skipped"):
+                reporter.warn(f"{split}: {store.meta['skipped']} unreadable image(s) skipped")
+    meta["splits"] = {
+        split: {"dataset": choice.name, "group": None if not as_ood else _group(choice), "n": stores[split].n,
+                "store": stores[split].key, "reused": stores[split].reused}
+        for split, choice, as_ood in splits
+    }  # fmt: skip
+
+    head = backbone.head
+    fitted, detector_log = {}, {}
+    for choice in config.detectors:
+        with reporter.stage(f"fit {choice.name}") as stage:
+            started = time.perf_counter()
+            try:
+                det = create(choice.name, **choice.params)
+                det.fit(Watched(stores["id_fit"].batches(SCORE_BATCH, device=device), stage), head=head, device=device)
+                fitted[choice.name] = det
+                detector_log[choice.name] = {"params": det.get_params(), "fit_s": time.perf_counter() - started}
+            except Cancelled:
+                raise
+            except Exception as error:  # one detector failing must not stop the others
+                detector_log[choice.name] = {"params": choice.params, "error": f"{type(error).__name__}: {error}",
+                                             "traceback": traceback.format_exc()}  # fmt: skip
+                reporter.warn(f"{choice.name} failed to fit: {error}")
+                stage.failed(str(error))
+
+    frames = []
+    scored = [("id_test", config.id_test.name)] + [(f"ood:{c.name}", c.name) for c in config.ood]
+    for split, dataset in scored:
+        store = stores[split]
+        with reporter.stage(f"score {split}") as stage:
+            frame = pd.DataFrame(
+                {
+                    "split": "id_test" if split == "id_test" else "ood",
+                    "dataset": dataset,
+                    "index": np.asarray(store.indices),
+                    "label": np.asarray(store.labels),
+                    "prediction": np.asarray(store.predictions),
+                }
+            )
+            for i, (name, det) in enumerate(list(fitted.items())):
+                try:
+                    frame[name] = det.score(store.batches(SCORE_BATCH, device=device), device=device).numpy()
+                except Cancelled:
+                    raise
+                except Exception as error:
+                    detector_log[name] = {**detector_log[name], "error": f"{type(error).__name__}: {error}",
+                                          "traceback": traceback.format_exc()}  # fmt: skip
+                    reporter.warn(f"{name} failed to score {split}: {error}")
+                    del fitted[name]
+                stage.progress(i + 1, len(fitted) or 1, {})
+            frames.append(frame)
+    scores = pd.concat(frames, ignore_index=True)
+    for name in set(scores.columns) - {"split", "dataset", "index", "label", "prediction"} - set(fitted):
+        scores = scores.drop(columns=name)  # scored some splits, then failed: keep no partial column
+    write_table(run.path / "scores.parquet", scores)
+    write_json(run.path / "detectors.json", detector_log)
+
+    with reporter.stage("metrics"):
+        groups = {c.name: _group(c) for c in config.ood}
+        class_names = backbone.classes or [str(k) for k in range(backbone.num_classes)]
+        metrics, per_class = analyse(scores, list(fitted), groups, class_names)
+        write_table(run.path / "metrics.csv", metrics)
+        write_table(run.path / "per_class.csv", per_class)
+
+    meta["stages"] = reporter.stage_summary()
+    write_json(run.path / "meta.json", meta)
+
+
+def analyse(scores: pd.DataFrame, detectors: list[str], groups: dict[str, str], class_names: list[str]):
+    """Metrics per detector and OOD dataset (plus near/far means) and per-class false alarms.
+
+    ``scores``: the ``scores.parquet`` table; ``groups``: OOD dataset -> ``"near"``/``"far"``.
+    The per-class threshold is the one that flags 95% of all OOD samples pooled together.
+    """
+    id_rows = scores[scores.split == "id_test"]
+    ood_rows = scores[scores.split == "ood"]
+    id_accuracy = float((id_rows.label == id_rows.prediction).mean())
+    metric_rows, class_rows = [], []
+    for name in detectors:
+        per_dataset = []
+        for dataset, rows in ood_rows.groupby("dataset", sort=False):
+            values = ood_metrics(id_rows[name].to_numpy(), rows[name].to_numpy())
+            threshold = threshold_at_recall(rows[name].to_numpy())
+            per_dataset.append({"detector": name, "ood_dataset": dataset, "group": groups[dataset], **values,
+                                "id_accuracy": id_accuracy, "threshold": threshold})  # fmt: skip
+        metric_rows += per_dataset
+        table = pd.DataFrame(per_dataset)
+        for group, rows in table.groupby("group", sort=True):
+            means = rows[["auroc", "aupr_in", "aupr_out", "fpr95"]].mean()
+            metric_rows.append({"detector": name, "ood_dataset": f"{group} (mean)", "group": group, **means.to_dict(),
+                                "id_accuracy": id_accuracy, "threshold": np.nan})  # fmt: skip
+        threshold = threshold_at_recall(ood_rows[name].to_numpy())
+        for label, rows in id_rows.groupby("label", sort=True):
+            flagged = rows[name].to_numpy() >= threshold
+            class_rows.append(
+                {
+                    "detector": name,
+                    "class": int(label),
+                    "class_name": class_names[int(label)] if 0 <= label < len(class_names) else str(label),
+                    "n": len(rows),
+                    "accuracy": float((rows.label == rows.prediction).mean()),
+                    "false_alarms": int(flagged.sum()),
+                    "false_alarm_rate": float(flagged.mean()),
+                    "mean_score": float(rows[name].mean()),
+                    "threshold": threshold,
+                }
+            )
+    return pd.DataFrame(metric_rows), pd.DataFrame(class_rows)

@@ -1,0 +1,104 @@
+"""Progress events of a run: stages, done/total, items/s, ETA, device, memory, warnings.
+
+The worker and the CLI report through a :class:`Reporter`; it appends one JSON event per line
+to the run's ``events.jsonl`` (at most every ``interval_s`` seconds within a stage, plus every
+stage start and end) and, for the CLI, also hands each event to ``echo``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from oodviz.runs.rundir import RunDir
+from oodviz.runs.telemetry import memory_snapshot
+
+
+class Cancelled(Exception):
+    """The user asked the run to stop."""
+
+
+class Stage:
+    """One stage being run: ``progress``, ``note`` and ``failed`` write events tagged with its name."""
+
+    def __init__(self, reporter: Reporter, name: str):
+        self.reporter, self.name = reporter, name
+        self.started = time.monotonic()
+        self.last_emit = 0.0
+        self.peak_cpu_rss = 0
+        self.error: str | None = None
+
+    def progress(self, done: int, total: int, info: dict | None = None) -> None:
+        """Report ``done`` of ``total`` items; ``info`` may carry ``items_per_s``, ``batch_size``, ``stage``."""
+        self.reporter.check_cancel()
+        now = time.monotonic()
+        if done < total and now - self.last_emit < self.reporter.interval_s:
+            return
+        self.last_emit = now
+        info = info or {}
+        elapsed = now - self.started
+        rate = info.get("items_per_s") or (done / elapsed if elapsed > 0 else None)
+        eta = (total - done) / rate if rate and total >= done else None
+        event = {"event": "progress", "done": done, "total": total, "items_per_s": rate, "eta_s": eta}
+        for key in ("batch_size", "oom_backoffs", "skipped"):
+            if key in info:
+                event[key] = info[key]
+        if info.get("stage") == "reused":
+            event["reused"] = True
+        self.reporter.emit(self, event)
+
+    def note(self, message: str) -> None:
+        self.reporter.emit(self, {"event": "note", "message": message})
+
+    def failed(self, message: str) -> None:
+        self.error = message
+
+
+class Reporter:
+    def __init__(self, run: RunDir, echo: Callable[[dict], None] | None = None, interval_s: float = 0.5):
+        self.run = run
+        self.echo = echo
+        self.interval_s = interval_s
+        self.device: torch.device | None = None
+        self._summary: dict[str, dict] = {}
+
+    def check_cancel(self) -> None:
+        if self.run.cancel_requested():
+            raise Cancelled("cancelled by the user")
+
+    def emit(self, stage: Stage | None, event: dict) -> None:
+        snapshot = memory_snapshot(self.device)
+        if stage is not None:
+            stage.peak_cpu_rss = max(stage.peak_cpu_rss, snapshot["cpu_rss"])
+        event = {"stage": None if stage is None else stage.name, **event, "device": str(self.device), **snapshot}
+        self.run.append_event(event)
+        if self.echo is not None:
+            self.echo(event)
+
+    def warn(self, message: str) -> None:
+        self.emit(None, {"event": "warning", "message": message})
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[Stage]:
+        self.check_cancel()
+        stage = Stage(self, name)
+        cuda = self.device is not None and self.device.type == "cuda"
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.run.write_status(stage=name)
+        self.emit(stage, {"event": "start"})
+        yield stage
+        summary = {"wall_s": time.monotonic() - stage.started, "peak_cpu_rss": stage.peak_cpu_rss}
+        if cuda:
+            summary["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(self.device)
+        if stage.error:
+            summary["error"] = stage.error
+        self._summary[name] = summary
+        self.emit(stage, {"event": "end", **summary})
+
+    def stage_summary(self) -> dict[str, dict]:
+        """Wall time and peak memory of every finished stage."""
+        return dict(self._summary)

@@ -1,0 +1,71 @@
+"""``python -m oodviz.runs.supervise RUN_DIR``: wait for the run's turn, run the worker, record the end.
+
+The supervisor holds no data, so when the worker is killed (the kernel's out-of-memory killer
+picks the largest process) it survives to write why the run ended.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from pathlib import Path
+
+from oodviz.runs.jobs import CANCEL_GRACE_S, queue_ahead, start_worker
+from oodviz.runs.rundir import FINAL_STATES, RunDir
+
+POLL_S = 0.2
+
+
+def _wait_for_turn(run: RunDir) -> bool:
+    """Block until no earlier unfinished run is left; False if the run was cancelled meanwhile."""
+    announced = None
+    while True:
+        if run.cancel_requested():
+            return False
+        ahead = queue_ahead(run)
+        if not ahead:
+            return True
+        if [r.run_id for r in ahead] != announced:
+            announced = [r.run_id for r in ahead]
+            run.append_event({"stage": "queued", "message": f"waiting for {len(ahead)} earlier run(s): {', '.join(announced)}"})
+        time.sleep(POLL_S)
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        number = -code
+        name = signal.Signals(number).name if number in signal.valid_signals() else str(number)
+        hint = " — likely out of memory (the kernel's OOM killer)" if number == signal.SIGKILL else ""
+        return f"worker was killed by signal {number} ({name}){hint}"
+    return f"worker exited with code {code} without finishing the run"
+
+
+def supervise(run: RunDir) -> int:
+    if not _wait_for_turn(run):
+        run.write_status(state="cancelled", finished=time.time(), error="cancelled while queued")
+        return 0
+    worker = start_worker(run)
+    run.write_status(state="running", worker_pid=worker.pid, started=time.time())
+    cancel_seen = None
+    while worker.poll() is None:
+        if run.cancel_requested():
+            cancel_seen = cancel_seen or time.monotonic()
+            if time.monotonic() - cancel_seen > CANCEL_GRACE_S:
+                worker.kill()  # the worker did not stop at a batch boundary in time
+        time.sleep(POLL_S)
+    code = worker.returncode
+    status = run.read_status()
+    if status.get("state") not in FINAL_STATES:
+        if run.cancel_requested():
+            run.write_status(state="cancelled", exit_code=code, finished=time.time(), error="cancelled (worker stopped)")
+        else:
+            run.write_status(state="failed", exit_code=code, finished=time.time(), error=_describe_exit(code))
+        run.append_event({"stage": run.read_status()["state"], "message": run.read_status()["error"]})
+    else:
+        run.write_status(exit_code=code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(supervise(RunDir(Path(sys.argv[1]))))
