@@ -1,0 +1,62 @@
+"""Backbones behind a small registry: a classifier as (transform, features, logits, head).
+
+```python
+from oodviz.models import available_backbones, load_backbone, estimate_memory
+
+available_backbones()                      # ["digits-cnn", "resnet18", ..., "mobilenet_v3_large"]
+bb = load_backbone("digits-cnn")           # bundled, offline
+bb = load_backbone("resnet18", weights="random", layer="layer3")   # D = 256 (avg-pooled)
+x = torch.stack([bb.transform(img) for img in pil_images])          # [B, *bb.input_shape]
+features, logits = bb.features_and_logits(x)                        # [B, D], [B, C]
+bb.head                                    # (weight [C, D], bias [C]) or None
+estimate_memory(bb, {"train": 50_000}).warn_if_over(4 * 2**30)     # str or None
+```
+
+See :mod:`oodviz.models.registry` (names, weights, checkpoints), :mod:`oodviz.models.backbone`
+(feature sources, pooling) and :mod:`oodviz.models.memory` (store size estimates).
+"""
+
+from oodviz.models.backbone import POOLINGS, Backbone, FeatureShape, pool_features
+from oodviz.models.digits import DigitsCNN, DigitsTransform, digits_arrays
+from oodviz.models.memory import MemoryEstimate, describe_memory, estimate_memory, format_bytes, warn_if_over
+from oodviz.models.registry import (
+    RGBTransform,
+    available_backbones,
+    backbone_info,
+    default_weights_dir,
+    imagenet_transform,
+    load_backbone,
+    load_scripted,
+    wrap_model,
+)
+
+
+def feature_shape(backbone: Backbone, sample_input=None) -> FeatureShape:
+    """``backbone.feature_shape(sample_input)``: per-sample feature shape before/after pooling,
+    from one forward pass of a 1-sample input (default: a fixed random tensor)."""
+    return backbone.feature_shape(sample_input)
+
+
+__all__ = [
+    "POOLINGS",
+    "Backbone",
+    "DigitsCNN",
+    "DigitsTransform",
+    "FeatureShape",
+    "MemoryEstimate",
+    "RGBTransform",
+    "available_backbones",
+    "backbone_info",
+    "default_weights_dir",
+    "describe_memory",
+    "digits_arrays",
+    "estimate_memory",
+    "feature_shape",
+    "format_bytes",
+    "imagenet_transform",
+    "load_backbone",
+    "load_scripted",
+    "pool_features",
+    "warn_if_over",
+    "wrap_model",
+]

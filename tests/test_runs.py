@@ -1,0 +1,232 @@
+"""Runs as files: config validation, the run directory, background jobs, cancel, kill, queue, CLI."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from oodviz.metrics import ood_metrics, threshold_at_recall
+from oodviz.runs.config import ConfigError, DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.jobs import cancel, list_runs, refresh, submit
+from oodviz.runs.rundir import RunDir
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def small_config(**changes) -> RunConfig:
+    config = RunConfig(
+        ood=[DatasetChoice("digits-heldout"), DatasetChoice("noise-uniform", params={"n": 200})],
+        detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis"), DetectorChoice("vim", {"dim": 16})],
+        batch_size=128,
+    )
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+def slow_config() -> RunConfig:
+    """Extraction of 300,000 noise images: long enough to cancel or kill it midway."""
+    return small_config(ood=[DatasetChoice("noise-gaussian", params={"n": 300_000})], batch_size=64)
+
+
+def wait_for(predicate, timeout=120.0, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("timed out waiting")
+
+
+def wait_final(run: RunDir, timeout=180.0) -> dict:
+    return wait_for(lambda: (s := refresh(run))["state"] in ("done", "failed", "cancelled") and s, timeout)
+
+
+def extraction_started(run: RunDir, split: str) -> bool:
+    return any(e.get("stage") == f"extract {split}" and e.get("event") == "progress" for e in run.read_events())
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+
+def test_config_round_trips_through_json_and_toml(tmp_path):
+    config = small_config(seed=3, device="cpu")
+    config.save(tmp_path / "run.json")
+    assert RunConfig.load(tmp_path / "run.json") == config
+    (tmp_path / "run.toml").write_text(
+        'backbone = "digits-cnn"\nbatch_size = 128\nseed = 3\ndevice = "cpu"\n'
+        'ood = ["digits-heldout", {name = "noise-uniform", params = {n = 200}}]\n'
+        'detectors = ["msp", "mahalanobis", {name = "vim", params = {dim = 16}}]\n'
+    )
+    assert RunConfig.load(tmp_path / "run.toml") == config
+
+
+def test_a_config_with_three_mistakes_reports_all_three():
+    config = small_config(backbone="resnet-9000", batch_size=0)
+    config.detectors.append(DetectorChoice("knn", {"kk": 5}))
+    with pytest.raises(ConfigError) as caught:
+        config.validate()
+    problems = caught.value.problems
+    assert len(problems) == 3, problems
+    assert "backbone 'resnet-9000' is unknown" in problems[0]
+    assert any("batch_size must be an integer >= 1, got 0" in p for p in problems)
+    assert any("detectors[3] (knn)" in p and "no parameter(s) kk" in p for p in problems)
+    with pytest.raises(ConfigError, match="unknown setting 'batchsize'"):
+        RunConfig.from_dict({"batchsize": 3})
+
+
+# ---- a run in the foreground ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cli_default_run(tmp_path_factory):
+    """`oodviz run --out DIR` with no config: the bundled offline default, as a user would run it."""
+    out = tmp_path_factory.mktemp("cli") / "default"
+    result = subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", "run", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr
+    return out, result
+
+
+def test_cli_default_run_writes_a_complete_self_describing_directory(cli_default_run):
+    out, result = cli_default_run
+    run = RunDir(out)
+    assert run.read_status()["state"] == "done"
+    assert RunConfig.from_dict(run.read_config()) == RunConfig()
+    for name in ("metrics.csv", "scores.parquet", "per_class.csv", "meta.json", "detectors.json", "events.jsonl"):
+        assert (out / name).is_file(), name
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["device"] == "cpu" and meta["torch"]
+    assert {"extract id_fit", "fit mahalanobis", "metrics"} <= set(meta["stages"])
+    assert all(s["wall_s"] >= 0 and s["peak_cpu_rss"] > 0 for s in meta["stages"].values())
+    events = run.read_events()
+    assert events[-1]["event"] == "done"
+    assert {"stage", "event", "cpu_rss", "device"} <= set(events[0])
+    scores = pd.read_parquet(out / "scores.parquet")
+    assert set(scores.split) == {"id_test", "ood"}
+    assert (scores[scores.split == "ood"].label == -1).all()
+    assert len(scores[scores.split == "id_test"]) == 362  # the digits test split, classes 0-7
+    assert "Mean AUROC / FPR95" in result.stdout
+
+
+def test_cli_metrics_equal_ood_metrics_on_the_stored_scores(cli_default_run):
+    out, _ = cli_default_run
+    scores = pd.read_parquet(out / "scores.parquet")
+    metrics = pd.read_csv(out / "metrics.csv")
+    id_rows = scores[scores.split == "id_test"]
+    detectors = [c for c in scores.columns if c not in ("split", "dataset", "index", "label", "prediction")]
+    assert set(detectors) == set(RunConfig().to_dict()["detectors"][i]["name"] for i in range(len(detectors)))
+    checked = 0
+    for row in metrics[~metrics.ood_dataset.str.endswith("(mean)")].itertuples():
+        ood = scores[(scores.split == "ood") & (scores.dataset == row.ood_dataset)][row.detector]
+        expected = ood_metrics(id_rows[row.detector].to_numpy(), ood.to_numpy())
+        for key in ("auroc", "aupr_in", "aupr_out", "fpr95"):
+            assert getattr(row, key) == pytest.approx(expected[key], abs=1e-12)
+        assert row.id_accuracy == pytest.approx((id_rows.label == id_rows.prediction).mean())
+        checked += 1
+    assert checked == len(detectors) * 6
+    near = metrics[(metrics.ood_dataset == "near (mean)") & (metrics.detector == "mahalanobis")].auroc.item()
+    per = metrics[(metrics.group == "near") & (metrics.detector == "mahalanobis") & ~metrics.ood_dataset.str.endswith("(mean)")]
+    assert near == pytest.approx(per.auroc.mean())
+    # Per-class false alarms at the pooled 95%-recall threshold, recomputed from the scores.
+    per_class = pd.read_csv(out / "per_class.csv")
+    t = threshold_at_recall(scores[scores.split == "ood"].mahalanobis.to_numpy())
+    mine = per_class[per_class.detector == "mahalanobis"].set_index("class")
+    for label, rows in id_rows.groupby("label"):
+        assert mine.loc[label, "false_alarms"] == int((rows.mahalanobis >= t).sum())
+    assert (scores[scores.split == "ood"].mahalanobis >= t).mean() >= 0.95
+
+
+def test_threshold_at_recall_is_the_fpr95_threshold():
+    rng = np.random.default_rng(0)
+    id_scores, ood_scores = rng.normal(size=500), rng.normal(1, size=333)
+    t = threshold_at_recall(ood_scores)
+    assert (ood_scores >= t).mean() >= 0.95 > (ood_scores > t).mean()
+    assert ood_metrics(id_scores, ood_scores)["fpr95"] == pytest.approx((id_scores >= t).mean())
+
+
+def test_a_second_identical_run_reuses_the_stored_features(tmp_path):
+    first = submit(small_config(), tmp_path)
+    assert wait_final(first)["state"] == "done"
+    second = submit(small_config(detectors=[DetectorChoice("energy")]), tmp_path)
+    assert wait_final(second)["state"] == "done"
+    reused = [e for e in second.read_events() if e.get("event") == "progress" and e.get("reused")]
+    assert {e["stage"] for e in reused} == {"extract id_fit", "extract id_test", "extract ood:digits-heldout", "extract ood:noise-uniform"}
+    meta = json.loads((second.path / "meta.json").read_text())
+    assert all(split["reused"] for split in meta["splits"].values())
+    first_meta = json.loads((first.path / "meta.json").read_text())
+    assert meta["splits"]["id_fit"]["store"] == first_meta["splits"]["id_fit"]["store"]
+
+
+def test_a_failing_detector_is_recorded_and_the_others_go_on(tmp_path):
+    config = small_config(detectors=[DetectorChoice("knn", {"k": 5000}), DetectorChoice("msp")])
+    run = submit(config, tmp_path)
+    assert wait_final(run)["state"] == "done"
+    log = json.loads((run.path / "detectors.json").read_text())
+    assert "k=5000 exceeds the 1081 in-distribution samples" in log["knn"]["error"]
+    assert "error" not in log["msp"]
+    assert set(pd.read_csv(run.path / "metrics.csv").detector) == {"msp"}
+
+
+# ---- background jobs: kill, cancel, queue, restart -------------------------------------------
+
+
+def test_kill_9_of_the_worker_mid_extraction_fails_the_run_readably_and_stores_nothing(tmp_path):
+    run = submit(slow_config(), tmp_path)
+    wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
+    os.kill(run.read_status()["worker_pid"], signal.SIGKILL)
+    status = wait_final(run, timeout=30)
+    assert status["state"] == "failed"
+    assert "killed by signal 9 (SIGKILL) — likely out of memory" in status["error"]
+    from oodviz.engine import list_stores
+
+    half_written = [p for p in (tmp_path / ".features").iterdir() if ".tmp-" in p.name]
+    assert len(half_written) == 1 and (half_written[0] / "features.npy").exists()
+    trusted = list_stores(tmp_path / ".features")
+    assert sorted(store.meta["dataset"]["name"] for store in trusted) == ["digits-test", "digits-train"]
+
+
+def test_cancel_stops_within_a_batch_and_keeps_the_run_readable(tmp_path):
+    run = submit(slow_config(), tmp_path)
+    wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
+    asked = time.monotonic()
+    cancel(run)
+    status = wait_final(run, timeout=30)
+    assert status["state"] == "cancelled"
+    assert time.monotonic() - asked < 5  # a 64-image batch takes milliseconds; no forced kill was needed
+    assert wait_for(lambda: "exit_code" in refresh(run) and refresh(run))["exit_code"] == 0  # stopped by itself
+    assert run.read_events()[-1]["event"] == "cancelled"
+    assert RunConfig.from_dict(run.read_config()) == slow_config()
+
+
+def test_two_jobs_submitted_together_both_complete_in_order(tmp_path):
+    a = submit(small_config(), tmp_path)
+    b = submit(small_config(detectors=[DetectorChoice("energy")]), tmp_path)
+    assert a.path != b.path
+    assert wait_final(a)["state"] == "done" and wait_final(b)["state"] == "done"
+    assert refresh(b)["started"] >= refresh(a)["finished"] - 0.5  # b waited for a
+    assert any(e.get("stage") == "queued" for e in b.read_events())
+
+
+def test_a_restarted_reader_relists_every_run_and_detects_a_dead_supervisor(tmp_path):
+    done = submit(small_config(), tmp_path)
+    wait_final(done)
+    orphan = submit(slow_config(), tmp_path)
+    wait_for(lambda: refresh(orphan)["state"] == "running")
+    os.killpg(refresh(orphan)["supervisor_pid"], signal.SIGKILL)  # the whole job, as a machine restart would
+    listing = subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", "runs", "--runs-root", str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout  # a fresh process: nothing in memory
+    assert done.run_id in listing and orphan.run_id in listing
+    assert [r.run_id for r in list_runs(tmp_path)] == [orphan.run_id, done.run_id]
+    status = refresh(orphan)
+    assert status["state"] == "failed" and "processes are gone" in status["error"]
