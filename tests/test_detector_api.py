@@ -20,6 +20,7 @@ LABELLED = [n for n in ALL if detector_class(n).needs_labels]
 def test_registry_lists_the_issue_detectors():
     assert set(ALL) == {
         "msp", "maxlogit", "energy", "entropy", "gen", "tempscale", "klm", "mahalanobis", "rmd", "vim", "she", "knn",
+        "react", "ash", "scale", "dice", "fdbd", "nci",
     }  # fmt: skip
     for name in ALL:
         cls = detector_class(name)

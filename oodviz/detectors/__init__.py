@@ -5,16 +5,22 @@ Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 :mod:`oodviz.detectors.base`. One module per method, its docstring giving the formula.
 """
 
+from oodviz.detectors.ash import ASH
 from oodviz.detectors.base import Detector, FitData, NotFittedError
+from oodviz.detectors.dice import DICE
 from oodviz.detectors.energy import Energy
 from oodviz.detectors.entropy import Entropy
+from oodviz.detectors.fdbd import FDBD
 from oodviz.detectors.gen import GEN
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.mahalanobis import Mahalanobis
 from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.msp import MaxSoftmax
+from oodviz.detectors.nci import NCI
+from oodviz.detectors.react import ReAct
 from oodviz.detectors.rmd import RelativeMahalanobis
+from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
@@ -34,6 +40,12 @@ _REGISTRY: dict[str, type[Detector]] = {
         ViM,
         SHE,
         KNN,
+        ReAct,
+        ASH,
+        SCALE,
+        DICE,
+        FDBD,
+        NCI,
     )
 }
 

@@ -1,0 +1,143 @@
+"""ASH: activation shaping of each sample's features, then the energy score.
+
+Djurisic, Bozanic, Ashok & Liu, *Extremely Simple Activation Shaping for Out-of-Distribution
+Detection*, ICLR 2023, https://arxiv.org/abs/2209.09858 (https://openreview.net/forum?id=ndYXTEL6cZz)
+
+No statistics are fitted. Per sample, with features ``x`` ``[B, D]`` and ``p = percentile``:
+keep the ``k = D - round(D p / 100)`` largest of its ``D`` activations and set the other
+``D - k`` to zero (``round`` half to even, as ``np.round`` in the authors' code), then
+
+- ``variant="p"`` (ASH-P): keep the ``k`` values as they are;
+- ``variant="b"`` (ASH-B): set each of the ``k`` kept units to ``s1 / k``, where ``s1`` is the
+  sum of **all** ``D`` activations before pruning: binarised, with the total preserved;
+- ``variant="s"`` (ASH-S): multiply the kept values by ``exp(s1 / s2)``, ``s2`` the sum of the
+  kept values;
+
+and score the shaped features ``a(x)`` ``[B, D]`` with the head ``(W [C, D], b [C])``:
+
+    score(x) = -logsumexp_k ( a(x) W^T + b )_k
+
+the energy (the paper's confidence is the negative energy; higher = more OOD). This is the
+definition of the paper and of its code (``ash_b`` / ``ash_p`` / ``ash_s``), and of
+pytorch-ood 0.4's ``ash_b`` / ``ash_p`` / ``ash_s``.
+
+oodviz shapes the pooled penultimate features ``[B, D]`` from the feature store. The paper
+shapes the feature map before the final pooling of a ResNet (``[B, D, H, W]``); given pooled
+features as ``B x D x 1 x 1`` (as here), the paper's code and pytorch-ood compute what oodviz
+computes.
+
+Deviations from the paper's code and pytorch-ood:
+
+- Ties at the pruning boundary are broken by unit index (the lower index is kept), the same on
+  every device and batch size; ``torch.topk`` (paper code, pytorch-ood) leaves the choice
+  unspecified. It matters where the ``k``-th largest value is shared, which post-ReLU features
+  make common for zeros: ASH-B then fills different (zero) units, so its score differs;
+  ASH-P and ASH-S only differ for equal non-zero values.
+- ASH-S, outside its assumption of non-negative features: where ``s2 <= 0`` the factor is set
+  to 1 instead of ``exp(s1 / s2)`` (for non-negative features this is an all-zero sample, on
+  which the factor has no effect). For ``s2 > 0`` the factor is at most ``exp(D / k)``.
+- ASH-S forms the scaled logits in float64 (``exp(s1/s2) (x_kept W^T) + b``), so a large factor
+  does not overflow float32 on the way; a score beyond the float32 range raises a ValueError.
+
+``percentile`` is in percent (default 90, OpenOOD v1.5's setting), not a fraction as in
+pytorch-ood (whose default is 0.65). ``fit(batches, head=...)`` only stores the head: it
+reads the first in-distribution batch to check its width against the head and to settle the
+device, nothing more.
+"""
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.react import check_percentile, energy
+
+VARIANTS = ("b", "p", "s")
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def kept_count(n_features: int, percentile: float) -> int:
+    """How many of ``D`` activations survive pruning the lowest ``percentile`` percent."""
+    return n_features - int(np.round(n_features * percentile / 100.0))
+
+
+def check_kept(detector: str, n_features: int, percentile: float) -> int:
+    """:func:`kept_count`, which must leave at least one activation."""
+    k = kept_count(n_features, percentile)
+    if k < 1:
+        largest = 100.0 * (n_features - 0.5) / n_features
+        raise ValueError(
+            f"{detector}: percentile={percentile:g} prunes all D={n_features} features (keeps round-half-even "
+            f"D - D*percentile/100 = {k}); choose percentile < {largest:g}."
+        )
+    return k
+
+
+def top_k(features: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Values and indices ``[B, k]`` of each row's ``k`` largest entries; ties go to the lower index."""
+    values, indices = torch.sort(features, dim=1, descending=True, stable=True)
+    return values[:, :k], indices[:, :k]
+
+
+def scaled_energy(features: Tensor, log_factor: Tensor, weight: Tensor, bias: Tensor, detector: str) -> Tensor:
+    """``-logsumexp(exp(r) (x W^T) + b)`` ``[B]`` in float64, for features ``x`` ``[B, D]`` and ``r`` ``[B]``."""
+    raw = (features @ weight.T).double()  # [B, C], the head without its bias
+    logits = torch.exp(log_factor.double())[:, None] * raw + bias.double()
+    scores = -torch.logsumexp(logits, dim=1)
+    if not bool((scores.abs() <= _FLOAT32_MAX).all()):
+        raise ValueError(
+            f"{detector}: the scaling factor exp(s1/s2) made the energy exceed the float32 range for some samples; "
+            "choose a lower percentile (keep more features)."
+        )
+    return scores
+
+
+def log_scale(total: Tensor, kept_sum: Tensor) -> Tensor:
+    """``s1 / s2`` in float64, or 0 where ``s2 <= 0`` (no positive activation kept)."""
+    total, kept_sum = total.double(), kept_sum.double()
+    positive = kept_sum > 0
+    return torch.where(positive, total / torch.where(positive, kept_sum, 1.0), 0.0)
+
+
+class ASH(Detector):
+    name = "ash"
+    summary = "Energy after pruning each sample's lowest activations; the rest binarised (b), kept (p) or scaled (s)."
+    paper = "https://arxiv.org/abs/2209.09858"
+    inputs = ("features",)
+    needs_head = True
+
+    def __init__(self, variant: str = "s", percentile: float = 90.0):
+        if variant not in VARIANTS:
+            pytorch_ood_name = isinstance(variant, str) and variant.lower() in ("ash-b", "ash-p", "ash-s")
+            raise ValueError(
+                f"ash: variant must be one of 'b' (binarise), 'p' (prune) or 's' (scale), got {variant!r}"
+                + (f"; use variant={variant[-1].lower()!r}" if pytorch_ood_name else "")
+            )
+        self.variant = variant
+        self.percentile = check_percentile(self.name, percentile, upper_open=True)
+
+    def _fit(self, data: FitData) -> None:
+        check_kept(self.name, data.n_features, self.percentile)
+        for _ in data:  # the first in-distribution batch: checks D against the head, settles the device
+            break
+        self.head_weight_, self.head_bias_ = data.head
+
+    def shape_features(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        """The shaped features ``[B, D]`` (before any ASH-S factor) and ``log`` of the ASH-S factor ``[B]``."""
+        x = features.float()
+        k = check_kept(self.name, x.shape[1], self.percentile)
+        values, indices = top_k(x, k)
+        total = x.sum(dim=1)
+        if self.variant == "b":
+            values = (total / k)[:, None].expand(-1, k)
+        shaped = torch.zeros_like(x).scatter_(1, indices, values)
+        if self.variant == "s":
+            return shaped, log_scale(total, values.sum(dim=1))
+        return shaped, torch.zeros(len(x), dtype=torch.float64, device=x.device)
+
+    def _score(self, batch: Batch) -> Tensor:
+        shaped, log_factor = self.shape_features(batch.features)
+        if self.variant == "s":
+            return scaled_energy(shaped, log_factor, self.head_weight_, self.head_bias_, self.name)
+        return energy(shaped, self.head_weight_, self.head_bias_)

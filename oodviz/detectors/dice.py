@@ -1,0 +1,85 @@
+"""DICE: directed sparsification of the last layer, then the energy score.
+
+Sun & Li, *DICE: Leveraging Sparsification for Out-of-Distribution Detection*, ECCV 2022,
+https://arxiv.org/abs/2111.09805
+
+Fit, one streaming pass: the mean in-distribution feature ``m = 1/N sum_i x_i`` ``[D]``
+(float64). With the head ``(W [C, D], b [C])``, the contribution of each weight is
+
+    V = m ⊙ W,   V_kd = m_d W_kd                                   [C, D]
+
+and DICE keeps the weights whose contribution is strictly above the ``100 * sparsity``-th
+percentile ``t`` of all ``C * D`` entries of ``V`` (``np.percentile``'s linear definition, as
+the paper's code does), zeroing the others: ``W' = W ⊙ [V > t]``, about ``(1 - sparsity) C D``
+weights. Score, with features ``x`` ``[B, D]``:
+
+    score(x) = -logsumexp_k ( x W'^T + b )_k
+
+the energy of the sparsified logits (the paper's confidence is the negative energy; higher =
+more OOD). The paper's code and pytorch-ood 0.4 form ``x[:, None, :] * W'`` (``B x C x D``) and
+sum it; oodviz uses the matrix product, which is the same number without the ``B x C x D``
+tensor. ``V`` and ``t`` are computed in float64 (pytorch-ood: float32 and ``torch.quantile``),
+so an entry within a float32 rounding of ``t`` may fall on the other side of it.
+
+``sparsity`` is a fraction in ``[0, 1)``; the default 0.9 is OpenOOD v1.5's ``p = 90``. DICE
+assumes non-negative (post-ReLU) features, as the paper's networks produce.
+"""
+
+import torch
+from torch import Tensor
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.react import energy, linear_quantile
+from oodviz.detectors.stats import ACCUMULATE
+
+
+def feature_mean(data: FitData) -> Tensor:
+    """The mean in-distribution feature ``[D]`` (float64), streamed in one pass."""
+    total, n = None, 0
+    for batch in data:
+        x = batch.features.to(ACCUMULATE)
+        total = x.sum(dim=0) if total is None else total + x.sum(dim=0)
+        n += len(x)
+    return total / n
+
+
+class DICE(Detector):
+    name = "dice"
+    summary = "Energy of the logits after zeroing the head weights with the smallest mean contribution."
+    paper = "https://arxiv.org/abs/2111.09805"
+    inputs = ("features",)
+    needs_head = True
+
+    def __init__(self, sparsity: float = 0.9):
+        if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 <= sparsity < 1.0:
+            hint = (
+                f"; use {sparsity / 100:g} for {sparsity:g}%"
+                if isinstance(sparsity, (int, float)) and not isinstance(sparsity, bool) and 1.0 <= sparsity < 100.0
+                else ""
+            )
+            raise ValueError(
+                f"dice: sparsity is the fraction of head weights to drop and must satisfy 0 <= sparsity < 1, "
+                f"got {sparsity!r}{hint}"
+            )
+        self.sparsity = float(sparsity)
+
+    def _fit(self, data: FitData) -> None:
+        mean = feature_mean(data)
+        weight, bias = data.head
+        contribution = mean[None, :] * weight.to(ACCUMULATE)  # [C, D] float64
+        threshold = linear_quantile(contribution, self.sparsity)
+        keep = contribution > threshold
+        if not bool(keep.any()):
+            raise ValueError(
+                f"dice: sparsity={self.sparsity:g} keeps no weight: no contribution m_d W_kd lies above its "
+                f"{100 * self.sparsity:g}th percentile ({threshold:g}); lower sparsity, or check that the features "
+                "are not all zero."
+            )
+        self.feature_mean_ = mean
+        self.threshold_ = threshold
+        self.masked_weight_ = torch.where(keep, weight, torch.zeros((), dtype=weight.dtype, device=weight.device))
+        self.head_bias_ = bias
+
+    def _score(self, batch: Batch) -> Tensor:
+        return energy(batch.features.float(), self.masked_weight_, self.head_bias_)
