@@ -118,11 +118,18 @@ class RunConfig:
         from oodviz.data import available_datasets
         from oodviz.detectors import available, create
         from oodviz.models import available_backbones
+        from oodviz.models.registry import USER_MODEL_NAMES
 
         found = []
         backbones = available_backbones()
-        if self.backbone not in backbones:
-            found.append(f"backbone {self.backbone!r} is unknown; choose one of: {', '.join(backbones)}")
+        if self.backbone in USER_MODEL_NAMES:
+            if self.checkpoint is None:
+                found.append(f"backbone {self.backbone!r} needs checkpoint: the path of your model file")
+        elif self.backbone not in backbones:
+            found.append(
+                f"backbone {self.backbone!r} is unknown; choose one of: {', '.join(backbones)} "
+                f"(or {' / '.join(USER_MODEL_NAMES)} with a checkpoint file)"
+            )
         if self.weights not in ("default", "random"):
             found.append(f"weights must be 'default' or 'random', got {self.weights!r}")
         if self.checkpoint is not None and not Path(self.checkpoint).is_file():

@@ -66,7 +66,7 @@ def feature_store_root(run: RunDir) -> Path:
     return run.path.parent / ".features"
 
 
-def _load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool):
+def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool):
     from oodviz.data import load_dataset
 
     return load_dataset(
@@ -124,7 +124,7 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
     datasets = {}
     with reporter.stage("load data") as stage:
         for split, choice, as_ood in splits:
-            datasets[split] = _load_split(config, choice, as_ood)
+            datasets[split] = load_split(config, choice, as_ood)
         estimate = estimate_memory(backbone, {split: len(ds) for split, ds in datasets.items()})
         stage.note(estimate.describe())
         warning = estimate.warn_if_over(int(config.memory_budget_gb * 2**30))

@@ -7,7 +7,7 @@ Layout of ``<runs root>/<run id>/``::
     events.jsonl     one JSON event per line, appended by the worker (progress, memory, warnings)
     cancel           present = the user asked the run to stop
     worker.log       the worker's stdout and stderr
-    results/         metrics.csv, scores.parquet, per_class.csv, meta.json, ...
+    metrics.csv, scores.parquet, per_class.csv, detectors.json, meta.json   the results (see pipeline)
 
 Every file except the event log is written atomically (a temporary file renamed over the old
 one), so a reader never sees half a file. The event log is only appended; a reader skips a
@@ -88,10 +88,6 @@ class RunDir:
     @property
     def log_path(self) -> Path:
         return self.path / "worker.log"
-
-    @property
-    def results(self) -> Path:
-        return self.path / "results"
 
     @classmethod
     def create(cls, root: Path, config: dict, name: str | None = None) -> RunDir:

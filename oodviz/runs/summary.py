@@ -37,8 +37,13 @@ def summarise(run: RunDir) -> dict:
     }
     metrics = read_metrics(run)
     if metrics is not None and len(metrics):
-        per_dataset = metrics[~metrics.ood_dataset.str.endswith("(mean)")]
-        means = per_dataset.groupby("detector")[["auroc", "fpr95"]].mean()
-        best = means.auroc.idxmax()
-        summary.update(best_detector=best, best_auroc=float(means.auroc[best]), best_fpr95=float(means.fpr95[best]))
+        summary.update(best_detector(metrics))
     return summary
+
+
+def best_detector(metrics: pd.DataFrame) -> dict:
+    """``best_detector`` with the highest AUROC averaged over the OOD datasets, its ``best_auroc`` and ``best_fpr95``."""
+    per_dataset = metrics[~metrics.ood_dataset.str.endswith("(mean)")]
+    means = per_dataset.groupby("detector")[["auroc", "fpr95"]].mean()
+    best = means.auroc.idxmax()
+    return {"best_detector": best, "best_auroc": float(means.auroc[best]), "best_fpr95": float(means.fpr95[best])}

@@ -1,29 +1,179 @@
-"""The app page. For now it lists the detector library; the run and analysis pages come next."""
+"""The app: choose in the sidebar, watch a run, analyse it; past runs and comparisons.
 
+The run id lives in the URL (``?run=<id>``): a reload or another tab comes back to the same run.
+The UI only turns choices into a RunConfig and draws runs; everything else is in ``oodviz``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pandas as pd
 import streamlit as st
 
-from oodviz.detectors import available, detector_class
+from oodviz.runs.config import ConfigError
+from oodviz.runs.jobs import delete_run, list_runs, refresh, submit
+from oodviz.runs.rundir import FINAL_STATES, RunDir
+from oodviz.runs.summary import summarise
+from oodviz.ui.form import FormValues, config_from_form
+from oodviz.ui.sidebar import memory_estimate, render_form
+
+RUNS_ROOT = Path(os.environ.get("OODVIZ_RUNS_ROOT", "runs"))
+
+
+def open_run(run_id: str | None) -> None:
+    if run_id:
+        st.query_params["run"] = run_id
+    else:
+        st.query_params.pop("run", None)
+
+
+def current_run() -> RunDir | None:
+    run_id = st.query_params.get("run")
+    if not run_id:
+        return None
+    path = RUNS_ROOT / run_id
+    if not (path / "config.json").exists():
+        st.error(f"There is no run {run_id!r} under {RUNS_ROOT.resolve()}; it may have been deleted.")
+        return None
+    return RunDir(path)
+
+
+def show_estimate(config) -> None:
+    try:
+        _, description, warning = memory_estimate(json.dumps(config.to_dict()))
+    except Exception as error:  # a missing dataset or weight file: say what, keep the app running
+        st.error(f"Could not estimate the run's size: {error}")
+        return
+    with st.sidebar:
+        st.markdown("**Estimated feature store**")
+        st.code(description, language=None)
+        if warning:
+            st.warning(warning)
+
+
+def handle_form(values: FormValues, action: str | None) -> None:
+    if action is None:
+        return
+    config = config_from_form(values)
+    problems = config.problems()
+    if problems:
+        st.sidebar.error("Fix these first:\n\n" + "\n".join(f"- {p}" for p in problems))
+        return
+    show_estimate(config)
+    if action == "start":
+        try:
+            run = submit(config, RUNS_ROOT)
+        except ConfigError as error:
+            st.sidebar.error(str(error))
+            return
+        open_run(run.run_id)
+        st.rerun()
+
+
+def runs_table() -> pd.DataFrame:
+    rows = []
+    for run in list_runs(RUNS_ROOT):
+        refresh(run)
+        s = summarise(run)
+        rows.append({
+            "run": s["run_id"], "state": s["state"], "what": s["title"],
+            "best detector": s["best_detector"], "mean AUROC": s["best_auroc"], "mean FPR95": s["best_fpr95"],
+            "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s["created"] else "",
+        })  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def past_runs() -> None:
+    table = runs_table()
+    if table.empty:
+        st.caption("No runs yet.")
+        return
+    chosen = st.dataframe(
+        table.style.format({"mean AUROC": "{:.3f}", "mean FPR95": "{:.3f}"}, na_rep="—"),
+        hide_index=True, use_container_width=True, on_select="rerun", selection_mode="multi-row", key="runs-table",
+    )  # fmt: skip
+    picked = [table.iloc[i]["run"] for i in chosen.selection.rows]
+    c1, c2, c3 = st.columns(3)
+    if c1.button("Open", disabled=len(picked) != 1):
+        open_run(picked[0])
+        st.rerun()
+    if c3.button("Delete", disabled=not picked):
+        for run_id in picked:
+            delete_run(RunDir(RUNS_ROOT / run_id))
+        st.rerun()
+    if len(picked) == 2:
+        from oodviz.analysis import compare_runs, load_results
+
+        a, b = (load_results(RUNS_ROOT / r) for r in picked)
+        if a.metrics is None or b.metrics is None:
+            c2.caption("Both runs need results to compare.")
+        else:
+            st.markdown(f"**{picked[0]}** (a) vs **{picked[1]}** (b)")
+            comparison = compare_runs(a, b)
+            st.dataframe(comparison.style.format(precision=3), hide_index=True, use_container_width=True)
+    else:
+        c2.caption("Select two runs to compare them.")
+
+
+def landing() -> None:
+    st.markdown(
+        "Which inputs would your classifier wrongly trust, and which out-of-distribution detector catches them? "
+        "Choose a model, data and detectors in the sidebar — or start with the bundled offline default: "
+        "**digits-cnn** on scikit-learn's 8x8 digits (classes 0–7) against held-out digits 8 and 9, inverted and "
+        "rotated digits, photo patches and noise, with every detector."
+    )
+    if st.button("Run the default", type="primary"):
+        run = submit(config_from_form(FormValues()), RUNS_ROOT)
+        open_run(run.run_id)
+        st.rerun()
+
+
+def run_page(run: RunDir) -> None:
+    from oodviz.ui.results import results_page
+    from oodviz.ui.watch import job_panel
+
+    status = refresh(run)
+    st.caption(f"Run `{run.run_id}` · {status.get('state')} · {run.path.resolve()}")
+    state = status.get("state")
+    if state not in FINAL_STATES:
+        job_panel(run)
+        return
+    if state == "failed":
+        st.error(f"The run failed: {status.get('error')}")
+        if status.get("detail"):
+            with st.expander("Details"):
+                st.code(status["detail"])
+    elif state == "cancelled":
+        st.warning(f"The run was cancelled ({status.get('error')}). Finished parts are kept below where there are any.")
+    results_page(run)
 
 
 def main() -> None:
-    st.set_page_config(page_title="oodviz", layout="wide")
-    st.title("oodviz")
-    st.write(
-        "Which inputs would your classifier wrongly trust, and which out-of-distribution detector catches them? "
-        "The detector library is ready (`from oodviz.detectors import create`); choosing a backbone and datasets, "
-        "running jobs and the analysis pages are being built."
-    )
-    st.caption("Convention everywhere: OOD is the positive class; higher score = more OOD.")
-    rows = []
-    for name in available():
-        cls = detector_class(name)
-        rows.append(
-            {
-                "detector": name,
-                "what it scores": cls.summary,
-                "reads": ", ".join(cls.inputs) + (" + head" if cls.needs_head else ""),
-                "fit": "labels" if cls.needs_labels else ("yes" if cls.needs_fit else "none"),
-                "paper": cls.paper,
-            }
-        )
-    st.dataframe(rows, hide_index=True, use_container_width=True, column_config={"paper": st.column_config.LinkColumn()})
+    st.set_page_config(page_title="oodviz", page_icon="🔍", layout="wide")
+    try:
+        page()
+    except Exception as error:  # st.rerun/st.stop are BaseExceptions and pass through
+        st.error(f"Something went wrong: {type(error).__name__}: {error}. The app is still running; finished runs are kept.")
+        with st.expander("Details"):
+            st.exception(error)
+
+
+def page() -> None:
+    values, action = render_form(FormValues())
+    header, home = st.columns([6, 1])
+    header.title("oodviz")
+    if home.button("All runs", use_container_width=True):
+        open_run(None)
+        st.rerun()
+    handle_form(values, action)
+    run = current_run()
+    if run is not None:
+        run_page(run)
+        return
+    landing()
+    st.subheader("Past runs")
+    past_runs()

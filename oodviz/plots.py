@@ -1,0 +1,262 @@
+"""Plotly figures of a run's results: pure functions of what :mod:`oodviz.analysis` returns.
+
+Convention everywhere (and stated on the axes): **OOD is the positive class; higher score =
+more OOD**. Colours are consistent across figures: the ID set is always :data:`ID_COLOR`; each
+OOD dataset gets its own colour from :func:`color_map` (pass the same ``colors`` mapping to
+every figure of a page, e.g. ``color_map(ood_datasets_of(scores))``, to keep them identical;
+without it, colours are given in order of appearance, which matches when the order is the run's).
+
+All figures use the ``plotly_white`` template and a compact height. This module never imports
+streamlit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+
+TEMPLATE = "plotly_white"
+HEIGHT = 350
+SMALL_HEIGHT = 250
+ID_COLOR = "#4C4C4C"
+#: OOD colours (Plotly's qualitative "D3"-like set without grey), assigned in order
+OOD_COLORS = (
+    "#D62728", "#1F77B4", "#FF7F0E", "#2CA02C", "#9467BD", "#8C564B", "#E377C2", "#BCBD22", "#17BECF",
+    "#AEC7E8", "#FFBB78", "#98DF8A", "#FF9896", "#C5B0D5",
+)  # fmt: skip
+THRESHOLD_COLOR = "#111111"
+SCORE_AXIS = "score (higher = more OOD)"
+CONVENTION = "OOD = positive class; higher score = more OOD"
+
+
+def is_id_label(label: str) -> bool:
+    """True for the ID set's label (``"ID"`` or ``"ID (<dataset>)"``, as in :func:`score_histogram`)."""
+    return label == "ID" or str(label).startswith("ID (")
+
+
+def color_map(names, colors: dict | None = None) -> dict:
+    """Colour of each name: ID labels get :data:`ID_COLOR`; the others :data:`OOD_COLORS` in order
+    (cycling); names already in ``colors`` keep theirs."""
+    result = dict(colors or {})
+    used = sum(1 for name, _ in result.items() if not is_id_label(name))
+    for name in names:
+        if name in result:
+            continue
+        if is_id_label(name):
+            result[name] = ID_COLOR
+        else:
+            result[name] = OOD_COLORS[used % len(OOD_COLORS)]
+            used += 1
+    return result
+
+
+def _layout(fig: go.Figure, title: str | None, height: int = HEIGHT, **layout) -> go.Figure:
+    fig.update_layout(
+        template=TEMPLATE,
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}} if title else None,
+        height=height,
+        margin={"l": 55, "r": 15, "t": 45 if title else 15, "b": 45},
+        legend={"font": {"size": 11}},
+        hoverlabel={"namelength": -1},
+    )
+    fig.update_layout(**layout)
+    return fig
+
+
+# -- histogram ------------------------------------------------------------------------------------
+def histogram_figure(
+    hist: dict,
+    threshold: float | None = None,
+    title: str | None = None,
+    threshold_label: str = "95% OOD recall",
+    colors: dict | None = None,
+    normalize: bool = False,
+) -> go.Figure:
+    """Overlaid score histograms of the ID set and each OOD dataset (:func:`score_histogram`).
+
+    One bar trace per set (x = bin centres, width = bin width, opacity 0.55, overlaid); y is the
+    count, or the fraction of that set with ``normalize=True``. ``threshold`` draws a vertical
+    dashed line annotated ``threshold_label`` (e.g. ``"95% OOD recall"`` or ``"threshold"``);
+    scores at or right of it are flagged as OOD. End bins also hold the clipped outliers.
+    """
+    edges = np.asarray(hist["edges"], dtype=np.float64)
+    centres = (edges[:-1] + edges[1:]) / 2
+    widths = np.diff(edges)
+    labels = list(hist["counts"])
+    palette = color_map(labels, colors)
+    fig = go.Figure()
+    for label in labels:
+        counts = np.asarray(hist["counts"][label])
+        total = counts.sum()
+        share = counts / total if total else np.zeros_like(counts, dtype=np.float64)
+        fig.add_trace(
+            go.Bar(
+                x=centres,
+                y=share if normalize else counts,
+                width=widths,
+                name=label,
+                marker={"color": palette[label], "line": {"width": 0}},
+                opacity=0.55,
+                customdata=np.column_stack([edges[:-1], edges[1:], counts, share]),
+                hovertemplate=(
+                    f"<b>{label}</b><br>score %{{customdata[0]:.4g}} .. %{{customdata[1]:.4g}}"
+                    "<br>%{customdata[2]:d} samples (%{customdata[3]:.1%})<extra></extra>"
+                ),
+            )
+        )
+    detector = hist.get("detector")
+    if title is None:
+        title = f"{detector} scores" if detector else "Scores"
+    clipped = hist.get("clipped_low", 0) + hist.get("clipped_high", 0)
+    _layout(
+        fig,
+        title,
+        barmode="overlay",
+        bargap=0,
+        xaxis_title=SCORE_AXIS + (" — end bins include clipped outliers" if clipped else ""),
+        yaxis_title="fraction of set" if normalize else "samples",
+    )
+    if normalize:
+        fig.update_yaxes(tickformat=".0%")
+    if threshold is not None:
+        fig.add_vline(
+            x=float(threshold),
+            line={"color": THRESHOLD_COLOR, "width": 2, "dash": "dash"},
+            annotation_text=f"{threshold_label}: {float(threshold):.4g}",
+            annotation_position="top right",
+            annotation_font_size=11,
+        )
+    return fig
+
+
+# -- ROC / PR -------------------------------------------------------------------------------------
+def _curve_figure(curves_by_label: dict, x: str, y: str, metric: str, metric_name: str, line_shape: str,
+                  colors: dict | None) -> go.Figure:  # fmt: skip
+    palette = color_map(list(curves_by_label), colors)
+    fig = go.Figure()
+    for label, curve in curves_by_label.items():
+        thresholds = curve.get("roc_thresholds" if x == "fpr" else "pr_thresholds")
+        fig.add_trace(
+            go.Scatter(
+                x=np.asarray(curve[x], dtype=np.float64),
+                y=np.asarray(curve[y], dtype=np.float64),
+                mode="lines",
+                line={"color": palette[label], "width": 2, "shape": line_shape},
+                name=f"{label} ({metric_name} {curve[metric]:.3f})",
+                customdata=None if thresholds is None else np.asarray(thresholds, dtype=np.float64),
+                hovertemplate=(
+                    f"<b>{label}</b><br>{x} %{{x:.3f}}, {y} %{{y:.3f}}"
+                    + ("<br>threshold %{customdata:.4g}" if thresholds is not None else "")
+                    + "<extra></extra>"
+                ),
+            )
+        )
+    return fig
+
+
+def roc_figure(curves_by_label: dict, title: str = "ROC (OOD = positive)", colors: dict | None = None) -> go.Figure:
+    """ROC curves of :func:`curves` results, one line per label, AUROC in each legend entry, and
+    the dashed chance diagonal. x: ID flagged as OOD (FPR); y: OOD detected (TPR)."""
+    fig = _curve_figure(curves_by_label, "fpr", "tpr", "auroc", "AUROC", "linear", colors)
+    fig.add_trace(
+        go.Scatter(
+            x=[0.0, 1.0], y=[0.0, 1.0], mode="lines", name="chance (AUROC 0.5)",
+            line={"color": "#BBBBBB", "width": 1, "dash": "dash"}, hoverinfo="skip", showlegend=False,
+        )
+    )  # fmt: skip
+    _layout(
+        fig,
+        title,
+        xaxis={"title": "false-positive rate (ID flagged as OOD)", "range": [0, 1], "constrain": "domain"},
+        yaxis={"title": "true-positive rate (OOD detected)", "range": [0, 1.02]},
+    )
+    return fig
+
+
+def pr_figure(curves_by_label: dict, title: str = "Precision-recall, OOD = positive (PR-Out)",
+              colors: dict | None = None) -> go.Figure:  # fmt: skip
+    """PR-Out curves of :func:`curves` results (OOD positive), one line per label, AUPR-Out in each
+    legend entry. Drawn as steps (``vh``) so the area under each line is its AUPR-Out (average
+    precision)."""
+    fig = _curve_figure(curves_by_label, "recall", "precision", "aupr_out", "AUPR-Out", "vh", colors)
+    _layout(
+        fig,
+        title,
+        xaxis={"title": "recall (OOD detected)", "range": [0, 1]},
+        yaxis={"title": "precision (flagged that are OOD)", "range": [0, 1.02]},
+    )
+    return fig
+
+
+# -- per class ------------------------------------------------------------------------------------
+def per_class_bar(
+    per_class: pd.DataFrame, title: str = "False alarms per ID class", color: str = ID_COLOR
+) -> go.Figure:
+    """False-alarm rate (ID test samples flagged as OOD) per true ID class, in the table's order
+    (:func:`per_class_at_threshold` sorts worst first); hover shows the counts, accuracy and mean
+    score."""
+    names = [str(c) for c in per_class["class_name"]]
+    fig = go.Figure(
+        go.Bar(
+            x=names,
+            y=per_class["false_alarm_rate"].to_numpy(dtype=np.float64),
+            marker={"color": color},
+            customdata=np.column_stack(
+                [per_class["false_alarms"], per_class["n"], per_class["accuracy"], per_class["mean_score"]]
+            ),
+            hovertemplate=(
+                "<b>class %{x}</b><br>%{customdata[0]:d} of %{customdata[1]:d} flagged as OOD (%{y:.1%})"
+                "<br>classifier accuracy %{customdata[2]:.1%}<br>mean score %{customdata[3]:.4g}<extra></extra>"
+            ),
+            name="false-alarm rate",
+        )
+    )
+    _layout(
+        fig,
+        title,
+        xaxis={"title": "true ID class", "type": "category", "categoryorder": "array", "categoryarray": names},
+        yaxis={"title": "ID flagged as OOD", "tickformat": ".0%", "rangemode": "tozero"},
+        showlegend=False,
+    )
+    return fig
+
+
+# -- memory ---------------------------------------------------------------------------------------
+MEMORY_LINES = (
+    ("cpu_rss_mib", "CPU RSS", "#1F77B4", "solid"),
+    ("gpu_allocated_mib", "GPU allocated", "#D62728", "solid"),
+    ("gpu_peak_mib", "GPU peak", "#D62728", "dot"),
+)
+
+
+def memory_figure(timeline: pd.DataFrame, title: str = "Memory") -> go.Figure:
+    """A small live memory chart of :func:`memory_timeline`: CPU RSS and, when the run reports
+    them, GPU allocated and GPU peak (MiB) over seconds since the start; hover names the stage."""
+    fig = go.Figure()
+    stages = timeline["stage"].astype(object).where(timeline["stage"].notna(), "") if "stage" in timeline else None
+    for column, name, color, dash in MEMORY_LINES:
+        if column not in timeline or not timeline[column].notna().any():
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=timeline["time_s"].to_numpy(dtype=np.float64),
+                y=timeline[column].to_numpy(dtype=np.float64),
+                mode="lines",
+                name=name,
+                line={"color": color, "width": 2, "dash": dash},
+                customdata=None if stages is None else stages.to_numpy(),
+                hovertemplate=f"{name} %{{y:,.0f}} MiB<br>%{{x:.1f}} s"
+                + ("<br>%{customdata}" if stages is not None else "")
+                + "<extra></extra>",
+            )
+        )
+    _layout(
+        fig,
+        title,
+        height=SMALL_HEIGHT,
+        xaxis_title="seconds since start",
+        yaxis={"title": "MiB", "rangemode": "tozero"},
+        legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
+    )
+    return fig

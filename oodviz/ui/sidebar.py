@@ -1,0 +1,130 @@
+"""The sidebar form: choose a backbone, data, detectors and resources; estimate or start a run."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from oodviz.detectors import available, create, detector_class
+from oodviz.models import available_backbones, estimate_memory, format_bytes
+from oodviz.runs.config import PRECISIONS, RunConfig
+from oodviz.runs.telemetry import device_facts
+from oodviz.ui.form import FOLDER_PRESET, ID_PRESETS, OOD_CHOICES, FormValues, config_from_form, ood_label
+
+USER_MODEL = "torchscript"
+
+
+def _device_label(fact: dict) -> str:
+    if fact["device"] == "cpu":
+        return f"cpu — {fact['name']}"
+    return f"{fact['device']} — {fact['name']} ({format_bytes(fact['free'])} free of {format_bytes(fact['total'])})"
+
+
+@st.cache_data(ttl=30, show_spinner=False)
+def _devices() -> list[dict]:
+    return device_facts()
+
+
+def _detector_params(defaults: FormValues) -> dict[str, dict]:
+    params = {}
+    for name in available():
+        values = create(name).get_params()
+        editable = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if not editable:
+            continue
+        cols = st.columns(len(editable))
+        params[name] = {}
+        for col, (key, value) in zip(cols, editable.items()):
+            chosen = defaults.detector_params.get(name, {}).get(key, value)
+            step = 1 if isinstance(value, int) else None
+            params[name][key] = col.number_input(f"{name}: {key}", value=chosen, step=step, key=f"param-{name}-{key}")
+    return params
+
+
+def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
+    """Draw the form; returns its values and "estimate", "start" or None (not submitted)."""
+    st.sidebar.header("Choose")
+    with st.sidebar.form("choose", enter_to_submit=False, border=False):
+        st.subheader("Model")
+        backbones = available_backbones() + [USER_MODEL]
+        backbone = st.selectbox(
+            "Backbone", backbones, index=backbones.index(defaults.backbone) if defaults.backbone in backbones else 0,
+            format_func=lambda b: "your own TorchScript file" if b == USER_MODEL else b,
+            help="digits-cnn ships with oodviz and works offline. torchvision models need their weight file "
+            "(or 'random' weights for a dry run).",
+        )  # fmt: skip
+        weights = st.radio("Weights", ["default", "random"], horizontal=True, index=["default", "random"].index(defaults.weights))
+        checkpoint = st.text_input(
+            "Checkpoint file (optional)", defaults.checkpoint,
+            help="A TorchScript file (with 'your own TorchScript file'), or a state dict of the chosen torchvision architecture.",
+        )  # fmt: skip
+        c1, c2 = st.columns([2, 1])
+        layer = c1.text_input("Feature layer", defaults.layer, placeholder="penultimate", help="A module name, e.g. layer3; blank = the penultimate layer.")
+        pooling = c2.selectbox("Pooling", ["avg", "max", "none"], index=["avg", "max", "none"].index(defaults.pooling))
+
+        st.subheader("Data")
+        presets = list(ID_PRESETS) + [FOLDER_PRESET]
+        id_preset = st.selectbox("In-distribution", presets, index=presets.index(defaults.id_preset))
+        fit_folder = st.text_input("ID fit folder (image folders only)", defaults.fit_folder)
+        test_folder = st.text_input("ID test folder (image folders only)", defaults.test_folder)
+        ood = st.multiselect("OOD datasets", list(OOD_CHOICES), default=defaults.ood, format_func=ood_label)
+        ood_folder = st.text_input("Extra OOD image folder (optional)", defaults.ood_folder)
+        data_root = st.text_input("Data root (torchvision files)", defaults.data_root)
+        download = st.checkbox("Allow downloads", defaults.download, help="Off by default: oodviz works offline.")
+        s1, s2, s3 = st.columns(3)
+        fit_subsample = s1.number_input("Fit subsample", min_value=0, value=defaults.fit_subsample, help="0 = all")
+        test_subsample = s2.number_input("Test subsample", min_value=0, value=defaults.test_subsample, help="0 = all")
+        ood_subsample = s3.number_input("OOD subsample", min_value=0, value=defaults.ood_subsample, help="0 = all, per OOD set")
+
+        st.subheader("Detectors")
+        detectors = st.multiselect(
+            "Detectors", available(), default=defaults.detectors,
+            help="Higher score = more OOD for every detector. See 'What each detector does' below the form.",
+        )  # fmt: skip
+        with st.expander("Detector parameters"):
+            detector_params = _detector_params(defaults)
+
+        st.subheader("Resources")
+        facts = _devices()
+        devices = ["auto"] + [f["device"] for f in facts]
+        labels = {"auto": "auto — first GPU if any, else CPU", **{f["device"]: _device_label(f) for f in facts}}
+        device = st.selectbox("Device", devices, index=devices.index(defaults.device) if defaults.device in devices else 0, format_func=labels.get)
+        r1, r2 = st.columns(2)
+        batch_size = r1.number_input("Batch size", min_value=1, value=defaults.batch_size)
+        precision = r2.selectbox("Precision", list(PRECISIONS), index=list(PRECISIONS).index(defaults.precision), help="bf16/fp16 autocast applies on GPUs only.")
+
+        b1, b2 = st.columns(2)
+        estimate = b1.form_submit_button("Estimate memory", use_container_width=True)
+        start = b2.form_submit_button("Start run", type="primary", use_container_width=True)
+
+    with st.sidebar.expander("What each detector does"):
+        for name in available():
+            cls = detector_class(name)
+            st.markdown(f"**{name}** — {cls.summary} [paper]({cls.paper})")
+
+    values = FormValues(
+        backbone=backbone, weights=weights, checkpoint=checkpoint, layer=layer, pooling=pooling, id_preset=id_preset,
+        fit_folder=fit_folder, test_folder=test_folder, ood=ood, ood_folder=ood_folder, detectors=detectors,
+        detector_params=detector_params, device=device, batch_size=int(batch_size), precision=precision,
+        fit_subsample=int(fit_subsample), test_subsample=int(test_subsample), ood_subsample=int(ood_subsample),
+        data_root=data_root, download=download,
+    )  # fmt: skip
+    return values, "start" if start else "estimate" if estimate else None
+
+
+@st.cache_data(show_spinner="Estimating feature sizes…", max_entries=32)
+def memory_estimate(config_json: str) -> tuple[dict, str, str | None]:
+    """(estimate, description, warning) for a config: loads the model and counts each split's samples."""
+    import json
+
+    from oodviz.models import load_backbone
+    from oodviz.runs.pipeline import load_split
+
+    config = RunConfig.from_dict(json.loads(config_json))
+    backbone = load_backbone(config.backbone, weights=config.weights, checkpoint=config.checkpoint, layer=config.layer, pooling=config.pooling)
+    splits = {"id_fit": load_split(config, config.id_fit, False), "id_test": load_split(config, config.id_test, False)}
+    splits.update({f"ood:{c.name}": load_split(config, c, True) for c in config.ood})
+    estimate = estimate_memory(backbone, {name: len(ds) for name, ds in splits.items()})
+    return dict(estimate), estimate.describe(), estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
+
+
+__all__ = ["config_from_form", "memory_estimate", "render_form"]

@@ -1,0 +1,153 @@
+"""oodviz.plots: figures carry the data of oodviz.analysis, the convention and consistent colours."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from oodviz import analysis as A
+from oodviz import plots as P
+
+
+def synthetic_scores(seed=0) -> pd.DataFrame:
+    """200 ID rows (classes 0..3) and two OOD sets (150 "far-set", 100 "near-set"); two detectors:
+    ``det`` (continuous, float32 like a real run) and ``tied`` (rounded: many ties)."""
+    rng = np.random.default_rng(seed)
+    n_id, n_a, n_b = 200, 150, 100
+    label = np.concatenate([np.arange(n_id) % 4, np.full(n_a + n_b, -1)])
+    prediction = label.copy()
+    wrong = np.flatnonzero(rng.random(n_id) < 0.15)
+    prediction[wrong] = (label[wrong] + 1) % 4
+    prediction[n_id:] = rng.integers(0, 4, size=n_a + n_b)
+    id_det = rng.normal(0, 1, n_id) + 0.3 * (label[:n_id] == 2)
+    det = np.concatenate([id_det, rng.normal(2, 1, n_a), rng.normal(1, 1, n_b)])
+    return pd.DataFrame(
+        {
+            "split": ["id_test"] * n_id + ["ood"] * (n_a + n_b),
+            "dataset": ["id-set"] * n_id + ["far-set"] * n_a + ["near-set"] * n_b,
+            "index": np.concatenate([np.arange(n_id) * 3, np.arange(n_a), np.arange(n_b) + 1000]),
+            "label": label,
+            "prediction": prediction,
+            "det": det.astype(np.float32),
+            "tied": np.round(det).astype(np.float32),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def scores():
+    return synthetic_scores(seed=1)
+
+
+def test_histogram_figure_bars_and_threshold_line(scores):
+    hist = A.score_histogram(scores, "det", bins=20)
+    threshold = A.default_threshold(scores, "det")
+    fig = P.histogram_figure(hist, threshold=threshold)
+    edges = hist["edges"]
+    assert [t.name for t in fig.data] == ["ID (id-set)", "far-set", "near-set"]
+    for trace in fig.data:
+        assert trace.type == "bar" and trace.opacity == pytest.approx(0.55)
+        np.testing.assert_allclose(np.asarray(trace.x), (edges[:-1] + edges[1:]) / 2)
+        np.testing.assert_allclose(np.asarray(trace.width), np.diff(edges))
+        np.testing.assert_array_equal(np.asarray(trace.y), hist["counts"][trace.name])
+    assert fig.layout.barmode == "overlay"
+    (line,) = fig.layout.shapes
+    assert line.x0 == line.x1 == pytest.approx(threshold) and line.type == "line"
+    assert fig.layout.annotations[0].text == f"95% OOD recall: {threshold:.4g}"
+    assert "higher = more OOD" in fig.layout.xaxis.title.text
+    assert fig.layout.yaxis.title.text == "samples"
+    assert fig.layout.title.text == "det scores" and fig.layout.height == 350
+    assert fig.layout.template.layout.plot_bgcolor == "white"  # plotly_white
+    # ID always has the ID colour; OOD sets get distinct colours
+    colours = [t.marker.color for t in fig.data]
+    assert colours[0] == P.ID_COLOR and len(set(colours)) == 3
+
+
+def test_histogram_figure_normalized_and_custom_label(scores):
+    hist = A.score_histogram(scores, "tied", bins=10)
+    fig = P.histogram_figure(hist, threshold=1.0, threshold_label="threshold", normalize=True, title="T")
+    for trace in fig.data:
+        assert np.asarray(trace.y).sum() == pytest.approx(1.0)
+        np.testing.assert_allclose(np.asarray(trace.y), hist["counts"][trace.name] / hist["counts"][trace.name].sum())
+    assert fig.layout.annotations[0].text == "threshold: 1" and fig.layout.shapes[0].x0 == 1.0
+    assert fig.layout.yaxis.title.text == "fraction of set" and fig.layout.title.text == "T"
+    assert not P.histogram_figure(hist).layout.shapes  # no threshold, no line
+
+
+def test_roc_figure_lines_legend_and_chance(scores):
+    by_label = {name: A.curves(scores, "det", name, max_points=50) for name in A.ood_datasets_of(scores)}
+    fig = P.roc_figure(by_label)
+    assert len(fig.data) == 3
+    for trace, (name, c) in zip(fig.data[:2], by_label.items()):
+        np.testing.assert_array_equal(np.asarray(trace.x), c["fpr"])
+        np.testing.assert_array_equal(np.asarray(trace.y), c["tpr"])
+        assert trace.name == f"{name} (AUROC {c['auroc']:.3f})"
+    chance = fig.data[2]
+    assert list(chance.x) == [0.0, 1.0] and list(chance.y) == [0.0, 1.0] and chance.line.dash == "dash"
+    assert "ID flagged as OOD" in fig.layout.xaxis.title.text
+    assert "OOD detected" in fig.layout.yaxis.title.text
+    assert "OOD = positive" in fig.layout.title.text
+
+
+def test_pr_figure_lines_and_legend(scores):
+    by_label = {"all OOD": A.curves(scores, "det", None), "far-set": A.curves(scores, "det", "far-set")}
+    fig = P.pr_figure(by_label)
+    assert len(fig.data) == 2
+    for trace, (name, c) in zip(fig.data, by_label.items()):
+        np.testing.assert_array_equal(np.asarray(trace.x), c["recall"])
+        np.testing.assert_array_equal(np.asarray(trace.y), c["precision"])
+        assert trace.name == f"{name} (AUPR-Out {c['aupr_out']:.3f})"
+        assert trace.line.shape == "vh"
+        # the area under the drawn steps is the AUPR-Out (average precision)
+        assert np.sum(np.diff(c["recall"]) * c["precision"][1:]) == pytest.approx(c["aupr_out"], abs=1e-12)
+    assert fig.layout.xaxis.title.text.startswith("recall")
+
+
+def test_colours_are_consistent_across_figures(scores):
+    names = A.ood_datasets_of(scores)
+    colors = P.color_map(names)
+    assert colors == {"far-set": P.OOD_COLORS[0], "near-set": P.OOD_COLORS[1]}
+    hist = P.histogram_figure(A.score_histogram(scores, "det"), colors=colors)
+    # ROC of near-set only: it keeps near-set's colour, not the first palette colour
+    roc = P.roc_figure({"near-set": A.curves(scores, "det", "near-set")}, colors=colors)
+    assert hist.data[2].marker.color == roc.data[0].line.color == P.OOD_COLORS[1]
+    assert P.color_map(["ID (x)", "a"]) == {"ID (x)": P.ID_COLOR, "a": P.OOD_COLORS[0]}
+
+
+def test_per_class_bar(scores):
+    table = A.per_class_at_threshold(scores, "det", 0.8, ["zero", "one", "two", "three"])
+    fig = P.per_class_bar(table)
+    (bar,) = fig.data
+    assert list(bar.x) == list(table.class_name)
+    np.testing.assert_allclose(np.asarray(bar.y), table.false_alarm_rate)
+    custom = np.asarray(bar.customdata, dtype=np.float64)
+    np.testing.assert_array_equal(custom[:, 0], table.false_alarms)
+    np.testing.assert_array_equal(custom[:, 1], table.n)
+    assert fig.layout.xaxis.type == "category" and list(fig.layout.xaxis.categoryarray) == list(table.class_name)
+    assert fig.layout.yaxis.tickformat == ".0%" and "flagged as OOD" in fig.layout.yaxis.title.text
+
+
+def test_memory_figure_lines():
+    events = [
+        {"time": 10.0 + i, "stage": "extract", "event": "progress", "cpu_rss": (500 + 10 * i) * 2**20,
+         "gpu_allocated": 100 * i * 2**20, "gpu_reserved": 2**30, "gpu_peak": 200 * i * 2**20}
+        for i in range(5)
+    ]  # fmt: skip
+    fig = P.memory_figure(A.memory_timeline(events))
+    assert [t.name for t in fig.data] == ["CPU RSS", "GPU allocated", "GPU peak"]
+    np.testing.assert_allclose(np.asarray(fig.data[0].x), [0, 1, 2, 3, 4])
+    np.testing.assert_allclose(np.asarray(fig.data[0].y), [500, 510, 520, 530, 540])
+    np.testing.assert_allclose(np.asarray(fig.data[1].y), [0, 100, 200, 300, 400])
+    np.testing.assert_allclose(np.asarray(fig.data[2].y), [0, 200, 400, 600, 800])
+    assert fig.layout.yaxis.title.text == "MiB" and fig.layout.height == P.SMALL_HEIGHT
+    cpu_events = [{k: v for k, v in e.items() if not k.startswith("gpu")} for e in events]
+    cpu_only = P.memory_figure(A.memory_timeline(cpu_events))
+    assert [t.name for t in cpu_only.data] == ["CPU RSS"]
+    assert len(P.memory_figure(pd.DataFrame(columns=["time_s", "stage", "event", "cpu_rss_mib"])).data) == 0
+
+
+def test_figures_stay_small(scores):
+    big = pd.concat([synthetic_scores(seed=s) for s in range(20)], ignore_index=True)  # 9,000 rows
+    hist = P.histogram_figure(A.score_histogram(big, "det"), threshold=0.0)
+    roc = P.roc_figure({"far-set": A.curves(big, "det", "far-set")})
+    assert len(hist.to_json()) < 30_000 and len(roc.to_json()) < 40_000
+    assert len(roc.data[0].x) <= 400
