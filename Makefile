@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup app test bench clean
+.PHONY: setup app test browser bench clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,14 @@ $(STAMP): pyproject.toml constraints.txt
 app: $(STAMP)
 	$(BIN)/streamlit run app.py --server.headless true --browser.gatherUsageStats false
 
-test: $(STAMP)
+# The browser tests drive Debian's Chromium; install it where we may (root with apt), else they skip.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	  else echo "chromium not found and not root: the browser tests will be skipped (sudo apt-get install chromium)"; fi; }
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -21,7 +21,9 @@ from oodviz.runs.summary import summarise
 from oodviz.ui.form import FormValues, config_from_form
 from oodviz.ui.sidebar import memory_estimate, render_form
 
-RUNS_ROOT = Path(os.environ.get("OODVIZ_RUNS_ROOT", "runs"))
+def runs_root() -> Path:
+    """Where runs live: ``$OODVIZ_RUNS_ROOT``, default ``./runs`` (shared with ``oodviz run``)."""
+    return Path(os.environ.get("OODVIZ_RUNS_ROOT", "runs"))
 
 
 def open_run(run_id: str | None) -> None:
@@ -35,9 +37,9 @@ def current_run() -> RunDir | None:
     run_id = st.query_params.get("run")
     if not run_id:
         return None
-    path = RUNS_ROOT / run_id
+    path = runs_root() / run_id
     if not (path / "config.json").exists():
-        st.error(f"There is no run {run_id!r} under {RUNS_ROOT.resolve()}; it may have been deleted.")
+        st.error(f"There is no run {run_id!r} under {runs_root().resolve()}; it may have been deleted.")
         return None
     return RunDir(path)
 
@@ -66,7 +68,7 @@ def handle_form(values: FormValues, action: str | None) -> None:
     show_estimate(config)
     if action == "start":
         try:
-            run = submit(config, RUNS_ROOT)
+            run = submit(config, runs_root())
         except ConfigError as error:
             st.sidebar.error(str(error))
             return
@@ -76,7 +78,7 @@ def handle_form(values: FormValues, action: str | None) -> None:
 
 def runs_table() -> pd.DataFrame:
     rows = []
-    for run in list_runs(RUNS_ROOT):
+    for run in list_runs(runs_root()):
         refresh(run)
         s = summarise(run)
         rows.append({
@@ -103,12 +105,12 @@ def past_runs() -> None:
         st.rerun()
     if c3.button("Delete", disabled=not picked):
         for run_id in picked:
-            delete_run(RunDir(RUNS_ROOT / run_id))
+            delete_run(RunDir(runs_root() / run_id))
         st.rerun()
     if len(picked) == 2:
         from oodviz.analysis import compare_runs, load_results
 
-        a, b = (load_results(RUNS_ROOT / r) for r in picked)
+        a, b = (load_results(runs_root() / r) for r in picked)
         if a.metrics is None or b.metrics is None:
             c2.caption("Both runs need results to compare.")
         else:
@@ -127,7 +129,7 @@ def landing() -> None:
         "rotated digits, photo patches and noise, with every detector."
     )
     if st.button("Run the default", type="primary"):
-        run = submit(config_from_form(FormValues()), RUNS_ROOT)
+        run = submit(config_from_form(FormValues()), runs_root())
         open_run(run.run_id)
         st.rerun()
 
@@ -137,11 +139,12 @@ def run_page(run: RunDir) -> None:
     from oodviz.ui.watch import job_panel
 
     status = refresh(run)
-    st.caption(f"Run `{run.run_id}` · {status.get('state')} · {run.path.resolve()}")
     state = status.get("state")
     if state not in FINAL_STATES:
-        job_panel(run)
+        st.caption(f"Run directory: {run.path.resolve()}")
+        job_panel(run)  # it shows the live state itself
         return
+    st.caption(f"Run `{run.run_id}` · {state} · {run.path.resolve()}")
     if state == "failed":
         st.error(f"The run failed: {status.get('error')}")
         if status.get("detail"):

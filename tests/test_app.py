@@ -1,0 +1,112 @@
+"""The app's page logic with Streamlit's AppTest: form to config, reattach from the URL, results pages."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from oodviz.runs.config import DetectorChoice, RunConfig
+from oodviz.ui.form import FOLDER_PRESET, FormValues, config_from_form
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+
+
+def test_the_default_form_is_the_default_run_config():
+    assert config_from_form(FormValues()) == RunConfig()
+    assert config_from_form(FormValues()).problems() == []
+
+
+def test_form_choices_become_the_config():
+    values = FormValues(
+        backbone="resnet18", weights="random", layer=" layer3 ", id_preset="cifar10 (torchvision files)",
+        ood=["svhn", "noise-uniform"], ood_folder="/data/my-ood", detectors=["knn", "vim"],
+        detector_params={"knn": {"k": 7}, "msp": {}}, device="cpu", batch_size=64, precision="bf16",
+        fit_subsample=5000, test_subsample=0, ood_subsample=300, download=True,
+    )  # fmt: skip
+    config = config_from_form(values)
+    assert (config.backbone, config.weights, config.layer, config.precision, config.batch_size) == ("resnet18", "random", "layer3", "bf16", 64)
+    assert (config.id_fit.name, config.id_fit.params, config.id_fit.subsample) == ("cifar10", {"split": "train"}, 5000)
+    assert (config.id_test.params, config.id_test.subsample) == ({"split": "test"}, None)
+    assert [(d.name, d.params, d.subsample) for d in config.ood] == [
+        ("svhn", {"split": "test"}, 300), ("noise-uniform", {}, 300), ("folder", {"path": "/data/my-ood"}, 300)
+    ]  # fmt: skip
+    assert config.ood[2].group == "far"
+    assert config.detectors == [DetectorChoice("knn", {"k": 7}), DetectorChoice("vim", {})]
+    assert config.download is True
+    folders = config_from_form(FormValues(id_preset=FOLDER_PRESET, fit_folder="/a", test_folder="/b"))
+    assert (folders.id_fit.params, folders.id_test.params) == ({"path": "/a"}, {"path": "/b"})
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory):
+    """A runs root holding one finished default run, made by the CLI."""
+    root = tmp_path_factory.mktemp("runs")
+    subprocess.run([sys.executable, "-m", "oodviz.cli", "run", "--out", str(root / "r1")], check=True, capture_output=True, timeout=600)
+    return root
+
+
+@pytest.fixture
+def app(runs_root, monkeypatch):
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(runs_root))
+    return AppTest.from_file(APP, default_timeout=60)
+
+
+def test_the_landing_page_offers_the_default_and_lists_past_runs(app, runs_root):
+    app_runs_root = runs_root
+    app.run()
+    assert not app.exception
+    assert [b.label for b in app.button if b.label == "Run the default"]
+    runs = app.dataframe[0].value
+    assert list(runs["run"]) == ["r1"] and runs["state"].iloc[0] == "done"
+    from oodviz.runs.summary import best_detector
+
+    best = best_detector(pd.read_csv(app_runs_root / "r1" / "metrics.csv"))
+    assert runs["best detector"].iloc[0] == best["best_detector"]
+    assert runs["mean AUROC"].iloc[0] == pytest.approx(best["best_auroc"])
+    assert [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value == [d.name for d in RunConfig().detectors]
+
+
+def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):
+    app.query_params["run"] = "r1"
+    app.run()
+    assert not app.exception
+    assert any("r1" in c.value and "done" in c.value for c in app.caption)
+    assert [t.label for t in app.tabs] == ["Metrics", "Score histograms", "ROC / PR", "Failure cases", "Run details"]
+    metrics = pd.read_csv(runs_root / "r1" / "metrics.csv")
+    shown = app.dataframe[0].value  # the near/far means, one row per detector
+    assert list(shown["detector"]) == list(metrics.detector.unique())
+    mahalanobis_near = metrics[(metrics.detector == "mahalanobis") & (metrics.ood_dataset == "near (mean)")].auroc.item()
+    assert shown.set_index("detector").loc["mahalanobis", "AUROC near"] == pytest.approx(mahalanobis_near)
+    # The histogram tab: its threshold slider starts at the 95%-recall threshold of the chosen detector.
+    from oodviz.analysis import default_threshold, load_results
+
+    detector = app.selectbox[0].value
+    scores = load_results(runs_root / "r1").scores
+    assert app.slider[0].value == pytest.approx(default_threshold(scores, detector))
+    assert any(m.label.startswith("False alarms") for m in app.metric)
+
+
+def test_an_unknown_run_in_the_url_is_a_clear_message(app):
+    app.query_params["run"] = "no-such-run"
+    app.run()
+    assert not app.exception
+    assert any("There is no run 'no-such-run'" in e.value for e in app.error)
+
+
+def test_a_failed_run_shows_a_readable_error_with_details_folded(app, runs_root):
+    failed = runs_root / "r-failed"
+    shutil.copytree(runs_root / "r1", failed)
+    (failed / "metrics.csv").unlink()
+    from oodviz.runs.rundir import RunDir
+
+    RunDir(failed).write_status(state="failed", error="ValueError: vim: dim=64 must be between 1 and D-1", detail="Traceback ...")
+    app.query_params["run"] = "r-failed"
+    app.run()
+    assert not app.exception
+    assert any("The run failed: ValueError: vim: dim=64" in e.value for e in app.error)
+    assert any(x.label == "Details" for x in app.expander)
+    shutil.rmtree(failed)

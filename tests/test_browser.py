@@ -1,0 +1,153 @@
+"""The app in a real browser: Debian's Chromium driven by Playwright against `streamlit run app.py`.
+
+Run the default, watch progress move, see the metrics table, a histogram, a ROC curve and a
+failure gallery with images; cancel a run; reload mid-run and reattach. Screenshots of each page
+go to the test's tmp dir, and to assets/screenshots/ with OODVIZ_UPDATE_SCREENSHOTS=1 (README).
+"""
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+SCREENSHOTS = REPO / "assets" / "screenshots"
+
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)")
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args):
+    # playwright cannot download its own browser here: use the system's Chromium.
+    return {
+        **browser_type_launch_args,
+        "executable_path": CHROMIUM,
+        "args": ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"],
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def browser_context_args(browser_context_args):
+    return {**browser_context_args, "viewport": {"width": 1400, "height": 1000}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def app_url(tmp_path_factory):
+    runs = tmp_path_factory.mktemp("browser-runs")
+    port = _free_port()
+    env = dict(os.environ, OODVIZ_RUNS_ROOT=str(runs))
+    server = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"), "--server.headless", "true",
+         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
+         "--server.fileWatcherType", "none"],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.3)
+    yield f"http://127.0.0.1:{port}"
+    server.terminate()
+    server.wait(timeout=20)
+
+
+def shoot(page, tmp_path, name):
+    path = tmp_path / f"{name}.png"
+    page.screenshot(path=str(path))
+    if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
+        SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, SCREENSHOTS / f"{name}.png")
+    return path
+
+
+def start_default(page, app_url):
+    page.goto(app_url)
+    page.get_by_role("button", name="Run the default").click()
+    page.wait_for_url(re.compile(r"\?run="), timeout=30_000)
+    return page.url.split("run=")[1]
+
+
+def progress_texts(page) -> str:
+    return " ".join(page.locator('[data-testid="stProgress"]').all_inner_texts())
+
+
+def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
+    page.goto(app_url)
+    page.get_by_role("button", name="Run the default").wait_for(timeout=60_000)
+    shoot(page, tmp_path, "landing")
+    run_id = start_default(page, app_url)
+    page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
+    seen = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not page.get_by_text("Best value per column").count():
+        text = progress_texts(page)
+        if text:
+            seen.add(text)
+            if len(seen) == 3:
+                shoot(page, tmp_path, "watch")
+        time.sleep(0.3)
+    assert len(seen) >= 2, f"the progress bar never moved: {seen}"  # progress moved while we watched
+    page.get_by_text("Best value per column").wait_for(timeout=60_000)
+    table = page.locator('[data-testid="stDataFrame"]').first
+    assert table.is_visible()
+    shoot(page, tmp_path, "metrics")
+
+    page.get_by_role("tab", name="Score histograms").click()
+    histogram = page.locator(".js-plotly-plot").first
+    histogram.wait_for(timeout=30_000)
+    assert histogram.locator("g.trace.bars").count() >= 7  # ID + the six OOD sets
+    assert page.get_by_text(re.compile(r"95% OOD recall: ")).count()
+    shoot(page, tmp_path, "histogram")
+
+    page.get_by_role("tab", name="ROC / PR").click()
+    roc = page.locator(".js-plotly-plot").filter(has_text="ROC").first
+    roc.wait_for(timeout=30_000)
+    assert roc.get_by_text(re.compile(r"digits-heldout \(AUROC 0\.\d{3}\)")).count()
+    shoot(page, tmp_path, "roc")
+
+    page.get_by_role("tab", name="Failure cases").click()
+    page.get_by_text("ID images most wrongly flagged as OOD").wait_for(timeout=30_000)
+    images = page.locator('[data-testid="stImage"] img')
+    images.first.wait_for(timeout=30_000)
+    assert images.count() >= 12
+    widths = images.evaluate_all("imgs => imgs.map(i => i.naturalWidth)")
+    assert min(widths) >= 64  # real thumbnails, decoded by the browser
+    shoot(page, tmp_path, "failures")
+
+
+def test_reload_mid_run_reattaches_to_the_same_run(page, app_url, tmp_path):
+    run_id = start_default(page, app_url)
+    page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
+    page.reload()
+    assert page.url.endswith(f"run={run_id}")
+    page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
+    other = page.context.new_page()
+    other.goto(f"{app_url}/?run={run_id}")  # another tab, same run
+    other.get_by_text(run_id).first.wait_for(timeout=30_000)
+    page.get_by_text("Best value per column").wait_for(timeout=120_000)
+    other.close()
+
+
+def test_cancel_a_run(page, app_url, tmp_path):
+    run_id = start_default(page, app_url)
+    page.get_by_role("button", name="Cancel run").click(timeout=30_000)
+    page.get_by_text("The run was cancelled").wait_for(timeout=60_000)
+    assert page.url.endswith(f"run={run_id}")
+    shoot(page, tmp_path, "cancelled")
