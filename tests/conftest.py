@@ -2,6 +2,8 @@
 
 from dataclasses import dataclass
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -69,3 +71,28 @@ def problem() -> Problem:
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def synthetic_scores(seed=0) -> pd.DataFrame:
+    """200 ID rows (classes 0..3) and two OOD sets (150 "far-set", 100 "near-set"); two detectors:
+    ``det`` (continuous, float32 like a real run) and ``tied`` (rounded: many ties)."""
+    rng = np.random.default_rng(seed)
+    n_id, n_a, n_b = 200, 150, 100
+    label = np.concatenate([np.arange(n_id) % 4, np.full(n_a + n_b, -1)])
+    prediction = label.copy()
+    wrong = np.flatnonzero(rng.random(n_id) < 0.15)
+    prediction[wrong] = (label[wrong] + 1) % 4
+    prediction[n_id:] = rng.integers(0, 4, size=n_a + n_b)
+    id_det = rng.normal(0, 1, n_id) + 0.3 * (label[:n_id] == 2)
+    det = np.concatenate([id_det, rng.normal(2, 1, n_a), rng.normal(1, 1, n_b)])
+    return pd.DataFrame(
+        {
+            "split": ["id_test"] * n_id + ["ood"] * (n_a + n_b),
+            "dataset": ["id-set"] * n_id + ["far-set"] * n_a + ["near-set"] * n_b,
+            "index": np.concatenate([np.arange(n_id) * 3, np.arange(n_a), np.arange(n_b) + 1000]),
+            "label": label,
+            "prediction": prediction,
+            "det": det.astype(np.float32),
+            "tied": np.round(det).astype(np.float32),
+        }
+    )

@@ -100,6 +100,15 @@ def log_scale(total: Tensor, kept_sum: Tensor) -> Tensor:
     return torch.where(positive, total / torch.where(positive, kept_sum, 1.0), 0.0)
 
 
+def store_head(detector: Detector, data: FitData) -> None:
+    """Fit of a shaping detector: only the head, after reading the first in-distribution batch
+    (which checks D against the head and settles the device)."""
+    check_kept(detector.name, data.n_features, detector.percentile)
+    for _ in data:
+        break
+    detector.head_weight_, detector.head_bias_ = data.head
+
+
 class ASH(Detector):
     name = "ash"
     summary = "Energy after pruning each sample's lowest activations; the rest binarised (b), kept (p) or scaled (s)."
@@ -118,10 +127,7 @@ class ASH(Detector):
         self.percentile = check_percentile(self.name, percentile, upper_open=True)
 
     def _fit(self, data: FitData) -> None:
-        check_kept(self.name, data.n_features, self.percentile)
-        for _ in data:  # the first in-distribution batch: checks D against the head, settles the device
-            break
-        self.head_weight_, self.head_bias_ = data.head
+        store_head(self, data)
 
     def shape_features(self, features: Tensor) -> tuple[Tensor, Tensor]:
         """The shaped features ``[B, D]`` (before any ASH-S factor) and ``log`` of the ASH-S factor ``[B]``."""

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.ash import check_kept, log_scale, scaled_energy
+from oodviz.detectors.ash import check_kept, log_scale, scaled_energy, store_head
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.react import check_percentile
 
@@ -46,10 +46,7 @@ class SCALE(Detector):
         self.percentile = check_percentile(self.name, percentile, upper_open=True)
 
     def _fit(self, data: FitData) -> None:
-        check_kept(self.name, data.n_features, self.percentile)
-        for _ in data:  # the first in-distribution batch: checks D against the head, settles the device
-            break
-        self.head_weight_, self.head_bias_ = data.head
+        store_head(self, data)
 
     def log_factor(self, features: Tensor) -> Tensor:
         """``r = s1 / s2`` ``[B]`` (float64), the log of each sample's scaling factor."""
