@@ -222,7 +222,7 @@ def test_a_restarted_reader_relists_every_run_and_detects_a_dead_supervisor(tmp_
     wait_final(done)
     orphan = submit(slow_config(), tmp_path)
     wait_for(lambda: refresh(orphan)["state"] == "running")
-    os.killpg(refresh(orphan)["supervisor_pid"], signal.SIGKILL)  # the whole job, as a machine restart would
+    os.killpg(os.getpgid(refresh(orphan)["supervisor_pid"]), signal.SIGKILL)  # the whole job, as a machine restart would
     listing = subprocess.run(
         [sys.executable, "-m", "oodviz.cli", "runs", "--runs-root", str(tmp_path)], capture_output=True, text=True, check=True
     ).stdout  # a fresh process: nothing in memory

@@ -66,8 +66,9 @@ def submit(config: RunConfig, runs_root: Path) -> RunDir:
     """Validate ``config``, create its run directory and start it in the background."""
     config.validate()
     run = RunDir.create(Path(runs_root), config.to_dict())
-    process = _spawn("oodviz.runs.supervise", run, new_session=True)
-    run.write_status(supervisor_pid=process.pid)
+    # The supervisor forks and its first process exits at once, after recording the pid of the
+    # second: waiting for it here leaves no zombie in a long-lived caller such as the app.
+    _spawn("oodviz.runs.supervise", run, new_session=True).wait()
     return run
 
 
@@ -123,7 +124,7 @@ def delete_run(run: RunDir) -> None:
         pid = status.get("supervisor_pid")
         if pid_alive(pid, run):
             try:
-                os.killpg(pid, signal.SIGKILL)
+                os.killpg(os.getpgid(pid), signal.SIGKILL)  # the supervisor and its worker
             except (ProcessLookupError, PermissionError):
                 pass
     shutil.rmtree(run.path, ignore_errors=True)

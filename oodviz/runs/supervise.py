@@ -6,6 +6,7 @@ picks the largest process) it survives to write why the run ended.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -67,5 +68,15 @@ def supervise(run: RunDir) -> int:
     return 0
 
 
+def main(run: RunDir) -> int:
+    recorded, done = os.pipe()
+    if os.fork():  # the process `submit` waits for: it exits once the supervisor has recorded itself
+        os.read(recorded, 1)
+        os._exit(0)
+    run.write_status(supervisor_pid=os.getpid())  # before anything else writes the status
+    os.write(done, b"1")
+    return supervise(run)
+
+
 if __name__ == "__main__":
-    sys.exit(supervise(RunDir(Path(sys.argv[1]))))
+    sys.exit(main(RunDir(Path(sys.argv[1]))))
