@@ -4,9 +4,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup app test browser bench clean
+.PHONY: setup app test browser fashion-mnist bench clean
 
-setup: $(STAMP)
+setup: $(STAMP) fashion-mnist
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	touch $@
 
-app: $(STAMP)
+app: $(STAMP) fashion-mnist
 	$(BIN)/streamlit run app.py --server.headless true --browser.gatherUsageStats false
 
 # The browser tests drive Debian's Chromium; install it where we may (root with apt), else they skip.
@@ -24,7 +24,15 @@ browser:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
 	  else echo "chromium not found and not root: the browser tests will be skipped (sudo apt-get install chromium)"; fi; }
 
-test: $(STAMP) browser
+# The Fashion-MNIST preset reads Debian's dataset-fashion-mnist (the real files, offline); install it where
+# we may (root with apt), else say where the preset gets its data from.
+fashion-mnist:
+	@[ -f /usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz ] || [ -f data/FashionMNIST/raw/t10k-labels-idx1-ubyte ] || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; \
+	  else echo "Fashion-MNIST not installed and not root: the fashion-mnist preset downloads it on first use when downloads are allowed (or: sudo apt-get install dataset-fashion-mnist); its tests are skipped"; fi; }
+
+test: $(STAMP) browser fashion-mnist
 	$(BIN)/python -m pytest
 
 bench: $(STAMP)

@@ -5,9 +5,12 @@ A :class:`Batch` carries what a classifier produced for ``B`` inputs:
 - ``features``: penultimate-layer features, float tensor ``[B, D]``;
 - ``logits``: classifier outputs, float tensor ``[B, C]``;
 - ``labels``: integer class labels ``[B]`` in ``0..C-1``; ``-1`` marks an OOD (or unlabelled
-  outlier) sample, which detectors ignore when fitting.
+  outlier) sample, which detectors ignore when fitting;
+- ``inputs`` (optional): the model inputs themselves, float tensor ``[B, ...]`` (for images
+  ``[B, C_in, H, W]``, already transformed and normalised), for the detectors that run the model
+  again (``odin``, ``mcd``).
 
-Any of the three may be ``None``; a detector says which ones it needs. Feature maps
+Any of them may be ``None``; a detector says which ones it needs. Feature maps
 (``[B, C, H, W]``) or token sequences (``[B, T, D]``) are rejected rather than flattened: pool
 them first (the original out-of-memory report behind oodviz was 49 x 1024 ViT tokens per image
 silently flattened into 50,176-dimensional "features").
@@ -22,6 +25,8 @@ import torch
 from torch import Tensor
 
 OOD_LABEL = -1
+#: the tensor fields of a Batch
+FIELDS = ("features", "logits", "labels", "inputs")
 
 
 def _as_tensor(name: str, value) -> Tensor | None:
@@ -39,14 +44,15 @@ def _same_device(actual: torch.device, wanted: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class Batch:
-    """Features ``[B, D]``, logits ``[B, C]`` and labels ``[B]`` (``-1`` = OOD) of ``B`` samples."""
+    """Features ``[B, D]``, logits ``[B, C]``, labels ``[B]`` (``-1`` = OOD) and model inputs ``[B, ...]`` of ``B`` samples."""
 
     features: Tensor | None = None
     logits: Tensor | None = None
     labels: Tensor | None = None
+    inputs: Tensor | None = None
 
     def __post_init__(self):
-        for name in ("features", "logits", "labels"):
+        for name in ("features", "logits", "labels", "inputs"):
             object.__setattr__(self, name, _as_tensor(name, getattr(self, name)))
         for name in ("features", "logits"):
             value = getattr(self, name)
@@ -65,20 +71,29 @@ class Batch:
                 raise ValueError(f"Batch.labels must be 1-D [B], got shape {tuple(self.labels.shape)}")
             if self.labels.is_floating_point() or self.labels.is_complex() or self.labels.dtype == torch.bool:
                 raise ValueError(f"Batch.labels must be an integer tensor (class index, -1 = OOD), got {self.labels.dtype}")
-        sizes = {name: len(t) for name in ("features", "logits", "labels") if (t := getattr(self, name)) is not None}
+        if self.inputs is not None:
+            if self.inputs.ndim < 2:
+                raise ValueError(
+                    f"Batch.inputs must be [B, ...] with at least 2 axes (images: [B, C, H, W]), got shape {tuple(self.inputs.shape)}"
+                )
+            if not self.inputs.is_floating_point():
+                raise ValueError(
+                    f"Batch.inputs must be a floating-point tensor (the transformed model input), got {self.inputs.dtype}"
+                )
+        sizes = {name: len(t) for name in FIELDS if (t := getattr(self, name)) is not None}
         if len(set(sizes.values())) > 1:
             raise ValueError(f"Batch fields disagree on the number of samples: {sizes}")
 
     def __len__(self) -> int:
-        for t in (self.features, self.logits, self.labels):
+        for t in (self.features, self.logits, self.labels, self.inputs):
             if t is not None:
                 return len(t)
         return 0
 
     @property
     def device(self) -> torch.device | None:
-        """Device of the first tensor present (features, then logits, then labels)."""
-        for t in (self.features, self.logits, self.labels):
+        """Device of the first tensor present (inputs, then features, logits, labels)."""
+        for t in (self.inputs, self.features, self.logits, self.labels):
             if t is not None:
                 return t.device
         return None
@@ -86,8 +101,8 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         """This batch with every tensor on ``device`` (non-blocking where the source is pinned)."""
         device = torch.device(device)
-        tensors = [t for t in (self.features, self.logits, self.labels) if t is not None]
+        tensors = [t for t in (self.features, self.logits, self.labels, self.inputs) if t is not None]
         if all(_same_device(t.device, device) for t in tensors):
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(move(self.features), move(self.logits), move(self.labels))
+        return Batch(move(self.features), move(self.logits), move(self.labels), move(self.inputs))

@@ -34,9 +34,9 @@ def _progress_line(event: dict) -> str:
 class TerminalProgress:
     """Turns run events into one live status line per stage (carriage returns on a terminal)."""
 
-    def __init__(self, stream=sys.stderr):
-        self.stream = stream
-        self.live = stream.isatty()
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr or sys.__stderr__
+        self.live = self.stream.isatty()
         self.width = shutil.get_terminal_size((100, 20)).columns - 1
 
     def __call__(self, event: dict) -> None:
@@ -57,12 +57,15 @@ class TerminalProgress:
 
 
 def cmd_run(args) -> int:
-    from oodviz.runs.config import ConfigError, RunConfig
+    from oodviz.runs.config import ConfigError, RunConfig, preset
     from oodviz.runs.rundir import RunDir
     from oodviz.runs.worker import execute
 
     try:
-        config = RunConfig.load(args.config) if args.config else RunConfig()
+        if args.preset:
+            config = preset(args.preset)
+        else:
+            config = RunConfig.load(args.config) if args.config else RunConfig()
         config.validate()
     except ConfigError as error:
         print(error, file=sys.stderr)
@@ -116,10 +119,16 @@ def cmd_app(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from oodviz.runs.config import PRESETS
+
     parser = argparse.ArgumentParser(prog="oodviz", description="Out-of-distribution detection you can see.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("run", help="run a job in the foreground (no CONFIG: the bundled offline default)")
-    run.add_argument("config", nargs="?", help="a run config, .json or .toml (see examples/)")
+    chosen = run.add_mutually_exclusive_group()
+    chosen.add_argument("config", nargs="?", help="a run config, .json or .toml (see examples/)")
+    chosen.add_argument(
+        "--preset", choices=list(PRESETS), help="a ready-made config instead of CONFIG: digits (the default) or fashion-mnist"
+    )
     run.add_argument("--out", help="the run directory to create (default: a new one under --runs-root)")
     run.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT), help="where runs live (default: ./runs)")
     run.set_defaults(func=cmd_run)

@@ -33,6 +33,7 @@ EXPECTED_NAMES = [
     "digits-train", "digits-test", "digits-heldout", "digits-inverted", "digits-rotated", "photo-patches",
     "noise-gaussian", "noise-uniform",
     "mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100", "svhn", "dtd",
+    "fashion-mnist-id", "fashion-mnist-heldout", "fashion-mnist-inverted", "fashion-mnist-rotated", "digits-28",
     "folder",
 ]  # fmt: skip
 
@@ -478,7 +479,7 @@ def test_missing_files_say_where_and_how_to_download(tmp_path, name, where, firs
     message = str(caught.value)
     assert isinstance(caught.value, FileNotFoundError)
     assert str(tmp_path / "data" / where).rstrip(os.sep) in message
-    assert first_file in message and "download=True" in message and "--download" in message
+    assert first_file in message and "download=True" in message and "Allow downloads" in message
 
 
 def test_files_failing_torchvision_checksums_say_so(tmp_path):

@@ -12,17 +12,20 @@ from conftest import cuda, make_problem
 from oodviz import Batch
 from oodviz.detectors import NotFittedError, available, create, detector_class
 
-ALL = available()
+NAMES = available()
+# Detectors fed with features and logits; the model-based ones (needs_model: odin, mcd) score model
+# inputs with the model and are tested in test_model_detectors.py.
+ALL = [n for n in NAMES if not detector_class(n).needs_model]
 FITTED = [n for n in ALL if detector_class(n).needs_fit]
 LABELLED = [n for n in ALL if detector_class(n).needs_labels]
 
 
 def test_registry_lists_the_issue_detectors():
-    assert set(ALL) == {
+    assert set(NAMES) == {
         "msp", "maxlogit", "energy", "entropy", "gen", "tempscale", "klm", "mahalanobis", "rmd", "vim", "she", "knn",
-        "react", "ash", "scale", "dice", "fdbd", "nci",
+        "react", "ash", "scale", "dice", "fdbd", "nci", "gradnorm", "odin", "mcd",
     }  # fmt: skip
-    for name in ALL:
+    for name in NAMES:
         cls = detector_class(name)
         assert cls.summary and cls.paper.startswith("https://")
         assert cls.__module__.startswith("oodviz.detectors.")
@@ -86,7 +89,8 @@ def test_ood_rows_in_the_fit_data_are_ignored(problem, name):
     mixed = create(name).fit(problem.batches(x, y), head=problem.head)
     reordered_clean = create(name).fit(problem.batches(x[keep], y[keep]), head=problem.head)
     query = problem.batches(problem.eval_x)
-    torch.testing.assert_close(mixed.score(query), reordered_clean.score(query), rtol=1e-5, atol=1e-5)
+    # Other batch boundaries: float32 products of centred rows may differ in the last digits.
+    torch.testing.assert_close(mixed.score(query), reordered_clean.score(query), rtol=1e-4, atol=5e-4)
     assert clean.score(query).shape == mixed.score(query).shape
 
 

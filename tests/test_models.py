@@ -71,7 +71,7 @@ def _digit_image(values: np.ndarray) -> Image.Image:
 
 
 def test_registry_names():
-    assert available_backbones() == ["digits-cnn", *TORCHVISION]
+    assert available_backbones() == ["digits-cnn", "fashion-cnn", *TORCHVISION]
     for name in TORCHVISION:
         info = backbone_info(name)
         assert info["feature_dim"] == EXPECTED_D[name] and info["num_classes"] == 1000

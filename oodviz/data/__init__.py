@@ -6,7 +6,8 @@ as_ood=None, transform=None, **params)`` returns an :class:`ImageDataset`:
 dataset before subsampling), or ``None`` for an unreadable image file (counted in ``ds.skipped``).
 
 Sources (one module each): bundled scikit-learn digits and photo patches (:mod:`.bundled`, offline),
-seeded noise (:mod:`.noise`), torchvision datasets under ``root`` (:mod:`.torchvision_sets`) and the
+seeded noise (:mod:`.noise`), torchvision datasets under ``root`` (:mod:`.torchvision_sets`), the
+Fashion-MNIST preset's ID / held-out / shifted sets and 28x28 digits (:mod:`.fashion`) and the
 user's image folders (:mod:`.folders`). Add one with :func:`register_dataset`.
 """
 
@@ -21,14 +22,18 @@ from oodviz.data.registry import (
 )
 
 # Importing a source module registers its datasets (in this order in available_datasets()).
-from oodviz.data import bundled, noise, torchvision_sets, folders  # noqa: E402,F401  isort: skip
+from oodviz.data import bundled, noise, torchvision_sets, fashion, folders  # noqa: E402,F401  isort: skip
 from oodviz.data.bundled import DIGITS_HELD_OUT, DIGITS_ID_CLASSES, digits_split  # noqa: E402
+from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_CLASSES, FASHION_ID_NAMES, fashion_split  # noqa: E402
 from oodviz.data.folders import IMAGE_EXTENSIONS  # noqa: E402
 from oodviz.data.torchvision_sets import DatasetNotFoundError  # noqa: E402
 
 __all__ = [
     "DIGITS_HELD_OUT",
     "DIGITS_ID_CLASSES",
+    "FASHION_HELD_OUT",
+    "FASHION_ID_CLASSES",
+    "FASHION_ID_NAMES",
     "IMAGE_EXTENSIONS",
     "DatasetInfo",
     "DatasetNotFoundError",
@@ -39,6 +44,7 @@ __all__ = [
     "dataset_info",
     "dataset_params",
     "digits_split",
+    "fashion_split",
     "load_dataset",
     "register_dataset",
     "subsample_indices",

@@ -14,7 +14,14 @@ dtd             ``dtd/dtd/images/<class>/*.jpg`` + ``dtd/dtd/labels/{split}{part
 
 torchvision needs all four MNIST-style files whatever the split; when only the ``.gz``
 archives are there (copied from another machine), they are unpacked next to themselves, as
-torchvision's own download does. CIFAR and SVHN files are checked against torchvision's md5
+torchvision's own download does.
+
+Fashion-MNIST is also looked for where Debian's package ``dataset-fashion-mnist`` puts it
+(:data:`SYSTEM_DIRS`: ``/usr/share/datasets/fashion-mnist/*-ubyte.gz``, the same four archives
+torchvision downloads). The search order is: the data root, then that system copy, then (only
+with ``download=True``) torchvision's download. The system folder is never written to: its
+archives are unpacked into ``<root>/FashionMNIST/raw/`` on first use (about 55 MB), where
+torchvision reads them from then on. CIFAR and SVHN files are checked against torchvision's md5
 sums: files that exist but fail the check raise a ValueError (delete them and download again).
 
 Images come back as torchvision returns them (PIL ``"L"`` 28x28 for the MNIST family, ``"RGB"``
@@ -42,6 +49,12 @@ _MNIST_FILES = (
     "t10k-images-idx3-ubyte",
     "t10k-labels-idx1-ubyte",
 )
+
+
+#: Read-only system folders holding a dataset's ``.gz`` archives (Debian/Ubuntu packages), by dataset name.
+SYSTEM_DIRS: dict[str, str] = {"fashion-mnist": "/usr/share/datasets/fashion-mnist"}
+#: The package that fills each folder of :data:`SYSTEM_DIRS`.
+SYSTEM_PACKAGES: dict[str, str] = {"fashion-mnist": "dataset-fashion-mnist"}
 
 
 class DatasetNotFoundError(FileNotFoundError):
@@ -109,21 +122,83 @@ def _unpack_gz(folder: str, names: list[str]) -> None:
             os.replace(partial, target)
 
 
-def _check_files(spec: _Spec, root: str, split: str, partition: int) -> None:
+def _mnist_family(spec: _Spec) -> bool:
+    return spec.class_name in ("MNIST", "FashionMNIST", "KMNIST")
+
+
+def _missing(spec: _Spec, root: str, split: str, partition: int) -> list[str]:
+    """The files torchvision needs that are not under ``root`` (``.gz`` archives there are unpacked first)."""
     folder = spec.folder(root, split, partition)
     names = spec.files(split, partition)
-    if spec.class_name in ("MNIST", "FashionMNIST", "KMNIST"):
+    if _mnist_family(spec):
         processed = os.path.join(os.path.dirname(folder), "processed")
         if all(os.path.isfile(os.path.join(processed, f)) for f in ("training.pt", "test.pt")):
-            return  # torchvision's legacy cache, which it reads instead of raw/
+            return []  # torchvision's legacy cache, which it reads instead of raw/
         if os.path.isdir(folder):
             _unpack_gz(folder, names)
-    missing = [n for n in names if not os.path.exists(os.path.join(folder, n))]
+    return [n for n in names if not os.path.exists(os.path.join(folder, n))]
+
+
+def system_copy(name: str) -> str | None:
+    """The system folder (:data:`SYSTEM_DIRS`) holding every archive of dataset ``name``, or ``None``."""
+    folder = SYSTEM_DIRS.get(name)
+    if folder is None or name not in _SPECS:
+        return None
+    names = _SPECS[name].files("train", 1)
+    return folder if all(os.path.isfile(os.path.join(folder, f + ".gz")) for f in names) else None
+
+
+def _use_system_copy(spec: _Spec, root: str, split: str, partition: int) -> bool:
+    """Unpack the system copy of ``spec`` into the data root when the root lacks files; True if it did.
+
+    The system folder is only read. The archives are unpacked to ``<name>.partial`` and renamed
+    into place, so an interrupted unpack leaves nothing torchvision would trust.
+    """
+    source = system_copy(spec.name)
+    if source is None or not _missing(spec, root, split, partition):
+        return False
+    folder = spec.folder(root, split, partition)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        for name in spec.files(split, partition):
+            target = os.path.join(folder, name)
+            if os.path.exists(target):
+                continue
+            partial = target + ".partial"
+            with gzip.open(os.path.join(source, name + ".gz"), "rb") as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            os.replace(partial, target)
+    except OSError as error:
+        raise DatasetNotFoundError(
+            f"{spec.name!r} is installed in {source} (package {SYSTEM_PACKAGES.get(spec.name)}), but unpacking it "
+            f"into the data root {os.path.abspath(folder)} failed ({error}). Choose a writable data root "
+            "(data_root in the run config, 'Data root' in the app), or unpack the four .gz files there by hand."
+        ) from error
+    return True
+
+
+def _how_to_get(spec: _Spec) -> str:
+    hint = (
+        f"Pass download=True (a run config's `download = true`, or 'Allow downloads' in the app) to fetch it with torchvision ({spec.download_size}), "
+        "or put the files there by hand."
+    )
+    package = SYSTEM_PACKAGES.get(spec.name)
+    if package:
+        hint += (
+            f" On Debian/Ubuntu, `sudo apt-get install {package}` installs it offline in "
+            f"{SYSTEM_DIRS[spec.name]}, where oodviz finds it."
+        )
+    return hint
+
+
+def _check_files(spec: _Spec, root: str, split: str, partition: int) -> None:
+    missing = _missing(spec, root, split, partition)
     if missing:
+        folder = spec.folder(root, split, partition)
+        names = spec.files(split, partition)
         raise DatasetNotFoundError(
             f"Dataset {spec.name!r} (split {split!r}) is not under {os.path.abspath(folder)}: missing "
-            f"{', '.join(missing)} (expected there: {', '.join(names)}). Pass download=True (command line: "
-            f"--download) to fetch it with torchvision ({spec.download_size}), or put the files there by hand."
+            f"{', '.join(missing)} (expected there: {', '.join(names)}). {_how_to_get(spec)}"
         )
 
 
@@ -177,6 +252,7 @@ def load_torchvision(
         raise ValueError(f"{name} has splits {', '.join(spec.splits)}, got split={split!r}")
     if spec.class_name == "DTD" and (isinstance(partition, bool) or partition not in range(1, 11)):
         raise ValueError(f"dtd partition must be an integer 1..10, got {partition!r}")
+    _use_system_copy(spec, root, split, partition)  # data root first, then a system copy, then the download
     if not download:
         _check_files(spec, root, split, partition)
     try:

@@ -3,21 +3,26 @@
 Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 ``score(batches, device=None)`` (CPU float tensor ``[N]``, higher = more OOD); see
 :mod:`oodviz.detectors.base`. One module per method, its docstring giving the formula.
+Detectors with ``needs_model`` (``odin``, ``mcd``) run the classifier again: they take it as
+``create(name, model=...)`` and score ``Batch(inputs=...)``.
 """
 
 from oodviz.detectors.ash import ASH
-from oodviz.detectors.base import Detector, FitData, NotFittedError
+from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
 from oodviz.detectors.dice import DICE
 from oodviz.detectors.energy import Energy
 from oodviz.detectors.entropy import Entropy
 from oodviz.detectors.fdbd import FDBD
 from oodviz.detectors.gen import GEN
+from oodviz.detectors.gradnorm import GradNorm
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.mahalanobis import Mahalanobis
 from oodviz.detectors.maxlogit import MaxLogit
+from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
+from oodviz.detectors.odin import ODIN
 from oodviz.detectors.react import ReAct
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
@@ -46,6 +51,9 @@ _REGISTRY: dict[str, type[Detector]] = {
         DICE,
         FDBD,
         NCI,
+        GradNorm,
+        ODIN,
+        MCD,
     )
 }
 
@@ -72,4 +80,4 @@ def create(name: str, **params) -> Detector:
     return cls(**params)
 
 
-__all__ = ["Detector", "FitData", "NotFittedError", "available", "create", "detector_class"]
+__all__ = ["Detector", "FitData", "ModelDetector", "NotFittedError", "available", "create", "detector_class"]

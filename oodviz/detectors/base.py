@@ -20,7 +20,9 @@ Fitted state lives in attributes ending in ``_``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import itertools
 from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
@@ -114,7 +116,7 @@ class _Shapes:
         for field in inputs:
             value = getattr(batch, field)
             if not torch.isfinite(value).all():
-                bad = int((~torch.isfinite(value)).any(dim=1).sum())
+                bad = int((~torch.isfinite(value)).reshape(len(value), -1).any(dim=1).sum())
                 raise ValueError(
                     f"{self.detector_name}: batch {index} has {bad} sample(s) with NaN or infinite {field}; "
                     "check the model and its input normalisation, or drop those samples."
@@ -208,7 +210,7 @@ class FitData:
         if bool(known.all()):
             return batch
         keep = lambda t: None if t is None else t[known]  # noqa: E731
-        return Batch(keep(batch.features), keep(batch.logits), labels[known])
+        return Batch(keep(batch.features), keep(batch.logits), labels[known], keep(batch.inputs))
 
 
 class Detector:
@@ -230,6 +232,10 @@ class Detector:
     needs_fit: ClassVar[bool] = True
     #: how many times fit reads the batches (1 = a one-shot iterator is fine)
     fit_passes: ClassVar[int] = 1
+    #: runs the classifier again on ``Batch.inputs`` (constructor parameter ``model``); see :class:`ModelDetector`
+    needs_model: ClassVar[bool] = False
+    #: part of the default detector list of a run (``RunConfig().detectors``)
+    in_defaults: ClassVar[bool] = True
 
     # -- parameters -------------------------------------------------------------------------
     @classmethod
@@ -320,3 +326,101 @@ def check_all_classes_seen(detector_name: str, empty: list[int], what: str = "sa
             f"({len(empty)} of them). Every class 0..C-1 needs at least one; use more (or stratified) "
             "in-distribution data, or relabel the classes contiguously."
         )
+
+
+class ModelDetector(Detector):
+    """Base of the detectors that run the classifier again on the model inputs (``odin``, ``mcd``).
+
+    - The model is the constructor parameter ``model``: an :class:`oodviz.models.Backbone` (its
+      ``features_and_logits`` is used), an ``nn.Module`` or any callable mapping inputs
+      ``[B, ...]`` to logits ``[B, C]`` or to ``(features [B, D], logits [B, C])``. A run passes
+      its backbone; ``create(name)`` without one is fine for checking parameters.
+    - The batches carry ``inputs`` (``Batch(inputs=x)``, ``x`` already transformed as the model
+      expects); ``labels`` may come along and are ignored.
+    - ``fit`` needs no data: it checks the model and returns self (it accepts the usual
+      ``fit(batches, head=None, device=None)``).
+    - ``score`` runs batch by batch on ``device`` (default: the device of the batches). An
+      ``nn.Module`` is moved there in eval mode for the call and put back afterwards exactly as
+      it was (device of every tensor, train/eval flag of every submodule), also after an error.
+    """
+
+    inputs = ("inputs",)
+    needs_fit = False
+    needs_model = True
+
+    def __init__(self, model=None):
+        self.model = _check_model_object(model)
+
+    # -- the model ---------------------------------------------------------------------------
+    def _require_model(self):
+        if self.model is None:
+            raise ValueError(
+                f"{self.name} runs the classifier again and has no model: create it with "
+                f"create({self.name!r}, model=...) passing an oodviz Backbone, an nn.Module or a callable that "
+                "returns logits [B, C] (a run passes its backbone itself)."
+            )
+        return self.model
+
+    @property
+    def module(self) -> torch.nn.Module | None:
+        """The ``nn.Module`` behind ``model`` (a Backbone's ``model``), or None for a plain callable."""
+        model = self.model
+        if not isinstance(model, torch.nn.Module) and hasattr(model, "features_and_logits"):
+            model = getattr(model, "model", None)
+        return model if isinstance(model, torch.nn.Module) else None
+
+    def logits(self, x: Tensor, grad: bool = False) -> Tensor:
+        """Logits ``[B, C]`` (float32) of the model for inputs ``x`` ``[B, ...]`` on the model's device.
+
+        ``grad=True`` keeps the graph (for gradients with respect to ``x``).
+        """
+        model = self._require_model()
+        context = torch.enable_grad() if grad else torch.no_grad()
+        with context:
+            if hasattr(model, "features_and_logits"):
+                out = model.features_and_logits(x, grad=True) if grad else model.features_and_logits(x)
+            else:
+                out = model(x)
+        if isinstance(out, (tuple, list)) and len(out) == 2:
+            out = out[1]
+        if not isinstance(out, Tensor) or out.ndim != 2 or len(out) != len(x):
+            shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
+            raise ValueError(
+                f"{self.name}: the model returned {shape} for {len(x)} inputs; it must return logits [B, C] "
+                "or (features [B, D], logits [B, C])"
+            )
+        return out.float()
+
+    # -- fit / score ---------------------------------------------------------------------------
+    def fit(self, batches=None, head=None, device=None):
+        """Nothing to learn: checks the model (see :meth:`_check_fit_model`) and returns self."""
+        self._check_fit_model(self._require_model())
+        return self
+
+    def _check_fit_model(self, model) -> None:
+        """Raise a ValueError when this method cannot work with ``model``."""
+
+    def score(self, batches, device=None) -> Tensor:
+        """Outlier scores of the batches' ``inputs``, a CPU float32 tensor ``[N]``; higher = more OOD."""
+        from oodviz.engine.extract import model_on_device
+
+        self._check_fit_model(self._require_model())
+        iterator = _iter_batches(batches)
+        first = next((b for b in iterator if len(b)), None)
+        if first is None:
+            raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
+        device = first.device if device is None else torch.device(device)
+        with model_on_device(self.module, device), self._scoring(device):
+            return Detector.score(self, itertools.chain([first], iterator), device=device)
+
+    def _scoring(self, device: torch.device):
+        """A context manager around one ``score`` call, entered after the model is on ``device`` in eval mode."""
+        return contextlib.nullcontext()
+
+
+def _check_model_object(model):
+    if model is not None and not callable(model):
+        raise ValueError(
+            f"model must be an oodviz Backbone, an nn.Module or a callable returning logits, got {type(model).__name__}"
+        )
+    return model

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.stats import ClassMeans
+from oodviz.detectors.stats import ClassMeans, row_blocks
 
 
 class KLMatching(Detector):
@@ -37,10 +37,11 @@ class KLMatching(Detector):
     def _fit(self, data: FitData) -> None:
         sums = None
         for batch in data:
-            p = batch.logits.float().softmax(dim=1)
             if sums is None:
-                sums = ClassMeans(n_classes=p.shape[1])
-            sums.update(p, p.argmax(dim=1))
+                sums = ClassMeans(n_classes=batch.logits.shape[1])
+            for block in row_blocks(len(batch.logits), batch.logits.shape[1]):
+                p = batch.logits[block].float().softmax(dim=1)
+                sums.update(p, p.argmax(dim=1))
         matched = sums.counts > 0
         self.unmatched_classes_ = torch.nonzero(~matched).flatten().tolist()
         if self.unmatched_classes_:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.stats import row_blocks
 
 
 def _normalise(x: Tensor) -> Tensor:
@@ -58,9 +59,10 @@ class KNN(Detector):
         rows, dim = 0, None
         with open(path, "wb") as file:
             for batch in data:
-                z = _normalise(batch.features).cpu().numpy()
-                file.write(np.ascontiguousarray(z, dtype=np.float32).tobytes())
-                rows, dim = rows + len(z), z.shape[1]
+                dim = batch.features.shape[1]
+                for block in row_blocks(len(batch.features), dim, itemsize=4):
+                    _normalise(batch.features[block]).cpu().numpy().tofile(file)
+                rows += len(batch.features)
         if rows < self.k:
             raise ValueError(f"knn: k={self.k} exceeds the {rows} in-distribution samples; choose k <= {rows}.")
         self.bank_path_ = path

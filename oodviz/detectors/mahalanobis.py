@@ -30,18 +30,22 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
-from oodviz.detectors.stats import ClassMoments
+from oodviz.detectors.stats import ClassMoments, symmetric_eigh
 
 
-def inverse_sqrt(covariance: Tensor) -> Tensor:
+def inverse_sqrt(covariance: Tensor, overwrite: bool = False) -> Tensor:
     """``S`` ``[D, k]`` with ``S S^T = covariance^+`` (pseudo-inverse), from a float64 ``[D, D]`` matrix.
 
     Keeps the ``k`` eigen-directions with eigenvalue above ``D * eps(float64) * lambda_max``.
+    ``overwrite=True`` may destroy ``covariance`` (saves a copy of it).
     """
-    eigenvalues, eigenvectors = torch.linalg.eigh(covariance)
-    cutoff = eigenvalues.amax().clamp(min=0) * covariance.shape[0] * torch.finfo(covariance.dtype).eps
+    d, eps = covariance.shape[0], torch.finfo(covariance.dtype).eps
+    eigenvalues, eigenvectors = symmetric_eigh(covariance, overwrite=overwrite)
+    cutoff = eigenvalues.amax().clamp(min=0) * d * eps
     keep = eigenvalues > cutoff
-    return eigenvectors[:, keep] / eigenvalues[keep].sqrt()
+    if not bool(keep.all()):
+        eigenvectors = eigenvectors[:, keep]
+    return eigenvectors.div_(eigenvalues[keep].sqrt())
 
 
 def squared_distances(x: Tensor, points: Tensor, point_norms: Tensor) -> Tensor:
@@ -72,16 +76,18 @@ class Mahalanobis(Detector):
     def _fit_gaussians(self, moments: ClassMoments) -> None:
         self.class_counts_ = moments.counts.long()
         self.class_means_ = moments.means  # [C, D] float64
-        self.covariance_ = moments.within / moments.total  # [D, D] float64
+        self.covariance_ = moments.within.div_(moments.total)  # [D, D] float64, in place: no copy
         self._set_whitening(moments.grand_mean)
 
     def _set_whitening(self, center: Tensor) -> None:
         whitening = inverse_sqrt(self.covariance_)
-        whitened_means = (self.class_means_ - center) @ whitening
+        # (mu_c - mu) S = mu_c S - mu S: no [C, D] copy of the centred means
+        whitened_means = self.class_means_ @ whitening
+        whitened_means -= center @ whitening
         self.center_ = center.float()
         self.whitening_ = whitening.float()  # [D, k]
         self.whitened_means_ = whitened_means.float()  # [C, k]
-        self.whitened_norms_ = (whitened_means**2).sum(dim=1).float()  # [C]
+        self.whitened_norms_ = whitened_means.pow_(2).sum(dim=1).float()  # [C]
 
     def _whiten(self, features: Tensor) -> Tensor:
         return (features.float() - self.center_) @ self.whitening_

@@ -31,9 +31,11 @@ class RelativeMahalanobis(Mahalanobis):
     paper = "https://arxiv.org/abs/2106.09022"
 
     def _fit_gaussians(self, moments: ClassMoments) -> None:
+        # Before the class part, which turns the within-class scatter into Sigma in place.
+        background_covariance = moments.total_scatter().div_(moments.total)  # [D, D] float64
+        self.background_whitening_ = inverse_sqrt(background_covariance, overwrite=True).float()  # [D, k0]
+        del background_covariance
         super()._fit_gaussians(moments)
-        self.background_covariance_ = moments.total_scatter() / moments.total  # [D, D] float64
-        self.background_whitening_ = inverse_sqrt(self.background_covariance_).float()
 
     def _score(self, batch: Batch) -> Tensor:
         background = ((batch.features.float() - self.center_) @ self.background_whitening_).pow(2).sum(dim=1)

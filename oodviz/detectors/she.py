@@ -43,8 +43,7 @@ class SHE(Detector):
         sums = ClassMeans(n_classes=data.n_classes)
         for batch in data:
             self.head_weight_, self.head_bias_ = data.head or (None, None)  # on the fit device
-            correct = self._predictions(batch) == batch.labels
-            sums.update(batch.features[correct], batch.labels[correct])
+            sums.update(batch.features, batch.labels, mask=self._predictions(batch) == batch.labels)
         if sums.counts is None:
             raise ValueError("she cannot fit: no in-distribution sample is classified correctly; check the labels.")
         check_all_classes_seen(self.name, sums.empty_classes(data.n_classes), "correctly classified samples")

@@ -2,15 +2,57 @@
 
 Each accumulator is ``update``-d one batch at a time and can ``merge`` another accumulator that
 saw a different shard of the data, giving the same result as one accumulator that saw both.
-Memory is ``O(C * D + D^2)`` whatever the number of samples.
+Memory is ``O(C * D + D^2)`` whatever the number of samples: float64 copies of a batch are made
+a block of rows at a time (:func:`row_blocks`, at most ``BLOCK_BYTES`` each), so even the
+temporaries do not grow with the batch size.
+
+Precision: sums, means and the subtraction of means happen in float64; the outer products of
+already-centred rows (:func:`add_gram`) are multiplied in the dtype the features came in and
+added to float64 accumulators. Centring first is what removes the cancellation; a float32
+product of centred rows loses nothing the float32 features had, and runs at float32 speed.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import scipy.linalg
 import torch
 from torch import Tensor
 
 ACCUMULATE = torch.float64
+BLOCK_BYTES = 4 * 2**20
+
+
+def row_blocks(n_rows: int, n_cols: int, itemsize: int = 8) -> Iterator[slice]:
+    """Slices of ``range(n_rows)`` whose ``rows x n_cols`` float64 copy stays within ``BLOCK_BYTES``."""
+    step = max(1, BLOCK_BYTES // (itemsize * max(n_cols, 1)))
+    for start in range(0, n_rows, step):
+        yield slice(start, min(start + step, n_rows))
+
+
+def symmetric_eigh(matrix: Tensor, overwrite: bool = False) -> tuple[Tensor, Tensor]:
+    """Eigenvalues (ascending) and eigenvectors of a symmetric float64 ``[D, D]`` matrix.
+
+    On the CPU through LAPACK's MRRR driver (``scipy.linalg.eigh(driver="evr")``), whose
+    workspace is O(D) where torch's divide-and-conquer ``eigh`` needs ``2 D^2`` more floats
+    (16 MiB at D = 1024); ``overwrite=True`` lets it destroy ``matrix`` instead of copying it.
+    Elsewhere ``torch.linalg.eigh``.
+    """
+    if matrix.device.type != "cpu":
+        return torch.linalg.eigh(matrix)
+    # The transpose of a symmetric C-ordered matrix is the same matrix in Fortran order, which
+    # LAPACK can work on in place.
+    values, vectors = scipy.linalg.eigh(matrix.numpy().T, driver="evr", overwrite_a=overwrite, check_finite=False)
+    return torch.from_numpy(values), torch.from_numpy(vectors)
+
+
+def add_gram(accumulator: Tensor, left: Tensor, right: Tensor, dtype: torch.dtype) -> None:
+    """``accumulator += left^T @ right``, the product computed in ``dtype``, the sum in the accumulator's."""
+    if dtype == accumulator.dtype:
+        accumulator.addmm_(left.T, right)
+    else:
+        accumulator += left.to(dtype).T @ right.to(dtype)
 
 
 def _grow_rows(t: Tensor, rows: int) -> Tensor:
@@ -23,8 +65,9 @@ def _grow_rows(t: Tensor, rows: int) -> Tensor:
 class ClassMeans:
     """Per-class counts ``n_c`` and sums ``sum_i x_i`` in float64.
 
-    ``update(x [B, D], y [B])`` with ``y`` in ``0..C-1``. The number of classes grows with the
-    largest label seen unless fixed by ``n_classes``.
+    ``update(x [B, D], y [B], mask=None)`` with ``y`` in ``0..C-1``; rows where ``mask`` is False
+    are left out. The number of classes grows with the largest label seen unless fixed by
+    ``n_classes``.
     """
 
     def __init__(self, n_classes: int | None = None):
@@ -41,12 +84,18 @@ class ClassMeans:
             self.counts = _grow_rows(self.counts, rows)
             self.sums = _grow_rows(self.sums, rows)
 
-    def update(self, x: Tensor, y: Tensor) -> None:
+    def update(self, x: Tensor, y: Tensor, mask: Tensor | None = None) -> None:
+        if mask is not None and not bool(mask.any()):
+            return
         if not len(y):
             return
-        self._ensure(x, y)
-        self.counts.index_add_(0, y, torch.ones(len(y), dtype=ACCUMULATE, device=x.device))
-        self.sums.index_add_(0, y, x.to(ACCUMULATE))
+        self._ensure(x, y if mask is None else y[mask])
+        for block in row_blocks(len(y), x.shape[1]):
+            xb, yb = x[block], y[block]
+            if mask is not None:
+                xb, yb = xb[mask[block]], yb[mask[block]]
+            self.counts += torch.bincount(yb, minlength=len(self.counts)).to(ACCUMULATE)
+            self.sums.index_add_(0, yb, xb.to(ACCUMULATE))
 
     def merge(self, other: ClassMeans) -> ClassMeans:
         if other.sums is None:
@@ -111,11 +160,13 @@ class ClassMoments:
         self._ensure(x, y)
         batch = ClassMeans(n_classes=len(self.counts))
         batch.update(x, y)
-        present = batch.counts > 0
-        n_b = batch.counts[present]
-        mu_b = batch.sums[present] / n_b[:, None]
-        centred = x.to(ACCUMULATE) - (batch.sums / batch.counts.clamp(min=1)[:, None])[y]
-        self._fold(present, n_b, mu_b, centred.T @ centred)
+        batch_means = batch.sums.div_(batch.counts.clamp(min=1)[:, None])  # in place: [C, D]
+        product = torch.promote_types(x.dtype, torch.float32)
+        for block in row_blocks(len(y), x.shape[1]):  # W_batch, straight into W
+            centred = x[block].to(ACCUMULATE) - batch_means[y[block]]
+            add_gram(self.within, centred, centred, product)
+        present = torch.nonzero(batch.counts > 0).flatten()
+        self._fold(present, batch.counts[present], batch_means, product)
 
     def merge(self, other: ClassMoments) -> ClassMoments:
         if other.means is None:
@@ -128,17 +179,21 @@ class ClassMoments:
         self.means = _grow_rows(self.means, rows)
         counts = _grow_rows(other.counts.to(self.counts.device), rows)
         means = _grow_rows(other.means.to(self.means.device), rows)
-        present = counts > 0
-        self._fold(present, counts[present], means[present], other.within.to(self.within.device))
+        self.within += other.within.to(self.within.device)
+        present = torch.nonzero(counts > 0).flatten()
+        self._fold(present, counts[present], means, ACCUMULATE)
         return self
 
-    def _fold(self, present: Tensor, n_b: Tensor, mu_b: Tensor, within_b: Tensor) -> None:
-        n_a = self.counts[present]
-        delta = mu_b - self.means[present]
-        weight = n_a * n_b / (n_a + n_b)
-        self.within += within_b + (delta * weight[:, None]).T @ delta
-        self.means[present] += delta * (n_b / (n_a + n_b))[:, None]
-        self.counts[present] = n_a + n_b
+    def _fold(self, present: Tensor, n_b: Tensor, means_b: Tensor, product: torch.dtype) -> None:
+        """Fold in the classes ``present`` [k] with ``n_b`` [k] samples and means ``means_b[present]``
+        (their own scatter already added to ``within``), a block of classes at a time."""
+        for block in row_blocks(len(present), self.means.shape[1]):
+            classes, n_new = present[block], n_b[block]
+            n_old = self.counts[classes]
+            delta = means_b[classes] - self.means[classes]
+            add_gram(self.within, delta * (n_old * n_new / (n_old + n_new))[:, None], delta, product)
+            self.means[classes] += delta * (n_new / (n_old + n_new))[:, None]
+            self.counts[classes] = n_old + n_new
 
     @property
     def total(self) -> float:
@@ -147,12 +202,16 @@ class ClassMoments:
     @property
     def grand_mean(self) -> Tensor:
         """``mu = sum_c n_c mu_c / N``, ``[D]`` float64."""
-        return (self.counts[:, None] * self.means).sum(0) / self.counts.sum()
+        return self.counts @ self.means / self.counts.sum()
 
     def total_scatter(self) -> Tensor:
-        """``sum_i (x_i - mu)(x_i - mu)^T`` over all samples, ``[D, D]`` float64."""
-        between = self.means - self.grand_mean
-        return self.within + (between * self.counts[:, None]).T @ between
+        """``sum_i (x_i - mu)(x_i - mu)^T`` over all samples, ``[D, D]`` float64 (a new tensor)."""
+        total = self.within.clone()
+        mu = self.grand_mean
+        for block in row_blocks(len(self.counts), self.means.shape[1]):
+            between = self.means[block] - mu
+            total.addmm_((between * self.counts[block, None]).T, between)
+        return total
 
     def empty_classes(self, n_classes: int | None = None) -> list[int]:
         """Classes in ``0..max(C, n_classes)-1`` with no sample."""

@@ -17,7 +17,9 @@ Score (higher = more OOD):
     score(x) = alpha |(x - u) R| - logsumexp_k z_k(x)
 
 i.e. the virtual logit minus the energy of the real logits, the negated confidence of the
-paper. ``dim=None`` applies the paper's rule: 1000 for ``D >= 2048``, 512 for ``D >= 768``,
+paper. The origin is computed from the ``min(C, D)``-square Gram matrix of ``W`` (equal to ``pinv``
+for a full-rank head), and every float64 copy of a batch is made a block of rows at a time.
+``dim=None`` applies the paper's rule: 1000 for ``D >= 2048``, 512 for ``D >= 768``,
 otherwise ``D // 2``. Labels are not needed.
 """
 
@@ -26,7 +28,20 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.stats import ACCUMULATE
+from oodviz.detectors.stats import ACCUMULATE, add_gram, row_blocks, symmetric_eigh
+
+
+def linear_origin(weight: Tensor, bias: Tensor) -> Tensor:
+    """``u = -W^+ b`` ``[D]`` (float64): the minimum-norm point where every logit ``W u + b`` is 0
+    (or closest to it, when ``C > D``). Solved through the ``min(C, D)``-square Gram matrix, which
+    needs far less memory than the SVD behind ``pinv``; ``pinv`` only when ``W`` is rank-deficient."""
+    w, b = weight.to(ACCUMULATE), bias.to(ACCUMULATE)
+    try:
+        if w.shape[0] <= w.shape[1]:
+            return -(w.T @ torch.linalg.solve(w @ w.T, b))
+        return -torch.linalg.solve(w.T @ w, w.T @ b)
+    except torch.linalg.LinAlgError:
+        return -(torch.linalg.pinv(w) @ b)
 
 
 def default_dim(n_features: int) -> int:
@@ -63,18 +78,25 @@ class ViM(Detector):
         for batch in data:
             if second_moment is None:  # the head is on the fit device once the first batch is in
                 weight, bias = data.head
-                origin = -(torch.linalg.pinv(weight.to(ACCUMULATE)) @ bias.to(ACCUMULATE))  # [D]
+                origin = linear_origin(weight, bias)  # [D] float64
                 second_moment = torch.zeros(n_features, n_features, dtype=ACCUMULATE, device=batch.device)
-            x = batch.features.to(ACCUMULATE) - origin
-            second_moment += x.T @ x
-            max_logit_sum += float((batch.features.float() @ weight.T + bias).amax(dim=1).sum())
-            n += len(x)
-        _, eigenvectors = torch.linalg.eigh(second_moment / n)  # ascending eigenvalues
+                product = torch.promote_types(batch.features.dtype, torch.float32)
+            for block in row_blocks(len(batch.features), max(n_features, len(bias))):
+                x = batch.features[block]
+                centred = x.to(ACCUMULATE) - origin
+                add_gram(second_moment, centred, centred, product)
+                max_logit_sum += float(torch.addmm(bias, x.float(), weight.T).amax(dim=1).sum())
+            n += len(batch.features)
+        second_moment /= n
+        _, eigenvectors = symmetric_eigh(second_moment, overwrite=True)  # ascending eigenvalues
+        del second_moment
         residual = eigenvectors[:, : n_features - dim].float()  # [D, D - dim]
+        del eigenvectors
         origin = origin.float()
         norm_sum = 0.0
         for batch in data:
-            norm_sum += float(((batch.features.float() - origin) @ residual).norm(dim=1).sum())
+            for block in row_blocks(len(batch.features), n_features):
+                norm_sum += float(((batch.features[block].float() - origin) @ residual).norm(dim=1).sum())
         if norm_sum == 0:
             raise ValueError(
                 f"vim: the features have no component outside the top {dim} principal directions; "

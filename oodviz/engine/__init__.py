@@ -6,9 +6,13 @@
 - :class:`FeatureStore` / :func:`open_store`: one split on disk, ``store.batches()`` streams it as
   :class:`oodviz.Batch` chunks for ``detector.fit`` / ``score`` (:mod:`oodviz.engine.store`).
 - :func:`store_key` / :func:`key_spec`: the content key of a split.
+- :func:`score_inputs`: for detectors that run the model again (odin, mcd), the dataset's model
+  inputs streamed through a scoring function on the device, in store order, with the same
+  DataLoader, OOM back-off, progress and cancel as extraction (:mod:`oodviz.engine.inputs`).
 """
 
 from oodviz.engine.extract import PRECISIONS, Cancelled, extract, extract_or_reuse, is_out_of_memory, model_on_device
+from oodviz.engine.inputs import InputScores, score_inputs
 from oodviz.engine.store import (
     FEATURE_DTYPES,
     STORE_FORMAT,
@@ -33,6 +37,7 @@ __all__ = [
     "Cancelled",
     "DeviceSplit",
     "FeatureStore",
+    "InputScores",
     "StoreBatches",
     "StoreError",
     "StoreWriter",
@@ -46,5 +51,6 @@ __all__ = [
     "list_stores",
     "model_on_device",
     "open_store",
+    "score_inputs",
     "store_key",
 ]

@@ -175,6 +175,74 @@ def _close_loader(iterator) -> None:
         shutdown()
 
 
+def make_loader(dataset, transform, batch_size: int, num_workers: int, device: torch.device) -> DataLoader:
+    """The dataset in order as ``(x [b, ...], labels [b], source_indices [b], n_dropped)`` batches.
+
+    ``transform`` turns each image into a tensor; unreadable items (``None``) are dropped and
+    counted, so every pass over the same dataset gives the same rows in the same order.
+    """
+    return DataLoader(
+        _Items(dataset, transform),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        pin_memory=device.type == "cuda",
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+
+
+class Backoff:
+    """Runs ``n`` rows in chunks of at most ``in_force``; a CUDA out-of-memory error halves it.
+
+    ``chunks(n, submit)`` calls ``submit(start, stop)`` for consecutive row ranges and yields
+    ``(start, stop, result)``. When ``submit`` runs out of memory, the same rows are retried in
+    two halves and the smaller size stays in force for later batches, so the results are those of
+    a smaller batch size; at one row it gives up with a message that says what to try. Other
+    errors are not retried.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device, what: str):
+        self.in_force = batch_size
+        self.backoffs = 0
+        self.device = device
+        self.what = what
+
+    def chunks(self, n: int, submit: Callable[[int, int], object]):
+        pending = deque([(0, n)])
+        while pending:
+            start, stop = pending.popleft()
+            if stop - start > self.in_force:
+                pending.appendleft((start + self.in_force, stop))
+                pending.appendleft((start, start + self.in_force))
+                continue
+            if stop == start:
+                continue
+            oom = None
+            try:
+                result = submit(start, stop)
+            except Exception as err:
+                if not is_out_of_memory(err):
+                    raise
+                oom = f"{type(err).__name__}: {err}"
+            if oom is None:
+                yield start, stop, result
+                continue
+            # Out of memory (the error and its frames are released by now): retry the same rows in halves.
+            if stop - start == 1:
+                raise torch.cuda.OutOfMemoryError(
+                    f"out of memory on {self.device} even at batch size 1 while {self.what}; free memory on the device "
+                    f"(other processes?), use precision='bf16', or a smaller input size. Original error: {oom}"
+                )
+            self.in_force = (stop - start) // 2
+            self.backoffs += 1
+            logger.warning("out of memory on %s at batch size %d; retrying at %d", self.device, stop - start, self.in_force)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            pending.appendleft((start + self.in_force, stop))
+            pending.appendleft((start, start + self.in_force))
+
+
 # ---------------------------------------------------------------------------------- the loop
 
 
@@ -353,8 +421,7 @@ def extract(
     started = time.perf_counter()
     first_batch_s = None
     done = skipped = nonfinite = 0
-    in_force = batch_size
-    backoffs = 0
+    backoff = Backoff(batch_size, device, f"extracting {backbone.name} features")
     writer: StoreWriter | None = None
     head = None
     loader_iter = None
@@ -369,12 +436,12 @@ def extract(
             {
                 "stage": stage,
                 "items_per_s": done / elapsed if elapsed > 0 else 0.0,
-                "batch_size": in_force,
+                "batch_size": backoff.in_force,
                 "device": str(device),
                 "skipped": skipped,
                 "written": 0 if writer is None else writer.rows,
                 "elapsed_s": elapsed,
-                "oom_backoffs": backoffs,
+                "oom_backoffs": backoff.backoffs,
                 "key": key,
             },
         )
@@ -383,15 +450,7 @@ def extract(
         with model_on_device(getattr(backbone, "model", None), device, channels_last):
             with torch.no_grad():
                 head = _read_head(backbone)
-            loader = DataLoader(
-                _Items(dataset, getattr(backbone, "transform", None)),
-                batch_size=batch_size,
-                shuffle=False,
-                num_workers=num_workers,
-                collate_fn=_collate,
-                pin_memory=device.type == "cuda",
-                prefetch_factor=4 if num_workers > 0 else None,
-            )
+            loader = make_loader(dataset, getattr(backbone, "transform", None), batch_size, num_workers, device)
             run = _Extraction(backbone, device, precision, channels_last, feature_dtype)
             pending: deque[_Outputs] = deque()
             depth = 1 if run.cuda else 0  # chunks left in flight while the next one starts
@@ -416,42 +475,12 @@ def extract(
                         raise Cancelled(f"extraction cancelled after {done} of {total} items; nothing was stored")
                     skipped += dropped
                     done += dropped
-                    chunks = deque([(0, 0 if x is None else len(x))])
-                    while chunks:
-                        start, stop = chunks.popleft()
-                        if stop - start > in_force:
-                            chunks.appendleft((start + in_force, stop))
-                            chunks.appendleft((start, start + in_force))
-                            continue
-                        if stop == start:
-                            continue
-                        oom = None
-                        try:
-                            outputs = run.submit(x[start:stop], labels[start:stop], indices[start:stop])
-                        except Exception as err:
-                            if not is_out_of_memory(err):
-                                raise
-                            oom = f"{type(err).__name__}: {err}"
-                        if oom is None:
-                            pending.append(outputs)
-                            done += stop - start
-                            while len(pending) > depth:
-                                finish(pending.popleft())
-                            continue
-                        # Out of memory: retry the same samples in halves, and keep the smaller size.
-                        if stop - start == 1:
-                            raise torch.cuda.OutOfMemoryError(
-                                f"out of memory on {device} even at batch size 1 while extracting {backbone.name} "
-                                f"features; free memory on the device (other processes?), use precision='bf16', or a "
-                                f"smaller input size. Original error: {oom}"
-                            )
-                        in_force = (stop - start) // 2
-                        backoffs += 1
-                        logger.warning("out of memory on %s at batch size %d; retrying at %d", device, stop - start, in_force)
-                        if run.cuda:
-                            torch.cuda.empty_cache()
-                        chunks.appendleft((start + in_force, stop))
-                        chunks.appendleft((start, start + in_force))
+                    submit = lambda a, b: run.submit(x[a:b], labels[a:b], indices[a:b])  # noqa: E731
+                    for start, stop, outputs in backoff.chunks(0 if x is None else len(x), submit):
+                        pending.append(outputs)
+                        done += stop - start
+                        while len(pending) > depth:
+                            finish(pending.popleft())
                     if first_batch_s is None:
                         first_batch_s = time.perf_counter() - started
                     report("extract")
@@ -486,8 +515,8 @@ def extract(
             "channels_last": channels_last,
             "num_workers": num_workers,
             "batch_size_requested": batch_size,
-            "batch_size_in_force": in_force,
-            "oom_backoffs": backoffs,
+            "batch_size_in_force": backoff.in_force,
+            "oom_backoffs": backoff.backoffs,
             "timings": {
                 "extract_s": elapsed,
                 "first_batch_s": first_batch_s,

@@ -3,8 +3,8 @@
 ```python
 from oodviz.models import available_backbones, load_backbone, estimate_memory
 
-available_backbones()                      # ["digits-cnn", "resnet18", ..., "mobilenet_v3_large"]
-bb = load_backbone("digits-cnn")           # bundled, offline
+available_backbones()                      # ["digits-cnn", "fashion-cnn", "resnet18", ..., "mobilenet_v3_large"]
+bb = load_backbone("digits-cnn")           # bundled, offline (also "fashion-cnn": 28x28 Fashion-MNIST)
 bb = load_backbone("resnet18", weights="random", layer="layer3")   # D = 256 (avg-pooled)
 x = torch.stack([bb.transform(img) for img in pil_images])          # [B, *bb.input_shape]
 features, logits = bb.features_and_logits(x)                        # [B, D], [B, C]
@@ -18,6 +18,7 @@ See :mod:`oodviz.models.registry` (names, weights, checkpoints), :mod:`oodviz.mo
 
 from oodviz.models.backbone import POOLINGS, Backbone, FeatureShape, pool_features
 from oodviz.models.digits import DigitsCNN, DigitsTransform, digits_arrays
+from oodviz.models.fashion import FashionCNN, FashionTransform
 from oodviz.models.memory import MemoryEstimate, describe_memory, estimate_memory, format_bytes, warn_if_over
 from oodviz.models.registry import (
     RGBTransform,
@@ -42,6 +43,8 @@ __all__ = [
     "Backbone",
     "DigitsCNN",
     "DigitsTransform",
+    "FashionCNN",
+    "FashionTransform",
     "FeatureShape",
     "MemoryEstimate",
     "RGBTransform",

@@ -1,7 +1,7 @@
 """The backbone registry: names -> :class:`~oodviz.models.backbone.Backbone`.
 
-``available_backbones()`` lists the built-in names: the bundled ``digits-cnn`` (offline, weights
-in ``assets/``) and seven torchvision ImageNet classifiers. ``load_backbone`` also loads a
+``available_backbones()`` lists the built-in names: the bundled ``digits-cnn`` and ``fashion-cnn``
+(offline, weights in ``assets/``) and seven torchvision ImageNet classifiers. ``load_backbone`` also loads a
 user's own model: a state-dict checkpoint of a registry architecture
 (``load_backbone("resnet18", checkpoint="my.pt")``), a TorchScript file
 (``load_backbone("torchscript", checkpoint="model.pt")``) or a ``torch.export`` program
@@ -9,7 +9,7 @@ user's own model: a state-dict checkpoint of a registry architecture
 
 Weights (``weights=``):
 
-- ``"default"``: the bundled digits weights, or the torchvision weights of the architecture's
+- ``"default"``: the bundled weights (digits, Fashion-MNIST), or the torchvision weights of the architecture's
   ``DEFAULT`` enum member, read from the torchvision cache (``$TORCH_HOME/hub/checkpoints`` or
   ``weights_dir``). Nothing is downloaded unless ``allow_download=True``; a missing file is a
   ``FileNotFoundError`` naming the file and the folder to put it in.
@@ -45,6 +45,7 @@ from oodviz.models.digits import (
     DigitsTransform,
     build_digits_cnn,
 )
+from oodviz.models.fashion import FASHION_CLASSES, FASHION_WEIGHTS, FashionTransform, build_fashion_cnn
 
 #: Seed of ``weights="random"``; part of its ``weights_id``.
 RANDOM_SEED = 0
@@ -138,6 +139,9 @@ _ARCHS: dict[str, _Arch] = {
     "digits-cnn": _Arch(
         "digits-cnn", "fc", 64, build_digits_cnn, len(DIGITS_CLASSES), _never_channels_last, torchvision=False
     ),
+    "fashion-cnn": _Arch(
+        "fashion-cnn", "fc", 128, build_fashion_cnn, len(FASHION_CLASSES), _never_channels_last, torchvision=False
+    ),
     **{
         name: _Arch(
             name,
@@ -150,6 +154,30 @@ _ARCHS: dict[str, _Arch] = {
         for name, (head, dim) in _TORCHVISION.items()
     },
 }
+
+
+@dataclass(frozen=True)
+class _Bundled:
+    """A model whose weights ship in ``assets/``: where they are, its classes, its preprocessing."""
+
+    weights: Path
+    classes: tuple[str, ...]
+    transform: Callable[[], Callable]
+    input_shape: tuple[int, ...]
+    recreate: str  # how to rebuild the weights file
+
+
+_BUNDLED: dict[str, _Bundled] = {
+    "digits-cnn": _Bundled(
+        DIGITS_WEIGHTS, tuple(DIGITS_CLASSES), DigitsTransform, (1, 8, 8),
+        "`python scripts/train_digits_cnn.py` (about ten seconds on a CPU)",
+    ),
+    "fashion-cnn": _Bundled(
+        FASHION_WEIGHTS, tuple(FASHION_CLASSES), FashionTransform, (1, 28, 28),
+        "`python scripts/train_fashion_cnn.py` (about ten minutes on 2 CPU cores; needs Fashion-MNIST, "
+        "e.g. `apt-get install dataset-fashion-mnist`)",
+    ),
+}  # fmt: skip
 
 
 def available_backbones() -> list[str]:
@@ -191,16 +219,17 @@ def backbone_info(name: str, weights_dir: str | os.PathLike | None = None) -> di
     """
     arch = _arch(name)
     if not arch.torchvision:
+        bundled = _BUNDLED[arch.name]
         return {
             "name": arch.name,
             "source": "bundled",
             "feature_dim": arch.feature_dim,
             "num_classes": arch.default_classes,
             "head": arch.head,
-            "input_shape": (1, 8, 8),
-            "weights_file": DIGITS_WEIGHTS.name,
-            "weights_path": str(DIGITS_WEIGHTS),
-            "weights_available": DIGITS_WEIGHTS.is_file(),
+            "input_shape": bundled.input_shape,
+            "weights_file": bundled.weights.name,
+            "weights_path": str(bundled.weights),
+            "weights_available": bundled.weights.is_file(),
         }
     member = _weights_enum(arch.name, "default")
     file_name = os.path.basename(urlparse(member.url).path)
@@ -473,15 +502,16 @@ def load_backbone(
     elif not arch.torchvision:
         if weights != "default":
             raise ValueError(f"{arch.name} has weights 'default' (bundled) or 'random', got {weights!r}")
-        path = DIGITS_WEIGHTS
+        bundled = _BUNDLED[arch.name]
+        path = bundled.weights
         if not path.is_file():
             raise FileNotFoundError(
-                f"the bundled digits-cnn weights are missing: expected {path}. Recreate them with "
-                "`python scripts/train_digits_cnn.py` (about ten seconds on a CPU), or use weights='random' for a dry run."
+                f"the bundled {arch.name} weights are missing: expected {path}. Recreate them with "
+                f"{bundled.recreate}, or use weights='random' for a dry run."
             )
-        model = _build_loaded(arch, _load_state_dict_file(path, "the digits-cnn state dict"), path)
+        model = _build_loaded(arch, _load_state_dict_file(path, f"the {arch.name} state dict"), path)
         weights_id = f"sha256:{file_sha256(path)}"
-        default_classes = list(DIGITS_CLASSES)
+        default_classes = list(bundled.classes)
     else:
         member = _weights_enum(arch.name, weights)
         state, file_path = _torchvision_state_dict(arch, member, weights_dir, allow_download)
@@ -516,13 +546,14 @@ def load_backbone(
 
 def _default_classes(arch: _Arch) -> list[str] | None:
     if not arch.torchvision:
-        return list(DIGITS_CLASSES)
+        return list(_BUNDLED[arch.name].classes)
     return list(_weights_enum(arch.name, "default").meta["categories"])
 
 
 def _default_transform(arch: _Arch) -> tuple[Callable, tuple[int, ...]]:
     if not arch.torchvision:
-        return DigitsTransform(), (1, 8, 8)
+        bundled = _BUNDLED[arch.name]
+        return bundled.transform(), bundled.input_shape
     preset = _weights_enum(arch.name, "default").transforms()
     crop = preset.crop_size[0]
     return RGBTransform(preset), (3, crop, crop)

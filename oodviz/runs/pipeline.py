@@ -14,6 +14,12 @@ Results land in the run directory, each file written atomically:
   false_alarm_rate, mean_score``;
 - ``detectors.json``: each detector's parameters, fit time and, when it failed, its error;
 - ``meta.json``: versions, device, the splits and their stores, wall time and peak memory per stage.
+
+Detectors that run the model again (``needs_model``: odin, mcd) are made with the run's backbone,
+need no fit data, and score each split in a stage of their own (``score <split> with <name>``):
+the split's dataset is streamed through the backbone's transform on the job's device by
+:func:`oodviz.engine.score_inputs` (batching, OOM back-off, progress, cancel), in the row order
+of the split's feature store.
 """
 
 from __future__ import annotations
@@ -97,8 +103,43 @@ def write_table(path: Path, frame: pd.DataFrame) -> None:
     write_atomic(path, buffer.getvalue())
 
 
+def _failure(error: BaseException) -> dict:
+    return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
+
+
+def _logged_params(det) -> dict:
+    return {k: v for k, v in det.get_params().items() if k != "model"}
+
+
+def score_with_model(det, backbone, dataset, store, config: RunConfig, device: torch.device, run: RunDir, stage: Stage):
+    """Scores ``[N]`` (numpy) of a model-based detector on one split, aligned with ``store``'s rows."""
+    from oodviz.engine import score_inputs
+
+    result = score_inputs(
+        lambda batch: det.score(batch, device=device),
+        backbone,
+        dataset,
+        device=device,
+        batch_size=config.batch_size,
+        num_workers=config.num_workers,
+        precision=config.precision,
+        progress=stage.progress,
+        should_cancel=run.cancel_requested,
+        what=f"scoring {det.name} on",
+    )
+    if not np.array_equal(result.indices, np.asarray(store.indices)):
+        raise ValueError(
+            f"the dataset gave other items ({len(result.indices)} rows) than when its features were extracted "
+            f"({store.n} rows, store {store.key}); delete that store and run again"
+        )
+    if result.oom_backoffs:
+        stage.note(f"out of memory: batch size reduced to {result.batch_size_in_force}")
+    return result.scores.numpy()
+
+
 def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
-    from oodviz.detectors import create
+    from oodviz.detectors import create, detector_class
+    from oodviz.engine import Cancelled as ExtractionCancelled
     from oodviz.engine import extract_or_reuse
     from oodviz.models import estimate_memory, load_backbone
 
@@ -163,15 +204,19 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
         with reporter.stage(f"fit {choice.name}") as stage:
             started = time.perf_counter()
             try:
-                det = create(choice.name, **choice.params)
-                det.fit(Watched(stores["id_fit"].batches(SCORE_BATCH, device=device), stage), head=head, device=device)
+                if detector_class(choice.name).needs_model:
+                    det = create(choice.name, **{**choice.params, "model": backbone})
+                    det.fit(None)  # nothing to learn: checks that the method works with this model
+                else:
+                    det = create(choice.name, **choice.params)
+                    det.fit(Watched(stores["id_fit"].batches(SCORE_BATCH, device=device), stage), head=head, device=device)
                 fitted[choice.name] = det
-                detector_log[choice.name] = {"params": det.get_params(), "fit_s": time.perf_counter() - started}
+                detector_log[choice.name] = {"params": _logged_params(det), "fit_s": time.perf_counter() - started}
             except Cancelled:
                 raise
             except Exception as error:  # one detector failing must not stop the others
-                detector_log[choice.name] = {"params": choice.params, "error": f"{type(error).__name__}: {error}",
-                                             "traceback": traceback.format_exc()}  # fmt: skip
+                params = {k: v for k, v in choice.params.items() if k != "model"}
+                detector_log[choice.name] = {"params": params, **_failure(error)}
                 reporter.warn(f"{choice.name} failed to fit: {error}")
                 stage.failed(str(error))
 
@@ -179,6 +224,22 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
     scored = [("id_test", config.id_test.name)] + [(f"ood:{c.name}", c.name) for c in config.ood]
     for split, dataset in scored:
         store = stores[split]
+        model_scores = {}
+        for name, det in list(fitted.items()):
+            if not det.needs_model:
+                continue
+            with reporter.stage(f"score {split} with {name}") as stage:
+                started = time.perf_counter()
+                try:
+                    model_scores[name] = score_with_model(det, backbone, datasets[split], store, config, device, run, stage)
+                    detector_log[name]["score_s"] = detector_log[name].get("score_s", 0.0) + time.perf_counter() - started
+                except (Cancelled, ExtractionCancelled):
+                    raise
+                except Exception as error:
+                    detector_log[name] = {**detector_log[name], **_failure(error)}
+                    reporter.warn(f"{name} failed to score {split}: {error}")
+                    stage.failed(str(error))
+                    del fitted[name]
         with reporter.stage(f"score {split}") as stage:
             frame = pd.DataFrame(
                 {
@@ -190,6 +251,10 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
                 }
             )
             for i, (name, det) in enumerate(list(fitted.items())):
+                if name in model_scores:
+                    frame[name] = model_scores[name]
+                    stage.progress(i + 1, len(fitted) or 1, {})
+                    continue
                 try:
                     frame[name] = det.score(store.batches(SCORE_BATCH, device=device), device=device).numpy()
                 except Cancelled:

@@ -9,6 +9,9 @@ from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 #: ID presets: label -> (fit split, test split). Torchvision sets use their train/test splits.
 ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
     "digits (bundled, 8x8)": (DatasetChoice("digits-train"), DatasetChoice("digits-test")),
+    "Fashion-MNIST, 8 classes (for fashion-cnn)": (
+        DatasetChoice("fashion-mnist-id", {"split": "train"}), DatasetChoice("fashion-mnist-id", {"split": "test"})
+    ),
     **{
         f"{name} (torchvision files)": (DatasetChoice(name, {"split": "train"}), DatasetChoice(name, {"split": "test"}))
         for name in ("mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100")
@@ -19,6 +22,7 @@ FOLDER_PRESET = "image folders (your own)"
 #: Datasets offered as OOD sets (the registry's OOD sources plus the ID-capable torchvision sets).
 OOD_CHOICES = (
     "digits-heldout", "digits-inverted", "digits-rotated", "photo-patches", "noise-gaussian", "noise-uniform",
+    "fashion-mnist-heldout", "fashion-mnist-inverted", "fashion-mnist-rotated", "digits-28",
     "mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100", "svhn", "dtd",
 )  # fmt: skip
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from oodviz.runs.config import ConfigError
+from oodviz.runs.config import ConfigError, preset
 from oodviz.runs.jobs import delete_run, list_runs, refresh, submit
 from oodviz.runs.rundir import FINAL_STATES, RunDir
 from oodviz.runs.summary import summarise
@@ -121,15 +121,25 @@ def past_runs() -> None:
         c2.caption("Select two runs to compare them.")
 
 
-def landing() -> None:
+def landing(values: FormValues) -> None:
     st.markdown(
         "Which inputs would your classifier wrongly trust, and which out-of-distribution detector catches them? "
         "Choose a model, data and detectors in the sidebar — or start with the bundled offline default: "
         "**digits-cnn** on scikit-learn's 8x8 digits (classes 0–7) against held-out digits 8 and 9, inverted and "
-        "rotated digits, photo patches and noise, with every detector."
+        "rotated digits, photo patches and noise, with every detector. **Fashion-MNIST** runs **fashion-cnn** on the "
+        "real 28x28 Fashion-MNIST (8 classes) against its held-out Shirt and Ankle boot, inverted and rotated images, "
+        "digits, photo patches and noise; it reads Debian's `dataset-fashion-mnist`, the files in the sidebar's data "
+        "root, or downloads them where the sidebar allows downloads."
     )
-    if st.button("Run the default", type="primary"):
+    default, fashion, _ = st.columns([1, 1, 3])
+    if default.button("Run the default", type="primary"):
         run = submit(config_from_form(FormValues()), runs_root())
+        open_run(run.run_id)
+        st.rerun()
+    if fashion.button("Run Fashion-MNIST"):
+        config = preset("fashion-mnist")
+        config.data_root, config.download = values.data_root.strip() or "data", bool(values.download)
+        run = submit(config, runs_root())
         open_run(run.run_id)
         st.rerun()
 
@@ -177,6 +187,6 @@ def page() -> None:
     if run is not None:
         run_page(run)
         return
-    landing()
+    landing(values)
     st.subheader("Past runs")
     past_runs()

@@ -1,0 +1,125 @@
+"""Monte-Carlo dropout: average the softmax of several forward passes with dropout active.
+
+Gal & Ghahramani, *Dropout as a Bayesian Approximation: Representing Model Uncertainty in Deep
+Learning*, ICML 2016, https://arxiv.org/abs/1506.02142
+
+Runs the classifier again (a model-based detector, see :class:`~oodviz.detectors.base.ModelDetector`)
+``N = samples`` times on the same inputs ``x`` ``[B, ...]`` (``Batch.inputs``), each time with new
+dropout masks; ``p_n = softmax(f_n(x))`` ``[B, C]`` is the ``n``-th pass. As pytorch-ood 0.4's ``MCD``:
+
+- ``mode="mean"`` (default): ``score(x) = -max_k (1/N) sum_n p_n,k(x)``, the negative maximum of
+  the mean softmax (the paper's predictive distribution's confidence, negated);
+- ``mode="var"``: ``score(x) = 1/C sum_k Var_n(p_n,k(x))``, the per-class variance over the passes
+  with Bessel's correction (``N - 1``), averaged over the classes (as in Bayesian SegNet). This is
+  pytorch-ood's default mode; oodviz defaults to ``"mean"``.
+
+Higher = more OOD in both modes. The passes run one after another on the whole batch (``N``
+batched forwards, never one sample at a time); sums are accumulated in float64.
+
+Which layers are stochastic: the model is put in eval mode and only its dropout modules
+(``nn.Dropout``, ``Dropout1d/2d/3d``, ``AlphaDropout``, ``FeatureAlphaDropout``) are switched to
+training mode, so BatchNorm keeps its running statistics (pytorch-ood's ``batch_norm=True``, for
+a model given in eval mode). Train/eval flags and devices are restored afterwards, also after an
+error. A model without dropout modules is a ValueError: it would give ``N`` identical passes
+(dropout written as ``F.dropout(x, training=...)`` inside ``forward`` cannot be switched on).
+
+``seed``: the dropout masks of one ``score`` call come from a generator seeded with it (the
+global random state is saved and restored around the call), so a run is reproducible; ``None``
+draws from the global random state. Shapes: ``inputs`` ``[B, C_in, ...]`` -> scores ``[B]``.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import ModelDetector
+
+MODES = ("mean", "var")
+DROPOUT_TYPES = (nn.modules.dropout._DropoutNd,)
+#: TorchScript keeps the Python class name of scripted submodules in ``original_name``
+DROPOUT_NAMES = {"Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout"}
+
+
+def dropout_modules(model) -> list[nn.Module]:
+    """The dropout modules of an ``nn.Module`` (with a probability above 0), in module order."""
+    if not isinstance(model, nn.Module):
+        return []
+    found = []
+    for module in model.modules():
+        if isinstance(module, DROPOUT_TYPES) or getattr(module, "original_name", None) in DROPOUT_NAMES:
+            if float(getattr(module, "p", 1.0)) > 0:
+                found.append(module)
+    return found
+
+
+class _DropoutOn:
+    """Switch the dropout modules to training mode and seed the random state; undo both afterwards."""
+
+    def __init__(self, modules: list[nn.Module], seed: int | None, device: torch.device):
+        self.modules, self.seed, self.device = modules, seed, device
+        self.rng = None
+
+    def __enter__(self):
+        self.flags = [(m, m.training) for m in self.modules]
+        if self.seed is not None:
+            devices = [self.device.index or 0] if self.device.type == "cuda" else []
+            self.rng = torch.random.fork_rng(devices=devices)
+            self.rng.__enter__()
+            torch.manual_seed(self.seed)
+        for module in self.modules:
+            module.train()
+        return self
+
+    def __exit__(self, *exc):
+        for module, flag in self.flags:
+            module.train(flag)
+        if self.rng is not None:
+            self.rng.__exit__(*exc)
+        return False
+
+
+class MCD(ModelDetector):
+    name = "mcd"
+    summary = "Negative max of the mean softmax over forward passes with dropout on (runs the model; needs dropout layers)."
+    paper = "https://arxiv.org/abs/1506.02142"
+    #: most classifiers (ResNets, the bundled digits-cnn) have no dropout: not in a run's default list
+    in_defaults = False
+
+    def __init__(self, samples: int = 30, mode: str = "mean", seed: int | None = 0, model=None):
+        minimum = 2 if mode == "var" else 1
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < minimum:
+            raise ValueError(f"mcd: samples is the number of forward passes and must be an integer >= {minimum}"
+                             f"{' for mode=var' if mode == 'var' else ''}, got {samples!r}")  # fmt: skip
+        if mode not in MODES:
+            raise ValueError(f"mcd: mode must be one of {MODES} ('mean': -max mean softmax, 'var': mean variance), got {mode!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"mcd: seed must be an integer or None (the global random state), got {seed!r}")
+        self.samples = samples
+        self.mode = mode
+        self.seed = seed
+        super().__init__(model)
+
+    def _check_fit_model(self, model) -> None:
+        if not dropout_modules(self.module):
+            what = type(self.module or model).__name__
+            raise ValueError(
+                f"mcd needs dropout layers to sample from, but the model ({what}) has no nn.Dropout module with p > 0; "
+                "choose a model trained with dropout (e.g. vgg16, efficientnet, vit, mobilenet_v3), or another detector."
+            )
+
+    def _scoring(self, device: torch.device):
+        return _DropoutOn(dropout_modules(self.module), self.seed, device)
+
+    def _score(self, batch: Batch) -> Tensor:
+        total = total_sq = None
+        for _ in range(self.samples):
+            p = self.logits(batch.inputs).softmax(dim=1).double()
+            total = p if total is None else total + p
+            if self.mode == "var":
+                total_sq = p * p if total_sq is None else total_sq + p * p
+        n = self.samples
+        mean = total / n
+        if self.mode == "mean":
+            return -mean.amax(dim=1)
+        variance = (total_sq - n * mean * mean).clamp(min=0) / (n - 1)
+        return variance.mean(dim=1)

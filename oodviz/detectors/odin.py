@@ -1,0 +1,154 @@
+"""ODIN: temperature scaling plus a small input perturbation towards higher confidence.
+
+Liang, Li & Srikant, *Enhancing The Reliability of Out-of-distribution Image Detection in Neural
+Networks*, ICLR 2018, https://arxiv.org/abs/1706.02690
+
+Runs the classifier again (a model-based detector, see :class:`~oodviz.detectors.base.ModelDetector`):
+with model inputs ``x`` ``[B, ...]`` (``Batch.inputs``, transformed as the model expects), logits
+``f(x)`` ``[B, C]``, temperature ``T`` and the softmax ``S(x; T) = softmax(f(x) / T)``,
+
+    y_hat = argmax_k f_k(x)
+    x'    = x - epsilon * sign(-grad_x log S_y_hat(x; T)) / std          (one backward pass)
+    score(x) = -max_k S_k(x'; T)                                        (a second forward)
+
+The paper's confidence is ``max_k S_k(x'; T)``; its negation is the OOD score (higher = more OOD),
+as in pytorch-ood 0.4. The gradient of ``-log S_y_hat`` is taken for the whole batch at once from
+the *sum* of the per-sample losses, so a sample's gradient (and score) does not depend on the other
+samples of its batch (pytorch-ood averages, which only rescales the gradient before ``sign``).
+Only the input gets a gradient: the model's parameters are switched to ``requires_grad=False``
+for the backward pass (no weight gradients are computed, which halves its cost) and switched back
+afterwards; they collect no ``.grad``. ``epsilon = 0`` skips the backward pass and is
+temperature-scaled MSP. The model runs in eval mode (see ``ModelDetector``).
+
+**Input normalisation.** ``epsilon`` is a step in *pixel* units (images in ``[0, 1]``) in the
+paper's code, which divides the sign of the gradient of each channel by the standard deviation the
+inputs were normalised with; pytorch-ood does the same when it is given ``norm_std`` and otherwise
+steps in the units of the model input. oodviz's ``norm_std``:
+
+- ``"auto"`` (default): the per-channel ``std`` of the model's normalisation when a Backbone's
+  transform exposes one (torchvision's weight transforms, a ``Normalize`` inside a ``Compose``),
+  so that ``epsilon`` is in pixel units as in the paper; otherwise 1 (a plain ``nn.Module`` or
+  callable, or a transform without a ``std``, such as the bundled ``digits-cnn``'s): ``epsilon`` is
+  then in the units of the model input, like pytorch-ood without ``norm_std``;
+- ``None`` or ``1``: the units of the model input;
+- a number or a list of one number per channel (axis 1 of the inputs): divide by it.
+
+Defaults ``T = 1000`` and ``epsilon = 0.0014`` are the paper's (and pytorch-ood's). Shapes:
+``inputs`` ``[B, C_in, ...]`` -> scores ``[B]``.
+"""
+
+import contextlib
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import ModelDetector
+
+
+def transform_std(transform) -> list[float] | None:
+    """The per-channel ``std`` of the normalisation inside ``transform``, or None if it exposes none.
+
+    Looks at ``transform.std`` (torchvision's ``Normalize`` and weight transforms), then inside
+    ``transform.inner`` (oodviz's ``RGBTransform``) and ``transform.transforms`` (``Compose``).
+    """
+    seen = 0
+    stack = [transform]
+    while stack and seen < 64:
+        seen += 1
+        item = stack.pop(0)
+        if item is None:
+            continue
+        std = getattr(item, "std", None)
+        if std is not None and not callable(std):
+            try:
+                values = [float(v) for v in torch.as_tensor(std, dtype=torch.float64).flatten()]
+            except (TypeError, ValueError, RuntimeError):
+                values = []
+            if values and all(v > 0 for v in values):
+                return values
+        stack.append(getattr(item, "inner", None))
+        stack.extend(getattr(item, "transforms", None) or [])
+    return None
+
+
+def _check_norm_std(norm_std):
+    if norm_std is None or norm_std == "auto":
+        return norm_std
+    values = [norm_std] if isinstance(norm_std, (int, float)) and not isinstance(norm_std, bool) else norm_std
+    try:
+        values = [float(v) for v in values]
+    except (TypeError, ValueError):
+        values = None
+    if not values or not all(v > 0 for v in values):
+        raise ValueError(
+            f"odin: norm_std must be 'auto', None, a positive number or a list of positive per-channel standard "
+            f"deviations (e.g. [0.229, 0.224, 0.225] for ImageNet), got {norm_std!r}"
+        )
+    return values[0] if isinstance(norm_std, (int, float)) else values
+
+
+@contextlib.contextmanager
+def _frozen(module):
+    """Parameters without ``requires_grad`` for the block (no weight gradients to compute), then as before."""
+    params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+    try:
+        for p in params:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+class ODIN(ModelDetector):
+    name = "odin"
+    summary = "Negative max softmax at temperature T of the input nudged by epsilon towards higher confidence (runs the model)."
+    paper = "https://arxiv.org/abs/1706.02690"
+
+    def __init__(self, temperature: float = 1000.0, epsilon: float = 0.0014, norm_std="auto", model=None):
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+            raise ValueError(f"odin: temperature must be > 0 (the paper uses 1000), got {temperature!r}")
+        if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon >= 0:
+            raise ValueError(f"odin: epsilon is a step size and must be >= 0 (the paper uses 0.0014), got {epsilon!r}")
+        self.temperature = float(temperature)
+        self.epsilon = float(epsilon)
+        self.norm_std = _check_norm_std(norm_std)
+        super().__init__(model)
+
+    def channel_std(self) -> list[float] | None:
+        """The per-channel divisor of the gradient step, or None for none (see the module docstring)."""
+        if self.norm_std == "auto":
+            return transform_std(getattr(self.model, "transform", None))
+        if self.norm_std is None:
+            return None
+        return self.norm_std if isinstance(self.norm_std, list) else [self.norm_std]
+
+    def perturb(self, x: Tensor) -> Tensor:
+        """``x' = x - epsilon * sign(-grad_x log S_y_hat(x; T)) / std``, same shape as ``x``, no graph."""
+        with torch.inference_mode(False):
+            x = x.clone() if torch.is_inference(x) else x
+            x = x.detach().requires_grad_(True)
+            with torch.enable_grad(), _frozen(self.module):
+                logits = self.logits(x, grad=True) / self.temperature
+                loss = F.cross_entropy(logits, logits.argmax(dim=1), reduction="sum")
+                (gradient,) = torch.autograd.grad(loss, x)
+            step = gradient.sign()
+            std = self.channel_std()
+            if std is not None:
+                if x.ndim < 2 or len(std) not in (1, x.shape[1]):
+                    raise ValueError(
+                        f"odin: norm_std has {len(std)} values but the inputs have {x.shape[1] if x.ndim > 1 else 0} "
+                        f"channels (axis 1 of shape {tuple(x.shape)}); give one std per channel, or norm_std=None"
+                    )
+                std = torch.tensor(std, dtype=step.dtype, device=step.device)
+                step = step / std.view(1, -1, *([1] * (x.ndim - 2)))
+            return (x - self.epsilon * step).detach()
+
+    def _score(self, batch: Batch) -> Tensor:
+        x = batch.inputs
+        if self.epsilon > 0:
+            x = self.perturb(x)
+        logits = self.logits(x) / self.temperature
+        return -logits.softmax(dim=1).amax(dim=1)
