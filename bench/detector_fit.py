@@ -245,8 +245,14 @@ class PeakGrowth:
 
 
 def warm_up_torch() -> None:
-    """Run each kind of kernel the fits use once on tiny tensors, so that lazy initialisation
-    (thread pool, BLAS/LAPACK) is not counted as fit memory. Same for both libraries."""
+    """Run each kind of kernel the fits use once, so that lazy initialisation (the intra-op
+    thread pool with its stacks and malloc arenas, ~30 MiB; BLAS/LAPACK) is not counted as fit
+    memory. Same for both libraries. The first op is large enough (1M elements) to start the
+    thread pool; the rest are tiny."""
+    big = torch.randn(1024, 1024)
+    torch.isfinite(big).all()
+    (big.double() * 2).sum()
+    del big
     for dtype in (torch.float32, torch.float64):
         a = torch.randn(64, 32, dtype=dtype)
         s = a.T @ a + torch.eye(32, dtype=dtype)

@@ -46,8 +46,13 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def app_url(tmp_path_factory):
-    runs = tmp_path_factory.mktemp("browser-runs")
+def runs_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("browser-runs")
+
+
+@pytest.fixture(scope="module")
+def app_url(runs_root):
+    runs = runs_root
     port = _free_port()
     env = dict(os.environ, OODVIZ_RUNS_ROOT=str(runs))
     server = subprocess.Popen(
@@ -151,3 +156,41 @@ def test_cancel_a_run(page, app_url, tmp_path):
     page.get_by_text("The run was cancelled").wait_for(timeout=60_000)
     assert page.url.endswith(f"run={run_id}")
     shoot(page, tmp_path, "cancelled")
+
+
+def _fashion_installed() -> bool:
+    from oodviz.data import torchvision_sets
+
+    return torchvision_sets.system_copy("fashion-mnist") is not None
+
+
+@pytest.mark.skipif(not _fashion_installed(), reason="needs Debian's dataset-fashion-mnist (make test installs it as root)")
+def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, runs_root, tmp_path):
+    """The Fashion-MNIST preset's quick example config, run by the CLI, analysed in the app (README screenshots)."""
+    from oodviz.runs.config import RunConfig
+
+    config = RunConfig.load(REPO / "examples" / "fashion-mnist-quick.toml")
+    config.data_root = str(tmp_path / "data")
+    config.save(tmp_path / "quick.json")
+    subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", "run", str(tmp_path / "quick.json"), "--out", str(runs_root / "fashion-quick")],
+        check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    page.goto(f"{app_url}/?run=fashion-quick")
+    page.get_by_text("Best value per column").wait_for(timeout=60_000)
+    assert page.get_by_text("fashion-mnist-heldout").count() == 0  # means view: one row per detector
+    shoot(page, tmp_path, "fashion-metrics")
+    page.get_by_role("tab", name="Score histograms").click()
+    page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
+    shoot(page, tmp_path, "fashion-histogram")
+    page.get_by_role("tab", name="ROC / PR").click()
+    roc = page.locator(".js-plotly-plot").filter(has_text="ROC").first
+    roc.wait_for(timeout=30_000)
+    assert roc.get_by_text(re.compile(r"fashion-mnist-heldout \(AUROC 0\.\d{3}\)")).count()
+    shoot(page, tmp_path, "fashion-roc")
+    page.get_by_role("tab", name="Failure cases").click()
+    images = page.locator('[data-testid="stImage"] img')
+    images.first.wait_for(timeout=30_000)
+    assert images.count() >= 12
+    assert page.get_by_text(re.compile(r"→ (Sneaker|Coat|T-shirt/top|Pullover|Sandal|Bag|Dress|Trouser)")).count()
+    shoot(page, tmp_path, "fashion-failures")

@@ -60,7 +60,7 @@ def fit_class_moments(detector: Detector, data: FitData) -> ClassMoments:
     for batch in data:
         moments.update(batch.features, batch.labels)
     check_all_classes_seen(detector.name, moments.empty_classes(data.n_classes))
-    return moments
+    return moments.release()
 
 
 class Mahalanobis(Detector):

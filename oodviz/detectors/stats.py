@@ -47,12 +47,43 @@ def symmetric_eigh(matrix: Tensor, overwrite: bool = False) -> tuple[Tensor, Ten
     return torch.from_numpy(values), torch.from_numpy(vectors)
 
 
-def add_gram(accumulator: Tensor, left: Tensor, right: Tensor, dtype: torch.dtype) -> None:
+class Scratch:
+    """Buffers reused from block to block and batch to batch.
+
+    Temporaries of a few MiB allocated and freed per block make glibc's heap grow (freed chunks
+    are kept, and fragmented); writing every block into the same memory keeps the footprint at
+    one block's worth.
+    """
+
+    def __init__(self):
+        self._buffers: dict[str, Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+        size = 1
+        for n in shape:
+            size *= n
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.device != device or buffer.numel() < size:
+            buffer = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
+        return buffer[:size].view(shape)
+
+    def as_dtype(self, name: str, t: Tensor, dtype: torch.dtype) -> Tensor:
+        """``t`` converted to ``dtype`` in a reused buffer (``t`` itself when it already is)."""
+        if t.dtype == dtype:
+            return t
+        return self.get(name, tuple(t.shape), dtype, t.device).copy_(t)
+
+
+def add_gram(accumulator: Tensor, left: Tensor, right: Tensor, dtype: torch.dtype, scratch: Scratch) -> None:
     """``accumulator += left^T @ right``, the product computed in ``dtype``, the sum in the accumulator's."""
     if dtype == accumulator.dtype:
         accumulator.addmm_(left.T, right)
-    else:
-        accumulator += left.to(dtype).T @ right.to(dtype)
+        return
+    a = scratch.as_dtype("gram-left", left, dtype)
+    b = a if right is left else scratch.as_dtype("gram-right", right, dtype)
+    product = scratch.get("gram", (left.shape[1], right.shape[1]), dtype, accumulator.device)
+    torch.mm(a.T, b, out=product)
+    accumulator += product
 
 
 def _grow_rows(t: Tensor, rows: int) -> Tensor:
@@ -74,6 +105,7 @@ class ClassMeans:
         self.n_classes = n_classes
         self.counts: Tensor | None = None  # [C] float64
         self.sums: Tensor | None = None  # [C, D] float64
+        self._scratch = Scratch()
 
     def _ensure(self, x: Tensor, y: Tensor) -> None:
         rows = max(self.n_classes or 0, int(y.max()) + 1)
@@ -94,8 +126,8 @@ class ClassMeans:
             xb, yb = x[block], y[block]
             if mask is not None:
                 xb, yb = xb[mask[block]], yb[mask[block]]
-            self.counts += torch.bincount(yb, minlength=len(self.counts)).to(ACCUMULATE)
-            self.sums.index_add_(0, yb, xb.to(ACCUMULATE))
+            self.counts += torch.bincount(yb, minlength=len(self.counts))
+            self.sums.index_add_(0, yb, self._scratch.as_dtype("rows", xb, ACCUMULATE))
 
     def merge(self, other: ClassMeans) -> ClassMeans:
         if other.sums is None:
@@ -142,6 +174,8 @@ class ClassMoments:
         self.counts: Tensor | None = None  # [C]
         self.means: Tensor | None = None  # [C, D]
         self.within: Tensor | None = None  # [D, D]
+        self._scratch = Scratch()
+        self._batch: ClassMeans | None = None  # reused: the per-class sums of the current batch
 
     def _ensure(self, x: Tensor, y: Tensor) -> None:
         rows = max(self.n_classes or 0, int(y.max()) + 1)
@@ -158,13 +192,20 @@ class ClassMoments:
         if not len(y):
             return
         self._ensure(x, y)
-        batch = ClassMeans(n_classes=len(self.counts))
+        batch = self._batch
+        if batch is None or batch.sums.shape != self.means.shape:
+            batch = self._batch = ClassMeans(n_classes=len(self.counts))
+        else:
+            batch.counts.zero_()
+            batch.sums.zero_()
         batch.update(x, y)
         batch_means = batch.sums.div_(batch.counts.clamp(min=1)[:, None])  # in place: [C, D]
         product = torch.promote_types(x.dtype, torch.float32)
         for block in row_blocks(len(y), x.shape[1]):  # W_batch, straight into W
-            centred = x[block].to(ACCUMULATE) - batch_means[y[block]]
-            add_gram(self.within, centred, centred, product)
+            rows = y[block]
+            centred = self._scratch.get("centred", (len(rows), x.shape[1]), ACCUMULATE, x.device).copy_(x[block])
+            centred -= torch.index_select(batch_means, 0, rows, out=self._scratch.get("means", centred.shape, ACCUMULATE, x.device))
+            add_gram(self.within, centred, centred, product, self._scratch)
         present = torch.nonzero(batch.counts > 0).flatten()
         self._fold(present, batch.counts[present], batch_means, product)
 
@@ -191,9 +232,14 @@ class ClassMoments:
             classes, n_new = present[block], n_b[block]
             n_old = self.counts[classes]
             delta = means_b[classes] - self.means[classes]
-            add_gram(self.within, delta * (n_old * n_new / (n_old + n_new))[:, None], delta, product)
+            add_gram(self.within, delta * (n_old * n_new / (n_old + n_new))[:, None], delta, product, self._scratch)
             self.means[classes] += delta * (n_new / (n_old + n_new))[:, None]
             self.counts[classes] = n_old + n_new
+
+    def release(self) -> ClassMoments:
+        """Drop the per-batch buffers once the stream is over (the statistics stay)."""
+        self._scratch, self._batch = Scratch(), None
+        return self
 
     @property
     def total(self) -> float:

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.stats import ACCUMULATE, add_gram, row_blocks, symmetric_eigh
+from oodviz.detectors.stats import ACCUMULATE, Scratch, add_gram, row_blocks, symmetric_eigh
 
 
 def linear_origin(weight: Tensor, bias: Tensor) -> Tensor:
@@ -74,7 +74,7 @@ class ViM(Detector):
                 f"vim: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
                 "choose a smaller principal subspace."
             )
-        second_moment, max_logit_sum, n = None, 0.0, 0
+        second_moment, max_logit_sum, n, scratch = None, 0.0, 0, Scratch()
         for batch in data:
             if second_moment is None:  # the head is on the fit device once the first batch is in
                 weight, bias = data.head
@@ -83,8 +83,9 @@ class ViM(Detector):
                 product = torch.promote_types(batch.features.dtype, torch.float32)
             for block in row_blocks(len(batch.features), max(n_features, len(bias))):
                 x = batch.features[block]
-                centred = x.to(ACCUMULATE) - origin
-                add_gram(second_moment, centred, centred, product)
+                centred = scratch.as_dtype("centred", x, ACCUMULATE) if x.dtype != ACCUMULATE else x.clone()
+                centred -= origin
+                add_gram(second_moment, centred, centred, product, scratch)
                 max_logit_sum += float(torch.addmm(bias, x.float(), weight.T).amax(dim=1).sum())
             n += len(batch.features)
         second_moment /= n
