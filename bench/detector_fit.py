@@ -30,7 +30,19 @@ smoke test of 2-4 minutes, most of it starting 26 Python processes):
     .venv/bin/python bench/detector_fit.py --parts fit,flat --fixed-mmap-threshold   # diagnostic
 
 It prints markdown tables with PASS/FAIL against the issue's targets (recorded in
-bench/RESULTS.md). ``--parts`` picks among fit, score and flat; ``--detectors`` a subset.
+bench/RESULTS.md). ``--parts`` picks among fit, score and flat (the default) and the opt-in
+fit6 and score6; ``--detectors`` a subset.
+
+**Issue 6 detectors** (``--parts fit6,score6``; 10-15 minutes at the full sizes): the same fit
+measurement for react (percentile 90), ash (variant "s", percentile 90), scale (percentile 85),
+dice (sparsity 0.9), fdbd, nci and gradnorm, all fitted with ``head=(W, b)`` on the same batch
+views, against pytorch-ood 0.4 on the whole tensors: ``ReAct.fit_feature_maps`` on the features
+as ``N x D x 1 x 1`` maps (views, no copy), ``DICE.fit_features``, ``fDBD.fit_features`` and
+``NCI.fit_features`` (both with the head as an ``nn.Linear``). pytorch-ood's ASH, SCALE and
+GradNorm fit nothing (no ``fit_features``; ``GradNorm.fit`` returns self): "no fit", oodviz
+only. score6 is oodviz's scoring throughput for the same detectors on 20,000 samples.
+
+    .venv/bin/python bench/detector_fit.py --parts fit6,score6
 ``--fixed-mmap-threshold`` runs every measurement with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed,
 so that freed large blocks go straight back to the OS: the peak then shows the live memory of
 the fit rather than what the allocator keeps after freeing. ``--one MEASUREMENT JSON`` runs a
@@ -68,7 +80,10 @@ HEAD_NOISE = 2.0  # random part of the head; the rest points at the class means 
 DETECTORS = ("mahalanobis", "rmd", "vim", "klm", "she", "knn")
 STATISTICS_DETECTORS = ("mahalanobis", "rmd", "vim", "klm", "she")  # all but knn keep only statistics
 LIBRARIES = ("oodviz", "pytorch-ood")
-PARTS = ("fit", "score", "flat")
+PARTS = ("fit", "score", "flat")  # the default run
+ISSUE6_PARTS = ("fit6", "score6")  # opt-in: the issue-6 detectors
+FIT6_DETECTORS = ("react", "ash", "scale", "dice", "fdbd", "nci", "gradnorm")
+NO_FIT_IN_PYTORCH_OOD = ("ash", "scale", "gradnorm")  # pytorch-ood 0.4 has nothing to fit for these
 FIXED_MMAP_THRESHOLD = 128 * 1024  # glibc's initial value; setting it turns off its dynamic growth
 
 # Targets from the issue.
@@ -274,12 +289,19 @@ def vim_dim(dim: int) -> int:
 
 
 def _oodviz_params(detector: str, dim: int) -> dict:
-    return {"vim": {"dim": vim_dim(dim)}, "knn": {"k": KNN_K}}.get(detector, {})
+    return {
+        "vim": {"dim": vim_dim(dim)},
+        "knn": {"k": KNN_K},
+        "react": {"percentile": 90.0},
+        "ash": {"variant": "s", "percentile": 90.0},
+        "scale": {"percentile": 85.0},
+        "dice": {"sparsity": 0.9},
+    }.get(detector, {})
 
 
 def _pytorch_ood_fit(detector: str, data: dict[str, torch.Tensor]):
     """Construct and fit the pytorch-ood 0.4 counterpart of ``detector`` on whole tensors."""
-    from pytorch_ood.detector import KNN, RMD, SHE, KLMatching, Mahalanobis, ViM
+    from pytorch_ood.detector import DICE, KNN, NCI, RMD, SHE, KLMatching, Mahalanobis, ReAct, ViM, fDBD
 
     z, y, weight, bias = data["features"], data["labels"], data["weight"], data["bias"]
     if detector == "mahalanobis":
@@ -294,6 +316,15 @@ def _pytorch_ood_fit(detector: str, data: dict[str, torch.Tensor]):
         return SHE(None, head=data["head_layer"]).fit_features(z, y)
     if detector == "knn":
         return KNN(None, k=KNN_K).fit_features(z, y)
+    # issue 6: pytorch-ood's percentiles/sparsities are fractions, oodviz's percentiles are percent
+    if detector == "react":  # takes feature maps B x D x H x W; pooled features as D x 1 x 1 maps (a view)
+        return ReAct(None, data["head_layer"], percentile=0.9).fit_feature_maps(z[:, :, None, None], y)
+    if detector == "dice":
+        return DICE(None, w=weight, b=bias, p=0.9).fit_features(z, y)
+    if detector == "fdbd":
+        return fDBD(None, data["head_layer"]).fit_features(z, y)
+    if detector == "nci":
+        return NCI(None, data["head_layer"]).fit_features(z, y)
     raise ValueError(detector)
 
 
@@ -380,7 +411,23 @@ def measure_oodviz_streamed_fit(detector: str, n: int, dim: int, classes: int) -
     return peak.result()
 
 
+def measure_oodviz_detector_scoring(data_dir: str, detector: str, n: int) -> dict:
+    """Samples/s of oodviz ``score`` for ``detector`` (fitted on the whole set) on the first ``n`` rows."""
+    from oodviz.detectors import create
+
+    data = load_dataset(data_dir)
+    head = (data["weight"], data["bias"])
+    fitted = create(detector, **_oodviz_params(detector, data["features"].shape[1])).fit(batch_views(data), head=head)
+    fitted.score(batch_views(data, 64))  # warm-up
+    batches = batch_views(data, n)
+    start = time.perf_counter()
+    fitted.score(batches)
+    seconds = time.perf_counter() - start
+    return {"samples": n, "seconds": seconds, "samples_per_s": n / seconds}
+
+
 MEASUREMENTS = {
+    "oodviz_detector_scoring": measure_oodviz_detector_scoring,
     "oodviz_fit": measure_oodviz_fit,
     "pytorch_ood_fit": measure_pytorch_ood_fit,
     "oodviz_scoring": measure_oodviz_scoring,
@@ -481,6 +528,60 @@ def flat_table(results: dict[str, dict[int, dict]], n_small: int, n_large: int) 
     return rows
 
 
+def fit6_table(results: dict[str, dict[str, dict]], scoring: dict[str, dict]) -> list[str]:
+    """Issue-6 fits side by side (no targets: report only), with oodviz's scoring rate if measured."""
+    rows = [
+        "| detector | oodviz growth (MiB) | pytorch-ood growth (MiB) | ratio | oodviz fit (s) | pytorch-ood fit (s) | "
+        "oodviz score (samples/s) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for detector, by_library in results.items():
+        ours = by_library["oodviz"]
+        theirs = by_library.get("pytorch-ood", {"error": "not run"})
+        ratio = "-"
+        if "growth_mib" in ours and "growth_mib" in theirs:
+            ratio_value = theirs["growth_mib"] / max(ours["growth_mib"], 0.1)
+            ratio = f"{ratio_value:,.0f}x" if ratio_value >= 10 else f"{ratio_value:.1f}x"
+        if theirs.get("no_fit"):
+            their_mib = their_secs = "no fit"
+        elif "error" in theirs:
+            their_mib, their_secs = f"error: {theirs['error']}", "error"
+        else:
+            their_mib, their_secs = _mib(theirs), _secs(theirs)
+        rate = scoring.get(detector, {})
+        rate = f"{rate['samples_per_s']:,.0f}" if "samples_per_s" in rate else rate.get("error", "-")
+        our_mib = _mib(ours) if "error" not in ours else f"error: {ours['error']}"
+        rows.append(f"| {detector} | {our_mib} | {their_mib} | {ratio} | {_secs(ours)} | {their_secs} | {rate} |")
+    return rows
+
+
+def run_fit6(data_dir: str, sizes: Sizes, detectors, libraries, log) -> dict[str, dict[str, dict]]:
+    """Issue-6 fit memory growth and time; pytorch-ood only where it has something to fit."""
+    fits: dict[str, dict[str, dict]] = {}
+    for detector in detectors:
+        fits[detector] = {}
+        for library in libraries:
+            if library == "pytorch-ood" and detector in NO_FIT_IN_PYTORCH_OOD:
+                fits[detector][library] = {"no_fit": True}
+                continue
+            measurement = "oodviz_fit" if library == "oodviz" else "pytorch_ood_fit"
+            fits[detector][library] = result = run_one(
+                measurement, sizes.subprocess_timeout_s, data_dir=data_dir, detector=detector
+            )
+            log(f"fit6 {detector:<9} {library:<11} {result}")
+    return fits
+
+
+def run_score6(data_dir: str, sizes: Sizes, detectors, log) -> dict[str, dict]:
+    scoring = {}
+    for detector in detectors:
+        scoring[detector] = result = run_one(
+            "oodviz_detector_scoring", sizes.subprocess_timeout_s, data_dir=data_dir, detector=detector, n=sizes.n_score_oodviz
+        )
+        log(f"score6 {detector:<9} {result}")
+    return scoring
+
+
 def environment() -> list[str]:
     versions = [f"torch {torch.__version__}", f"numpy {np.__version__}"]
     if importlib.util.find_spec("pytorch_ood"):
@@ -548,7 +649,7 @@ def run_flat_growth(sizes: Sizes, detectors, log) -> dict[str, dict[int, dict]]:
     return flat
 
 
-def main(sizes: Sizes, detectors: tuple[str, ...], parts: set[str]) -> None:
+def main(sizes: Sizes, detectors: tuple[str, ...], parts: set[str], detectors6: tuple[str, ...] = FIT6_DETECTORS) -> None:
     have_pytorch_ood = importlib.util.find_spec("pytorch_ood") is not None
     libraries = LIBRARIES if have_pytorch_ood else ("oodviz",)
     print("\n".join(environment()))
@@ -563,8 +664,8 @@ def main(sizes: Sizes, detectors: tuple[str, ...], parts: set[str]) -> None:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:.0f}s] {message}", flush=True)
 
-    fits, scoring, flat = {}, None, {}
-    if parts & {"fit", "score"}:
+    fits, scoring, flat, fits6, scoring6 = {}, None, {}, {}, {}
+    if parts & {"fit", "score", "fit6", "score6"}:
         with tempfile.TemporaryDirectory(prefix="oodviz-bench-") as data_dir:
             write_dataset(data_dir, sizes)
             log(f"data written to {data_dir}")
@@ -572,6 +673,10 @@ def main(sizes: Sizes, detectors: tuple[str, ...], parts: set[str]) -> None:
                 fits = run_fits(data_dir, sizes, detectors, libraries, log)
             if "score" in parts:
                 scoring = run_scoring(data_dir, sizes, libraries, log)
+            if "fit6" in parts:
+                fits6 = run_fit6(data_dir, sizes, detectors6, libraries, log)
+            if "score6" in parts:
+                scoring6 = run_score6(data_dir, sizes, detectors6, log)
     if "flat" in parts:
         flat = run_flat_growth(sizes, detectors, log)
 
@@ -585,13 +690,28 @@ def main(sizes: Sizes, detectors: tuple[str, ...], parts: set[str]) -> None:
     if flat:
         print("\n### oodviz fit memory growth from streamed batches, by N\n")
         print("\n".join(flat_table(flat, sizes.n_fit, sizes.n_flat)))
+    if fits6 or scoring6:
+        if not fits6:
+            fits6 = {d: {"oodviz": {"error": "not run"}} for d in scoring6}
+        print(
+            f"\n### Issue 6 detectors: fit memory growth and time, N={sizes.n_fit:,}, D={sizes.dim}, C={sizes.classes}"
+            f" (scoring: {sizes.n_score_oodviz:,} samples)\n"
+        )
+        print("\n".join(fit6_table(fits6, scoring6)))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
-    parser.add_argument("--detectors", default=",".join(DETECTORS), help="comma-separated subset of " + ",".join(DETECTORS))
-    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS))
+    parser.add_argument(
+        "--detectors",
+        default=None,
+        help="comma-separated subset of " + ",".join(DETECTORS) + " (parts fit, score, flat) and of "
+        + ",".join(FIT6_DETECTORS) + " (parts fit6, score6); default: all of each",
+    )
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS + ISSUE6_PARTS)
+    )
     parser.add_argument(
         "--fixed-mmap-threshold",
         action="store_true",
@@ -604,11 +724,16 @@ if __name__ == "__main__":
         name, kwargs = args.one
         print("RESULT " + json.dumps(MEASUREMENTS[name](**json.loads(kwargs))), flush=True)
     else:
-        chosen = tuple(d for d in args.detectors.split(",") if d)
+        given_detectors = None if args.detectors is None else tuple(d for d in args.detectors.split(",") if d)
+        chosen = DETECTORS if given_detectors is None else tuple(d for d in given_detectors if d in DETECTORS)
+        chosen6 = FIT6_DETECTORS if given_detectors is None else tuple(d for d in given_detectors if d in FIT6_DETECTORS)
         parts = {p for p in args.parts.split(",") if p}
-        for label, given, valid in (("detector", chosen, DETECTORS), ("part", parts, PARTS)):
+        for label, given, valid in (
+            ("detector", given_detectors or (), DETECTORS + FIT6_DETECTORS),
+            ("part", parts, PARTS + ISSUE6_PARTS),
+        ):
             if set(given) - set(valid):
                 parser.error(f"unknown {label}(s) {', '.join(sorted(set(given) - set(valid)))}; choose from {', '.join(valid)}")
         if args.fixed_mmap_threshold:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = str(FIXED_MMAP_THRESHOLD)  # inherited by every measurement
-        main(QUICK if args.quick else FULL, chosen, parts)
+        main(QUICK if args.quick else FULL, chosen, parts, chosen6)

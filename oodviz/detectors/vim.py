@@ -28,7 +28,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.stats import ACCUMULATE, Scratch, add_gram, row_blocks, symmetric_eigh
+from oodviz.detectors.stats import ACCUMULATE, Scratch, row_blocks, symmetric_eigh
 
 
 def linear_origin(weight: Tensor, bias: Tensor) -> Tensor:
@@ -80,12 +80,11 @@ class ViM(Detector):
                 weight, bias = data.head
                 origin = linear_origin(weight, bias)  # [D] float64
                 second_moment = torch.zeros(n_features, n_features, dtype=ACCUMULATE, device=batch.device)
-                product = torch.promote_types(batch.features.dtype, torch.float32)
             for block in row_blocks(len(batch.features), max(n_features, len(bias))):
                 x = batch.features[block]
-                centred = scratch.as_dtype("centred", x, ACCUMULATE) if x.dtype != ACCUMULATE else x.clone()
+                centred = scratch.get("centred", tuple(x.shape), ACCUMULATE, x.device).copy_(x)
                 centred -= origin
-                add_gram(second_moment, centred, centred, product, scratch)
+                second_moment.addmm_(centred.T, centred)
                 max_logit_sum += float(torch.addmm(bias, x.float(), weight.T).amax(dim=1).sum())
             n += len(batch.features)
         second_moment /= n
