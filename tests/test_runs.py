@@ -230,3 +230,38 @@ def test_a_restarted_reader_relists_every_run_and_detects_a_dead_supervisor(tmp_
     assert [r.run_id for r in list_runs(tmp_path)] == [orphan.run_id, done.run_id]
     status = refresh(orphan)
     assert status["state"] == "failed" and "processes are gone" in status["error"]
+
+
+def test_a_torchvision_model_with_random_weights_end_to_end_on_image_folders(tmp_path):
+    """resnet18 (random weights, a dry run) on a 2-class image folder against a flat OOD folder."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("fit", 8), ("test", 4)):
+        for k, colour in enumerate(((200, 40, 40), (40, 40, 200))):
+            folder = tmp_path / split / f"class-{k}"
+            folder.mkdir(parents=True)
+            for i in range(n):
+                pixels = np.clip(np.array(colour) + rng.normal(0, 20, (32, 32, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+    (tmp_path / "ood").mkdir()
+    for i in range(5):
+        Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "ood" / f"{i}.png")
+    (tmp_path / "ood" / "broken.png").write_bytes(b"not an image")
+    config = RunConfig(
+        backbone="resnet18", weights="random",
+        id_fit=DatasetChoice("folder", {"path": str(tmp_path / "fit")}),
+        id_test=DatasetChoice("folder", {"path": str(tmp_path / "test")}),
+        ood=[DatasetChoice("folder", {"path": str(tmp_path / "ood")}, group="far")],
+        detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis"), DetectorChoice("knn", {"k": 3})],
+        batch_size=4,
+    )  # fmt: skip
+    run = submit(config, tmp_path / "runs")
+    assert wait_final(run, timeout=300)["state"] == "done", run.read_status()
+    scores = pd.read_parquet(run.path / "scores.parquet")
+    assert (scores.split == "id_test").sum() == 8 and (scores.split == "ood").sum() == 5  # the broken file skipped
+    assert set(scores.label[scores.split == "id_test"]) == {0, 1}
+    assert np.isfinite(scores[["msp", "mahalanobis", "knn"]].to_numpy()).all()
+    assert any("1 unreadable image(s) skipped" in e.get("message", "") for e in run.read_events())
+    meta = json.loads((run.path / "meta.json").read_text())
+    assert meta["splits"]["id_fit"]["n"] == 16

@@ -55,11 +55,14 @@ def squared_distances(x: Tensor, points: Tensor, point_norms: Tensor) -> Tensor:
 
 
 def fit_class_moments(detector: Detector, data: FitData) -> ClassMoments:
-    """Stream the fit data into per-class means and the within-class scatter; every class must occur."""
-    moments = ClassMoments(n_classes=data.n_classes)
+    """Stream the fit data into per-class means and the within-class scatter; every class in
+    ``0..max label`` must occur."""
+    # The classes are those of the labels, 0..max label: a 2-class image folder under a 1000-class
+    # ImageNet head has 2 class means, not 998 empty ones.
+    moments = ClassMoments()
     for batch in data:
         moments.update(batch.features, batch.labels)
-    check_all_classes_seen(detector.name, moments.empty_classes(data.n_classes))
+    check_all_classes_seen(detector.name, moments.empty_classes())
     return moments.release()
 
 
