@@ -74,6 +74,7 @@ def app_url(runs_root):
 
 
 def shoot(page, tmp_path, name):
+    page.wait_for_timeout(1500)  # let the data grids (canvas) and charts finish drawing
     path = tmp_path / f"{name}.png"
     page.screenshot(path=str(path))
     if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
