@@ -192,6 +192,22 @@ def make_loader(dataset, transform, batch_size: int, num_workers: int, device: t
     )
 
 
+def progress_info(stage: str, done: int, started: float, backoff: Backoff, skipped: int, **extra) -> dict:
+    """The ``info`` of a ``progress(done, total, info)`` call: stage, items/s since ``started``
+    (a ``time.perf_counter()``), the batch size in force, the device, skipped items, OOM back-offs."""
+    elapsed = time.perf_counter() - started
+    return {
+        "stage": stage,
+        "items_per_s": done / elapsed if elapsed > 0 else 0.0,
+        "batch_size": backoff.in_force,
+        "device": str(backoff.device),
+        "skipped": skipped,
+        "elapsed_s": elapsed,
+        "oom_backoffs": backoff.backoffs,
+        **extra,
+    }
+
+
 class Backoff:
     """Runs ``n`` rows in chunks of at most ``in_force``; a CUDA out-of-memory error halves it.
 
@@ -427,24 +443,9 @@ def extract(
     loader_iter = None
 
     def report(stage: str) -> None:
-        if progress is None:
-            return
-        elapsed = time.perf_counter() - started
-        progress(
-            done,
-            total,
-            {
-                "stage": stage,
-                "items_per_s": done / elapsed if elapsed > 0 else 0.0,
-                "batch_size": backoff.in_force,
-                "device": str(device),
-                "skipped": skipped,
-                "written": 0 if writer is None else writer.rows,
-                "elapsed_s": elapsed,
-                "oom_backoffs": backoff.backoffs,
-                "key": key,
-            },
-        )
+        if progress is not None:
+            written = 0 if writer is None else writer.rows
+            progress(done, total, progress_info(stage, done, started, backoff, skipped, written=written, key=key))
 
     try:
         with model_on_device(getattr(backbone, "model", None), device, channels_last):

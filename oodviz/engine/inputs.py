@@ -40,6 +40,7 @@ from oodviz.engine.extract import (
     _close_loader,
     make_loader,
     model_on_device,
+    progress_info,
 )
 
 
@@ -95,22 +96,8 @@ def score_inputs(
     scores, labels_out, indices_out = [], [], []
 
     def report(stage: str) -> None:
-        if progress is None:
-            return
-        elapsed = time.perf_counter() - started
-        progress(
-            done,
-            total,
-            {
-                "stage": stage,
-                "items_per_s": done / elapsed if elapsed > 0 else 0.0,
-                "batch_size": backoff.in_force,
-                "device": str(device),
-                "skipped": skipped,
-                "elapsed_s": elapsed,
-                "oom_backoffs": backoff.backoffs,
-            },
-        )
+        if progress is not None:
+            progress(done, total, progress_info(stage, done, started, backoff, skipped))
 
     autocast_dtype = PRECISIONS[precision]
     autocast = (
