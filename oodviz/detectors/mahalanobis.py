@@ -8,7 +8,7 @@ the shared, tied covariance
 
     Sigma = 1/N sum_k sum_{i: y_i = k} (x_i - mu_k)(x_i - mu_k)^T        [D, D]
 
-streamed in float64 with Chan et al.'s stable update (:class:`~oodviz.detectors.stats.ClassMoments`).
+streamed in float64 about per-class shifts (:class:`~oodviz.detectors.stats.ClassMoments`).
 
 Score: the squared distance to the closest class,
 
@@ -17,7 +17,7 @@ Score: the squared distance to the closest class,
 The paper's confidence is the negated distance; the distance itself is the OOD score (higher =
 more OOD). ``Sigma^+`` is the pseudo-inverse: directions without in-distribution variance
 (eigenvalues below ``D * eps * lambda_max``, e.g. dead ReLU units) are dropped instead of
-dividing by zero. Scoring whitens once, ``x' = (x - mu) Sigma^{+1/2}``, and computes all ``C``
+dividing by zero. Scoring whitens once, ``x' = (x - mu) S`` with ``S S^T = Sigma^+``, and computes all ``C``
 distances with one matrix product, ``|x'|^2 - 2 x' mu_k'^T + |mu_k'|^2``, rather than a loop
 over classes.
 
@@ -30,16 +30,27 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
-from oodviz.detectors.stats import ClassMoments, symmetric_eigh
+from oodviz.detectors.stats import ClassMoments, inverse_cholesky_factor, row_blocks, symmetric_eigh
 
 
 def inverse_sqrt(covariance: Tensor, overwrite: bool = False) -> Tensor:
     """``S`` ``[D, k]`` with ``S S^T = covariance^+`` (pseudo-inverse), from a float64 ``[D, D]`` matrix.
 
-    Keeps the ``k`` eigen-directions with eigenvalue above ``D * eps(float64) * lambda_max``.
-    ``overwrite=True`` may destroy ``covariance`` (saves a copy of it).
+    The pseudo-inverse keeps the eigen-directions with eigenvalue above ``D * eps(float64) *
+    lambda_max``. When ``trace(A) trace(A^-1) < 1 / (D * eps)`` (``A`` = ``covariance``) every
+    eigenvalue is above that cutoff (``lambda_max / lambda_min`` is at most the product), so
+    ``A^+ = A^-1`` and ``S = L^-T`` from the Cholesky factor ``A = L L^T`` (``k = D``, upper
+    triangular): the usual case, without an eigendecomposition. Otherwise (rank-deficient or
+    badly conditioned, e.g. dead ReLU units) ``S = V_k diag(lambda_k)^(-1/2)`` from the kept
+    eigenpairs. ``overwrite=True`` may destroy ``covariance`` (saves a copy of it).
     """
     d, eps = covariance.shape[0], torch.finfo(covariance.dtype).eps
+    inverse_factor = inverse_cholesky_factor(covariance)  # L^-1, or None
+    if inverse_factor is not None:
+        trace_inverse = float(torch.linalg.vector_norm(inverse_factor)) ** 2  # trace(A^-1) = |L^-1|_F^2
+        if float(covariance.diagonal().sum()) * trace_inverse * d * eps < 1:
+            return inverse_factor.T
+        del inverse_factor
     eigenvalues, eigenvectors = symmetric_eigh(covariance, overwrite=overwrite)
     cutoff = eigenvalues.amax().clamp(min=0) * d * eps
     keep = eigenvalues > cutoff
@@ -83,14 +94,14 @@ class Mahalanobis(Detector):
         self._set_whitening(moments.grand_mean)
 
     def _set_whitening(self, center: Tensor) -> None:
-        whitening = inverse_sqrt(self.covariance_)
-        # (mu_c - mu) S = mu_c S - mu S: no [C, D] copy of the centred means
-        whitened_means = self.class_means_ @ whitening
-        whitened_means -= center @ whitening
         self.center_ = center.float()
-        self.whitening_ = whitening.float()  # [D, k]
-        self.whitened_means_ = whitened_means.float()  # [C, k]
-        self.whitened_norms_ = whitened_means.pow_(2).sum(dim=1).float()  # [C]
+        self.whitening_ = inverse_sqrt(self.covariance_).float()  # [D, k]
+        # (mu_c - mu) S, the difference in float64 (no cancellation), a block of classes at a time
+        whitened_means = torch.empty(len(self.class_means_), self.whitening_.shape[1], device=center.device)
+        for block in row_blocks(len(self.class_means_), self.whitening_.shape[1]):
+            torch.mm((self.class_means_[block] - center).float(), self.whitening_, out=whitened_means[block])
+        self.whitened_means_ = whitened_means  # [C, k]
+        self.whitened_norms_ = whitened_means.pow(2).sum(dim=1)  # [C]
 
     def _whiten(self, features: Tensor) -> Tensor:
         return (features.float() - self.center_) @ self.whitening_

@@ -14,9 +14,12 @@ covariance, and the Mahalanobis distances then depended on how the data was batc
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import scipy.linalg
+import scipy.linalg.blas
+import scipy.linalg.lapack
 import torch
 from torch import Tensor
 
@@ -45,6 +48,26 @@ def symmetric_eigh(matrix: Tensor, overwrite: bool = False) -> tuple[Tensor, Ten
     # LAPACK can work on in place.
     values, vectors = scipy.linalg.eigh(matrix.numpy().T, driver="evr", overwrite_a=overwrite, check_finite=False)
     return torch.from_numpy(values), torch.from_numpy(vectors)
+
+
+def inverse_cholesky_factor(matrix: Tensor) -> Tensor | None:
+    """``L^{-1}`` ``[D, D]`` (lower triangular) for the Cholesky factor ``matrix = L L^T`` of a
+    symmetric float64 matrix, or None when it is not numerically positive definite.
+
+    ``D^3 / 3`` operations each, an order of magnitude fewer than an eigendecomposition. On the
+    CPU through LAPACK (``potrf``, then ``trtri`` in place: one ``[D, D]`` buffer); elsewhere torch.
+    """
+    if matrix.device.type != "cpu":
+        factor, info = torch.linalg.cholesky_ex(matrix)
+        if int(info):
+            return None
+        identity = torch.eye(len(matrix), dtype=matrix.dtype, device=matrix.device)
+        return torch.linalg.solve_triangular(factor, identity, upper=False)
+    factor, info = scipy.linalg.lapack.dpotrf(matrix.numpy().T, lower=1, clean=1)
+    if info:
+        return None
+    inverse, info = scipy.linalg.lapack.dtrtri(factor, lower=1, overwrite_c=1)
+    return None if info else torch.from_numpy(inverse)
 
 
 class Scratch:
@@ -141,92 +164,167 @@ class ClassMeans:
         return torch.nonzero(counts == 0).flatten().tolist()
 
 
+def add_gram(accumulator: Tensor, rows: Tensor, alpha: float = 1.0) -> bool:
+    """``accumulator += alpha * rows^T rows`` for float64 ``rows [K, D]`` into ``[D, D]`` float64.
+
+    On the CPU through BLAS ``dsyrk``, which computes one triangle only (half the work of a matrix
+    product): the result is valid in the *lower* triangle, and the function returns True so the
+    caller knows to mirror it (:func:`mirror_lower`) before reading the upper one. Elsewhere a full
+    ``addmm_`` (returns False).
+    """
+    if accumulator.device.type != "cpu" or not (accumulator.is_contiguous() and rows.is_contiguous()):
+        accumulator.addmm_(rows.T, rows, alpha=alpha)
+        return False
+    # A C-ordered matrix is its transpose in Fortran order: BLAS's upper triangle of
+    # ``accumulator.T`` is the lower triangle of ``accumulator``, updated in place.
+    scipy.linalg.blas.dsyrk(alpha, rows.numpy().T, beta=1.0, c=accumulator.numpy().T, overwrite_c=1, lower=0)
+    return True
+
+
+@contextlib.contextmanager
+def torch_on_one_thread(device: torch.device) -> Iterator[None]:
+    """Run torch's CPU ops on the calling thread only, inside the block (threads restored after).
+
+    For loops that alternate torch's elementwise ops with :func:`add_gram`'s BLAS call on the CPU:
+    BLAS's worker threads keep spinning for a while after each call, and torch's parallel ops in
+    between then fight them for the cores (about 3x slower on 2 cores). The elementwise work is
+    memory-bound, so one thread loses little.
+    """
+    threads = torch.get_num_threads()
+    if device.type != "cpu" or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def mirror_lower(matrix: Tensor) -> None:
+    """Copy the lower triangle of a square ``matrix`` onto its upper one, in place, a block at a time."""
+    for block in row_blocks(len(matrix), len(matrix)):
+        diagonal = matrix[block, block]
+        diagonal.copy_(diagonal.tril() + diagonal.tril(-1).T)
+        matrix[block, block.stop :] = matrix[block.stop :, block].T
+
+
 class ClassMoments:
-    """Per-class means and the pooled within-class scatter, by Chan et al.'s parallel update.
+    """Per-class means and the pooled within-class scatter, streamed with per-class shifts.
 
-    Keeps ``n_c`` ``[C]``, class means ``mu_c`` ``[C, D]`` and the within-class scatter
+    The statistics are
 
-        W = sum_c sum_{i: y_i = c} (x_i - mu_c)(x_i - mu_c)^T        [D, D]
+        mu_c = 1/n_c sum_{i: y_i = c} x_i                                      [C, D]
+        W    = sum_c sum_{i: y_i = c} (x_i - mu_c)(x_i - mu_c)^T               [D, D]
 
-    all in float64. Each batch is centred on its own per-class means before the outer product
-    (so large feature offsets do not cancel catastrophically) and folded in with
+    all in float64. Streaming keeps, for a shift ``k_c`` per class (the first sample seen of the
+    class), the shifted sums and the shifted scatter
 
-        W += W_batch + sum_c n_a n_b / (n_a + n_b) * delta_c delta_c^T,   delta_c = mu_c,batch - mu_c
+        t_c = sum_{i: y_i = c} (x_i - k_c),    S = sum_i (x_i - k_{y_i})(x_i - k_{y_i})^T
 
-    (Chan, Golub & LeVeque, 1979). The total scatter about the grand mean follows exactly as
-    ``W + sum_c n_c (mu_c - mu)(mu_c - mu)^T`` (``total_scatter``).
+    from which ``mu_c = k_c + t_c / n_c`` and ``W = S - sum_c t_c t_c^T / n_c`` (the "shifted data"
+    algorithm; Chan, Golub & LeVeque, *Algorithms for computing the sample variance*, 1983). A
+    shift inside the class keeps ``S`` of the order of ``W``, so the subtraction does not cancel the
+    way ``sum x x^T - n mu mu^T`` would under a large feature offset. Each batch costs one
+    symmetric product of its shifted rows (:func:`add_gram`) and no per-batch ``[C, D]`` state;
+    :meth:`settle` re-centres on the means once, when ``means`` or ``within`` is read. Shards
+    merge exactly (:meth:`merge`). The total scatter about the grand mean follows as
+    ``W + sum_c n_c (mu_c - mu)(mu_c - mu)^T`` (:meth:`total_scatter`).
     """
 
     def __init__(self, n_classes: int | None = None):
         self.n_classes = n_classes
-        self.counts: Tensor | None = None  # [C]
-        self.means: Tensor | None = None  # [C, D]
-        self.within: Tensor | None = None  # [D, D]
+        self.counts: Tensor | None = None  # [C] float64
+        self._shifts: Tensor | None = None  # [C, D]: k_c, the class means once settled
+        self._sums: Tensor | None = None  # [C, D]: t_c; None when settled (all zero)
+        self._scatter: Tensor | None = None  # [D, D]: S, W once settled
+        self._lower_only = False  # only the lower triangle of _scatter is up to date
         self._scratch = Scratch()
-        self._batch: ClassMeans | None = None  # reused: the per-class sums of the current batch
 
     def _ensure(self, x: Tensor, y: Tensor) -> None:
         rows = max(self.n_classes or 0, int(y.max()) + 1)
-        if self.means is None:
-            d = x.shape[1]
+        if self.counts is None:
             self.counts = torch.zeros(rows, dtype=ACCUMULATE, device=x.device)
-            self.means = torch.zeros(rows, d, dtype=ACCUMULATE, device=x.device)
-            self.within = torch.zeros(d, d, dtype=ACCUMULATE, device=x.device)
-        else:
-            self.counts = _grow_rows(self.counts, rows)
-            self.means = _grow_rows(self.means, rows)
+            self._shifts = torch.zeros(rows, x.shape[1], dtype=ACCUMULATE, device=x.device)
+            self._scatter = torch.zeros(x.shape[1], x.shape[1], dtype=ACCUMULATE, device=x.device)
+        self.counts = _grow_rows(self.counts, rows)
+        self._shifts = _grow_rows(self._shifts, rows)
+        self._sums = torch.zeros_like(self._shifts) if self._sums is None else _grow_rows(self._sums, rows)
 
     def update(self, x: Tensor, y: Tensor) -> None:
         if not len(y):
             return
         self._ensure(x, y)
-        batch = self._batch
-        if batch is None or batch.sums.shape != self.means.shape:
-            batch = self._batch = ClassMeans(n_classes=len(self.counts))
-        else:
-            batch.counts.zero_()
-            batch.sums.zero_()
-        batch.update(x, y)
-        batch_means = batch.sums.div_(batch.counts.clamp(min=1)[:, None])  # in place: [C, D]
-        for block in row_blocks(len(y), x.shape[1]):  # W_batch, straight into W
-            rows = y[block]
-            centred = self._scratch.get("centred", (len(rows), x.shape[1]), ACCUMULATE, x.device).copy_(x[block])
-            centred -= torch.index_select(batch_means, 0, rows, out=self._scratch.get("means", centred.shape, ACCUMULATE, x.device))
-            self.within.addmm_(centred.T, centred)
-        present = torch.nonzero(batch.counts > 0).flatten()
-        self._fold(present, batch.counts[present], batch_means)
+        unseen = self.counts[y] == 0
+        if bool(unseen.any()):  # a class's first sample becomes its shift
+            rows = torch.nonzero(unseen).flatten()
+            first = torch.full_like(self.counts, len(y), dtype=torch.long)
+            first.scatter_reduce_(0, y[rows], rows, reduce="amin")
+            first = first[first < len(y)]
+            self._shifts[y[first]] = x[first].to(ACCUMULATE)
+        self.counts += torch.bincount(y, minlength=len(self.counts))
+        with torch_on_one_thread(x.device):
+            for block in row_blocks(len(y), x.shape[1]):
+                labels = y[block]
+                shifted = self._scratch.get("rows", (len(labels), x.shape[1]), ACCUMULATE, x.device).copy_(x[block])
+                shifted -= torch.index_select(self._shifts, 0, labels, out=self._scratch.get("shifts", shifted.shape, ACCUMULATE, x.device))
+                self._sums.index_add_(0, labels, shifted)
+                self._lower_only |= add_gram(self._scatter, shifted)
+
+    def settle(self) -> ClassMoments:
+        """Re-centre on the class means: ``k_c <- mu_c``, ``S <- W``, ``t_c <- 0`` (and free ``t``)."""
+        if self._sums is not None:
+            for block in row_blocks(len(self.counts), self._shifts.shape[1]):
+                n = self.counts[block, None]
+                offset = self._sums[block].div_(n.clamp(min=1))  # mu_c - k_c, in place
+                weighted = torch.mul(offset, n.sqrt(), out=self._scratch.get("rows", offset.shape, ACCUMULATE, offset.device))
+                self._lower_only |= add_gram(self._scatter, weighted, alpha=-1.0)  # S - sum_c n_c d_c d_c^T
+                self._shifts[block] += offset
+            self._sums = None
+        if self._lower_only:
+            mirror_lower(self._scatter)
+            self._lower_only = False
+        return self
 
     def merge(self, other: ClassMoments) -> ClassMoments:
-        if other.means is None:
+        """Add the statistics of a shard ``other`` saw (``other`` is settled on the way)."""
+        if other.counts is None:
             return self
-        if self.means is None:
-            self.counts, self.means, self.within = other.counts.clone(), other.means.clone(), other.within.clone()
+        other.settle()
+        if self.counts is None:
+            self.counts, self._shifts, self._scatter = other.counts.clone(), other._shifts.clone(), other._scatter.clone()
             return self
-        rows = max(len(self.counts), len(other.counts))
-        self.counts = _grow_rows(self.counts, rows)
-        self.means = _grow_rows(self.means, rows)
-        counts = _grow_rows(other.counts.to(self.counts.device), rows)
-        means = _grow_rows(other.means.to(self.means.device), rows)
-        self.within += other.within.to(self.within.device)
-        present = torch.nonzero(counts > 0).flatten()
-        self._fold(present, counts[present], means)
+        device = self.counts.device
+        counts, means = other.counts.to(device), other._shifts.to(device)
+        self._ensure(means, torch.tensor([len(counts) - 1], device=device))
+        # Other's samples about our shift k: sum (x - k) = n_b delta and
+        # sum (x - k)(x - k)^T = W_b + n_b delta delta^T, with delta = mu_b - k per class.
+        new = (self.counts[: len(counts)] == 0) & (counts > 0)
+        self._shifts[: len(counts)][new] = means[new]
+        self._scatter += other._scatter.to(device)
+        for block in row_blocks(len(counts), means.shape[1]):
+            n = counts[block, None]
+            delta = means[block] - self._shifts[block]
+            self._sums[block] += delta * n
+            self._lower_only |= add_gram(self._scatter, delta.mul_(n.sqrt()))
+        self.counts[: len(counts)] += counts
         return self
-
-    def _fold(self, present: Tensor, n_b: Tensor, means_b: Tensor) -> None:
-        """Fold in the classes ``present`` [k] with ``n_b`` [k] samples and means ``means_b[present]``
-        (their own scatter already added to ``within``), a block of classes at a time."""
-        for block in row_blocks(len(present), self.means.shape[1]):
-            classes, n_new = present[block], n_b[block]
-            n_old = self.counts[classes]
-            delta = means_b[classes] - self.means[classes]
-            self.within.addmm_((delta * (n_old * n_new / (n_old + n_new))[:, None]).T, delta)
-            self.means[classes] += delta * (n_new / (n_old + n_new))[:, None]
-            self.counts[classes] = n_old + n_new
 
     def release(self) -> ClassMoments:
-        """Drop the per-batch buffers once the stream is over (the statistics stay)."""
-        self._scratch, self._batch = Scratch(), None
-        return self
+        """Settle, and drop the per-block buffers once the stream is over (the statistics stay)."""
+        self._scratch = Scratch()
+        return self.settle()
+
+    @property
+    def means(self) -> Tensor:
+        """``mu_c`` ``[C, D]`` float64; rows of empty classes are meaningless (check ``empty_classes``)."""
+        return self.settle()._shifts
+
+    @property
+    def within(self) -> Tensor:
+        """The within-class scatter ``W`` ``[D, D]`` float64 (the stored tensor: dividing it in place is fine
+        once the stream is over)."""
+        return self.settle()._scatter
 
     @property
     def total(self) -> float:
@@ -241,9 +339,12 @@ class ClassMoments:
         """``sum_i (x_i - mu)(x_i - mu)^T`` over all samples, ``[D, D]`` float64 (a new tensor)."""
         total = self.within.clone()
         mu = self.grand_mean
+        lower_only = False
         for block in row_blocks(len(self.counts), self.means.shape[1]):
-            between = self.means[block] - mu
-            total.addmm_((between * self.counts[block, None]).T, between)
+            between = (self.means[block] - mu).mul_(self.counts[block, None].sqrt())
+            lower_only |= add_gram(total, between)
+        if lower_only:
+            mirror_lower(total)
         return total
 
     def empty_classes(self, n_classes: int | None = None) -> list[int]:

@@ -6,9 +6,9 @@ https://arxiv.org/abs/2203.10807
 With the head ``(W [C, D], b [C])``, features are moved to the origin ``u = -W^+ b`` (where every
 logit is zero). Fit, two streaming passes over the in-distribution features ``x``:
 
-1. the uncentred second moment ``S = 1/N sum_i (x_i - u)(x_i - u)^T`` ``[D, D]`` (float64) and
-   the mean maximum logit; ``R`` ``[D, D - dim]`` spans the eigenvectors of ``S`` outside the
-   ``dim`` largest (the residual space);
+1. the uncentred second moment ``S = 1/N sum_i (x_i - u)(x_i - u)^T`` ``[D, D]`` (float64);
+   ``R`` ``[D, D - dim]`` spans the eigenvectors of ``S`` outside the ``dim`` largest (the
+   residual space);
 2. ``alpha = mean_i max_k z_ik / mean_i |(x_i - u) R|``, matching the virtual logit's scale to the
    real logits' (``z = x W^T + b``).
 
@@ -28,7 +28,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.stats import ACCUMULATE, Scratch, row_blocks, symmetric_eigh
+from oodviz.detectors.stats import ACCUMULATE, Scratch, add_gram, mirror_lower, row_blocks, symmetric_eigh, torch_on_one_thread
 
 
 def linear_origin(weight: Tensor, bias: Tensor) -> Tensor:
@@ -74,29 +74,33 @@ class ViM(Detector):
                 f"vim: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
                 "choose a smaller principal subspace."
             )
-        second_moment, max_logit_sum, n, scratch = None, 0.0, 0, Scratch()
+        second_moment, n, lower_only, scratch = None, 0, False, Scratch()
         for batch in data:
             if second_moment is None:  # the head is on the fit device once the first batch is in
                 weight, bias = data.head
                 origin = linear_origin(weight, bias)  # [D] float64
                 second_moment = torch.zeros(n_features, n_features, dtype=ACCUMULATE, device=batch.device)
-            for block in row_blocks(len(batch.features), max(n_features, len(bias))):
-                x = batch.features[block]
-                centred = scratch.get("centred", tuple(x.shape), ACCUMULATE, x.device).copy_(x)
-                centred -= origin
-                second_moment.addmm_(centred.T, centred)
-                max_logit_sum += float(torch.addmm(bias, x.float(), weight.T).amax(dim=1).sum())
+            with torch_on_one_thread(batch.device):
+                for block in row_blocks(len(batch.features), n_features):
+                    x = batch.features[block]
+                    centred = scratch.get("centred", tuple(x.shape), ACCUMULATE, x.device).copy_(x)
+                    centred -= origin
+                    lower_only |= add_gram(second_moment, centred)
             n += len(batch.features)
+        if lower_only:
+            mirror_lower(second_moment)
         second_moment /= n
         _, eigenvectors = symmetric_eigh(second_moment, overwrite=True)  # ascending eigenvalues
-        del second_moment
+        del second_moment, scratch
         residual = eigenvectors[:, : n_features - dim].float()  # [D, D - dim]
         del eigenvectors
         origin = origin.float()
-        norm_sum = 0.0
+        max_logit_sum, norm_sum = 0.0, 0.0
         for batch in data:
-            for block in row_blocks(len(batch.features), n_features):
-                norm_sum += float(((batch.features[block].float() - origin) @ residual).norm(dim=1).sum())
+            for block in row_blocks(len(batch.features), max(n_features, len(bias))):
+                x = batch.features[block].float()
+                max_logit_sum += float(torch.addmm(bias, x, weight.T).amax(dim=1).sum())
+                norm_sum += float(((x - origin) @ residual).norm(dim=1).sum())
         if norm_sum == 0:
             raise ValueError(
                 f"vim: the features have no component outside the top {dim} principal directions; "
