@@ -257,6 +257,25 @@ def test_vim_dim_must_leave_a_residual(problem):
         create("vim", dim=12).fit(problem.fit_batches(), head=problem.head)
 
 
+def test_vim_reads_the_batch_logits_when_present_and_checks_them(problem):
+    """The model's logits when the batch has them, the head's ``x W^T + b`` otherwise: the same
+    numbers when they agree; logits of the wrong width or not finite are refused, not used."""
+    features_only = [Batch(b.features, labels=b.labels) for b in problem.fit_batches()]
+    with_logits = create("vim", dim=4).fit(problem.fit_batches(), head=problem.head)
+    from_head = create("vim", dim=4).fit(features_only, head=problem.head)
+    assert with_logits.alpha_ == pytest.approx(from_head.alpha_, rel=1e-6)
+    query = problem.batches(problem.eval_x)
+    torch.testing.assert_close(with_logits.score(query), from_head.score([Batch(b.features) for b in query]))
+    shifted = [Batch(b.features, b.logits + 1.0) for b in query]  # logsumexp + 1: scores - 1
+    torch.testing.assert_close(with_logits.score(shifted), with_logits.score(query) - 1.0)
+    with pytest.raises(ValueError, match=r"logits with C=5, expected C=6"):
+        create("vim", dim=4).fit([Batch(problem.fit_x, torch.zeros(len(problem.fit_x), 5))], head=problem.head)
+    bad = problem.logits(problem.eval_x)
+    bad[3, 2] = float("nan")
+    with pytest.raises(ValueError, match="NaN or infinite logits"):
+        with_logits.score(Batch(problem.eval_x, bad))
+
+
 def test_knn_k_larger_than_the_data(problem):
     with pytest.raises(ValueError, match=r"k=50 exceeds the 40 in-distribution samples"):
         create("knn").fit(problem.batches(problem.fit_x[:40], problem.fit_y[:40]))

@@ -186,7 +186,7 @@ class FitData:
             if self.device is None:
                 self.device = batch.device
             batch = batch.to(self.device)
-            self._shapes.check_widths(batch, index, detector.inputs)
+            self._shapes.check_widths(batch, index, detector.fields_of(batch))
             if batch.labels is None and detector.needs_labels:
                 raise ValueError(
                     f"{detector.name} fits on class labels but batch {index} has none; "
@@ -196,7 +196,7 @@ class FitData:
                 batch = self._keep_in_distribution(batch, index)
             if not len(batch):
                 continue
-            self._shapes.check_finite(batch, index, detector.inputs)
+            self._shapes.check_finite(batch, index, detector.fields_of(batch))
             rows += len(batch)
             yield batch
         if rows == 0:
@@ -242,6 +242,8 @@ class Detector:
     paper: ClassVar[str]
     #: batch fields the detector reads, in fit and score
     inputs: ClassVar[tuple[str, ...]]
+    #: batch fields the detector reads when a batch has them (checked like ``inputs`` then)
+    optional_inputs: ClassVar[tuple[str, ...]] = ()
     #: fit needs the classifier's final layer as ``head``
     needs_head: ClassVar[bool] = False
     #: fit needs class labels (OOD rows, label -1, are always ignored)
@@ -268,6 +270,11 @@ class Detector:
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())
         return f"{type(self).__name__}({params})"
+
+    @classmethod
+    def fields_of(cls, batch: Batch) -> tuple[str, ...]:
+        """The batch fields this detector reads from ``batch``: its inputs and the optional ones present."""
+        return cls.inputs + tuple(f for f in cls.optional_inputs if getattr(batch, f) is not None)
 
     # -- fit / score ------------------------------------------------------------------------
     @torch.no_grad()
@@ -316,8 +323,8 @@ class Detector:
             if not scores:
                 self._move_fitted(device)
             batch = batch.to(device)
-            shapes.check_widths(batch, index, self.inputs)
-            shapes.check_finite(batch, index, self.inputs)
+            shapes.check_widths(batch, index, self.fields_of(batch))
+            shapes.check_finite(batch, index, self.fields_of(batch))
             scores.append(self._score(batch).float().cpu())
         if not scores:
             raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
@@ -408,6 +415,11 @@ class ModelDetector(Detector):
                 "or (features [B, D], logits [B, C])"
             )
         return out.float()
+
+    @classmethod
+    def fields_of(cls, batch: Batch) -> tuple[str, ...]:
+        """The batch fields this detector reads from ``batch``: its inputs and the optional ones present."""
+        return cls.inputs + tuple(f for f in cls.optional_inputs if getattr(batch, f) is not None)
 
     # -- fit / score ---------------------------------------------------------------------------
     def fit(self, batches=None, head=None, device=None):

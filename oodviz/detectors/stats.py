@@ -6,10 +6,12 @@ Memory is ``O(C * D + D^2)`` whatever the number of samples: float64 copies of a
 a block of rows at a time (:func:`row_blocks`, at most ``BLOCK_BYTES`` each), so even the
 temporaries do not grow with the batch size.
 
-Precision: sums, means, the subtraction of means and the outer products of the centred rows are
-all float64. (Float32 products of centred rows were tried: about 2x faster on the CPU, but their
-rounding, ~1e-6 of the largest eigenvalue, swamped the small eigenvalues of an ill-conditioned
-covariance, and the Mahalanobis distances then depended on how the data was batched.)
+Precision: sums, means, the subtraction of shifts and means and the outer products of the
+shifted rows are all float64. (Float32 products were tried: about 2x faster on the CPU, but
+their rounding, ~1e-6 of the largest eigenvalue, swamped the small eigenvalues of an
+ill-conditioned covariance, and the Mahalanobis distances then depended on how the data was
+batched.) Speed comes from doing half the products instead: the scatter matrices are symmetric,
+so the CPU path updates one triangle with BLAS ``syrk`` (:func:`add_gram`).
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def row_blocks(n_rows: int, n_cols: int, itemsize: int = 8) -> Iterator[slice]:
 
 
 def symmetric_eigh(matrix: Tensor, overwrite: bool = False) -> tuple[Tensor, Tensor]:
-    """Eigenvalues (ascending) and eigenvectors of a symmetric float64 ``[D, D]`` matrix.
+    """Eigenvalues (ascending) and eigenvectors of a symmetric float64 ``[D, D]`` matrix, of which
+    only the lower triangle is read (so the one :func:`add_gram` leaves is enough).
 
     On the CPU through LAPACK's MRRR driver (``scipy.linalg.eigh(driver="evr")``), whose
     workspace is O(D) where torch's divide-and-conquer ``eigh`` needs ``2 D^2`` more floats
@@ -43,10 +46,12 @@ def symmetric_eigh(matrix: Tensor, overwrite: bool = False) -> tuple[Tensor, Ten
     Elsewhere ``torch.linalg.eigh``.
     """
     if matrix.device.type != "cpu":
-        return torch.linalg.eigh(matrix)
-    # The transpose of a symmetric C-ordered matrix is the same matrix in Fortran order, which
-    # LAPACK can work on in place.
-    values, vectors = scipy.linalg.eigh(matrix.numpy().T, driver="evr", overwrite_a=overwrite, check_finite=False)
+        return torch.linalg.eigh(matrix, UPLO="L")
+    # The transpose of a C-ordered matrix is the same memory in Fortran order, which LAPACK can
+    # work on in place; the lower triangle of the matrix is the upper one of its transpose.
+    values, vectors = scipy.linalg.eigh(
+        matrix.numpy().T, lower=False, driver="evr", overwrite_a=overwrite, check_finite=False
+    )
     return torch.from_numpy(values), torch.from_numpy(vectors)
 
 

@@ -17,7 +17,8 @@ Score (higher = more OOD):
     score(x) = alpha |(x - u) R| - logsumexp_k z_k(x)
 
 i.e. the virtual logit minus the energy of the real logits, the negated confidence of the
-paper. The origin is computed from the ``min(C, D)``-square Gram matrix of ``W`` (equal to ``pinv``
+paper. The logits ``z`` are the batch's own when it carries them (the model's output, as the
+paper uses), else ``x W^T + b`` from the head. The origin is computed from the ``min(C, D)``-square Gram matrix of ``W`` (equal to ``pinv``
 for a full-rank head), and every float64 copy of a batch is made a block of rows at a time.
 ``dim=None`` applies the paper's rule: 1000 for ``D >= 2048``, 512 for ``D >= 768``,
 otherwise ``D // 2``. Labels are not needed.
@@ -28,7 +29,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.stats import ACCUMULATE, Scratch, add_gram, mirror_lower, row_blocks, symmetric_eigh, torch_on_one_thread
+from oodviz.detectors.stats import ACCUMULATE, Scratch, add_gram, row_blocks, symmetric_eigh, torch_on_one_thread
 
 
 def linear_origin(weight: Tensor, bias: Tensor) -> Tensor:
@@ -58,6 +59,7 @@ class ViM(Detector):
     summary = "Norm of the feature residual outside the principal subspace, as a virtual logit against the energy."
     paper = "https://arxiv.org/abs/2203.10807"
     inputs = ("features",)
+    optional_inputs = ("logits",)
     needs_head = True
     fit_passes = 2
 
@@ -74,7 +76,7 @@ class ViM(Detector):
                 f"vim: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
                 "choose a smaller principal subspace."
             )
-        second_moment, n, lower_only, scratch = None, 0, False, Scratch()
+        second_moment, n, scratch = None, 0, Scratch()
         for batch in data:
             if second_moment is None:  # the head is on the fit device once the first batch is in
                 weight, bias = data.head
@@ -85,21 +87,20 @@ class ViM(Detector):
                     x = batch.features[block]
                     centred = scratch.get("centred", tuple(x.shape), ACCUMULATE, x.device).copy_(x)
                     centred -= origin
-                    lower_only |= add_gram(second_moment, centred)
+                    add_gram(second_moment, centred)  # the lower triangle is what symmetric_eigh reads
             n += len(batch.features)
-        if lower_only:
-            mirror_lower(second_moment)
         second_moment /= n
         _, eigenvectors = symmetric_eigh(second_moment, overwrite=True)  # ascending eigenvalues
         del second_moment, scratch
         residual = eigenvectors[:, : n_features - dim].float()  # [D, D - dim]
         del eigenvectors
         origin = origin.float()
+        self.head_weight_, self.head_bias_ = weight, bias
         max_logit_sum, norm_sum = 0.0, 0.0
         for batch in data:
             for block in row_blocks(len(batch.features), max(n_features, len(bias))):
                 x = batch.features[block].float()
-                max_logit_sum += float(torch.addmm(bias, x, weight.T).amax(dim=1).sum())
+                max_logit_sum += float(self._logits(batch, block).amax(dim=1).sum())
                 norm_sum += float(((x - origin) @ residual).norm(dim=1).sum())
         if norm_sum == 0:
             raise ValueError(
@@ -109,10 +110,14 @@ class ViM(Detector):
         self.origin_ = origin
         self.residual_space_ = residual
         self.alpha_ = (max_logit_sum / n) / (norm_sum / n)
-        self.head_weight_, self.head_bias_ = weight, bias
+
+    def _logits(self, batch: Batch, rows: slice = slice(None)) -> Tensor:
+        """The batch's own logits when it has them, else ``x W^T + b`` from the head."""
+        if batch.logits is not None:
+            return batch.logits[rows].float()
+        return torch.addmm(self.head_bias_, batch.features[rows].float(), self.head_weight_.T)
 
     def _score(self, batch: Batch) -> Tensor:
         x = batch.features.float()
         virtual_logit = self.alpha_ * ((x - self.origin_) @ self.residual_space_).norm(dim=1)
-        energy = torch.logsumexp(x @ self.head_weight_.T + self.head_bias_, dim=1)
-        return virtual_logit - energy
+        return virtual_logit - torch.logsumexp(self._logits(batch), dim=1)
