@@ -1,6 +1,6 @@
-"""Train the bundled ``digits-cnn`` backbone and write ``assets/digits-cnn.{pt,json}``.
+"""Train the bundled ``digits-cnn`` backbone and write ``oodviz/weights/digits-cnn.{pt,json}``.
 
-    python scripts/train_digits_cnn.py [--epochs 60] [--out-dir assets]
+    python scripts/train_digits_cnn.py [--epochs 60] [--out-dir oodviz/weights]
 
 Deterministic (fixed seed, one CPU thread, deterministic algorithms): a rerun on the same
 software versions writes the same weights. Trains on the ``"train"`` split of the digits 0-7
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oodviz.models.digits import (  # noqa: E402
-    ASSETS_DIR,
+    WEIGHTS_DIR,
     DIGITS_CLASSES,
     DIGITS_MEAN,
     DIGITS_SPLIT_SEED,
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--out-dir", type=Path, default=ASSETS_DIR)
+    parser.add_argument("--out-dir", type=Path, default=WEIGHTS_DIR)
     args = parser.parse_args()
 
     torch.manual_seed(SEED)

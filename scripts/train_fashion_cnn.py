@@ -1,6 +1,6 @@
-"""Train the bundled ``fashion-cnn`` backbone and write ``assets/fashion-cnn.{pt,json}``.
+"""Train the bundled ``fashion-cnn`` backbone and write ``oodviz/weights/fashion-cnn.{pt,json}``.
 
-    python scripts/train_fashion_cnn.py [--epochs 10] [--threads 1] [--data-root data] [--out-dir assets]
+    python scripts/train_fashion_cnn.py [--epochs 10] [--threads 1] [--data-root data] [--out-dir oodviz/weights]
 
 Trains on the 48,000 training images of the 8 ID classes of Fashion-MNIST (the data layer's
 ``fashion-mnist-id``, split ``train``; Shirt and Ankle boot held out), prints and records the
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from oodviz.data.fashion import FASHION_CLASSES as ALL_CLASSES  # noqa: E402
 from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_NAMES, fashion_split  # noqa: E402
 from oodviz.models.fashion import (  # noqa: E402
-    ASSETS_DIR,
+    WEIGHTS_DIR,
     FASHION_CLASSES,
     FASHION_MEAN,
     FASHION_STD,
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: deterministic, and robust on a busy machine)")
     parser.add_argument("--data-root", default="data", help="data root holding FashionMNIST/raw/ (default ./data)")
     parser.add_argument("--download", action="store_true", help="let torchvision download Fashion-MNIST if needed")
-    parser.add_argument("--out-dir", type=Path, default=ASSETS_DIR)
+    parser.add_argument("--out-dir", type=Path, default=WEIGHTS_DIR)
     args = parser.parse_args()
     if FASHION_CLASSES != FASHION_ID_NAMES:
         raise SystemExit(f"model classes {FASHION_CLASSES} differ from the data layer's {FASHION_ID_NAMES}")

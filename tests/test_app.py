@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from oodviz.runs.config import DetectorChoice, RunConfig
-from oodviz.ui.form import FOLDER_PRESET, FormValues, config_from_form
+from oodviz.runs.config import DetectorChoice, RunConfig, preset
+from oodviz.ui.form import FOLDER_PRESET, FormValues, config_from_form, form_values_from_config
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 
@@ -32,13 +32,29 @@ def test_form_choices_become_the_config():
     assert (config.id_fit.name, config.id_fit.params, config.id_fit.subsample) == ("cifar10", {"split": "train"}, 5000)
     assert (config.id_test.params, config.id_test.subsample) == ({"split": "test"}, None)
     assert [(d.name, d.params, d.subsample) for d in config.ood] == [
-        ("svhn", {"split": "test"}, 300), ("noise-uniform", {}, 300), ("folder", {"path": "/data/my-ood"}, 300)
-    ]  # fmt: skip
+        ("svhn", {"split": "test"}, 300), ("noise-uniform", {"size": 32}, 300), ("folder", {"path": "/data/my-ood"}, 300)
+    ]  # fmt: skip  (generated sets come at the ID images' size: 32 x 32 for CIFAR-10)
     assert config.ood[2].group == "far"
     assert config.detectors == [DetectorChoice("knn", {"k": 7}), DetectorChoice("vim", {})]
     assert config.download is True
     folders = config_from_form(FormValues(id_preset=FOLDER_PRESET, fit_folder="/a", test_folder="/b"))
     assert (folders.id_fit.params, folders.id_test.params) == ({"path": "/a"}, {"path": "/b"})
+
+
+@pytest.mark.parametrize("name", ["digits", "fashion-mnist", "custom"])
+def test_a_run_config_becomes_the_form_that_makes_it_again(name):
+    """Opening a run fills the sidebar with its choices: form -> config must give the run's config back."""
+    if name == "custom":
+        config = config_from_form(FormValues(
+            backbone="resnet18", weights="random", layer="layer3", id_preset=FOLDER_PRESET, fit_folder="/a",
+            test_folder="/b", ood=["svhn"], ood_folder="/c", detectors=["knn", "vim"], detector_params={"knn": {"k": 7}},
+            device="cpu", batch_size=64, precision="bf16", fit_subsample=500, ood_subsample=30, download=True,
+        ))  # fmt: skip
+    else:
+        config = preset(name)
+    values = form_values_from_config(config)
+    assert config_from_form(values) == config
+    assert values.id_preset == {"digits": "digits (bundled, 8x8)", "fashion-mnist": "Fashion-MNIST, 8 classes (for fashion-cnn)"}.get(name, FOLDER_PRESET)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +104,20 @@ def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):
     scores = load_results(runs_root / "r1").scores
     assert app.slider[0].value == pytest.approx(default_threshold(scores, detector))
     assert any(m.label.startswith("False alarms") for m in app.metric)
+
+
+def test_the_sidebar_shows_the_choices_of_the_open_run(app, runs_root):
+    other = runs_root / "r-other"
+    shutil.copytree(runs_root / "r1", other)
+    config = RunConfig.load(other / "config.json")
+    config.detectors, config.batch_size = [DetectorChoice("msp"), DetectorChoice("knn", {"k": 5})], 32
+    config.save(other / "config.json")
+    app.query_params["run"] = "r-other"
+    app.run()
+    assert not app.exception
+    assert [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value == ["msp", "knn"]
+    assert [n for n in app.sidebar.number_input if n.label == "Batch size"][0].value == 32
+    shutil.rmtree(other)
 
 
 def test_an_unknown_run_in_the_url_is_a_clear_message(app):

@@ -10,7 +10,7 @@ model does not depend on it (a test checks they agree): all 1,797 samples are sp
 ``train_test_split(test_size=0.25, random_state=0, stratify=labels)`` over the ten classes;
 ``"train"`` / ``"test"`` keep the classes 0-7 of each part (1,081 / 362 samples); ``"ood"``
 (alias ``"heldout"``) is every sample of classes 8 and 9 (354). ``scripts/train_digits_cnn.py``
-trains on ``"train"`` and records the accuracy on ``"test"`` in ``assets/digits-cnn.json``.
+trains on ``"train"`` and records the accuracy on ``"test"`` in ``oodviz/weights/digits-cnn.json``.
 
 Pixel convention for images: the data layer serves uint8 greyscale images
 ``p = round(x * 255 / 16)`` (ink bright), and the transform maps ``p`` back to ``p / 255 * 16``.
@@ -37,10 +37,10 @@ DIGITS_STD = 0.3770
 DIGITS_SPLIT_SEED = 0
 DIGITS_TEST_SIZE = 0.25
 
-#: Where the bundled weights live: ``<repo>/assets`` (next to the ``oodviz`` package).
-ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
-DIGITS_WEIGHTS = ASSETS_DIR / "digits-cnn.pt"
-DIGITS_METADATA = ASSETS_DIR / "digits-cnn.json"
+#: Where the bundled weights live: ``oodviz/weights``, package data (installed with the package).
+WEIGHTS_DIR = Path(__file__).resolve().parents[1] / "weights"
+DIGITS_WEIGHTS = WEIGHTS_DIR / "digits-cnn.pt"
+DIGITS_METADATA = WEIGHTS_DIR / "digits-cnn.json"
 
 
 class DigitsArrays(NamedTuple):

@@ -6,7 +6,7 @@ data come from the data layer (``oodviz.data.fashion_split``, datasets ``fashion
 ``fashion-mnist-heldout``); the class list is repeated here so that the model does not depend
 on the data layer (a test checks they agree). ``scripts/train_fashion_cnn.py`` trains it on
 the 48,000 ID training images and records the accuracy on the 8,000 ID test images in
-``assets/fashion-cnn.json``.
+``oodviz/weights/fashion-cnn.json``.
 
 Input convention: a uint8 greyscale pixel ``p`` becomes ``(p / 255 - FASHION_MEAN) / FASHION_STD``;
 :class:`FashionTransform` converts any PIL image to greyscale and resizes it to 28 x 28 first.
@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 from torch import Tensor, nn
 
-from oodviz.models.digits import ASSETS_DIR
+from oodviz.models.digits import WEIGHTS_DIR
 
 #: The 8 classes the model was trained on (Fashion-MNIST classes 0-5, 7, 8, relabelled 0..7).
 FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Sneaker", "Bag"]
@@ -29,8 +29,8 @@ FASHION_OOD_CLASSES = ["Shirt", "Ankle boot"]
 FASHION_MEAN = 0.2784
 FASHION_STD = 0.3520
 
-FASHION_WEIGHTS = ASSETS_DIR / "fashion-cnn.pt"
-FASHION_METADATA = ASSETS_DIR / "fashion-cnn.json"
+FASHION_WEIGHTS = WEIGHTS_DIR / "fashion-cnn.pt"
+FASHION_METADATA = WEIGHTS_DIR / "fashion-cnn.json"
 
 
 def normalize_fashion(images: np.ndarray | Tensor) -> Tensor:

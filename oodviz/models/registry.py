@@ -1,7 +1,7 @@
 """The backbone registry: names -> :class:`~oodviz.models.backbone.Backbone`.
 
 ``available_backbones()`` lists the built-in names: the bundled ``digits-cnn`` and ``fashion-cnn``
-(offline, weights in ``assets/``) and seven torchvision ImageNet classifiers. ``load_backbone`` also loads a
+(offline, weights in ``oodviz/weights/``) and seven torchvision ImageNet classifiers. ``load_backbone`` also loads a
 user's own model: a state-dict checkpoint of a registry architecture
 (``load_backbone("resnet18", checkpoint="my.pt")``), a TorchScript file
 (``load_backbone("torchscript", checkpoint="model.pt")``) or a ``torch.export`` program
@@ -158,7 +158,7 @@ _ARCHS: dict[str, _Arch] = {
 
 @dataclass(frozen=True)
 class _Bundled:
-    """A model whose weights ship in ``assets/``: where they are, its classes, its preprocessing."""
+    """A model whose weights ship in ``oodviz/weights/``: where they are, its classes, its preprocessing."""
 
     weights: Path
     classes: tuple[str, ...]

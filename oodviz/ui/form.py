@@ -18,6 +18,14 @@ ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
     },
 }
 FOLDER_PRESET = "image folders (your own)"
+#: Side of the ID preset's images; the generated OOD sets (photo patches, noise) are made that size.
+PRESET_IMAGE_SIZE = {
+    "Fashion-MNIST, 8 classes (for fashion-cnn)": 28,
+    **{f"{name} (torchvision files)": 28 for name in ("mnist", "fashion-mnist", "kmnist")},
+    **{f"{name} (torchvision files)": 32 for name in ("cifar10", "cifar100")},
+}
+GENERATED_OOD = ("photo-patches", "noise-gaussian", "noise-uniform")
+TORCHVISION_OOD = ("mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100", "svhn", "dtd")
 
 #: Datasets offered as OOD sets (the registry's OOD sources plus the ID-capable torchvision sets).
 OOD_CHOICES = (
@@ -61,6 +69,42 @@ class FormValues:
     download: bool = False
 
 
+def form_values_from_config(config: RunConfig) -> FormValues:
+    """The sidebar values that describe ``config`` (the inverse of :func:`config_from_form` for the
+    configs the sidebar can make), so that the form shows the run being viewed."""
+    id_preset, fit_folder, test_folder = FOLDER_PRESET, "", ""
+    for label, (fit, test) in ID_PRESETS.items():
+        if (fit.name, fit.params, test.name, test.params) == (config.id_fit.name, config.id_fit.params, config.id_test.name, config.id_test.params):
+            id_preset = label
+    if id_preset == FOLDER_PRESET:
+        fit_folder, test_folder = config.id_fit.params.get("path", ""), config.id_test.params.get("path", "")
+    ood = [c.name for c in config.ood if c.name in OOD_CHOICES]
+    folders = [c.params.get("path", "") for c in config.ood if c.name == "folder"]
+    subsamples = [c.subsample for c in config.ood if c.subsample]
+    return FormValues(
+        backbone=config.backbone,
+        weights=config.weights,
+        checkpoint=config.checkpoint or "",
+        layer=config.layer or "",
+        pooling=config.pooling,
+        id_preset=id_preset,
+        fit_folder=fit_folder,
+        test_folder=test_folder,
+        ood=ood,
+        ood_folder=folders[0] if folders else "",
+        detectors=[d.name for d in config.detectors],
+        detector_params={d.name: dict(d.params) for d in config.detectors if d.params},
+        device=config.device,
+        batch_size=config.batch_size,
+        precision=config.precision,
+        fit_subsample=config.id_fit.subsample or 0,
+        test_subsample=config.id_test.subsample or 0,
+        ood_subsample=subsamples[0] if subsamples else 0,
+        data_root=config.data_root,
+        download=config.download,
+    )
+
+
 def _subsample(n: int) -> int | None:
     return int(n) if n and n > 0 else None
 
@@ -74,9 +118,9 @@ def config_from_form(values: FormValues) -> RunConfig:
         fit, test = (DatasetChoice(c.name, dict(c.params)) for c in ID_PRESETS[values.id_preset])
     fit.subsample = _subsample(values.fit_subsample)
     test.subsample = _subsample(values.test_subsample)
-    ood = []
+    ood, size = [], PRESET_IMAGE_SIZE.get(values.id_preset)
     for name in values.ood:
-        params = {"split": "test"} if name in ("mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100", "svhn", "dtd") else {}
+        params = {"split": "test"} if name in TORCHVISION_OOD else {"size": size} if size and name in GENERATED_OOD else {}
         ood.append(DatasetChoice(name, params, subsample=_subsample(values.ood_subsample)))
     if values.ood_folder.strip():
         ood.append(DatasetChoice("folder", {"path": values.ood_folder.strip()}, subsample=_subsample(values.ood_subsample), group="far"))

@@ -14,11 +14,11 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from oodviz.runs.config import ConfigError, preset
+from oodviz.runs.config import ConfigError, RunConfig, preset
 from oodviz.runs.jobs import delete_run, list_runs, refresh, submit
 from oodviz.runs.rundir import FINAL_STATES, RunDir
 from oodviz.runs.summary import summarise
-from oodviz.ui.form import FormValues, config_from_form
+from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
 from oodviz.ui.sidebar import memory_estimate, render_form
 
 def runs_root() -> Path:
@@ -175,8 +175,20 @@ def main() -> None:
             st.exception(error)
 
 
+def form_defaults() -> FormValues:
+    """The sidebar's starting values: those of the run in the URL (to rerun it with changes), else the default."""
+    run_id = st.query_params.get("run")
+    path = runs_root() / run_id if run_id else None
+    if path is not None and (path / "config.json").exists():
+        try:
+            return form_values_from_config(RunConfig.load(path / "config.json"))
+        except (ValueError, OSError):  # an unreadable config: the run page says so
+            pass
+    return FormValues()
+
+
 def page() -> None:
-    values, action = render_form(FormValues())
+    values, action = render_form(form_defaults())
     header, home = st.columns([6, 1])
     header.title("oodviz")
     if home.button("All runs", use_container_width=True):
