@@ -90,8 +90,9 @@ class ViM(Detector):
                     add_gram(second_moment, centred)  # the lower triangle is what symmetric_eigh reads
             n += len(batch.features)
         second_moment /= n
+        scratch = Scratch()  # pass 2 has float32 buffers of its own
         _, eigenvectors = symmetric_eigh(second_moment, overwrite=True)  # ascending eigenvalues
-        del second_moment, scratch
+        del second_moment
         residual = eigenvectors[:, : n_features - dim].float()  # [D, D - dim]
         del eigenvectors
         origin = origin.float()
@@ -100,8 +101,10 @@ class ViM(Detector):
         for batch in data:
             for block in row_blocks(len(batch.features), max(n_features, len(bias))):
                 x = batch.features[block].float()
-                max_logit_sum += float(self._logits(batch, block).amax(dim=1).sum())
-                norm_sum += float(((x - origin) @ residual).norm(dim=1).sum())
+                centred = torch.sub(x, origin, out=scratch.get("centred32", tuple(x.shape), torch.float32, x.device))
+                projected = torch.mm(centred, residual, out=scratch.get("residual", (len(x), residual.shape[1]), torch.float32, x.device))
+                norm_sum += float(torch.linalg.vector_norm(projected, dim=1).sum())
+                max_logit_sum += float(self._logits(batch, block, scratch).amax(dim=1).sum())
         if norm_sum == 0:
             raise ValueError(
                 f"vim: the features have no component outside the top {dim} principal directions; "
@@ -111,11 +114,13 @@ class ViM(Detector):
         self.residual_space_ = residual
         self.alpha_ = (max_logit_sum / n) / (norm_sum / n)
 
-    def _logits(self, batch: Batch, rows: slice = slice(None)) -> Tensor:
-        """The batch's own logits when it has them, else ``x W^T + b`` from the head."""
+    def _logits(self, batch: Batch, rows: slice = slice(None), scratch: Scratch | None = None) -> Tensor:
+        """The batch's own logits when it has them, else ``x W^T + b`` from the head (into ``scratch``'s buffer if given)."""
         if batch.logits is not None:
             return batch.logits[rows].float()
-        return torch.addmm(self.head_bias_, batch.features[rows].float(), self.head_weight_.T)
+        x = batch.features[rows].float()
+        out = None if scratch is None else scratch.get("logits", (len(x), len(self.head_bias_)), torch.float32, x.device)
+        return torch.addmm(self.head_bias_, x, self.head_weight_.T, out=out)
 
     def _score(self, batch: Batch) -> Tensor:
         x = batch.features.float()
