@@ -31,15 +31,17 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.react import energy, linear_quantile
-from oodviz.detectors.stats import ACCUMULATE
+from oodviz.detectors.stats import ACCUMULATE, Scratch, row_blocks
 
 
 def feature_mean(data: FitData) -> Tensor:
     """The mean in-distribution feature ``[D]`` (float64), streamed in one pass."""
-    total, n = None, 0
+    total, n, scratch = None, 0, Scratch()
     for batch in data:
-        x = batch.features.to(ACCUMULATE)
-        total = x.sum(dim=0) if total is None else total + x.sum(dim=0)
+        x = batch.features
+        for block in row_blocks(len(x), x.shape[1]):  # float64 copies a block of rows at a time
+            part = scratch.as_dtype("rows", x[block], ACCUMULATE).sum(dim=0)
+            total = part if total is None else total.add_(part)
         n += len(x)
     return total / n
 

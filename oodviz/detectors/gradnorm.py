@@ -37,6 +37,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.stats import row_blocks
 
 #: ``features @ W^T + b`` may differ from the logits by this fraction of ``1 + max |logit|`` (float16 stores, bf16 runs)
 HEAD_TOLERANCE = 0.05
@@ -64,10 +65,12 @@ class GradNorm(Detector):
     def _fit(self, data: FitData) -> None:
         for batch in data:
             weight, bias = data.head
-            predicted = batch.features.float() @ weight.T + bias
-            logits = batch.logits.float()
-            error = float((predicted - logits).abs().max())
-            scale = 1.0 + float(logits.abs().max())
+            error, scale = 0.0, 1.0
+            for block in row_blocks(len(batch.features), max(weight.shape)):
+                logits = batch.logits[block].float()
+                predicted = torch.addmm(bias, batch.features[block].float(), weight.T)
+                error = max(error, float(predicted.sub_(logits).abs_().max()))
+                scale = max(scale, 1.0 + float(logits.abs().max()))
             if error > HEAD_TOLERANCE * scale:
                 raise ValueError(
                     f"gradnorm: the head does not map the features to the logits (largest difference {error:.3g} for "
