@@ -70,10 +70,11 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
         ood_folder = st.text_input("Extra OOD image folder (optional)", defaults.ood_folder)
         data_root = st.text_input("Data root (torchvision files)", defaults.data_root)
         download = st.checkbox("Allow downloads", defaults.download, help="Off by default: oodviz works offline.")
+        st.caption("Subsample: at most this many images of each split (0 = all)")
         s1, s2, s3 = st.columns(3)
-        fit_subsample = s1.number_input("Fit subsample", min_value=0, value=defaults.fit_subsample, help="0 = all")
-        test_subsample = s2.number_input("Test subsample", min_value=0, value=defaults.test_subsample, help="0 = all")
-        ood_subsample = s3.number_input("OOD subsample", min_value=0, value=defaults.ood_subsample, help="0 = all, per OOD set")
+        fit_subsample = s1.number_input("ID fit", min_value=0, value=defaults.fit_subsample)
+        test_subsample = s2.number_input("ID test", min_value=0, value=defaults.test_subsample)
+        ood_subsample = s3.number_input("OOD", min_value=0, value=defaults.ood_subsample, help="Per OOD set.")
 
         st.subheader("Detectors")
         detectors = st.multiselect(
