@@ -17,7 +17,6 @@ import hashlib
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from oodviz.models.training import train_classifier  # noqa: E402
 from oodviz.models.digits import (  # noqa: E402
     WEIGHTS_DIR,
     DIGITS_CLASSES,
@@ -76,25 +76,15 @@ def main() -> None:
         raise SystemExit(f"train-split mean/std {measured} differ from DIGITS_MEAN/DIGITS_STD in oodviz/models/digits.py")
 
     model = DigitsCNN(len(DIGITS_CLASSES))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=1e-4)
-    steps = args.epochs * -(-len(x_train) // args.batch_size)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=steps)
-    start = time.perf_counter()
-    for epoch in range(args.epochs):
-        model.train()
-        order = torch.randperm(len(x_train), generator=generator)
-        total = 0.0
-        for i in range(0, len(order), args.batch_size):
-            idx = order[i : i + args.batch_size]
-            loss = F.cross_entropy(model(shift(x_train[idx], generator)), y_train[idx])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            total += loss.item() * len(idx)
+
+    def report(epoch: int, mean_loss: float) -> None:
         if (epoch + 1) % 10 == 0 or epoch == args.epochs - 1:
-            print(f"epoch {epoch + 1:3d}  loss {total / len(x_train):.4f}  test acc {accuracy(model, x_test, y_test):.4f}")
-    seconds = time.perf_counter() - start
+            print(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}  test acc {accuracy(model, x_test, y_test):.4f}")
+
+    seconds = train_classifier(
+        model, x_train, y_train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=1e-4,
+        augment=shift, generator=generator, on_epoch=report,
+    )  # fmt: skip
 
     model.eval()
     train_acc, test_acc = accuracy(model, x_train, y_train), accuracy(model, x_test, y_test)

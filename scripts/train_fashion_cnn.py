@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oodviz.data.fashion import FASHION_CLASSES as ALL_CLASSES  # noqa: E402
 from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_NAMES, fashion_split  # noqa: E402
+from oodviz.models.training import train_classifier  # noqa: E402
 from oodviz.models.fashion import (  # noqa: E402
     WEIGHTS_DIR,
     FASHION_CLASSES,
@@ -93,29 +94,17 @@ def main() -> None:
     x_test, y_test = normalize_fashion(test_images.copy()), torch.from_numpy(test_labels.copy())
 
     model = FashionCNN(len(FASHION_CLASSES))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=5e-4)
-    steps = args.epochs * -(-len(x_train) // args.batch_size)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=steps)
     start = time.perf_counter()
-    for epoch in range(args.epochs):
-        model.train()
-        order = torch.randperm(len(x_train), generator=generator)
-        total = 0.0
-        for i in range(0, len(order), args.batch_size):
-            idx = order[i : i + args.batch_size]
-            loss = F.cross_entropy(model(augment(x_train[idx], generator)), y_train[idx])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            total += loss.item() * len(idx)
+
+    def report(epoch: int, mean_loss: float) -> None:
         test_acc = float((predict(model, x_test) == y_test).float().mean())
-        print(
-            f"epoch {epoch + 1:3d}  loss {total / len(x_train):.4f}  test acc {test_acc:.4f}  "
-            f"{time.perf_counter() - start:.0f}s",
-            flush=True,
-        )
-    seconds = time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        print(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}  test acc {test_acc:.4f}  {elapsed:.0f}s", flush=True)
+
+    seconds = train_classifier(
+        model, x_train, y_train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=5e-4,
+        augment=augment, generator=generator, on_epoch=report,
+    )  # fmt: skip
 
     predictions = predict(model, x_test)
     train_acc = float((predict(model, x_train) == y_train).float().mean())
