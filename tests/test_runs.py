@@ -116,6 +116,9 @@ def test_cli_default_run_writes_a_complete_self_describing_directory(cli_default
     assert (scores[scores.split == "ood"].label == -1).all()
     assert len(scores[scores.split == "id_test"]) == 362  # the digits test split, classes 0-7
     assert "Mean AUROC / FPR95" in result.stdout
+    # knn's bank lived in the run's scratch directory, which is gone now, and is not logged as a parameter
+    assert not run.scratch_path.exists()
+    assert json.loads((out / "detectors.json").read_text())["knn"]["params"] == {"k": 50, "chunk_size": 16384}
 
 
 def test_cli_metrics_equal_ood_metrics_on_the_stored_scores(cli_default_run):
@@ -183,10 +186,14 @@ def test_a_failing_detector_is_recorded_and_the_others_go_on(tmp_path):
 def test_kill_9_of_the_worker_mid_extraction_fails_the_run_readably_and_stores_nothing(tmp_path):
     run = submit(slow_config(), tmp_path)
     wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
+    bank = run.scratch_path / "knn" / "bank.f32"  # what a killed knn fit would leave behind
+    bank.parent.mkdir(parents=True)
+    bank.write_bytes(b"x" * 1024)
     os.kill(run.read_status()["worker_pid"], signal.SIGKILL)
     status = wait_final(run, timeout=30)
     assert status["state"] == "failed"
     assert "killed by signal 9 (SIGKILL) — likely out of memory" in status["error"]
+    assert not run.scratch_path.exists()  # the supervisor removed the dead worker's scratch files
     from oodviz.engine import list_stores
 
     half_written = [p for p in (tmp_path / ".features").iterdir() if ".tmp-" in p.name]

@@ -13,7 +13,9 @@ Results land in the run directory, each file written atomically:
   95% of all OOD samples: ``detector, class, class_name, n, accuracy, false_alarms,
   false_alarm_rate, mean_score``;
 - ``detectors.json``: each detector's parameters, fit time and, when it failed, its error;
-- ``meta.json``: versions, device, the splits and their stores, wall time and peak memory per stage.
+- ``meta.json``: versions, device, the splits and their stores, wall time and peak memory per stage;
+- ``scratch/`` while the job runs: detectors' working files (knn's bank), removed by the worker when
+  it ends and by the supervisor when the worker was killed.
 
 Detectors that run the model again (``needs_model``: odin, mcd) are made with the run's backbone,
 need no fit data, and score each split in a stage of their own (``score <split> with <name>``):
@@ -107,8 +109,9 @@ def _failure(error: BaseException) -> dict:
     return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
 
 
-def _logged_params(det) -> dict:
-    return {k: v for k, v in det.get_params().items() if k != "model"}
+def _logged_params(det, choice) -> dict:
+    """The parameters in force, less the model and the scratch bank directory the run chose itself."""
+    return {k: v for k, v in det.get_params().items() if k != "model" and (k != "bank_dir" or k in choice.params)}
 
 
 def score_with_model(det, backbone, dataset, store, config: RunConfig, device: torch.device, run: RunDir, stage: Stage):
@@ -135,6 +138,16 @@ def score_with_model(det, backbone, dataset, store, config: RunConfig, device: t
     if result.oom_backoffs:
         stage.note(f"out of memory: batch size reduced to {result.batch_size_in_force}")
     return result.scores.numpy()
+
+
+def _with_scratch(choice, run: RunDir) -> dict:
+    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory
+    unless the config chose a place: removed when the worker ends, even when it is killed."""
+    from oodviz.detectors import detector_class
+
+    if "bank_dir" in detector_class(choice.name).param_names() and not choice.params.get("bank_dir"):
+        return {**choice.params, "bank_dir": str(run.scratch_path / choice.name)}
+    return dict(choice.params)
 
 
 def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
@@ -208,10 +221,10 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
                     det = create(choice.name, **{**choice.params, "model": backbone})
                     det.fit(None)  # nothing to learn: checks that the method works with this model
                 else:
-                    det = create(choice.name, **choice.params)
+                    det = create(choice.name, **_with_scratch(choice, run))
                     det.fit(Watched(stores["id_fit"].batches(SCORE_BATCH, device=device), stage), head=head, device=device)
                 fitted[choice.name] = det
-                detector_log[choice.name] = {"params": _logged_params(det), "fit_s": time.perf_counter() - started}
+                detector_log[choice.name] = {"params": _logged_params(det, choice), "fit_s": time.perf_counter() - started}
             except Cancelled:
                 raise
             except Exception as error:  # one detector failing must not stop the others

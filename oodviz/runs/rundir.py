@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -88,6 +89,14 @@ class RunDir:
     @property
     def log_path(self) -> Path:
         return self.path / "worker.log"
+
+    @property
+    def scratch_path(self) -> Path:
+        """Working files of the worker (e.g. knn's feature bank): removed when the worker ends, however it ends."""
+        return self.path / "scratch"
+
+    def remove_scratch(self) -> None:
+        shutil.rmtree(self.scratch_path, ignore_errors=True)
 
     @classmethod
     def create(cls, root: Path, config: dict, name: str | None = None) -> RunDir:

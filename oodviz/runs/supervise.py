@@ -56,6 +56,7 @@ def supervise(run: RunDir) -> int:
                 worker.kill()  # the worker did not stop at a batch boundary in time
         time.sleep(POLL_S)
     code = worker.returncode
+    run.remove_scratch()  # a killed worker could not clean up after itself
     status = run.read_status()
     if status.get("state") not in FINAL_STATES:
         if run.cancel_requested():

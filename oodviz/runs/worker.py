@@ -36,6 +36,8 @@ def execute(run: RunDir, echo: Callable[[dict], None] | None = None) -> str:
         run.write_status(state="failed", finished=time.time(), error=f"{type(error).__name__}: {error}", detail=detail)
         reporter.emit(None, {"event": "failed", "message": str(error), "detail": detail})
         return "failed"
+    finally:
+        run.remove_scratch()
     run.write_status(state="done", finished=time.time(), stage=None)
     reporter.emit(None, {"event": "done"})
     return "done"
