@@ -25,19 +25,19 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oodviz.models.training import train_classifier  # noqa: E402
 from oodviz.models.digits import (  # noqa: E402
-    WEIGHTS_DIR,
     DIGITS_CLASSES,
     DIGITS_MEAN,
     DIGITS_SPLIT_SEED,
     DIGITS_STD,
     DIGITS_TEST_SIZE,
+    WEIGHTS_DIR,
     DigitsCNN,
     as_served,
     digits_arrays,
     normalize_digits,
 )
+from oodviz.models.training import train_classifier  # noqa: E402
 
 SEED = 0
 

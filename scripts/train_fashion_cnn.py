@@ -32,15 +32,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from oodviz.data.fashion import FASHION_CLASSES as ALL_CLASSES  # noqa: E402
 from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_NAMES, fashion_split  # noqa: E402
-from oodviz.models.training import train_classifier  # noqa: E402
 from oodviz.models.fashion import (  # noqa: E402
-    WEIGHTS_DIR,
     FASHION_CLASSES,
     FASHION_MEAN,
     FASHION_STD,
+    WEIGHTS_DIR,
     FashionCNN,
     normalize_fashion,
 )
+from oodviz.models.training import train_classifier  # noqa: E402
 
 SEED = 0
 SHIFT = 2  # pixels

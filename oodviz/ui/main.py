@@ -21,6 +21,7 @@ from oodviz.runs.summary import summarise
 from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
 from oodviz.ui.sidebar import memory_estimate, render_form
 
+
 def runs_root() -> Path:
     """Where runs live: ``$OODVIZ_RUNS_ROOT``, default ``./runs`` (shared with ``oodviz run``)."""
     return Path(os.environ.get("OODVIZ_RUNS_ROOT", "runs"))
