@@ -574,6 +574,36 @@ def test_detectors_fit_on_the_store_as_on_memory(tmp_path):
     torch.testing.assert_close(vim_store.score(store.batches()), vim_memory.score(memory), rtol=1e-4, atol=1e-4)
 
 
+def test_knn_searches_the_store_itself_without_a_copy(tmp_path):
+    """DESIGN principle 2: knn keeps its bank in the store on disk. Store batches declare their
+    features file; knn searches it (normalising as it reads) and writes nothing; the scores equal
+    those of a bank written from in-memory batches. A split with OOD rows is copied without them."""
+    rng = np.random.default_rng(1)
+    features = rng.standard_normal((40, 5)).astype(np.float32)
+    logits = rng.standard_normal((40, 3)).astype(np.float32)
+    labels = np.arange(40) % 3
+    with StoreWriter(tmp_path, "knn-split", capacity=40, feature_dim=5, num_classes=3) as writer:
+        writer.append(features, logits, labels, np.arange(40))
+        store = writer.commit({})
+    banks = tmp_path / "banks"
+    from_store = create("knn", k=4, bank_dir=str(banks)).fit(store.batches(batch_size=16))
+    assert from_store.bank_path_ == str(store.path / "features.npy") and not banks.exists()
+    in_memory = create("knn", k=4).fit([Batch(torch.from_numpy(features), labels=torch.from_numpy(labels))])
+    query = [Batch(torch.from_numpy(rng.standard_normal((25, 5)).astype(np.float32)))]
+    torch.testing.assert_close(from_store.score(query), in_memory.score(query))
+
+    with_ood = labels.copy()
+    with_ood[::4] = -1  # a split with OOD rows: they must not be neighbours
+    with StoreWriter(tmp_path, "knn-mixed", capacity=40, feature_dim=5, num_classes=3) as writer:
+        writer.append(features, logits, with_ood, np.arange(40))
+        mixed = writer.commit({})
+    copied = create("knn", k=4, bank_dir=str(banks)).fit(mixed.batches(batch_size=16))
+    assert copied.bank_.shape == (30, 5) and copied.bank_path_.startswith(str(banks))
+    keep = with_ood != -1
+    id_only = create("knn", k=4).fit([Batch(torch.from_numpy(features[keep]), labels=torch.from_numpy(labels[keep]))])
+    torch.testing.assert_close(copied.score(query), id_only.score(query))
+
+
 def test_store_writer_commit_and_abort(tmp_path):
     rng = np.random.default_rng(0)
     with StoreWriter(tmp_path, "synthetic", capacity=10, feature_dim=4, num_classes=3) as writer:

@@ -174,6 +174,17 @@ class FitData:
         return self._shapes.n_features
 
     @property
+    def features_on_disk(self):
+        """The batches' ``features_on_disk`` (an ``[N, D]`` memory map of exactly the features they
+        yield, e.g. :meth:`oodviz.engine.FeatureStore.batches`), or None."""
+        return getattr(self._batches, "features_on_disk", None)
+
+    @property
+    def rows_per_pass(self) -> int | None:
+        """In-distribution rows of a full pass, once one is done."""
+        return self._rows_per_pass
+
+    @property
     def n_classes(self) -> int | None:
         return self._shapes.n_classes
 

@@ -11,10 +11,13 @@ Score, with ``z = x / |x|`` for features ``x`` ``[B, D]``:
 The paper's confidence is the negated distance; the distance is the OOD score (higher = more
 OOD). For unit vectors ``|z - z_i|^2 = 2 - 2 <z, z_i>``, so the search is a matrix product.
 
-KNN is the one method that must keep every training feature. The bank is written to disk as it
-streams in (float32, ``bank_dir`` or a temporary directory removed with the detector) and read
-back through a memory map; scoring walks it in chunks of ``chunk_size`` rows, keeping a running
-top-k, so neither fit nor score holds ``N x D`` in RAM.
+KNN is the one method that must keep every training feature, and keeps it on disk. Batches from
+a feature store (:meth:`oodviz.engine.FeatureStore.batches`, which declare ``features_on_disk``)
+need no copy: the store's own file is the bank, normalised chunk by chunk as it is searched.
+Other batches are normalised and written to disk as they stream in (float32, ``bank_dir`` or a
+temporary directory removed with the detector), as are store batches whose split has OOD rows
+(label -1) to leave out. Scoring walks the bank in chunks of ``chunk_size`` rows through a memory
+map, keeping a running top-k, so neither fit nor score holds ``N x D`` in RAM.
 """
 
 import os
@@ -50,6 +53,17 @@ class KNN(Detector):
         self.bank_dir = bank_dir
 
     def _fit(self, data: FitData) -> None:
+        source = data.features_on_disk
+        if source is not None:
+            for _ in data:  # one pass to validate (shapes, labels, finite values) and count
+                pass
+            if data.rows_per_pass == len(source):  # every row in-distribution: the store is the bank
+                self._keep_bank(source, normalised=False)
+                return
+        self._write_bank(data)
+
+    def _write_bank(self, data: FitData) -> None:
+        """Stream the L2-normalised features into a float32 file and keep it as a memory map."""
         directory = self.bank_dir or tempfile.mkdtemp(prefix="oodviz-knn-")
         if self.bank_dir is None:
             # The bank lives as long as this detector.
@@ -63,16 +77,22 @@ class KNN(Detector):
                 for block in row_blocks(len(batch.features), dim, itemsize=4):
                     _normalise(batch.features[block]).cpu().numpy().tofile(file)
                 rows += len(batch.features)
-        if rows < self.k:
-            raise ValueError(f"knn: k={self.k} exceeds the {rows} in-distribution samples; choose k <= {rows}.")
-        self.bank_path_ = path
-        self.bank_ = np.memmap(path, dtype=np.float32, mode="r", shape=(rows, dim))
+        self._keep_bank(np.memmap(path, dtype=np.float32, mode="r", shape=(rows, dim)), normalised=True)
+
+    def _keep_bank(self, bank: np.ndarray, normalised: bool) -> None:
+        if len(bank) < self.k:
+            raise ValueError(f"knn: k={self.k} exceeds the {len(bank)} in-distribution samples; choose k <= {len(bank)}.")
+        self.bank_ = bank  # [N, D] memory map
+        self.bank_path_ = str(bank.filename)
+        self.bank_normalised_ = normalised  # False: the feature store's raw features, normalised as read
 
     def _score(self, batch: Batch) -> Tensor:
         z = _normalise(batch.features)
         best = torch.full((len(z), 0), -2.0, device=z.device)  # top-k cosine similarities so far
         for start in range(0, len(self.bank_), self.chunk_size):
             chunk = torch.from_numpy(np.array(self.bank_[start : start + self.chunk_size])).to(z.device)
+            if not self.bank_normalised_:
+                chunk = _normalise(chunk)
             candidates = torch.cat([best, z @ chunk.T], dim=1)
             best = torch.topk(candidates, k=min(self.k, candidates.shape[1]), dim=1).values
         kth_similarity = best[:, -1]

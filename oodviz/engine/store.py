@@ -665,6 +665,12 @@ class StoreBatches:
     def __len__(self) -> int:
         return math.ceil(self.n / self.batch_size)
 
+    @property
+    def features_on_disk(self) -> np.ndarray:
+        """The ``[N, D]`` features these batches yield, in order, as the store's read-only memory map
+        (what a detector that must keep every feature, knn, can use instead of a copy)."""
+        return self.store.features
+
     def __iter__(self) -> Iterator[Batch]:
         ranges = [(s, min(s + self.batch_size, self.n)) for s in range(0, self.n, self.batch_size)]
         if self.device is not None and self.device.type == "cuda":

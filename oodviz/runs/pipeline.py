@@ -61,6 +61,10 @@ class Watched:
     def __init__(self, batches, stage: Stage):
         self.batches, self.stage = batches, stage
 
+    @property
+    def features_on_disk(self):
+        return getattr(self.batches, "features_on_disk", None)
+
     def __iter__(self):
         done = 0
         for batch in self.batches:

@@ -92,7 +92,8 @@ class RunDir:
 
     @property
     def scratch_path(self) -> Path:
-        """Working files of the worker (e.g. knn's feature bank): removed when the worker ends, however it ends."""
+        """Working files of the worker (e.g. a knn bank that could not be the feature store itself): removed
+        when the worker ends, however it ends."""
         return self.path / "scratch"
 
     def remove_scratch(self) -> None:
