@@ -155,9 +155,16 @@ class SyntheticStream:
         return Batch(features, logits, labels)
 
 
+STORE_KEY = "store"  # the same data as an oodviz feature store, under <data dir>/store
+
+
 def write_dataset(directory: str, sizes: Sizes) -> None:
-    """Materialise ``SyntheticStream(sizes.n_fit)`` as features/logits/labels/weight/bias ``.npy``."""
+    """Materialise ``SyntheticStream(sizes.n_fit)`` as features/logits/labels/weight/bias ``.npy``,
+    and as an oodviz feature store (what the app's runs fit from)."""
+    from oodviz.engine.store import StoreWriter
+
     stream = SyntheticStream(sizes.n_fit, sizes.dim, sizes.classes)
+    writer = StoreWriter(directory, STORE_KEY, capacity=sizes.n_fit, feature_dim=sizes.dim, num_classes=sizes.classes)
     files = {
         "features": ((sizes.n_fit, sizes.dim), np.float32),
         "logits": ((sizes.n_fit, sizes.classes), np.float32),
@@ -173,9 +180,11 @@ def write_dataset(directory: str, sizes: Sizes) -> None:
         arrays["features"][start:stop] = batch.features.numpy()
         arrays["logits"][start:stop] = batch.logits.numpy()
         arrays["labels"][start:stop] = batch.labels.numpy()
+        writer.append(batch.features, batch.logits, batch.labels, torch.arange(start, stop))
         start = stop
     for array in arrays.values():
         array.flush()
+    writer.commit({"dataset": {"name": "synthetic"}})
     np.save(os.path.join(directory, "weight.npy"), stream.weight.numpy())
     np.save(os.path.join(directory, "bias.npy"), stream.bias.numpy())
 
@@ -359,6 +368,21 @@ def measure_oodviz_fit(data_dir: str, detector: str) -> dict:
     return peak.result()
 
 
+def measure_oodviz_store_fit(data_dir: str, detector: str) -> dict:
+    """oodviz ``create(detector).fit(store.batches(4096))`` on the dataset's feature store (the app's path)."""
+    from oodviz.detectors import create
+    from oodviz.engine.store import FeatureStore
+
+    store = FeatureStore(os.path.join(data_dir, STORE_KEY))
+    head = store.head or (torch.from_numpy(np.load(os.path.join(data_dir, "weight.npy"))), torch.from_numpy(np.load(os.path.join(data_dir, "bias.npy"))))
+    warm_up_torch()
+    with PeakGrowth() as peak:
+        batches = store.batches(BATCH_SIZE, include=("features", "labels"))  # what knn reads; prefetching 2 chunks
+        fitted = create(detector, **_oodviz_params(detector, store.feature_dim)).fit(batches, head=head)
+    del fitted
+    return peak.result()
+
+
 def measure_pytorch_ood_fit(data_dir: str, detector: str) -> dict:
     """pytorch-ood 0.4 construct + ``fit_features`` (``fit_logits`` for klm) on the in-RAM dataset."""
     import pytorch_ood.detector  # noqa: F401
@@ -438,6 +462,7 @@ def measure_oodviz_detector_scoring(data_dir: str, detector: str, n: int) -> dic
 MEASUREMENTS = {
     "oodviz_detector_scoring": measure_oodviz_detector_scoring,
     "oodviz_fit": measure_oodviz_fit,
+    "oodviz_store_fit": measure_oodviz_store_fit,
     "pytorch_ood_fit": measure_pytorch_ood_fit,
     "oodviz_scoring": measure_oodviz_scoring,
     "pytorch_ood_scoring": measure_pytorch_ood_scoring,
@@ -696,13 +721,17 @@ def main(
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:.0f}s] {message}", flush=True)
 
-    fits, scoring, flat, fits6, scoring6 = {}, None, {}, {}, {}
+    fits, scoring, flat, fits6, scoring6, store_knn = {}, None, {}, {}, {}, None
     if parts & {"fit", "score", "fit6", "score6"}:
         with tempfile.TemporaryDirectory(prefix="oodviz-bench-") as data_dir:
             write_dataset(data_dir, sizes)
             log(f"data written to {data_dir}")
             if "fit" in parts:
                 fits = run_fits(data_dir, sizes, detectors, libraries, log, repeats)
+                if "knn" in detectors:
+                    runs = [run_one("oodviz_store_fit", sizes.subprocess_timeout_s, data_dir=data_dir, detector="knn") for _ in range(repeats)]
+                    store_knn = median_of_runs(runs)
+                    log(f"fit knn from the feature store {store_knn}")
             if "score" in parts:
                 scoring = run_scoring(data_dir, sizes, libraries, log)
             if "fit6" in parts:
@@ -716,6 +745,11 @@ def main(
     if fits:
         print(f"\n### Fit: memory growth and time, N={sizes.n_fit:,}, D={sizes.dim}, C={sizes.classes}\n")
         print("\n".join(fit_table(fits)))
+    if store_knn:
+        print(
+            f"\nknn fitted from a feature store (`store.batches(4096, include=('features', 'labels'))`, as runs fit; "
+            f"the store's file is the bank, nothing is written): growth {_with_range(store_knn, 'growth_mib', 1)} MiB, fit {_with_range(store_knn, 'seconds', 2)} s"
+        )
     if scoring:
         print(f"\n### Mahalanobis scoring throughput, D={sizes.dim}, C={sizes.classes}\n")
         print("\n".join(scoring_table(*scoring)))
