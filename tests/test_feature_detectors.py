@@ -271,6 +271,27 @@ def test_react_fits_the_exact_percentile_in_two_streaming_passes():
     assert fitted == 5 * source.dim + 5  # the head; the threshold is one float
 
 
+def test_sortable_keys_order_like_the_floats_and_decode_back():
+    from oodviz.detectors.react import key_halves, key_to_float, sortable_keys
+
+    values = torch.tensor([-float("inf"), -3e38, -1.5, -1e-45, -0.0, 0.0, 1e-45, 1.0, 3e38, float("inf")])
+    keys = sortable_keys(values).long() & 0xFFFFFFFF  # the uint32 patterns
+    assert keys.tolist() == sorted(keys.tolist()) and len(set(keys.tolist())) == len(values)
+    upper, lower = key_halves(sortable_keys(values))
+    decoded = [key_to_float((int(h) << 16) | int(lo)) for h, lo in zip(upper, lower)]
+    assert [math.copysign(1, v) for v in decoded] == [math.copysign(1, v) for v in values.tolist()]
+    assert decoded == values.tolist()
+
+
+def test_streaming_percentile_of_more_values_than_one_key_block():
+    """A batch larger than the million-value key blocks gives np.percentile exactly."""
+    x = torch.randn(1_300_000, generator=torch.Generator().manual_seed(3)).mul_(7)
+    streaming = StreamingPercentile(97.5)
+    streaming.count(x)
+    streaming.refine(x)
+    assert streaming.result() == np.percentile(x.double().numpy(), 97.5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 def test_streaming_percentile_matches_numpy_for_any_batching_and_order(dtype):
     g = torch.Generator().manual_seed(7)

@@ -40,6 +40,7 @@ other dtypes are rounded to float32 first (float64 features lose digits beyond f
 
 import math
 import warnings
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -51,6 +52,8 @@ _HALF = 16  # bits per radix pass
 _BINS = 1 << _HALF
 _LOW_MASK = _BINS - 1
 _SIGN = 1 << 31
+_SIGN_INT32 = -(1 << 31)  # the sign bit as an int32 value
+_KEY_BLOCK = 1 << 20
 
 
 def check_percentile(detector: str, percentile, name: str = "percentile", upper_open: bool = False) -> float:
@@ -72,11 +75,27 @@ def check_percentile(detector: str, percentile, name: str = "percentile", upper_
 
 
 def sortable_keys(values: Tensor) -> Tensor:
-    """int64 keys in ``[0, 2^32)`` of the float32 values, ordered like the values (``-0.0`` just below ``+0.0``)."""
-    bits = values.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64).flatten()
-    # Non-negative floats: the bit pattern grows with the value; shift above the negatives.
-    # Negative floats (sign bit set, so negative as int32): the pattern grows with the magnitude.
-    return torch.where(bits < 0, -1 - bits, bits + _SIGN)
+    """Keys ``[0, 2^32)`` of the float32 values, ordered like the values (``-0.0`` just below ``+0.0``),
+    flattened; as int32 tensors holding the uint32 bit patterns (read them with :func:`key_halves`).
+
+    Non-negative floats: the bit pattern grows with the value; setting the sign bit puts them above
+    the negatives. Negative floats: the pattern grows with the magnitude; flipping every bit
+    reverses that and clears the sign bit. One XOR with ``(bits >> 31) | sign`` does both.
+    """
+    bits = values.detach().to(torch.float32).contiguous().view(torch.int32).flatten()
+    return bits ^ ((bits >> 31) | _SIGN_INT32)
+
+
+def key_halves(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """The upper and lower 16 bits of :func:`sortable_keys` keys, each in ``[0, 65536)``."""
+    return (keys >> _HALF) & _LOW_MASK, keys & _LOW_MASK
+
+
+def _key_blocks(values: Tensor) -> Iterator[Tensor]:
+    """:func:`sortable_keys` of ``values`` a million at a time (int32 temporaries of 4 MiB)."""
+    flat = values.detach().reshape(-1)
+    for start in range(0, flat.numel(), _KEY_BLOCK):
+        yield sortable_keys(flat[start : start + _KEY_BLOCK])
 
 
 def key_to_float(key: int) -> float:
@@ -116,10 +135,10 @@ class StreamingPercentile:
         """Pass 1: add ``values`` (any shape) to the histogram of upper key bits."""
         if self._targets is not None:
             raise RuntimeError("StreamingPercentile.count after refine: start a new StreamingPercentile")
-        keys = sortable_keys(values)
-        counts = torch.bincount(keys >> _HALF, minlength=_BINS)
-        self._high = counts if self._high is None else self._high + counts.to(self._high.device)
-        self.n += keys.numel()
+        for keys in _key_blocks(values):
+            counts = torch.bincount(key_halves(keys)[0], minlength=_BINS)
+            self._high = counts if self._high is None else self._high.add_(counts.to(self._high.device))
+            self.n += keys.numel()
 
     def _virtual_index(self) -> tuple[int, int, float]:
         h = (self.n - 1) * (self.percentile / 100.0)  # numpy: (n - 1) * quantile, quantile = q / 100
@@ -143,13 +162,13 @@ class StreamingPercentile:
         """Pass 2: count the lower key bits of the values in the bins holding the order statistics."""
         if self._targets is None:
             self._locate()
-        keys = sortable_keys(values)
-        for high in self._low:
-            inside = keys[(keys >> _HALF) == high] & _LOW_MASK
-            counts = torch.bincount(inside, minlength=_BINS)
-            current = self._low[high]
-            self._low[high] = counts if current is None else current + counts.to(current.device)
-        self._refined += keys.numel()
+        for keys in _key_blocks(values):
+            upper, lower = key_halves(keys)
+            for high in self._low:
+                counts = torch.bincount(lower[upper == high], minlength=_BINS)
+                current = self._low[high]
+                self._low[high] = counts if current is None else current.add_(counts.to(current.device))
+            self._refined += keys.numel()
 
     def result(self) -> float:
         """The percentile, as a float64 Python float (``np.percentile``'s linear method)."""
