@@ -427,11 +427,6 @@ class ModelDetector(Detector):
             )
         return out.float()
 
-    @classmethod
-    def fields_of(cls, batch: Batch) -> tuple[str, ...]:
-        """The batch fields this detector reads from ``batch``: its inputs and the optional ones present."""
-        return cls.inputs + tuple(f for f in cls.optional_inputs if getattr(batch, f) is not None)
-
     # -- fit / score ---------------------------------------------------------------------------
     def fit(self, batches=None, head=None, device=None):
         """Nothing to learn: checks the model (see :meth:`_check_fit_model`) and returns self."""
