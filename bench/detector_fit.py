@@ -374,7 +374,8 @@ def measure_oodviz_store_fit(data_dir: str, detector: str) -> dict:
     from oodviz.engine.store import FeatureStore
 
     store = FeatureStore(os.path.join(data_dir, STORE_KEY))
-    head = store.head or (torch.from_numpy(np.load(os.path.join(data_dir, "weight.npy"))), torch.from_numpy(np.load(os.path.join(data_dir, "bias.npy"))))
+    data = {name: torch.from_numpy(np.load(os.path.join(data_dir, f"{name}.npy"))) for name in ("weight", "bias")}
+    head = (data["weight"], data["bias"])
     warm_up_torch()
     with PeakGrowth() as peak:
         batches = store.batches(BATCH_SIZE, include=("features", "labels"))  # what knn reads; prefetching 2 chunks

@@ -17,9 +17,9 @@ Score: the squared distance to the closest class,
 The paper's confidence is the negated distance; the distance itself is the OOD score (higher =
 more OOD). ``Sigma^+`` is the pseudo-inverse: directions without in-distribution variance
 (eigenvalues below ``D * eps * lambda_max``, e.g. dead ReLU units) are dropped instead of
-dividing by zero. Scoring whitens once, ``x' = (x - mu) S`` with ``S S^T = Sigma^+``, and computes all ``C``
-distances with one matrix product, ``|x'|^2 - 2 x' mu_k'^T + |mu_k'|^2``, rather than a loop
-over classes.
+dividing by zero. Scoring whitens once, ``x' = (x - mu) S`` with ``S S^T = Sigma^+``, and
+computes all ``C`` distances with one matrix product, ``|x'|^2 - 2 x' mu_k'^T + |mu_k'|^2``,
+rather than a loop over classes.
 
 pytorch-ood 0.4 uses the unnormalised scatter plus ``1e-6 I`` as ``Sigma`` and reports half the
 distance: the ranking is the same, the scale is not; oodviz follows the paper.

@@ -18,8 +18,9 @@ Score (higher = more OOD):
 
 i.e. the virtual logit minus the energy of the real logits, the negated confidence of the
 paper. The logits ``z`` are the batch's own when it carries them (the model's output, as the
-paper uses), else ``x W^T + b`` from the head. The origin is computed from the ``min(C, D)``-square Gram matrix of ``W`` (equal to ``pinv``
-for a full-rank head), and every float64 copy of a batch is made a block of rows at a time.
+paper uses), else ``x W^T + b`` from the head. The origin is computed from the
+``min(C, D)``-square Gram matrix of ``W`` (equal to ``pinv`` for a full-rank head), and every
+float64 copy of a batch is made a block of rows at a time.
 ``dim=None`` applies the paper's rule: 1000 for ``D >= 2048``, 512 for ``D >= 768``,
 otherwise ``D // 2``. Labels are not needed.
 """

@@ -34,13 +34,18 @@ def open_run(run_id: str | None) -> None:
         st.query_params.pop("run", None)
 
 
-def current_run() -> RunDir | None:
+def url_run_path() -> Path | None:
+    """The directory of the run named in the URL (it may not exist), or None."""
     run_id = st.query_params.get("run")
-    if not run_id:
+    return runs_root() / run_id if run_id else None
+
+
+def current_run() -> RunDir | None:
+    path = url_run_path()
+    if path is None:
         return None
-    path = runs_root() / run_id
     if not (path / "config.json").exists():
-        st.error(f"There is no run {run_id!r} under {runs_root().resolve()}; it may have been deleted.")
+        st.error(f"There is no run {path.name!r} under {runs_root().resolve()}; it may have been deleted.")
         return None
     return RunDir(path)
 
@@ -178,8 +183,7 @@ def main() -> None:
 
 def form_defaults() -> FormValues:
     """The sidebar's starting values: those of the run in the URL (to rerun it with changes), else the default."""
-    run_id = st.query_params.get("run")
-    path = runs_root() / run_id if run_id else None
+    path = url_run_path()
     if path is not None and (path / "config.json").exists():
         try:
             return form_values_from_config(RunConfig.load(path / "config.json"))
