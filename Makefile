@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup app test browser fashion-mnist bench clean
+.PHONY: setup app test lint browser fashion-mnist bench clean
 
 setup: $(STAMP) fashion-mnist
 
@@ -33,7 +33,11 @@ fashion-mnist:
 	  else echo "Fashion-MNIST not installed and not root: the fashion-mnist preset downloads it on first use when downloads are allowed (or: sudo apt-get install dataset-fashion-mnist); its tests are skipped"; fi; }
 
 test: $(STAMP) browser fashion-mnist
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
 	$(BIN)/python bench/detector_fit.py

@@ -21,7 +21,9 @@ from pathlib import Path
 
 def timed_run(root: Path, name: str) -> tuple[float, dict]:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "oodviz.cli", "run", "--out", str(root / name)], check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", "run", "--out", str(root / name)], check=True, capture_output=True
+    )
     wall = time.perf_counter() - started
     return wall, json.loads((root / name / "meta.json").read_text())
 

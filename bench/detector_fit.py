@@ -201,7 +201,9 @@ def batch_views(data: dict[str, torch.Tensor], n: int | None = None) -> list:
 
     n = len(data["labels"]) if n is None else n
     return [
-        Batch(data["features"][i : i + BATCH_SIZE], data["logits"][i : i + BATCH_SIZE], data["labels"][i : i + BATCH_SIZE])
+        Batch(
+            data["features"][i : i + BATCH_SIZE], data["logits"][i : i + BATCH_SIZE], data["labels"][i : i + BATCH_SIZE]
+        )
         for i in range(0, n, BATCH_SIZE)
     ]
 
@@ -505,7 +507,7 @@ def _with_range(result: dict, key: str, digits: int) -> str:
         return "error"
     text = f"{result[key]:.{digits}f}"
     low, high = result.get(key + "_range", (result[key], result[key]))
-    return text if high - low < 10 ** -digits else f"{text} ({low:.{digits}f}-{high:.{digits}f})"
+    return text if high - low < 10**-digits else f"{text} ({low:.{digits}f}-{high:.{digits}f})"
 
 
 def fit_table(results: dict[str, dict[str, dict]]) -> list[str]:
@@ -544,7 +546,9 @@ def scoring_table(ours: dict, theirs: dict, correlation: float | None) -> list[s
     if "samples_per_s" in ours and "samples_per_s" in theirs:
         speedup = ours["samples_per_s"] / theirs["samples_per_s"]
         rows.append("")
-        rows.append(f"Speed-up {speedup:,.0f}x (target >= {MIN_SCORING_SPEEDUP}x): {_verdict(speedup >= MIN_SCORING_SPEEDUP)}")
+        rows.append(
+            f"Speed-up {speedup:,.0f}x (target >= {MIN_SCORING_SPEEDUP}x): {_verdict(speedup >= MIN_SCORING_SPEEDUP)}"
+        )
     if correlation is not None:
         rows.append(f"Pearson correlation of the two libraries' scores on the same samples: {correlation:.6f}")
     return rows
@@ -618,7 +622,11 @@ def run_score6(data_dir: str, sizes: Sizes, detectors, log) -> dict[str, dict]:
     scoring = {}
     for detector in detectors:
         scoring[detector] = result = run_one(
-            "oodviz_detector_scoring", sizes.subprocess_timeout_s, data_dir=data_dir, detector=detector, n=sizes.n_score_oodviz
+            "oodviz_detector_scoring",
+            sizes.subprocess_timeout_s,
+            data_dir=data_dir,
+            detector=detector,
+            n=sizes.n_score_oodviz,
         )
         log(f"score6 {detector:<9} {result}")
     return scoring
@@ -706,7 +714,11 @@ def run_flat_growth(sizes: Sizes, detectors, log) -> dict[str, dict[int, dict]]:
 
 
 def main(
-    sizes: Sizes, detectors: tuple[str, ...], parts: set[str], detectors6: tuple[str, ...] = FIT6_DETECTORS, repeats: int = 1
+    sizes: Sizes,
+    detectors: tuple[str, ...],
+    parts: set[str],
+    detectors6: tuple[str, ...] = FIT6_DETECTORS,
+    repeats: int = 1,
 ) -> None:
     have_pytorch_ood = importlib.util.find_spec("pytorch_ood") is not None
     libraries = LIBRARIES if have_pytorch_ood else ("oodviz",)
@@ -730,7 +742,10 @@ def main(
             if "fit" in parts:
                 fits = run_fits(data_dir, sizes, detectors, libraries, log, repeats)
                 if "knn" in detectors:
-                    runs = [run_one("oodviz_store_fit", sizes.subprocess_timeout_s, data_dir=data_dir, detector="knn") for _ in range(repeats)]
+                    runs = [
+                        run_one("oodviz_store_fit", sizes.subprocess_timeout_s, data_dir=data_dir, detector="knn")
+                        for _ in range(repeats)
+                    ]
                     store_knn = median_of_runs(runs)
                     log(f"fit knn from the feature store {store_knn}")
             if "score" in parts:
@@ -773,8 +788,11 @@ if __name__ == "__main__":
     parser.add_argument(
         "--detectors",
         default=None,
-        help="comma-separated subset of " + ",".join(DETECTORS) + " (parts fit, score, flat) and of "
-        + ",".join(FIT6_DETECTORS) + " (parts fit6, score6); default: all of each",
+        help="comma-separated subset of "
+        + ",".join(DETECTORS)
+        + " (parts fit, score, flat) and of "
+        + ",".join(FIT6_DETECTORS)
+        + " (parts fit6, score6); default: all of each",
     )
     parser.add_argument(
         "--parts", default=",".join(PARTS), help="comma-separated subset of " + ",".join(PARTS + ISSUE6_PARTS)
@@ -786,7 +804,10 @@ if __name__ == "__main__":
         "large blocks straight back to the OS, so the peak shows live memory, not what the allocator keeps)",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="fresh processes per side-by-side fit measurement; the median is reported"
+        "--repeats",
+        type=int,
+        default=3,
+        help="fresh processes per side-by-side fit measurement; the median is reported",
     )
     parser.add_argument("--one", nargs=2, metavar=("MEASUREMENT", "JSON"), help="internal: run one measurement here")
     args = parser.parse_args()
@@ -796,14 +817,18 @@ if __name__ == "__main__":
     else:
         given_detectors = None if args.detectors is None else tuple(d for d in args.detectors.split(",") if d)
         chosen = DETECTORS if given_detectors is None else tuple(d for d in given_detectors if d in DETECTORS)
-        chosen6 = FIT6_DETECTORS if given_detectors is None else tuple(d for d in given_detectors if d in FIT6_DETECTORS)
+        chosen6 = (
+            FIT6_DETECTORS if given_detectors is None else tuple(d for d in given_detectors if d in FIT6_DETECTORS)
+        )
         parts = {p for p in args.parts.split(",") if p}
         for label, given, valid in (
             ("detector", given_detectors or (), DETECTORS + FIT6_DETECTORS),
             ("part", parts, PARTS + ISSUE6_PARTS),
         ):
             if set(given) - set(valid):
-                parser.error(f"unknown {label}(s) {', '.join(sorted(set(given) - set(valid)))}; choose from {', '.join(valid)}")
+                parser.error(
+                    f"unknown {label}(s) {', '.join(sorted(set(given) - set(valid)))}; choose from {', '.join(valid)}"
+                )
         if args.fixed_mmap_threshold:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = str(FIXED_MMAP_THRESHOLD)  # inherited by every measurement
         main(QUICK if args.quick else FULL, chosen, parts, chosen6, args.repeats)

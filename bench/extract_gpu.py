@@ -50,9 +50,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oodviz import Batch  # noqa: E402
-from oodviz.detectors import create  # noqa: E402
-from oodviz.engine import StoreWriter, extract  # noqa: E402
+from oodviz import Batch
+from oodviz.detectors import create
+from oodviz.engine import StoreWriter, extract
 
 GiB = 2**30
 
@@ -126,7 +126,11 @@ def sync(device):
 
 def bare_forward_rate(backbone, x, device, autocast_dtype, iters: int, warmup: int) -> float:
     """Images/s of the forward pass alone on ``x`` already on the device (the limit)."""
-    autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else torch.autocast(device.type, enabled=False)
+    autocast = (
+        torch.autocast(device.type, dtype=autocast_dtype)
+        if autocast_dtype
+        else torch.autocast(device.type, enabled=False)
+    )
     with torch.inference_mode(), autocast:
         for _ in range(warmup):
             backbone.features_and_logits(x)
@@ -156,40 +160,69 @@ def part_a(args, device, rows, notes, scratch: Path):
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
     limit = bare_forward_rate(backbone, x, device, autocast_dtype, iters=args.forward_iters, warmup=5)
-    rows.append(("a", f"{arch} bare forward, batch {batch}, {precision}, input on {device.type} (the limit)", f"{limit:,.0f} img/s", "", ""))
+    rows.append(
+        (
+            "a",
+            f"{arch} bare forward, batch {batch}, {precision}, input on {device.type} (the limit)",
+            f"{limit:,.0f} img/s",
+            "",
+            "",
+        )
+    )
     del x
 
     for workers in args.workers:
         marks = []
 
         def progress(done, total, info):
-            marks.append((time.perf_counter(), done))
+            marks.append((time.perf_counter(), done))  # noqa: B023
 
         root = scratch / f"extract-w{workers}"
         try:
             start = time.perf_counter()
             store = extract(
-                backbone, dataset, root, {"bench": "a"}, device=device, batch_size=batch, num_workers=workers,
-                precision=precision, channels_last=channels_last, progress=progress, sync=False,
+                backbone,
+                dataset,
+                root,
+                {"bench": "a"},
+                device=device,
+                batch_size=batch,
+                num_workers=workers,
+                precision=precision,
+                channels_last=channels_last,
+                progress=progress,
+                sync=False,
             )
             whole = dataset.n / (time.perf_counter() - start)
         except Exception as err:  # report and go on with the other parts
-            rows.append(("a", f"oodviz.engine.extract, {workers} workers", f"failed: {type(err).__name__}: {err}"[:200], ">= 90% of limit", "FAIL"))
+            rows.append(
+                (
+                    "a",
+                    f"oodviz.engine.extract, {workers} workers",
+                    f"failed: {type(err).__name__}: {err}"[:200],
+                    ">= 90% of limit",
+                    "FAIL",
+                )
+            )
             continue
         skip = min(10, max(1, len(marks) // 4))
         (t0, d0), (t1, d1) = marks[skip], marks[-2]  # [-1] is the "done" report after the commit
         steady = (d1 - d0) / (t1 - t0) if t1 > t0 else float("nan")
         ratio = steady / limit
         ok = "ok" if ratio >= 0.9 else "BELOW"
-        rows.append((
-            "a",
-            f"oodviz.engine.extract, {workers} workers{', pinned' if device.type == 'cuda' else ''}, {precision}, store to disk "
-            f"({store.n:,} images; whole run {whole:,.0f} img/s)",
-            f"{steady:,.0f} img/s = {ratio:.1%} of limit",
-            ">= 90% of limit",
-            ok if device.type == "cuda" else "n/a (CPU)",
-        ))
-        notes.append(f"(a) {workers} workers: batch size in force {store.meta['batch_size_in_force']}, first batch after {store.meta['timings']['first_batch_s']:.2f} s")
+        rows.append(
+            (
+                "a",
+                f"oodviz.engine.extract, {workers} workers{', pinned' if device.type == 'cuda' else ''}, {precision}, store to disk "
+                f"({store.n:,} images; whole run {whole:,.0f} img/s)",
+                f"{steady:,.0f} img/s = {ratio:.1%} of limit",
+                ">= 90% of limit",
+                ok if device.type == "cuda" else "n/a (CPU)",
+            )
+        )
+        notes.append(
+            f"(a) {workers} workers: batch size in force {store.meta['batch_size_in_force']}, first batch after {store.meta['timings']['first_batch_s']:.2f} s"
+        )
         shutil.rmtree(root, ignore_errors=True)
     del backbone, model, dataset
     if device.type == "cuda":
@@ -223,11 +256,21 @@ def part_b(args, device, rows, notes, scratch: Path):
     free = shutil.disk_usage(scratch).free
     if need > 0.9 * free:
         shrunk = int(0.9 * free / ((d + c) * 4 + 24))
-        notes.append(f"(b) only {free / GiB:.1f} GiB free under {scratch}: n shrunk from {n:,} to {shrunk:,} (store needs {need / GiB:.1f} GiB)")
+        notes.append(
+            f"(b) only {free / GiB:.1f} GiB free under {scratch}: n shrunk from {n:,} to {shrunk:,} (store needs {need / GiB:.1f} GiB)"
+        )
         n = shrunk
     store, seconds = make_store(scratch / "fit", n, d, c, device)
     gb = store.n * (d + c) * 4 / 1e9
-    rows.append(("b", f"synthetic store written: {store.n:,} x {d} features + {c} logits ({gb:.1f} GB) under {scratch}", f"{seconds:.1f} s", "", ""))
+    rows.append(
+        (
+            "b",
+            f"synthetic store written: {store.n:,} x {d} features + {c} logits ({gb:.1f} GB) under {scratch}",
+            f"{seconds:.1f} s",
+            "",
+            "",
+        )
+    )
     fitted = {}
     # Mahalanobis last: it is kept for (c); the others are dropped after their fit, so each fit
     # starts with (almost) nothing allocated on the GPU.
@@ -245,14 +288,18 @@ def part_b(args, device, rows, notes, scratch: Path):
         detector.fit(batches, head=head, device=device)
         sync(device)
         seconds = time.perf_counter() - start
-        read_gb = detector.fit_passes * store.n * sum({"features": d, "logits": c, "labels": 2}[f] for f in include) * 4 / 1e9
+        read_gb = (
+            detector.fit_passes * store.n * sum({"features": d, "logits": c, "labels": 2}[f] for f in include) * 4 / 1e9
+        )
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device)
             reserved = torch.cuda.max_memory_reserved(device)
             value = f"{peak / 2**20:,.0f} MiB peak allocated ({reserved / 2**20:,.0f} MiB reserved), {seconds:.1f} s"
             ok = "ok" if peak < GiB else "OVER"
             if base:
-                notes.append(f"(b) {name}: {base / 2**20:.0f} MiB already allocated before the fit (counted in the peak)")
+                notes.append(
+                    f"(b) {name}: {base / 2**20:.0f} MiB already allocated before the fit (counted in the peak)"
+                )
         else:
             value, ok = f"{seconds:.1f} s (no GPU: memory not measured)", "n/a (CPU)"
         label = f"fit {name}{' (dim=' + str(params['dim']) + ')' if params else ''}, {detector.fit_passes} pass(es) over {read_gb:.1f} GB, disk -> {device.type}"
@@ -271,7 +318,10 @@ def part_c(args, device, rows, store, fitted):
     d = store.feature_dim
     n, batch = args.score_n, args.score_batch
     generator = torch.Generator(device=device).manual_seed(1)
-    on_device = [Batch(features=torch.randn(min(batch, n - s), d, device=device, generator=generator)) for s in range(0, n, batch)]
+    on_device = [
+        Batch(features=torch.randn(min(batch, n - s), d, device=device, generator=generator))
+        for s in range(0, n, batch)
+    ]
     detector.score(on_device[:1], device=device)  # warm-up (kernels, workspace)
     sync(device)
     repeats = args.score_repeats
@@ -281,14 +331,32 @@ def part_c(args, device, rows, store, fitted):
     sync(device)
     rate = repeats * n / (time.perf_counter() - start)
     ok = ("ok" if rate >= 542_600 else "BELOW") if device.type == "cuda" else "n/a (CPU)"
-    rows.append(("c", f"mahalanobis score, C={store.num_classes}, D={d}, features on {device.type}, batch {batch:,}", f"{rate:,.0f} samples/s", ">= 542,600/s", ok))
+    rows.append(
+        (
+            "c",
+            f"mahalanobis score, C={store.num_classes}, D={d}, features on {device.type}, batch {batch:,}",
+            f"{rate:,.0f} samples/s",
+            ">= 542,600/s",
+            ok,
+        )
+    )
     if not torch.isfinite(scores).all():
         rows.append(("c", "mahalanobis scores finite", "NO", "all finite", "FAIL"))
     del on_device
     start = time.perf_counter()
-    scores = detector.score(store.batches(batch_size=min(batch, 16384), device=device, include=("features",)), device=device)
+    scores = detector.score(
+        store.batches(batch_size=min(batch, 16384), device=device, include=("features",)), device=device
+    )
     rate = store.n / (time.perf_counter() - start)
-    rows.append(("c", f"mahalanobis score from the store on disk ({store.n:,} rows, disk -> {device.type})", f"{rate:,.0f} samples/s", "(reference)", ""))
+    rows.append(
+        (
+            "c",
+            f"mahalanobis score from the store on disk ({store.n:,} rows, disk -> {device.type})",
+            f"{rate:,.0f} samples/s",
+            "(reference)",
+            "",
+        )
+    )
 
 
 # ----------------------------------------------------------------------------- (d) host memory
@@ -330,18 +398,29 @@ def part_d(args, device, rows, scratch: Path):
         peak[0] = max(peak[0], process.memory_info().rss)
 
     start = time.perf_counter()
-    store = extract(backbone, dataset, scratch / "memory", {"bench": "d"}, device=device, batch_size=1024, progress=progress, sync=False)
+    store = extract(
+        backbone,
+        dataset,
+        scratch / "memory",
+        {"bench": "d"},
+        device=device,
+        batch_size=1024,
+        progress=progress,
+        sync=False,
+    )
     seconds = time.perf_counter() - start
     size = sum(p.stat().st_size for p in store.path.iterdir())
     growth = peak[0] - base
     ok = "ok" if growth < 256 * 2**20 else "OVER"
-    rows.append((
-        "d",
-        f"host RSS growth while extracting {store.n:,} rows (store {size / 2**20:,.0f} MiB on disk, {seconds:.1f} s)",
-        f"{growth / 2**20:,.0f} MiB",
-        "< 256 MiB, whatever N",
-        ok,
-    ))
+    rows.append(
+        (
+            "d",
+            f"host RSS growth while extracting {store.n:,} rows (store {size / 2**20:,.0f} MiB on disk, {seconds:.1f} s)",
+            f"{growth / 2**20:,.0f} MiB",
+            "< 256 MiB, whatever N",
+            ok,
+        )
+    )
     shutil.rmtree(store.path, ignore_errors=True)
 
 
@@ -349,16 +428,24 @@ def part_d(args, device, rows, scratch: Path):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CPU or GPU), a smoke test of this script")
-    parser.add_argument("--n", type=int, default=None, help="rows of the fit store in (b) (default 1,281,167; 20,000 with --quick)")
+    parser.add_argument(
+        "--n", type=int, default=None, help="rows of the fit store in (b) (default 1,281,167; 20,000 with --quick)"
+    )
     parser.add_argument("--dim", type=int, default=None, help="feature dimension D in (b)/(c) (default 2048)")
     parser.add_argument("--classes", type=int, default=None, help="classes C in (b)/(c) (default 1000)")
     parser.add_argument("--images", type=int, default=None, help="images extracted per run in (a) (default 256 x 150)")
     parser.add_argument("--batch-size", type=int, default=None, help="extraction batch size in (a) (default 256)")
-    parser.add_argument("--workers", type=int, nargs="+", default=None, help="DataLoader workers to try in (a) (default: 8 and 0)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=None, help="DataLoader workers to try in (a) (default: 8 and 0)"
+    )
     parser.add_argument("--fit-batch", type=int, default=4096, help="rows per batch streamed to the fits in (b)")
-    parser.add_argument("--store-dir", type=Path, default=None, help="where the synthetic stores go (default: a temporary directory)")
+    parser.add_argument(
+        "--store-dir", type=Path, default=None, help="where the synthetic stores go (default: a temporary directory)"
+    )
     parser.add_argument("--keep", action="store_true", help="keep the synthetic stores")
     parser.add_argument("--parts", default="abcd", help="which parts to run, e.g. 'bc'")
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown table (and a .json beside it)")
@@ -366,7 +453,9 @@ def main(argv=None) -> int:
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.quick:
-        print("CUDA is not available here: skipping the GPU benchmark. Run `python bench/extract_gpu.py --quick` for a CPU smoke test.")
+        print(
+            "CUDA is not available here: skipping the GPU benchmark. Run `python bench/extract_gpu.py --quick` for a CPU smoke test."
+        )
         return 0
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     quick = args.quick
@@ -423,7 +512,9 @@ def main(argv=None) -> int:
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(table + "\n")
-        args.out.with_suffix(".json").write_text(json.dumps({"environment": env, "rows": rows, "notes": notes}, indent=2))
+        args.out.with_suffix(".json").write_text(
+            json.dumps({"environment": env, "rows": rows, "notes": notes}, indent=2)
+        )
     failed = [r for r in rows if r[4] in ("FAIL", "OVER", "BELOW")]
     return 1 if failed else 0
 

@@ -359,15 +359,35 @@ def counts_at_threshold(scores: pd.DataFrame, detector: str, threshold: float) -
 def counts_table(counts: dict) -> pd.DataFrame:
     """:func:`counts_at_threshold` as one row per set: ``set, n, wrong, wrong_rate, kind`` where
     ``wrong`` is false alarms for the ID set and misses for each OOD dataset."""
-    rows = [{"set": f"ID ({counts['id']['dataset']})", "kind": "false alarms (ID flagged as OOD)",
-             "n": counts["id"]["n"], "wrong": counts["id"]["false_alarms"],
-             "wrong_rate": counts["id"]["false_alarm_rate"]}]  # fmt: skip
+    rows = [
+        {
+            "set": f"ID ({counts['id']['dataset']})",
+            "kind": "false alarms (ID flagged as OOD)",
+            "n": counts["id"]["n"],
+            "wrong": counts["id"]["false_alarms"],
+            "wrong_rate": counts["id"]["false_alarm_rate"],
+        }
+    ]
     for name, d in counts["ood"].items():
-        rows.append({"set": name, "kind": "missed (OOD accepted as ID)", "n": d["n"], "wrong": d["missed"],
-                     "wrong_rate": d["miss_rate"]})  # fmt: skip
+        rows.append(
+            {
+                "set": name,
+                "kind": "missed (OOD accepted as ID)",
+                "n": d["n"],
+                "wrong": d["missed"],
+                "wrong_rate": d["miss_rate"],
+            }
+        )
     total = counts["total"]
-    rows.append({"set": "all OOD", "kind": "missed (OOD accepted as ID)", "n": total["n_ood"], "wrong": total["missed"],
-                 "wrong_rate": total["miss_rate"]})  # fmt: skip
+    rows.append(
+        {
+            "set": "all OOD",
+            "kind": "missed (OOD accepted as ID)",
+            "n": total["n_ood"],
+            "wrong": total["missed"],
+            "wrong_rate": total["miss_rate"],
+        }
+    )
     return pd.DataFrame(rows, columns=["set", "kind", "n", "wrong", "wrong_rate"])
 
 
@@ -515,8 +535,16 @@ def _open_dataset(key: tuple):
     from oodviz.data import load_dataset
 
     name, params, root, subsample, mode, seed, as_ood = key
-    ds = load_dataset(name, root=root, download=False, subsample=subsample, subsample_mode=mode, seed=seed,
-                      as_ood=as_ood, **json.loads(params))  # fmt: skip
+    ds = load_dataset(
+        name,
+        root=root,
+        download=False,
+        subsample=subsample,
+        subsample_mode=mode,
+        seed=seed,
+        as_ood=as_ood,
+        **json.loads(params),
+    )
     with _DATASET_CACHE_LOCK:
         _DATASET_CACHE[key] = ds
         while len(_DATASET_CACHE) > DATASET_CACHE_SIZE:

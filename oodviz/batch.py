@@ -63,14 +63,18 @@ class Batch:
                     if name == "features" and value.ndim > 2
                     else ""
                 )
-                raise ValueError(f"Batch.{name} must be 2-D [B, {name[0].upper()}], got shape {tuple(value.shape)}.{hint}")
+                raise ValueError(
+                    f"Batch.{name} must be 2-D [B, {name[0].upper()}], got shape {tuple(value.shape)}.{hint}"
+                )
             if value is not None and not value.is_floating_point():
                 raise ValueError(f"Batch.{name} must be a floating-point tensor, got {value.dtype}")
         if self.labels is not None:
             if self.labels.ndim != 1:
                 raise ValueError(f"Batch.labels must be 1-D [B], got shape {tuple(self.labels.shape)}")
             if self.labels.is_floating_point() or self.labels.is_complex() or self.labels.dtype == torch.bool:
-                raise ValueError(f"Batch.labels must be an integer tensor (class index, -1 = OOD), got {self.labels.dtype}")
+                raise ValueError(
+                    f"Batch.labels must be an integer tensor (class index, -1 = OOD), got {self.labels.dtype}"
+                )
         if self.inputs is not None:
             if self.inputs.ndim < 2:
                 raise ValueError(

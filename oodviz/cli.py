@@ -46,7 +46,11 @@ class TerminalProgress:
         elif kind == "end":
             peak = f", peak RSS {format_bytes(event['peak_cpu_rss'])}" if event.get("peak_cpu_rss") else ""
             failed = f" — FAILED: {event['error']}" if event.get("error") else ""
-            self.stream.write(("\r" if self.live else "") + f"{event['stage']}: {event['wall_s']:.1f}s{peak}{failed}".ljust(self.width if self.live else 0) + "\n")
+            self.stream.write(
+                ("\r" if self.live else "")
+                + f"{event['stage']}: {event['wall_s']:.1f}s{peak}{failed}".ljust(self.width if self.live else 0)
+                + "\n"
+            )
         elif kind in ("warning", "note"):
             prefix = "WARNING " if kind == "warning" else "  "
             lines = "".join(f"{prefix}{line}\n" for line in event["message"].splitlines())
@@ -87,7 +91,9 @@ def cmd_run(args) -> int:
         import pandas as pd
 
         metrics = pd.read_csv(run.path / "metrics.csv")
-        table = metrics[metrics.ood_dataset.str.endswith("(mean)")].pivot(index="detector", columns="group", values=["auroc", "fpr95"])
+        table = metrics[metrics.ood_dataset.str.endswith("(mean)")].pivot(
+            index="detector", columns="group", values=["auroc", "fpr95"]
+        )
         print("\nMean AUROC / FPR95 per near/far group (OOD is positive; FPR95 = ID flagged at 95% OOD recall):")
         print(table.round(3).to_string())
         print(f"\nFull table: {run.path / 'metrics.csv'}")
@@ -127,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     chosen = run.add_mutually_exclusive_group()
     chosen.add_argument("config", nargs="?", help="a run config, .json or .toml (see examples/)")
     chosen.add_argument(
-        "--preset", choices=list(PRESETS), help="a ready-made config instead of CONFIG: digits (the default) or fashion-mnist"
+        "--preset",
+        choices=list(PRESETS),
+        help="a ready-made config instead of CONFIG: digits (the default) or fashion-mnist",
     )
     run.add_argument("--out", help="the run directory to create (default: a new one under --runs-root)")
     run.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT), help="where runs live (default: ./runs)")

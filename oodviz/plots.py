@@ -22,9 +22,21 @@ SMALL_HEIGHT = 250
 ID_COLOR = "#4C4C4C"
 #: OOD colours (Plotly's qualitative "D3"-like set without grey), assigned in order
 OOD_COLORS = (
-    "#D62728", "#1F77B4", "#FF7F0E", "#2CA02C", "#9467BD", "#8C564B", "#E377C2", "#BCBD22", "#17BECF",
-    "#AEC7E8", "#FFBB78", "#98DF8A", "#FF9896", "#C5B0D5",
-)  # fmt: skip
+    "#D62728",
+    "#1F77B4",
+    "#FF7F0E",
+    "#2CA02C",
+    "#9467BD",
+    "#8C564B",
+    "#E377C2",
+    "#BCBD22",
+    "#17BECF",
+    "#AEC7E8",
+    "#FFBB78",
+    "#98DF8A",
+    "#FF9896",
+    "#C5B0D5",
+)
 THRESHOLD_COLOR = "#111111"
 SCORE_AXIS = "score (higher = more OOD)"
 CONVENTION = "OOD = positive class; higher score = more OOD"
@@ -131,8 +143,9 @@ def histogram_figure(
 
 
 # -- ROC / PR -------------------------------------------------------------------------------------
-def _curve_figure(curves_by_label: dict, x: str, y: str, metric: str, metric_name: str, line_shape: str,
-                  colors: dict | None) -> go.Figure:  # fmt: skip
+def _curve_figure(
+    curves_by_label: dict, x: str, y: str, metric: str, metric_name: str, line_shape: str, colors: dict | None
+) -> go.Figure:
     palette = color_map(list(curves_by_label), colors)
     fig = go.Figure()
     for label, curve in curves_by_label.items():
@@ -161,10 +174,15 @@ def roc_figure(curves_by_label: dict, title: str = "ROC (OOD = positive)", color
     fig = _curve_figure(curves_by_label, "fpr", "tpr", "auroc", "AUROC", "linear", colors)
     fig.add_trace(
         go.Scatter(
-            x=[0.0, 1.0], y=[0.0, 1.0], mode="lines", name="chance (AUROC 0.5)",
-            line={"color": "#BBBBBB", "width": 1, "dash": "dash"}, hoverinfo="skip", showlegend=False,
+            x=[0.0, 1.0],
+            y=[0.0, 1.0],
+            mode="lines",
+            name="chance (AUROC 0.5)",
+            line={"color": "#BBBBBB", "width": 1, "dash": "dash"},
+            hoverinfo="skip",
+            showlegend=False,
         )
-    )  # fmt: skip
+    )
     _layout(
         fig,
         title,
@@ -174,8 +192,9 @@ def roc_figure(curves_by_label: dict, title: str = "ROC (OOD = positive)", color
     return fig
 
 
-def pr_figure(curves_by_label: dict, title: str = "Precision-recall, OOD = positive (PR-Out)",
-              colors: dict | None = None) -> go.Figure:  # fmt: skip
+def pr_figure(
+    curves_by_label: dict, title: str = "Precision-recall, OOD = positive (PR-Out)", colors: dict | None = None
+) -> go.Figure:
     """PR-Out curves of :func:`curves` results (OOD positive), one line per label, AUPR-Out in each
     legend entry. Drawn as steps (``vh``) so the area under each line is its AUPR-Out (average
     precision)."""

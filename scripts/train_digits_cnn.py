@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oodviz.models.digits import (  # noqa: E402
+from oodviz.models.digits import (
     DIGITS_CLASSES,
     DIGITS_MEAN,
     DIGITS_SPLIT_SEED,
@@ -37,7 +37,7 @@ from oodviz.models.digits import (  # noqa: E402
     digits_arrays,
     normalize_digits,
 )
-from oodviz.models.training import train_classifier  # noqa: E402
+from oodviz.models.training import train_classifier
 
 SEED = 0
 
@@ -73,7 +73,9 @@ def main() -> None:
     x_test, y_test = normalize_digits(as_served(test.images)), torch.from_numpy(test.labels)
     measured = (as_served(train.images) / 16).mean(), (as_served(train.images) / 16).std()
     if not np.allclose(measured, (DIGITS_MEAN, DIGITS_STD), atol=1e-4):
-        raise SystemExit(f"train-split mean/std {measured} differ from DIGITS_MEAN/DIGITS_STD in oodviz/models/digits.py")
+        raise SystemExit(
+            f"train-split mean/std {measured} differ from DIGITS_MEAN/DIGITS_STD in oodviz/models/digits.py"
+        )
 
     model = DigitsCNN(len(DIGITS_CLASSES))
 
@@ -82,9 +84,17 @@ def main() -> None:
             print(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}  test acc {accuracy(model, x_test, y_test):.4f}")
 
     seconds = train_classifier(
-        model, x_train, y_train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=1e-4,
-        augment=shift, generator=generator, on_epoch=report,
-    )  # fmt: skip
+        model,
+        x_train,
+        y_train,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=1e-4,
+        augment=shift,
+        generator=generator,
+        on_epoch=report,
+    )
 
     model.eval()
     train_acc, test_acc = accuracy(model, x_train, y_train), accuracy(model, x_test, y_test)
@@ -127,7 +137,9 @@ def main() -> None:
         "python_version": platform.python_version(),
     }
     (args.out_dir / "digits-cnn.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    print(f"test accuracy {test_acc:.4f} ({metadata['test_correct']}/{len(x_test)}), train {train_acc:.4f}, {seconds:.1f} s")
+    print(
+        f"test accuracy {test_acc:.4f} ({metadata['test_correct']}/{len(x_test)}), train {train_acc:.4f}, {seconds:.1f} s"
+    )
     print(f"wrote {weights} ({metadata['file_bytes']:,} bytes) and {args.out_dir / 'digits-cnn.json'}")
 
 

@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from oodviz.data.fashion import FASHION_CLASSES as ALL_CLASSES  # noqa: E402
-from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_NAMES, fashion_split  # noqa: E402
-from oodviz.models.fashion import (  # noqa: E402
+from oodviz.data.fashion import FASHION_CLASSES as ALL_CLASSES
+from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_NAMES, fashion_split
+from oodviz.models.fashion import (
     FASHION_CLASSES,
     FASHION_MEAN,
     FASHION_STD,
@@ -40,7 +40,7 @@ from oodviz.models.fashion import (  # noqa: E402
     FashionCNN,
     normalize_fashion,
 )
-from oodviz.models.training import train_classifier  # noqa: E402
+from oodviz.models.training import train_classifier
 
 SEED = 0
 SHIFT = 2  # pixels
@@ -72,7 +72,12 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--lr", type=float, default=4e-3)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: deterministic, and robust on a busy machine)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: deterministic, and robust on a busy machine)",
+    )
     parser.add_argument("--data-root", default="data", help="data root holding FashionMNIST/raw/ (default ./data)")
     parser.add_argument("--download", action="store_true", help="let torchvision download Fashion-MNIST if needed")
     parser.add_argument("--out-dir", type=Path, default=WEIGHTS_DIR)
@@ -102,9 +107,17 @@ def main() -> None:
         print(f"epoch {epoch + 1:3d}  loss {mean_loss:.4f}  test acc {test_acc:.4f}  {elapsed:.0f}s", flush=True)
 
     seconds = train_classifier(
-        model, x_train, y_train, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, weight_decay=5e-4,
-        augment=augment, generator=generator, on_epoch=report,
-    )  # fmt: skip
+        model,
+        x_train,
+        y_train,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        weight_decay=5e-4,
+        augment=augment,
+        generator=generator,
+        on_epoch=report,
+    )
 
     predictions = predict(model, x_test)
     train_acc = float((predict(model, x_train) == y_train).float().mean())
@@ -154,7 +167,9 @@ def main() -> None:
         "python_version": platform.python_version(),
     }
     (args.out_dir / "fashion-cnn.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    print(f"test accuracy {test_acc:.4f} ({metadata['test_correct']}/{len(x_test)}), train {train_acc:.4f}, {seconds:.1f} s")
+    print(
+        f"test accuracy {test_acc:.4f} ({metadata['test_correct']}/{len(x_test)}), train {train_acc:.4f}, {seconds:.1f} s"
+    )
     print(f"wrote {weights} ({metadata['file_bytes']:,} bytes) and {args.out_dir / 'fashion-cnn.json'}")
 
 

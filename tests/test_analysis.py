@@ -8,10 +8,9 @@ import sys
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import synthetic_scores
 from PIL import Image
 from sklearn.metrics import average_precision_score, precision_recall_curve, roc_auc_score, roc_curve
-
-from conftest import synthetic_scores
 
 from oodviz import analysis as A
 from oodviz.data import digits_split, load_dataset
@@ -31,8 +30,11 @@ def real_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("analysis") / "run"
     result = subprocess.run(
         [sys.executable, "-m", "oodviz.cli", "run", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=str(out.parent),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(out.parent),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return A.load_results(out)
 
@@ -213,14 +215,22 @@ def test_counts_at_threshold_match_direct_computation(scores):
         missed_total += missed
         assert counts["ood"][name] == {"n": n, "detected": n - missed, "missed": missed, "miss_rate": missed / n}
     assert counts["total"] == {
-        "n_id": 200, "n_ood": 250, "false_alarms": counts["id"]["false_alarms"],
-        "false_alarm_rate": counts["id"]["false_alarm_rate"], "detected": 250 - missed_total,
-        "missed": missed_total, "miss_rate": missed_total / 250,
-    }  # fmt: skip
+        "n_id": 200,
+        "n_ood": 250,
+        "false_alarms": counts["id"]["false_alarms"],
+        "false_alarm_rate": counts["id"]["false_alarm_rate"],
+        "detected": 250 - missed_total,
+        "missed": missed_total,
+        "miss_rate": missed_total / 250,
+    }
     table = A.counts_table(counts)
     assert list(table["set"]) == ["ID (id-set)", "far-set", "near-set", "all OOD"]
-    assert list(table["wrong"]) == [counts["id"]["false_alarms"], counts["ood"]["far-set"]["missed"],
-                                    counts["ood"]["near-set"]["missed"], missed_total]  # fmt: skip
+    assert list(table["wrong"]) == [
+        counts["id"]["false_alarms"],
+        counts["ood"]["far-set"]["missed"],
+        counts["ood"]["near-set"]["missed"],
+        missed_total,
+    ]
 
 
 def test_default_threshold_flags_95_percent_of_ood(scores):
@@ -237,8 +247,15 @@ def test_per_class_at_threshold_matches_direct_computation(scores):
     threshold = 0.5
     names = ["zero", "one", "two", "three"]
     table = A.per_class_at_threshold(scores, "det", threshold, names)
-    assert list(table.columns) == ["class", "class_name", "n", "accuracy", "false_alarms", "false_alarm_rate",
-                                   "mean_score"]  # fmt: skip
+    assert list(table.columns) == [
+        "class",
+        "class_name",
+        "n",
+        "accuracy",
+        "false_alarms",
+        "false_alarm_rate",
+        "mean_score",
+    ]
     id_rows = scores[scores.split == "id_test"]
     for row in table.itertuples():
         rows = id_rows[id_rows.label == row[1]]
@@ -344,8 +361,15 @@ def test_thumbnails_map_source_indices_of_a_subsampled_dataset(real_run):
 
 def test_thumbnails_placeholder_for_a_dataset_that_cannot_be_opened(real_run, tmp_path):
     config = copy.deepcopy(real_run.config)
-    config["ood"].append({"name": "folder", "params": {"path": str(tmp_path / "moved-away")}, "subsample": None,
-                          "subsample_mode": "first", "group": None})  # fmt: skip
+    config["ood"].append(
+        {
+            "name": "folder",
+            "params": {"path": str(tmp_path / "moved-away")},
+            "subsample": None,
+            "subsample_mode": "first",
+            "group": None,
+        }
+    )
     rows = pd.DataFrame(
         {
             "split": ["ood", "ood", "ood", "id_test"],
@@ -378,13 +402,36 @@ def test_fit_image_letterboxes_and_shrinks():
 
 
 def test_compare_runs_deltas():
-    a = pd.DataFrame({"detector": ["msp", "msp", "vim"], "ood_dataset": ["x", "y", "x"],
-                      "group": ["near", "far", "near"], "auroc": [0.8, 0.9, 0.95], "fpr95": [0.5, 0.3, 0.2]})  # fmt: skip
-    b = pd.DataFrame({"detector": ["vim", "msp", "knn"], "ood_dataset": ["x", "x", "x"], "group": ["near"] * 3,
-                      "auroc": [0.97, 0.75, 0.9], "fpr95": [0.1, 0.6, 0.3]})  # fmt: skip
+    a = pd.DataFrame(
+        {
+            "detector": ["msp", "msp", "vim"],
+            "ood_dataset": ["x", "y", "x"],
+            "group": ["near", "far", "near"],
+            "auroc": [0.8, 0.9, 0.95],
+            "fpr95": [0.5, 0.3, 0.2],
+        }
+    )
+    b = pd.DataFrame(
+        {
+            "detector": ["vim", "msp", "knn"],
+            "ood_dataset": ["x", "x", "x"],
+            "group": ["near"] * 3,
+            "auroc": [0.97, 0.75, 0.9],
+            "fpr95": [0.1, 0.6, 0.3],
+        }
+    )
     table = A.compare_runs(a, b)
-    assert list(table.columns) == ["detector", "ood_dataset", "group", "auroc_a", "auroc_b", "auroc_delta",
-                                   "fpr95_a", "fpr95_b", "fpr95_delta"]  # fmt: skip
+    assert list(table.columns) == [
+        "detector",
+        "ood_dataset",
+        "group",
+        "auroc_a",
+        "auroc_b",
+        "auroc_delta",
+        "fpr95_a",
+        "fpr95_b",
+        "fpr95_delta",
+    ]
     assert list(zip(table.detector, table.ood_dataset)) == [("msp", "x"), ("vim", "x")]  # pairs both have, A's order
     np.testing.assert_allclose(table.auroc_delta, [0.75 - 0.8, 0.97 - 0.95])
     np.testing.assert_allclose(table.fpr95_delta, [0.6 - 0.5, 0.1 - 0.2])
@@ -402,13 +449,27 @@ def test_compare_a_real_run_with_itself(real_run):
 def test_memory_timeline_converts_to_mib_and_seconds():
     events = [
         {"time": 100.0, "stage": "load", "event": "start", "cpu_rss": 512 * 2**20},
-        {"time": 101.5, "stage": "extract", "event": "progress", "cpu_rss": 600 * 2**20,
-         "gpu_allocated": 2**30, "gpu_reserved": 2 * 2**30, "gpu_peak": 3 * 2**30},  # fmt: skip
+        {
+            "time": 101.5,
+            "stage": "extract",
+            "event": "progress",
+            "cpu_rss": 600 * 2**20,
+            "gpu_allocated": 2**30,
+            "gpu_reserved": 2 * 2**30,
+            "gpu_peak": 3 * 2**30,
+        },
         {"time": 103.0, "stage": None, "event": "done"},  # no snapshot: skipped
     ]
     table = A.memory_timeline(events)
-    assert list(table.columns) == ["time_s", "stage", "event", "cpu_rss_mib", "gpu_allocated_mib", "gpu_reserved_mib",
-                                   "gpu_peak_mib"]  # fmt: skip
+    assert list(table.columns) == [
+        "time_s",
+        "stage",
+        "event",
+        "cpu_rss_mib",
+        "gpu_allocated_mib",
+        "gpu_reserved_mib",
+        "gpu_peak_mib",
+    ]
     np.testing.assert_allclose(table.time_s, [0.0, 1.5])
     np.testing.assert_allclose(table.cpu_rss_mib, [512, 600])
     assert np.isnan(table.gpu_allocated_mib[0]) and table.gpu_allocated_mib[1] == 1024 and table.gpu_peak_mib[1] == 3072

@@ -22,18 +22,37 @@ def test_the_default_form_is_the_default_run_config():
 
 def test_form_choices_become_the_config():
     values = FormValues(
-        backbone="resnet18", weights="random", layer=" layer3 ", id_preset="cifar10 (torchvision files)",
-        ood=["svhn", "noise-uniform"], ood_folder="/data/my-ood", detectors=["knn", "vim"],
-        detector_params={"knn": {"k": 7}, "msp": {}}, device="cpu", batch_size=64, precision="bf16",
-        fit_subsample=5000, test_subsample=0, ood_subsample=300, download=True,
-    )  # fmt: skip
+        backbone="resnet18",
+        weights="random",
+        layer=" layer3 ",
+        id_preset="cifar10 (torchvision files)",
+        ood=["svhn", "noise-uniform"],
+        ood_folder="/data/my-ood",
+        detectors=["knn", "vim"],
+        detector_params={"knn": {"k": 7}, "msp": {}},
+        device="cpu",
+        batch_size=64,
+        precision="bf16",
+        fit_subsample=5000,
+        test_subsample=0,
+        ood_subsample=300,
+        download=True,
+    )
     config = config_from_form(values)
-    assert (config.backbone, config.weights, config.layer, config.precision, config.batch_size) == ("resnet18", "random", "layer3", "bf16", 64)
+    assert (config.backbone, config.weights, config.layer, config.precision, config.batch_size) == (
+        "resnet18",
+        "random",
+        "layer3",
+        "bf16",
+        64,
+    )
     assert (config.id_fit.name, config.id_fit.params, config.id_fit.subsample) == ("cifar10", {"split": "train"}, 5000)
     assert (config.id_test.params, config.id_test.subsample) == ({"split": "test"}, None)
     assert [(d.name, d.params, d.subsample) for d in config.ood] == [
-        ("svhn", {"split": "test"}, 300), ("noise-uniform", {"size": 32}, 300), ("folder", {"path": "/data/my-ood"}, 300)
-    ]  # fmt: skip  (generated sets come at the ID images' size: 32 x 32 for CIFAR-10)
+        ("svhn", {"split": "test"}, 300),
+        ("noise-uniform", {"size": 32}, 300),
+        ("folder", {"path": "/data/my-ood"}, 300),
+    ]  # generated sets come at the ID images' size: 32 x 32 for CIFAR-10
     assert config.ood[2].group == "far"
     assert config.detectors == [DetectorChoice("knn", {"k": 7}), DetectorChoice("vim", {})]
     assert config.download is True
@@ -45,23 +64,46 @@ def test_form_choices_become_the_config():
 def test_a_run_config_becomes_the_form_that_makes_it_again(name):
     """Opening a run fills the sidebar with its choices: form -> config must give the run's config back."""
     if name == "custom":
-        config = config_from_form(FormValues(
-            backbone="resnet18", weights="random", layer="layer3", id_preset=FOLDER_PRESET, fit_folder="/a",
-            test_folder="/b", ood=["svhn"], ood_folder="/c", detectors=["knn", "vim"], detector_params={"knn": {"k": 7}},
-            device="cpu", batch_size=64, precision="bf16", fit_subsample=500, ood_subsample=30, download=True,
-        ))  # fmt: skip
+        config = config_from_form(
+            FormValues(
+                backbone="resnet18",
+                weights="random",
+                layer="layer3",
+                id_preset=FOLDER_PRESET,
+                fit_folder="/a",
+                test_folder="/b",
+                ood=["svhn"],
+                ood_folder="/c",
+                detectors=["knn", "vim"],
+                detector_params={"knn": {"k": 7}},
+                device="cpu",
+                batch_size=64,
+                precision="bf16",
+                fit_subsample=500,
+                ood_subsample=30,
+                download=True,
+            )
+        )
     else:
         config = preset(name)
     values = form_values_from_config(config)
     assert config_from_form(values) == config
-    assert values.id_preset == {"digits": "digits (bundled, 8x8)", "fashion-mnist": "Fashion-MNIST, 8 classes (for fashion-cnn)"}.get(name, FOLDER_PRESET)
+    assert values.id_preset == {
+        "digits": "digits (bundled, 8x8)",
+        "fashion-mnist": "Fashion-MNIST, 8 classes (for fashion-cnn)",
+    }.get(name, FOLDER_PRESET)
 
 
 @pytest.fixture(scope="module")
 def runs_root(tmp_path_factory):
     """A runs root holding one finished default run, made by the CLI."""
     root = tmp_path_factory.mktemp("runs")
-    subprocess.run([sys.executable, "-m", "oodviz.cli", "run", "--out", str(root / "r1")], check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", "run", "--out", str(root / "r1")],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     return root
 
 
@@ -83,7 +125,9 @@ def test_the_landing_page_offers_the_default_and_lists_past_runs(app, runs_root)
     best = best_detector(pd.read_csv(app_runs_root / "r1" / "metrics.csv"))
     assert runs["best detector"].iloc[0] == best["best_detector"]
     assert runs["mean AUROC"].iloc[0] == pytest.approx(best["best_auroc"])
-    assert [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value == [d.name for d in RunConfig().detectors]
+    assert [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value == [
+        d.name for d in RunConfig().detectors
+    ]
 
 
 def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):
@@ -95,7 +139,9 @@ def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):
     metrics = pd.read_csv(runs_root / "r1" / "metrics.csv")
     shown = app.dataframe[0].value  # the near/far means, one row per detector
     assert list(shown["detector"]) == list(metrics.detector.unique())
-    mahalanobis_near = metrics[(metrics.detector == "mahalanobis") & (metrics.ood_dataset == "near (mean)")].auroc.item()
+    mahalanobis_near = metrics[
+        (metrics.detector == "mahalanobis") & (metrics.ood_dataset == "near (mean)")
+    ].auroc.item()
     assert shown.set_index("detector").loc["mahalanobis", "AUROC near"] == pytest.approx(mahalanobis_near)
     # The histogram tab: its threshold slider starts at the 95%-recall threshold of the chosen detector.
     from oodviz.analysis import default_threshold, load_results
@@ -133,7 +179,9 @@ def test_a_failed_run_shows_a_readable_error_with_details_folded(app, runs_root)
     (failed / "metrics.csv").unlink()
     from oodviz.runs.rundir import RunDir
 
-    RunDir(failed).write_status(state="failed", error="ValueError: vim: dim=64 must be between 1 and D-1", detail="Traceback ...")
+    RunDir(failed).write_status(
+        state="failed", error="ValueError: vim: dim=64 must be between 1 and D-1", detail="Traceback ..."
+    )
     app.query_params["run"] = "r-failed"
     app.run()
     assert not app.exception

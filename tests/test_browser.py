@@ -20,7 +20,9 @@ REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = REPO / "assets" / "screenshots"
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)")
+pytestmark = pytest.mark.skipif(
+    not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)"
+)
 
 
 @pytest.fixture(scope="session")
@@ -29,9 +31,15 @@ def browser_type_launch_args(browser_type_launch_args):
     return {
         **browser_type_launch_args,
         "executable_path": CHROMIUM,
-        "args": ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"],
-    }  # fmt: skip
+        "args": [
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+        ],
+    }
 
 
 @pytest.fixture(scope="session")
@@ -56,11 +64,28 @@ def app_url(runs_root):
     port = _free_port()
     env = dict(os.environ, OODVIZ_RUNS_ROOT=str(runs))
     server = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"), "--server.headless", "true",
-         "--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false",
-         "--server.fileWatcherType", "none"],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "streamlit",
+            "run",
+            str(REPO / "app.py"),
+            "--server.headless",
+            "true",
+            "--server.port",
+            str(port),
+            "--server.address",
+            "127.0.0.1",
+            "--browser.gatherUsageStats",
+            "false",
+            "--server.fileWatcherType",
+            "none",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
@@ -165,7 +190,9 @@ def _fashion_installed() -> bool:
     return torchvision_sets.system_copy("fashion-mnist") is not None
 
 
-@pytest.mark.skipif(not _fashion_installed(), reason="needs Debian's dataset-fashion-mnist (make test installs it as root)")
+@pytest.mark.skipif(
+    not _fashion_installed(), reason="needs Debian's dataset-fashion-mnist (make test installs it as root)"
+)
 def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, runs_root, tmp_path):
     """The Fashion-MNIST preset's quick example config, run by the CLI, analysed in the app (README screenshots)."""
     from oodviz.runs.config import RunConfig
@@ -174,9 +201,19 @@ def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, r
     config.data_root = str(tmp_path / "data")
     config.save(tmp_path / "quick.json")
     subprocess.run(
-        [sys.executable, "-m", "oodviz.cli", "run", str(tmp_path / "quick.json"), "--out", str(runs_root / "fashion-quick")],
-        check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "oodviz.cli",
+            "run",
+            str(tmp_path / "quick.json"),
+            "--out",
+            str(runs_root / "fashion-quick"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     page.goto(f"{app_url}/?run=fashion-quick")
     page.get_by_text("Best value per column").wait_for(timeout=60_000)
     assert page.get_by_text("fashion-mnist-heldout").count() == 0  # means view: one row per detector

@@ -30,12 +30,28 @@ from oodviz.data import (
 )
 
 EXPECTED_NAMES = [
-    "digits-train", "digits-test", "digits-heldout", "digits-inverted", "digits-rotated", "photo-patches",
-    "noise-gaussian", "noise-uniform",
-    "mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100", "svhn", "dtd",
-    "fashion-mnist-id", "fashion-mnist-heldout", "fashion-mnist-inverted", "fashion-mnist-rotated", "digits-28",
+    "digits-train",
+    "digits-test",
+    "digits-heldout",
+    "digits-inverted",
+    "digits-rotated",
+    "photo-patches",
+    "noise-gaussian",
+    "noise-uniform",
+    "mnist",
+    "fashion-mnist",
+    "kmnist",
+    "cifar10",
+    "cifar100",
+    "svhn",
+    "dtd",
+    "fashion-mnist-id",
+    "fashion-mnist-heldout",
+    "fashion-mnist-inverted",
+    "fashion-mnist-rotated",
+    "digits-28",
     "folder",
-]  # fmt: skip
+]
 
 
 def pixels(image: Image.Image) -> np.ndarray:

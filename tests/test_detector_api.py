@@ -22,9 +22,28 @@ LABELLED = [n for n in ALL if detector_class(n).needs_labels]
 
 def test_registry_lists_the_issue_detectors():
     assert set(NAMES) == {
-        "msp", "maxlogit", "energy", "entropy", "gen", "tempscale", "klm", "mahalanobis", "rmd", "vim", "she", "knn",
-        "react", "ash", "scale", "dice", "fdbd", "nci", "gradnorm", "odin", "mcd",
-    }  # fmt: skip
+        "msp",
+        "maxlogit",
+        "energy",
+        "entropy",
+        "gen",
+        "tempscale",
+        "klm",
+        "mahalanobis",
+        "rmd",
+        "vim",
+        "she",
+        "knn",
+        "react",
+        "ash",
+        "scale",
+        "dice",
+        "fdbd",
+        "nci",
+        "gradnorm",
+        "odin",
+        "mcd",
+    }
     for name in NAMES:
         cls = detector_class(name)
         assert cls.summary and cls.paper.startswith("https://")
@@ -307,7 +326,9 @@ def test_numpy_and_cpu_inputs_meet_on_one_device(problem):
     batches = [Batch(b.features.numpy(), b.logits.numpy(), b.labels.numpy()) for b in problem.fit_batches()]
     det = create("she").fit(batches, device="cpu")
     assert det.patterns_.device.type == "cpu"
-    torch.testing.assert_close(det.score(batches), create("she").fit(problem.fit_batches()).score(problem.fit_batches()))
+    torch.testing.assert_close(
+        det.score(batches), create("she").fit(problem.fit_batches()).score(problem.fit_batches())
+    )
 
 
 @cuda

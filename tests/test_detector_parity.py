@@ -3,12 +3,11 @@
 import numpy as np
 import pytest
 import torch
+from conftest import assert_same_ranking
 from pytorch_ood import detector as pood
 from scipy.optimize import minimize_scalar
 from scipy.special import log_softmax, logsumexp, softmax
 from sklearn.neighbors import NearestNeighbors
-
-from conftest import assert_same_ranking
 
 from oodviz.detectors import create
 
@@ -167,4 +166,6 @@ def test_tempscale_finds_the_nll_optimum(problem):
 def test_knn_chunked_search_equals_exact_search(problem):
     """Tiny chunks (a partial top-k carried across 180+ chunks) give the exact k-th distance."""
     det = create("knn", k=10, chunk_size=7).fit(problem.fit_batches())
-    np.testing.assert_allclose(det.score(problem.batches(problem.eval_x)).numpy(), reference(problem, "knn"), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        det.score(problem.batches(problem.eval_x)).numpy(), reference(problem, "knn"), rtol=1e-4, atol=1e-5
+    )

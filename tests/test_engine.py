@@ -161,7 +161,16 @@ def test_store_round_trip_equals_in_memory_forward(tmp_path):
     assert store.key == store_key(backbone, dataset, {"split": "val"})
     names = sorted(p.name for p in store.path.iterdir())
     assert names == sorted(
-        ["features.npy", "logits.npy", "labels.npy", "predictions.npy", "indices.npy", "meta.json", "head_weight.npy", "head_bias.npy"]
+        [
+            "features.npy",
+            "logits.npy",
+            "labels.npy",
+            "predictions.npy",
+            "indices.npy",
+            "meta.json",
+            "head_weight.npy",
+            "head_bias.npy",
+        ]
     )
     meta = json.loads((store.path / "meta.json").read_text())
     assert meta["complete"] is True and meta["n"] == 10 and meta["skipped"] == 0
@@ -201,11 +210,19 @@ def test_key_is_canonical_and_covers_what_changes_content():
     b = store_key(backbone, dataset, {"seed": 0, "subsample": 4, "pooling": "avg", "layer": None})
     assert a == b and len(a) == 20 and all(c in "0123456789abcdef" for c in a)
     assert store_key(backbone, dataset, {"layer": None, "pooling": "avg", "subsample": 4, "seed": 1}) != a
-    assert store_key(backbone, dataset, {"layer": None, "pooling": "avg", "subsample": 4, "seed": 0}, precision="bf16") != a
+    assert (
+        store_key(backbone, dataset, {"layer": None, "pooling": "avg", "subsample": 4, "seed": 0}, precision="bf16")
+        != a
+    )
     other = TinyBackbone()
     other.weights_id = "tiny-seed1"
     assert store_key(other, dataset, {"layer": None, "pooling": "avg", "subsample": 4, "seed": 0}) != a
-    assert store_key(backbone, ListDataset(n=4, name="other"), {"layer": None, "pooling": "avg", "subsample": 4, "seed": 0}) != a
+    assert (
+        store_key(
+            backbone, ListDataset(n=4, name="other"), {"layer": None, "pooling": "avg", "subsample": 4, "seed": 0}
+        )
+        != a
+    )
     # Datasets that know which source items they hold (subsampling) are keyed by them too.
     subsampled = ListDataset(n=4)
     subsampled.source_indices = np.array([0, 1, 2, 3])
@@ -226,7 +243,9 @@ def test_second_call_with_same_key_reuses_without_forward(tmp_path):
     assert calls == 3 and first.reused is False
 
     seen = []
-    second = extract_or_reuse(backbone, dataset, tmp_path, {"split": "train"}, batch_size=3, progress=lambda *a: seen.append(a))
+    second = extract_or_reuse(
+        backbone, dataset, tmp_path, {"split": "train"}, batch_size=3, progress=lambda *a: seen.append(a)
+    )
     assert backbone.calls == calls  # no forward pass
     assert second.reused is True and second.path == first.path
     np.testing.assert_array_equal(second.features, first.features)
@@ -566,7 +585,9 @@ def test_detectors_fit_on_the_store_as_on_memory(tmp_path):
 
     from_store = create("mahalanobis").fit(store.batches(batch_size=7))
     in_memory = create("mahalanobis").fit(memory)
-    torch.testing.assert_close(from_store.score(store.batches(batch_size=5)), in_memory.score(memory), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        from_store.score(store.batches(batch_size=5)), in_memory.score(memory), rtol=1e-4, atol=1e-4
+    )
 
     # Two-pass ViM, with the head read back from the store.
     vim_store = create("vim", dim=3).fit(store.batches(batch_size=7), head=store.head)
@@ -639,7 +660,9 @@ def test_cuda_extraction_restores_model_device_and_matches_cpu(tmp_path):
     np.testing.assert_allclose(on_gpu.features, on_cpu.features, rtol=1e-2, atol=1e-3)  # cuDNN may use TF32
     np.testing.assert_array_equal(on_gpu.indices, on_cpu.indices)
 
-    bf16 = extract(backbone, dataset, tmp_path / "gpu", batch_size=8, device="cuda", precision="bf16", channels_last=True)
+    bf16 = extract(
+        backbone, dataset, tmp_path / "gpu", batch_size=8, device="cuda", precision="bf16", channels_last=True
+    )
     assert bf16.key != on_gpu.key
     np.testing.assert_allclose(bf16.features, on_cpu.features, rtol=5e-2, atol=5e-2)
     assert model.conv.weight.device.type == "cpu" and model.conv.weight.is_contiguous()
@@ -666,7 +689,9 @@ def test_cuda_batches_and_device_split_fit_like_cpu(tmp_path):
     torch.testing.assert_close(torch.cat([b.features for b in first]).cpu(), torch.from_numpy(np.array(store.features)))
     cpu = create("mahalanobis").fit(store.batches())
     gpu = create("mahalanobis").fit(batches)
-    torch.testing.assert_close(gpu.score(store.batches(device="cuda")), cpu.score(store.batches()), rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(
+        gpu.score(store.batches(device="cuda")), cpu.score(store.batches()), rtol=1e-3, atol=1e-3
+    )
     split = store.to_device("cuda")
     resident = create("mahalanobis").fit(split.batches(batch_size=7))
     torch.testing.assert_close(resident.score(split.batches()), cpu.score(store.batches()), rtol=1e-3, atol=1e-3)

@@ -63,7 +63,7 @@ def data_root(tmp_path_factory) -> str:
 def _write_idx(path, array: np.ndarray, gz: bool) -> None:
     header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
     data = header + np.ascontiguousarray(array, dtype=np.uint8).tobytes()
-    with (gzip.open(str(path) + ".gz", "wb") if gz else open(path, "wb")) as f:
+    with gzip.open(str(path) + ".gz", "wb") if gz else open(path, "wb") as f:
         f.write(data)
 
 
@@ -288,7 +288,9 @@ def test_recorded_accuracy_is_what_the_bundled_model_scores(data_root):
     test = load_dataset("fashion-mnist-id", root=data_root, split="test")
     images = np.stack([np.asarray(test[i][0]) for i in range(len(test))])
     with torch.no_grad():
-        logits = torch.cat([backbone.model(normalize_fashion(images[i : i + 2000])) for i in range(0, len(images), 2000)])
+        logits = torch.cat(
+            [backbone.model(normalize_fashion(images[i : i + 2000])) for i in range(0, len(images), 2000)]
+        )
     accuracy = float((logits.argmax(1).numpy() == test.labels).mean())
     assert accuracy == pytest.approx(meta["test_accuracy"], abs=5e-4)
     assert meta["n_test"] == 8_000 and meta["n_train"] == 48_000 and accuracy > 0.9
@@ -303,12 +305,19 @@ def test_presets():
     config = preset("fashion-mnist").validate()
     assert config.backbone == "fashion-cnn"
     assert (config.id_fit.name, config.id_fit.params, config.id_test.params) == (
-        "fashion-mnist-id", {"split": "train"}, {"split": "test"},
-    )  # fmt: skip
+        "fashion-mnist-id",
+        {"split": "train"},
+        {"split": "test"},
+    )
     assert [c.name for c in config.ood] == [
-        "fashion-mnist-heldout", "fashion-mnist-inverted", "fashion-mnist-rotated", "digits-28",
-        "photo-patches", "noise-gaussian", "noise-uniform",
-    ]  # fmt: skip
+        "fashion-mnist-heldout",
+        "fashion-mnist-inverted",
+        "fashion-mnist-rotated",
+        "digits-28",
+        "photo-patches",
+        "noise-gaussian",
+        "noise-uniform",
+    ]
     assert all(c.params == {"size": 28} for c in config.ood[4:])
     assert [d.name for d in config.detectors] == [d.name for d in RunConfig().detectors]
     config.ood.pop()
@@ -390,7 +399,9 @@ def test_preset_thumbnails_are_the_real_28x28_images(preset_run):
 
     results = load_results(preset_run)
     scores = pd.read_parquet(preset_run / "scores.parquet")
-    rows = pd.concat([scores[scores.split == "id_test"].head(3), scores[scores.dataset == "fashion-mnist-heldout"].head(3)])
+    rows = pd.concat(
+        [scores[scores.split == "id_test"].head(3), scores[scores.dataset == "fashion-mnist-heldout"].head(3)]
+    )
     config = RunConfig.from_dict(results.config)
     images = thumbnails(results, rows, size=56)
     for image, (split, dataset, index) in zip(images, zip(rows.split, rows.dataset, rows["index"])):

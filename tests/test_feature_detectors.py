@@ -22,7 +22,9 @@ NEW = ["react", "ash", "scale", "dice", "fdbd", "nci"]
 
 
 def _clamped(problem: Problem, fn) -> Problem:
-    return Problem(fn(problem.fit_x), problem.fit_y, fn(problem.test_x), fn(problem.ood_x), problem.weight, problem.bias)
+    return Problem(
+        fn(problem.fit_x), problem.fit_y, fn(problem.test_x), fn(problem.ood_x), problem.weight, problem.bias
+    )
 
 
 @pytest.fixture(scope="module")
@@ -364,12 +366,17 @@ def test_ash_and_scale_only_store_the_head_and_read_one_batch(relu_problem):
 
         def stream():
             for batch in relu_problem.fit_batches():
-                read.append(batch)
+                read.append(batch)  # noqa: B023
                 yield batch
 
         det = create(name).fit(stream(), head=relu_problem.head)
         assert len(read) == 1
-        assert {k for k in vars(det) if k.endswith("_")} == {"head_weight_", "head_bias_", "n_features_in_", "n_classes_"}
+        assert {k for k in vars(det) if k.endswith("_")} == {
+            "head_weight_",
+            "head_bias_",
+            "n_features_in_",
+            "n_classes_",
+        }
 
 
 def test_ash_b_breaks_ties_by_unit_index():
@@ -388,7 +395,9 @@ def test_an_all_zero_sample_keeps_its_features(relu_problem, name, params):
     torch.testing.assert_close(score, expected[None])
 
 
-@pytest.mark.parametrize(("name", "params"), [("ash", {"variant": "s", "percentile": 99.9}), ("scale", {"percentile": 99.9})])
+@pytest.mark.parametrize(
+    ("name", "params"), [("ash", {"variant": "s", "percentile": 99.9}), ("scale", {"percentile": 99.9})]
+)
 def test_an_overflowing_scale_factor_is_an_error_not_inf(name, params):
     d = 2000  # one unit kept: exp(s1 / s2) = exp(2000) overflows even float64
     head = (torch.randn(3, d, generator=torch.Generator().manual_seed(0)), torch.zeros(3))

@@ -79,7 +79,10 @@ def test_odin_matches_pytorch_ood(params):
     model, x = TinyCNN(), inputs()
     ours = create("odin", model=model, **params).score(Batch(inputs=x))
     reference = PoodODIN(
-        model, temperature=params.get("temperature", 1000.0), eps=params.get("epsilon", 0.0014), norm_std=params.get("norm_std")
+        model,
+        temperature=params.get("temperature", 1000.0),
+        eps=params.get("epsilon", 0.0014),
+        norm_std=params.get("norm_std"),
     ).predict(x)
     assert spearman(ours, reference) > 0.9999
     torch.testing.assert_close(ours, reference.float(), rtol=1e-5, atol=1e-6)
@@ -88,7 +91,10 @@ def test_odin_matches_pytorch_ood(params):
 def test_odin_equals_a_float64_reference_on_a_linear_model():
     """For logits W x + b the input gradient of -log S_y(x; T) is -(W_y - sum_k S_k W_k) / T."""
     g = torch.Generator().manual_seed(3)
-    weight, bias = torch.randn(5, 3 * 8 * 8, generator=g, dtype=torch.float64) * 0.3, torch.randn(5, generator=g, dtype=torch.float64)
+    weight, bias = (
+        torch.randn(5, 3 * 8 * 8, generator=g, dtype=torch.float64) * 0.3,
+        torch.randn(5, generator=g, dtype=torch.float64),
+    )
     model = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 5))
     with torch.no_grad():
         model[1].weight.copy_(weight)
@@ -104,7 +110,9 @@ def test_odin_equals_a_float64_reference_on_a_linear_model():
             step = step / torch.tensor(std, dtype=torch.float64).view(1, 3, 1, 1)
         perturbed = (x - epsilon * step).flatten(1)
         expected = -torch.softmax((perturbed @ weight.T + bias) / temperature, dim=1).amax(dim=1)
-        ours = create("odin", model=model, temperature=temperature, epsilon=epsilon, norm_std=std).score(Batch(inputs=x.float()))
+        ours = create("odin", model=model, temperature=temperature, epsilon=epsilon, norm_std=std).score(
+            Batch(inputs=x.float())
+        )
         torch.testing.assert_close(ours.double(), expected, rtol=1e-5, atol=1e-6)
         assert spearman(ours, expected) > 0.9999
 
@@ -119,10 +127,14 @@ def test_odin_batch_equals_per_sample_and_any_model_form():
     torch.testing.assert_close(whole, uneven, rtol=1e-5, atol=1e-6)
     # A Backbone, a plain function returning logits and one returning (features, logits) agree.
     for other in (backbone_of(model), lambda t: model(t), lambda t: (t.flatten(1), model(t))):
-        torch.testing.assert_close(create("odin", model=other, temperature=1.0, epsilon=0.01).score(Batch(inputs=x)), whole)
+        torch.testing.assert_close(
+            create("odin", model=other, temperature=1.0, epsilon=0.01).score(Batch(inputs=x)), whole
+        )
     # epsilon = 0 is temperature-scaled MSP; the perturbation changes the scores.
     msp = -torch.softmax(model(x) / 1.0, dim=1).amax(dim=1)
-    torch.testing.assert_close(create("odin", model=model, temperature=1.0, epsilon=0).score(Batch(inputs=x)), msp.detach())
+    torch.testing.assert_close(
+        create("odin", model=model, temperature=1.0, epsilon=0).score(Batch(inputs=x)), msp.detach()
+    )
     assert not torch.allclose(whole, msp)
 
 
@@ -134,7 +146,9 @@ def test_odin_norm_std_auto_reads_the_backbone_transform():
     bb = wrap_model(model, normalize, head="fc", input_shape=(3, 8, 8))
     det = create("odin", model=bb, temperature=1.0, epsilon=0.01)
     assert det.channel_std() == pytest.approx([0.2, 0.5, 1.5])
-    explicit = create("odin", model=model, temperature=1.0, epsilon=0.01, norm_std=[0.2, 0.5, 1.5]).score(Batch(inputs=x))
+    explicit = create("odin", model=model, temperature=1.0, epsilon=0.01, norm_std=[0.2, 0.5, 1.5]).score(
+        Batch(inputs=x)
+    )
     torch.testing.assert_close(det.score(Batch(inputs=x)), explicit)
     assert create("odin", model=model).channel_std() is None  # a bare module: steps in input units
     assert create("odin", model=backbone_of(model)).channel_std() is None
@@ -217,7 +231,9 @@ def features_and_logits(model, x):
 def test_gradnorm_closed_form_equals_per_sample_autograd_in_float64(temperature):
     model, x = TinyCNN(), inputs()
     features, logits, head = features_and_logits(model, x)
-    det = create("gradnorm", temperature=temperature).fit([Batch(features, logits, torch.zeros(len(x), dtype=torch.long))], head=head)
+    det = create("gradnorm", temperature=temperature).fit(
+        [Batch(features, logits, torch.zeros(len(x), dtype=torch.long))], head=head
+    )
     scores = det.score(Batch(features, logits))
     weight = head[0].double().clone().requires_grad_(True)
     bias = head[1].double()
@@ -437,7 +453,9 @@ def test_score_inputs_cancels_and_restores_the_model():
         return len(calls) > 2
 
     with pytest.raises(Cancelled, match="cancelled after 4 of 23"):
-        score_inputs(lambda b: create("odin", model=bb).score(b), bb, ImageList(), batch_size=2, should_cancel=should_cancel)
+        score_inputs(
+            lambda b: create("odin", model=bb).score(b), bb, ImageList(), batch_size=2, should_cancel=should_cancel
+        )
     assert modes(bb.model) == before
     with pytest.raises(ValueError, match="score returned 1 values for a batch of 2"):
         score_inputs(lambda b: torch.zeros(1), bb, ImageList(), batch_size=2)
@@ -451,7 +469,11 @@ def test_default_run_has_odin_and_gradnorm_but_not_mcd():
     names = [d.name for d in RunConfig().detectors]
     assert "odin" in names and "gradnorm" in names and "mcd" not in names
     problems = RunConfig(
-        detectors=[DetectorChoice("odin", {"temperature": 0}), DetectorChoice("mcd", {"samples": 0}), DetectorChoice("odin")]
+        detectors=[
+            DetectorChoice("odin", {"temperature": 0}),
+            DetectorChoice("mcd", {"samples": 0}),
+            DetectorChoice("odin"),
+        ]
     ).problems()
     assert any("detectors[0] (odin): odin: temperature must be > 0" in p for p in problems)
     assert any("detectors[1] (mcd): mcd: samples" in p for p in problems)
@@ -468,7 +490,12 @@ def test_a_run_with_model_detectors_scores_them_in_store_order(tmp_path):
 
     config = RunConfig(
         ood=[DatasetChoice("digits-heldout"), DatasetChoice("noise-uniform", params={"n": 200})],
-        detectors=[DetectorChoice("msp"), DetectorChoice("odin", {"temperature": 100.0}), DetectorChoice("gradnorm"), DetectorChoice("mcd")],
+        detectors=[
+            DetectorChoice("msp"),
+            DetectorChoice("odin", {"temperature": 100.0}),
+            DetectorChoice("gradnorm"),
+            DetectorChoice("mcd"),
+        ],
         batch_size=128,
     ).validate()
     run = RunDir.create(tmp_path, config.to_dict())
@@ -477,13 +504,18 @@ def test_a_run_with_model_detectors_scores_them_in_store_order(tmp_path):
     assert list(scores.columns[5:]) == ["msp", "odin", "gradnorm"]
     assert np.isfinite(scores[["odin", "gradnorm"]].to_numpy()).all()
     log = json.loads((run.path / "detectors.json").read_text())
-    assert log["odin"]["params"] == {"temperature": 100.0, "epsilon": 0.0014, "norm_std": "auto"} and "error" not in log["odin"]
+    assert (
+        log["odin"]["params"] == {"temperature": 100.0, "epsilon": 0.0014, "norm_std": "auto"}
+        and "error" not in log["odin"]
+    )
     assert "mcd needs dropout layers" in log["mcd"]["error"]  # digits-cnn has none: recorded, the others go on
     metrics = pd.read_csv(run.path / "metrics.csv")
     assert set(metrics.detector) == {"msp", "odin", "gradnorm"}
     stages = json.loads((run.path / "meta.json").read_text())["stages"]
     assert {"score id_test with odin", "score ood:noise-uniform with odin"} <= set(stages)
-    events = [e for e in run.read_events() if e.get("stage") == "score id_test with odin" and e.get("event") == "progress"]
+    events = [
+        e for e in run.read_events() if e.get("stage") == "score id_test with odin" and e.get("event") == "progress"
+    ]
     assert events and events[-1]["done"] == events[-1]["total"] == 362
     # The odin column is the detector applied to the split's images, row for row.
     bb = load_backbone("digits-cnn")

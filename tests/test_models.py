@@ -162,7 +162,9 @@ def test_torchvision_random_head_reproduces_logits(name, random_backbone):
     assert bb.weights_id.startswith("random:") and not bb.model.training
     x = bb.transform(Image.new("L", (50, 40), color=90)).unsqueeze(0)  # greyscale, odd size
     assert x.shape == (1, 3, 224, 224)
-    assert torch.equal(pickle.loads(pickle.dumps(bb.transform))(Image.new("RGBA", (30, 30))), bb.transform(Image.new("RGB", (30, 30))))
+    assert torch.equal(
+        pickle.loads(pickle.dumps(bb.transform))(Image.new("RGBA", (30, 30))), bb.transform(Image.new("RGB", (30, 30)))
+    )
     x = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(0))
     if name != "vit_b_16":  # ViT needs 224 x 224; the others take a 64 x 64 input, much faster on a CPU
         x = torch.nn.functional.interpolate(x, size=(64, 64), mode="bilinear", antialias=True)
@@ -186,8 +188,13 @@ def test_layer_hook_pooling_and_memory(resnet18):
     assert feats.shape == (2, 256) and torch.equal(logits, reference_logits)
     assert list(resnet18.model._forward_hooks) == [] and list(resnet18.model.fc._forward_pre_hooks) == []
 
-    maps = resnet18.model.layer3(resnet18.model.layer2(resnet18.model.layer1(resnet18.model.maxpool(
-        resnet18.model.relu(resnet18.model.bn1(resnet18.model.conv1(x)))))))
+    maps = resnet18.model.layer3(
+        resnet18.model.layer2(
+            resnet18.model.layer1(
+                resnet18.model.maxpool(resnet18.model.relu(resnet18.model.bn1(resnet18.model.conv1(x))))
+            )
+        )
+    )
     assert _close(feats, maps.detach().mean(dim=(2, 3)))
     maxed = resnet18.with_layer("layer3", pooling="max")  # same model object, other feature layer
     assert maxed.model is resnet18.model and maxed.head is None and resnet18.head is not None
@@ -290,7 +297,9 @@ def test_checkpoint_round_trip_with_other_class_count(tmp_path):
         weight, bias = bb.head
         assert weight.shape == (10, 512) and _close(features @ weight.T + bias, logits)
         assert bb.weights_id.startswith("sha256:")
-    assert load_backbone("resnet18", checkpoint=raw).weights_id != load_backbone("resnet18", checkpoint=wrapped).weights_id
+    assert (
+        load_backbone("resnet18", checkpoint=raw).weights_id != load_backbone("resnet18", checkpoint=wrapped).weights_id
+    )
 
 
 def test_files_that_are_not_models_are_rejected(tmp_path, digits):
@@ -365,7 +374,10 @@ def test_wrap_model_in_memory(digits):
     model = DigitsCNN().eval()
     bb = wrap_model(model, DigitsTransform(), head="fc", classes=list("abcdefgh"))
     assert isinstance(bb, Backbone) and bb.input_shape == (1, 8, 8) and bb.feature_dim == 64
-    assert bb.weights_id.startswith("sha256:") and bb.weights_id == wrap_model(model, DigitsTransform(), head="fc").weights_id
+    assert (
+        bb.weights_id.startswith("sha256:")
+        and bb.weights_id == wrap_model(model, DigitsTransform(), head="fc").weights_id
+    )
     assert bb.weights_id != wrap_model(digits.model, DigitsTransform(), head="fc").weights_id
     x = torch.randn(4, 1, 8, 8)
     features, logits = bb.features_and_logits(x)
@@ -385,7 +397,9 @@ def test_probes_leave_the_model_alone():
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # no BatchNorm update
     assert list(model.features[6]._forward_hooks) == []
     penultimate = wrap_model(model, DigitsTransform(), head="fc")
-    assert penultimate.feature_shape().raw == (64,) and estimate_memory(penultimate, {"a": 10})["features_bytes"] == 2560
+    assert (
+        penultimate.feature_shape().raw == (64,) and estimate_memory(penultimate, {"a": 10})["features_bytes"] == 2560
+    )
     assert pickle.loads(pickle.dumps(penultimate)).feature_dim == 64
 
 
@@ -405,9 +419,17 @@ def test_the_training_loop_is_deterministic_and_learns():
         losses = []
         augment = lambda batch, g: seen.append(len(batch)) or batch  # noqa: E731
         train_classifier(
-            model, x, y, epochs=5, batch_size=32, lr=0.1, weight_decay=0.0, augment=augment,
-            generator=torch.Generator().manual_seed(0), on_epoch=lambda epoch, loss: losses.append(loss),
-        )  # fmt: skip
+            model,
+            x,
+            y,
+            epochs=5,
+            batch_size=32,
+            lr=0.1,
+            weight_decay=0.0,
+            augment=augment,
+            generator=torch.Generator().manual_seed(0),
+            on_epoch=lambda epoch, loss: losses.append(loss),
+        )
         return model, losses
 
     (a, losses), (b, _) = train(), train()

@@ -3,11 +3,10 @@
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import synthetic_scores
 
 from oodviz import analysis as A
 from oodviz import plots as P
-
-from conftest import synthetic_scores
 
 
 @pytest.fixture(scope="module")
@@ -105,10 +104,17 @@ def test_per_class_bar(scores):
 
 def test_memory_figure_lines():
     events = [
-        {"time": 10.0 + i, "stage": "extract", "event": "progress", "cpu_rss": (500 + 10 * i) * 2**20,
-         "gpu_allocated": 100 * i * 2**20, "gpu_reserved": 2**30, "gpu_peak": 200 * i * 2**20}
+        {
+            "time": 10.0 + i,
+            "stage": "extract",
+            "event": "progress",
+            "cpu_rss": (500 + 10 * i) * 2**20,
+            "gpu_allocated": 100 * i * 2**20,
+            "gpu_reserved": 2**30,
+            "gpu_peak": 200 * i * 2**20,
+        }
         for i in range(5)
-    ]  # fmt: skip
+    ]
     fig = P.memory_figure(A.memory_timeline(events))
     assert [t.name for t in fig.data] == ["CPU RSS", "GPU allocated", "GPU peak"]
     np.testing.assert_allclose(np.asarray(fig.data[0].x), [0, 1, 2, 3, 4])

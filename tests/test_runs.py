@@ -127,7 +127,7 @@ def test_cli_metrics_equal_ood_metrics_on_the_stored_scores(cli_default_run):
     metrics = pd.read_csv(out / "metrics.csv")
     id_rows = scores[scores.split == "id_test"]
     detectors = [c for c in scores.columns if c not in ("split", "dataset", "index", "label", "prediction")]
-    assert set(detectors) == set(RunConfig().to_dict()["detectors"][i]["name"] for i in range(len(detectors)))
+    assert set(detectors) == {RunConfig().to_dict()["detectors"][i]["name"] for i in range(len(detectors))}
     checked = 0
     for row in metrics[~metrics.ood_dataset.str.endswith("(mean)")].itertuples():
         ood = scores[(scores.split == "ood") & (scores.dataset == row.ood_dataset)][row.detector]
@@ -138,7 +138,9 @@ def test_cli_metrics_equal_ood_metrics_on_the_stored_scores(cli_default_run):
         checked += 1
     assert checked == len(detectors) * 6
     near = metrics[(metrics.ood_dataset == "near (mean)") & (metrics.detector == "mahalanobis")].auroc.item()
-    per = metrics[(metrics.group == "near") & (metrics.detector == "mahalanobis") & ~metrics.ood_dataset.str.endswith("(mean)")]
+    per = metrics[
+        (metrics.group == "near") & (metrics.detector == "mahalanobis") & ~metrics.ood_dataset.str.endswith("(mean)")
+    ]
     assert near == pytest.approx(per.auroc.mean())
     # Per-class false alarms at the pooled 95%-recall threshold, recomputed from the scores.
     per_class = pd.read_csv(out / "per_class.csv")
@@ -163,7 +165,12 @@ def test_a_second_identical_run_reuses_the_stored_features(tmp_path):
     second = submit(small_config(detectors=[DetectorChoice("energy")]), tmp_path)
     assert wait_final(second)["state"] == "done"
     reused = [e for e in second.read_events() if e.get("event") == "progress" and e.get("reused")]
-    assert {e["stage"] for e in reused} == {"extract id_fit", "extract id_test", "extract ood:digits-heldout", "extract ood:noise-uniform"}
+    assert {e["stage"] for e in reused} == {
+        "extract id_fit",
+        "extract id_test",
+        "extract ood:digits-heldout",
+        "extract ood:noise-uniform",
+    }
     meta = json.loads((second.path / "meta.json").read_text())
     assert all(split["reused"] for split in meta["splits"].values())
     first_meta = json.loads((first.path / "meta.json").read_text())
@@ -229,9 +236,14 @@ def test_a_restarted_reader_relists_every_run_and_detects_a_dead_supervisor(tmp_
     wait_final(done)
     orphan = submit(slow_config(), tmp_path)
     wait_for(lambda: refresh(orphan)["state"] == "running")
-    os.killpg(os.getpgid(refresh(orphan)["supervisor_pid"]), signal.SIGKILL)  # the whole job, as a machine restart would
+    os.killpg(
+        os.getpgid(refresh(orphan)["supervisor_pid"]), signal.SIGKILL
+    )  # the whole job, as a machine restart would
     listing = subprocess.run(
-        [sys.executable, "-m", "oodviz.cli", "runs", "--runs-root", str(tmp_path)], capture_output=True, text=True, check=True
+        [sys.executable, "-m", "oodviz.cli", "runs", "--runs-root", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout  # a fresh process: nothing in memory
     assert done.run_id in listing and orphan.run_id in listing
     assert [r.run_id for r in list_runs(tmp_path)] == [orphan.run_id, done.run_id]
@@ -256,13 +268,14 @@ def test_a_torchvision_model_with_random_weights_end_to_end_on_image_folders(tmp
         Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "ood" / f"{i}.png")
     (tmp_path / "ood" / "broken.png").write_bytes(b"not an image")
     config = RunConfig(
-        backbone="resnet18", weights="random",
+        backbone="resnet18",
+        weights="random",
         id_fit=DatasetChoice("folder", {"path": str(tmp_path / "fit")}),
         id_test=DatasetChoice("folder", {"path": str(tmp_path / "test")}),
         ood=[DatasetChoice("folder", {"path": str(tmp_path / "ood")}, group="far")],
         detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis"), DetectorChoice("knn", {"k": 3})],
         batch_size=4,
-    )  # fmt: skip
+    )
     run = submit(config, tmp_path / "runs")
     assert wait_final(run, timeout=300)["state"] == "done", run.read_status()
     scores = pd.read_parquet(run.path / "scores.parquet")

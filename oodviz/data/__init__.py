@@ -22,11 +22,11 @@ from oodviz.data.registry import (
 )
 
 # Importing a source module registers its datasets (in this order in available_datasets()).
-from oodviz.data import bundled, noise, torchvision_sets, fashion, folders  # noqa: E402,F401  isort: skip
-from oodviz.data.bundled import DIGITS_HELD_OUT, DIGITS_ID_CLASSES, digits_split  # noqa: E402
-from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_CLASSES, FASHION_ID_NAMES, fashion_split  # noqa: E402
-from oodviz.data.folders import IMAGE_EXTENSIONS  # noqa: E402
-from oodviz.data.torchvision_sets import DatasetNotFoundError  # noqa: E402
+from oodviz.data import bundled, noise, torchvision_sets, fashion, folders  # noqa: F401  isort: skip
+from oodviz.data.bundled import DIGITS_HELD_OUT, DIGITS_ID_CLASSES, digits_split
+from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_CLASSES, FASHION_ID_NAMES, fashion_split
+from oodviz.data.folders import IMAGE_EXTENSIONS
+from oodviz.data.torchvision_sets import DatasetNotFoundError
 
 __all__ = [
     "DIGITS_HELD_OUT",

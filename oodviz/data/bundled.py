@@ -49,9 +49,7 @@ def _digits() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     images = np.round(digits.images * (255.0 / 16.0)).clip(0, 255).astype(np.uint8)
     labels = digits.target.astype(np.int64)
     index = np.arange(len(labels))
-    _, test_index = train_test_split(
-        index, test_size=DIGITS_TEST_SIZE, stratify=labels, random_state=DIGITS_SPLIT_SEED
-    )
+    _, test_index = train_test_split(index, test_size=DIGITS_TEST_SIZE, stratify=labels, random_state=DIGITS_SPLIT_SEED)
     is_test = np.zeros(len(labels), dtype=bool)
     is_test[test_index] = True
     for array in (images, labels, is_test):
@@ -209,29 +207,45 @@ register_dataset(
 )
 register_dataset(
     DatasetInfo(
-        "digits-heldout", "Digits 8 and 9, never used for training (semantic shift: unseen classes)",
-        "ood", "near", "bundled", "8x8 L",
+        "digits-heldout",
+        "Digits 8 and 9, never used for training (semantic shift: unseen classes)",
+        "ood",
+        "near",
+        "bundled",
+        "8x8 L",
     ),
     _digits_loader("heldout"),
 )
 register_dataset(
     DatasetInfo(
-        "digits-inverted", "ID test digits with inverted intensities (covariate shift: same classes)",
-        "ood", "near", "bundled", "8x8 L",
+        "digits-inverted",
+        "ID test digits with inverted intensities (covariate shift: same classes)",
+        "ood",
+        "near",
+        "bundled",
+        "8x8 L",
     ),
     load_digits_inverted,
 )
 register_dataset(
     DatasetInfo(
-        "digits-rotated", "ID test digits rotated 90 degrees (covariate shift: same classes)",
-        "ood", "near", "bundled", "8x8 L",
+        "digits-rotated",
+        "ID test digits rotated 90 degrees (covariate shift: same classes)",
+        "ood",
+        "near",
+        "bundled",
+        "8x8 L",
     ),
     load_digits_rotated,
 )
 register_dataset(
     DatasetInfo(
-        "photo-patches", "Textured patches cut from scikit-learn's sample photos (china, flower)",
-        "ood", "far", "bundled", "8x8 L (size, channels)",
+        "photo-patches",
+        "Textured patches cut from scikit-learn's sample photos (china, flower)",
+        "ood",
+        "far",
+        "bundled",
+        "8x8 L (size, channels)",
     ),
     load_photo_patches,
 )

@@ -47,8 +47,17 @@ from oodviz.data.registry import DatasetInfo, register_dataset
 
 #: Fashion-MNIST's ten classes, index = its label (as torchvision names them).
 FASHION_CLASSES = (
-    "T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot",
-)  # fmt: skip
+    "T-shirt/top",
+    "Trouser",
+    "Pullover",
+    "Dress",
+    "Coat",
+    "Sandal",
+    "Shirt",
+    "Sneaker",
+    "Bag",
+    "Ankle boot",
+)
 #: Held out as near-OOD: Shirt and Ankle boot.
 FASHION_HELD_OUT = (6, 9)
 #: The ID classes, in Fashion-MNIST order; ID label ``k`` is Fashion-MNIST class ``FASHION_ID_CLASSES[k]``.
@@ -176,29 +185,45 @@ register_dataset(
 )
 register_dataset(
     DatasetInfo(
-        "fashion-mnist-heldout", "Fashion-MNIST Shirt and Ankle boot, never trained on (semantic shift: unseen classes)",
-        "ood", "near", "torchvision", "28x28 L",
+        "fashion-mnist-heldout",
+        "Fashion-MNIST Shirt and Ankle boot, never trained on (semantic shift: unseen classes)",
+        "ood",
+        "near",
+        "torchvision",
+        "28x28 L",
     ),
     load_fashion_heldout,
 )
 register_dataset(
     DatasetInfo(
-        "fashion-mnist-inverted", "Fashion-MNIST ID test images with inverted intensities (covariate shift: same classes)",
-        "ood", "near", "torchvision", "28x28 L",
+        "fashion-mnist-inverted",
+        "Fashion-MNIST ID test images with inverted intensities (covariate shift: same classes)",
+        "ood",
+        "near",
+        "torchvision",
+        "28x28 L",
     ),
     load_fashion_inverted,
 )
 register_dataset(
     DatasetInfo(
-        "fashion-mnist-rotated", "Fashion-MNIST ID test images rotated 90 degrees (covariate shift: same classes)",
-        "ood", "near", "torchvision", "28x28 L",
+        "fashion-mnist-rotated",
+        "Fashion-MNIST ID test images rotated 90 degrees (covariate shift: same classes)",
+        "ood",
+        "near",
+        "torchvision",
+        "28x28 L",
     ),
     load_fashion_rotated,
 )
 register_dataset(
     DatasetInfo(
-        "digits-28", "scikit-learn's bundled digits upscaled MNIST-style to 28x28 (far-OOD for Fashion-MNIST)",
-        "ood", "far", "bundled", "28x28 L",
+        "digits-28",
+        "scikit-learn's bundled digits upscaled MNIST-style to 28x28 (far-OOD for Fashion-MNIST)",
+        "ood",
+        "far",
+        "bundled",
+        "28x28 L",
     ),
     load_digits_28,
 )

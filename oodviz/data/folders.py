@@ -139,7 +139,10 @@ register_dataset(
     DatasetInfo(
         "folder",
         "Your own images: class subfolders (path/<class>/<image>, labelled) or a flat folder (unlabelled, OOD)",
-        "id", None, "folder", "varies",
+        "id",
+        None,
+        "folder",
+        "varies",
     ),
     load_folder,
 )

@@ -87,15 +87,23 @@ def load_uniform(root: str, download: bool, n: int = 500, size=8, channels: int 
 
 register_dataset(
     DatasetInfo(
-        "noise-gaussian", "Gaussian pixel noise, mean 0.5, std 0.25 (seeded per image)",
-        "ood", "far", "generated", "8x8 L (size, channels)",
+        "noise-gaussian",
+        "Gaussian pixel noise, mean 0.5, std 0.25 (seeded per image)",
+        "ood",
+        "far",
+        "generated",
+        "8x8 L (size, channels)",
     ),
     load_gaussian,
 )
 register_dataset(
     DatasetInfo(
-        "noise-uniform", "Uniform pixel noise on 0..255 (seeded per image)",
-        "ood", "far", "generated", "8x8 L (size, channels)",
+        "noise-uniform",
+        "Uniform pixel noise on 0..255 (seeded per image)",
+        "ood",
+        "far",
+        "generated",
+        "8x8 L (size, channels)",
     ),
     load_uniform,
 )

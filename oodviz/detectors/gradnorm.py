@@ -52,7 +52,9 @@ def gradient_norm(features: Tensor, logits: Tensor, temperature: float = 1.0) ->
 
 class GradNorm(Detector):
     name = "gradnorm"
-    summary = "Negative L1 norm of the last layer's gradient of the KL to uniform, in closed form from features and logits."
+    summary = (
+        "Negative L1 norm of the last layer's gradient of the KL to uniform, in closed form from features and logits."
+    )
     paper = "https://arxiv.org/abs/2110.00218"
     inputs = ("features", "logits")
     needs_head = True

@@ -81,7 +81,9 @@ class KNN(Detector):
 
     def _keep_bank(self, bank: np.ndarray, normalised: bool) -> None:
         if len(bank) < self.k:
-            raise ValueError(f"knn: k={self.k} exceeds the {len(bank)} in-distribution samples; choose k <= {len(bank)}.")
+            raise ValueError(
+                f"knn: k={self.k} exceeds the {len(bank)} in-distribution samples; choose k <= {len(bank)}."
+            )
         self.bank_ = bank  # [N, D] memory map
         self.bank_path_ = str(bank.filename)
         self.bank_normalised_ = normalised  # False: the feature store's raw features, normalised as read

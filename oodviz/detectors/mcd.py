@@ -80,7 +80,9 @@ class _DropoutOn:
 
 class MCD(ModelDetector):
     name = "mcd"
-    summary = "Negative max of the mean softmax over forward passes with dropout on (runs the model; needs dropout layers)."
+    summary = (
+        "Negative max of the mean softmax over forward passes with dropout on (runs the model; needs dropout layers)."
+    )
     paper = "https://arxiv.org/abs/1506.02142"
     #: most classifiers (ResNets, the bundled digits-cnn) have no dropout: not in a run's default list
     in_defaults = False
@@ -88,10 +90,14 @@ class MCD(ModelDetector):
     def __init__(self, samples: int = 30, mode: str = "mean", seed: int | None = 0, model=None):
         minimum = 2 if mode == "var" else 1
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < minimum:
-            raise ValueError(f"mcd: samples is the number of forward passes and must be an integer >= {minimum}"
-                             f"{' for mode=var' if mode == 'var' else ''}, got {samples!r}")  # fmt: skip
+            raise ValueError(
+                f"mcd: samples is the number of forward passes and must be an integer >= {minimum}"
+                f"{' for mode=var' if mode == 'var' else ''}, got {samples!r}"
+            )
         if mode not in MODES:
-            raise ValueError(f"mcd: mode must be one of {MODES} ('mean': -max mean softmax, 'var': mean variance), got {mode!r}")
+            raise ValueError(
+                f"mcd: mode must be one of {MODES} ('mean': -max mean softmax, 'var': mean variance), got {mode!r}"
+            )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"mcd: seed must be an integer or None (the global random state), got {seed!r}")
         self.samples = samples

@@ -272,7 +272,9 @@ class ClassMoments:
             for block in row_blocks(len(y), x.shape[1]):
                 labels = y[block]
                 shifted = self._scratch.get("rows", (len(labels), x.shape[1]), ACCUMULATE, x.device).copy_(x[block])
-                shifted -= torch.index_select(self._shifts, 0, labels, out=self._scratch.get("shifts", shifted.shape, ACCUMULATE, x.device))
+                shifted -= torch.index_select(
+                    self._shifts, 0, labels, out=self._scratch.get("shifts", shifted.shape, ACCUMULATE, x.device)
+                )
                 self._sums.index_add_(0, labels, shifted)
                 self._lower_only |= add_gram(self._scatter, shifted)
 
@@ -282,7 +284,9 @@ class ClassMoments:
             for block in row_blocks(len(self.counts), self._shifts.shape[1]):
                 n = self.counts[block, None]
                 offset = self._sums[block].div_(n.clamp(min=1))  # mu_c - k_c, in place
-                weighted = torch.mul(offset, n.sqrt(), out=self._scratch.get("rows", offset.shape, ACCUMULATE, offset.device))
+                weighted = torch.mul(
+                    offset, n.sqrt(), out=self._scratch.get("rows", offset.shape, ACCUMULATE, offset.device)
+                )
                 self._lower_only |= add_gram(self._scatter, weighted, alpha=-1.0)  # S - sum_c n_c d_c d_c^T
                 self._shifts[block] += offset
             self._sums = None
@@ -297,7 +301,11 @@ class ClassMoments:
             return self
         other.settle()
         if self.counts is None:
-            self.counts, self._shifts, self._scatter = other.counts.clone(), other._shifts.clone(), other._scatter.clone()
+            self.counts, self._shifts, self._scatter = (
+                other.counts.clone(),
+                other._shifts.clone(),
+                other._scatter.clone(),
+            )
             return self
         device = self.counts.device
         counts, means = other.counts.to(device), other._shifts.to(device)

@@ -103,13 +103,14 @@ class ViM(Detector):
             for block in row_blocks(len(batch.features), max(n_features, len(bias))):
                 x = batch.features[block].float()
                 centred = torch.sub(x, origin, out=scratch.get("centred32", tuple(x.shape), torch.float32, x.device))
-                projected = torch.mm(centred, residual, out=scratch.get("residual", (len(x), residual.shape[1]), torch.float32, x.device))
+                projected = torch.mm(
+                    centred, residual, out=scratch.get("residual", (len(x), residual.shape[1]), torch.float32, x.device)
+                )
                 norm_sum += float(torch.linalg.vector_norm(projected, dim=1).sum())
                 max_logit_sum += float(self._logits(batch, block, scratch).amax(dim=1).sum())
         if norm_sum == 0:
             raise ValueError(
-                f"vim: the features have no component outside the top {dim} principal directions; "
-                "choose a smaller dim."
+                f"vim: the features have no component outside the top {dim} principal directions; choose a smaller dim."
             )
         self.origin_ = origin
         self.residual_space_ = residual
@@ -120,7 +121,9 @@ class ViM(Detector):
         if batch.logits is not None:
             return batch.logits[rows].float()
         x = batch.features[rows].float()
-        out = None if scratch is None else scratch.get("logits", (len(x), len(self.head_bias_)), torch.float32, x.device)
+        out = (
+            None if scratch is None else scratch.get("logits", (len(x), len(self.head_bias_)), torch.float32, x.device)
+        )
         return torch.addmm(self.head_bias_, x, self.head_weight_.T, out=out)
 
     def _score(self, batch: Batch) -> Tensor:

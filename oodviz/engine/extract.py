@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import torch
@@ -82,7 +82,10 @@ class _ModelState:
         self.training = [(m, m.training) for m in model.modules()]
         self.tensors = []  # (module, kind, name, device, memory_format)
         for module in model.modules():
-            for kind, items in (("param", module.named_parameters(recurse=False)), ("buffer", module.named_buffers(recurse=False))):
+            for kind, items in (
+                ("param", module.named_parameters(recurse=False)),
+                ("buffer", module.named_buffers(recurse=False)),
+            ):
                 for name, tensor in items:
                     fmt = torch.preserve_format
                     if track_format and tensor.dim() == 4:
@@ -93,7 +96,9 @@ class _ModelState:
     def restore(self) -> None:
         with torch.no_grad():
             for module, kind, name, device, fmt in self.tensors:
-                current = dict(module.named_parameters(recurse=False) if kind == "param" else module.named_buffers(recurse=False))
+                current = dict(
+                    module.named_parameters(recurse=False) if kind == "param" else module.named_buffers(recurse=False)
+                )
                 tensor = current.get(name)
                 if tensor is None:
                     continue
@@ -146,8 +151,7 @@ class _Items(Dataset):
         if not isinstance(item, (tuple, list)) or len(item) != 3:
             raise ValueError(
                 f"dataset item {i} must be (image, label, source_index) or None for an unreadable image, "
-                f"got {type(item).__name__}"
-                + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
+                f"got {type(item).__name__}" + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
             )
         image, label, source_index = item
         x = image if self.transform is None else self.transform(image)
@@ -252,7 +256,9 @@ class Backoff:
                 )
             self.in_force = (stop - start) // 2
             self.backoffs += 1
-            logger.warning("out of memory on %s at batch size %d; retrying at %d", self.device, stop - start, self.in_force)
+            logger.warning(
+                "out of memory on %s at batch size %d; retrying at %d", self.device, stop - start, self.in_force
+            )
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
             pending.appendleft((start + self.in_force, stop))
@@ -308,8 +314,14 @@ class _Extraction:
         for name, value, letter in (("features", features, "D"), ("logits", logits, "C")):
             if not isinstance(value, Tensor) or value.ndim != 2 or value.shape[0] != n:
                 shape = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                hint = " (pool feature maps [B, C, H, W] or tokens [B, T, D] to [B, D] first)" if name == "features" else ""
-                raise ValueError(f"backbone.features_and_logits returned {name} {shape} for {n} inputs; expected [B, {letter}]{hint}")
+                hint = (
+                    " (pool feature maps [B, C, H, W] or tokens [B, T, D] to [B, D] first)"
+                    if name == "features"
+                    else ""
+                )
+                raise ValueError(
+                    f"backbone.features_and_logits returned {name} {shape} for {n} inputs; expected [B, {letter}]{hint}"
+                )
         if self.feature_dim is None:
             self.feature_dim, self.num_classes = int(features.shape[1]), int(logits.shape[1])
         elif (features.shape[1], logits.shape[1]) != (self.feature_dim, self.num_classes):
@@ -344,7 +356,9 @@ class _Extraction:
             host = [t.to("cpu", non_blocking=True) for t in (features, logits, predictions, nonfinite)]
         copied = torch.cuda.Event()
         copied.record(self.copy_out)
-        return _Outputs(*host, labels, indices, ready=copied, keep=(x, x_device, features, logits, predictions, nonfinite))
+        return _Outputs(
+            *host, labels, indices, ready=copied, keep=(x, x_device, features, logits, predictions, nonfinite)
+        )
 
 
 def _check_device(device) -> torch.device:
@@ -469,14 +483,14 @@ def extract(
                 if run.autocast_dtype is not None
                 else contextlib.nullcontext()
             )
-            with torch.inference_mode(), autocast, (torch.cuda.device(device) if run.cuda else contextlib.nullcontext()):
+            with torch.inference_mode(), autocast, torch.cuda.device(device) if run.cuda else contextlib.nullcontext():
                 loader_iter = iter(loader)
                 for x, labels, indices, dropped in loader_iter:
                     if should_cancel is not None and should_cancel():
                         raise Cancelled(f"extraction cancelled after {done} of {total} items; nothing was stored")
                     skipped += dropped
                     done += dropped
-                    submit = lambda a, b: run.submit(x[a:b], labels[a:b], indices[a:b])  # noqa: E731
+                    submit = lambda a, b: run.submit(x[a:b], labels[a:b], indices[a:b])  # noqa: B023, E731
                     for start, stop, outputs in backoff.chunks(0 if x is None else len(x), submit):
                         pending.append(outputs)
                         done += stop - start
@@ -523,7 +537,7 @@ def extract(
                 "first_batch_s": first_batch_s,
                 "items_per_s": total / elapsed if elapsed > 0 else None,
             },
-            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "oodviz_version": oodviz.__version__,
             "torch_version": torch.__version__,
             "numpy_version": np.__version__,
@@ -565,9 +579,19 @@ def extract_or_reuse(
     store = find_store(store_root, key)
     if store is None:
         return extract(
-            backbone, dataset, store_root, key_params, device=device, batch_size=batch_size, num_workers=num_workers,
-            precision=precision, channels_last=channels_last, feature_dtype=feature_dtype, progress=progress,
-            should_cancel=should_cancel, sync=sync,
+            backbone,
+            dataset,
+            store_root,
+            key_params,
+            device=device,
+            batch_size=batch_size,
+            num_workers=num_workers,
+            precision=precision,
+            channels_last=channels_last,
+            feature_dtype=feature_dtype,
+            progress=progress,
+            should_cancel=should_cancel,
+            sync=sync,
         )
     store.reused = True
     logger.info("reusing feature store %s (%s on %s, %d rows)", store.path, backbone.name, dataset.name, store.n)

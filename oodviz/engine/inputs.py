@@ -101,7 +101,9 @@ def score_inputs(
 
     autocast_dtype = PRECISIONS[precision]
     autocast = (
-        torch.autocast(device_type=device.type, dtype=autocast_dtype) if autocast_dtype is not None else contextlib.nullcontext()
+        torch.autocast(device_type=device.type, dtype=autocast_dtype)
+        if autocast_dtype is not None
+        else contextlib.nullcontext()
     )
     loader_iter = None
     try:
@@ -118,10 +120,12 @@ def score_inputs(
                     y_device = labels.to(device, non_blocking=True)
 
                     def submit(a: int, b: int) -> Tensor:
-                        values = score(Batch(inputs=x_device[a:b], labels=y_device[a:b]))
+                        values = score(Batch(inputs=x_device[a:b], labels=y_device[a:b]))  # noqa: B023
                         values = torch.as_tensor(values).detach().float().cpu().reshape(-1)
                         if len(values) != b - a:
-                            raise ValueError(f"score returned {len(values)} values for a batch of {b - a} inputs; expected one per input")
+                            raise ValueError(
+                                f"score returned {len(values)} values for a batch of {b - a} inputs; expected one per input"
+                            )
                         return values
 
                     for start, stop, values in backoff.chunks(len(x), submit):
@@ -136,7 +140,9 @@ def score_inputs(
         if loader_iter is not None:
             _close_loader(loader_iter)
     if not scores:
-        raise ValueError(f"no readable items in dataset {dataset.name!r}: all {total} were unreadable (None); check the files")
+        raise ValueError(
+            f"no readable items in dataset {dataset.name!r}: all {total} were unreadable (None); check the files"
+        )
     report("done")
     return InputScores(
         scores=torch.cat(scores),

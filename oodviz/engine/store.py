@@ -121,7 +121,9 @@ def describe_transform(transform) -> str:
     return _ADDRESS.sub("", repr(transform))
 
 
-def key_spec(backbone, dataset, key_params: dict | None = None, *, feature_dtype: str = "float32", precision: str = "fp32") -> dict:
+def key_spec(
+    backbone, dataset, key_params: dict | None = None, *, feature_dtype: str = "float32", precision: str = "fp32"
+) -> dict:
     """Everything that determines a split's content, as a JSON-able dict (hashed by :func:`store_key`).
 
     Read off the backbone: ``name``, ``weights_id``, ``layer`` and ``pooling`` when it has them,
@@ -162,7 +164,9 @@ def key_spec(backbone, dataset, key_params: dict | None = None, *, feature_dtype
     return _canonical(spec, "key_spec")
 
 
-def store_key(backbone, dataset, key_params: dict | None = None, *, feature_dtype: str = "float32", precision: str = "fp32") -> str:
+def store_key(
+    backbone, dataset, key_params: dict | None = None, *, feature_dtype: str = "float32", precision: str = "fp32"
+) -> str:
     """The store key of a split: the first :data:`KEY_LENGTH` hex digits of sha256 of :func:`key_spec`."""
     spec = key_spec(backbone, dataset, key_params, feature_dtype=feature_dtype, precision=precision)
     return hashlib.sha256(canonical_json(spec).encode()).hexdigest()[:KEY_LENGTH]
@@ -216,7 +220,7 @@ class _NpyFile:
         mm = np.lib.format.open_memmap(path, mode="w+", dtype=self.dtype, shape=(max(capacity, 1), *self.row_shape))
         self.offset = mm.offset
         del mm
-        self.file = open(path, "r+b")  # noqa: SIM115 - closed in close()
+        self.file = open(path, "r+b")
         self.file.seek(self.offset)
         self.rows = 0
 
@@ -269,7 +273,9 @@ class StoreWriter:
     :param feature_dtype: ``"float32"`` or ``"float16"`` for ``features.npy`` (logits stay float32)
     """
 
-    def __init__(self, root, key: str, capacity: int, feature_dim: int, num_classes: int, feature_dtype: str = "float32"):
+    def __init__(
+        self, root, key: str, capacity: int, feature_dim: int, num_classes: int, feature_dtype: str = "float32"
+    ):
         if feature_dtype not in FEATURE_DTYPES:
             raise ValueError(f"feature_dtype must be one of {FEATURE_DTYPES}, got {feature_dtype!r}")
         if int(capacity) < 1:
@@ -318,7 +324,9 @@ class StoreWriter:
             "indices": _as_numpy(indices),
         }
         arrays["predictions"] = (
-            np.asarray(arrays["logits"], dtype=np.float32).argmax(axis=1) if predictions is None else _as_numpy(predictions)
+            np.asarray(arrays["logits"], dtype=np.float32).argmax(axis=1)
+            if predictions is None
+            else _as_numpy(predictions)
         )
         sizes = {name: len(a) for name, a in arrays.items()}
         if len(set(sizes.values())) != 1:
@@ -347,7 +355,10 @@ class StoreWriter:
                 if weight.shape != (self.num_classes, self.feature_dim) or bias.shape != (self.num_classes,):
                     logger.warning(
                         "not storing the head: weight %s / bias %s do not match C=%d, D=%d",
-                        weight.shape, bias.shape, self.num_classes, self.feature_dim,
+                        weight.shape,
+                        bias.shape,
+                        self.num_classes,
+                        self.feature_dim,
                     )
                 else:
                     np.save(self.tmp_path / "head_weight.npy", weight)
@@ -436,7 +447,9 @@ def _json_default(value):
         return str(value)
     if isinstance(value, (set, frozenset, tuple)):
         return list(value)
-    raise TypeError(f"meta value of type {type(value).__name__} is not JSON-serialisable; pass str, numbers, lists or dicts")
+    raise TypeError(
+        f"meta value of type {type(value).__name__} is not JSON-serialisable; pass str, numbers, lists or dicts"
+    )
 
 
 def clean_stale_tmp(root, key: str | None = None, min_age_s: float = 60.0, max_age_s: float = 6 * 3600.0) -> list[Path]:
@@ -606,7 +619,13 @@ class FeatureStore:
         """
         return StoreBatches(self, batch_size=batch_size, device=device, include=include, dtype=dtype, prefetch=prefetch)
 
-    def to_device(self, device, include: Sequence[str] = BATCH_FIELDS, dtype: torch.dtype = torch.float32, max_fraction: float = 0.5) -> DeviceSplit:
+    def to_device(
+        self,
+        device,
+        include: Sequence[str] = BATCH_FIELDS,
+        dtype: torch.dtype = torch.float32,
+        max_fraction: float = 0.5,
+    ) -> DeviceSplit:
         """Copy the ``include`` fields of the whole split to ``device`` (the "buffer to GPU" option).
 
         Faster for repeated fits when the split fits comfortably: raises a ValueError when it
@@ -647,7 +666,9 @@ class StoreBatches:
     ``len()`` is the number of batches; ``n`` the number of rows.
     """
 
-    def __init__(self, store: FeatureStore, batch_size=4096, device=None, include=BATCH_FIELDS, dtype=torch.float32, prefetch=2):
+    def __init__(
+        self, store: FeatureStore, batch_size=4096, device=None, include=BATCH_FIELDS, dtype=torch.float32, prefetch=2
+    ):
         self.store = store
         self.batch_size = _check_batch_size(batch_size)
         self.device = None if device is None else torch.device(device)
@@ -764,7 +785,7 @@ class _RowFile:
         self.row_shape = tuple(mapped.shape[1:])
         self.offset = int(mapped.offset)
         self.row_bytes = self.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64))
-        self.file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed in close()
+        self.file = open(path, "rb", buffering=0)
 
     def read(self, start: int, stop: int, out: np.ndarray | None = None) -> np.ndarray:
         rows = stop - start
@@ -776,7 +797,9 @@ class _RowFile:
         while got < want:
             n = self.file.readinto(view[got:])
             if not n:
-                raise StoreError(f"{self.file.name} ends early (row {start + got // self.row_bytes}); the store is damaged: extract again")
+                raise StoreError(
+                    f"{self.file.name} ends early (row {start + got // self.row_bytes}); the store is damaged: extract again"
+                )
             got += n
         return out[:rows]
 
@@ -846,7 +869,9 @@ class DeviceSplit:
     do not modify them in place.
     """
 
-    def __init__(self, store: FeatureStore, device, include=BATCH_FIELDS, dtype=torch.float32, max_fraction: float = 0.5):
+    def __init__(
+        self, store: FeatureStore, device, include=BATCH_FIELDS, dtype=torch.float32, max_fraction: float = 0.5
+    ):
         self.store = store
         self.device = torch.device(device)
         self.include = _check_include(include)

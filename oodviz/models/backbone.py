@@ -349,7 +349,9 @@ class Backbone:
     def _run(self, x: Tensor, grad: bool) -> tuple[Tensor, Tensor, Tensor]:
         """One forward: (raw feature-layer output, features [B, D], logits [B, C])."""
         if not isinstance(x, Tensor):
-            raise ValueError(f"{self.name}: model input must be a tensor [B, *{self.input_shape}], got {type(x).__name__}")
+            raise ValueError(
+                f"{self.name}: model input must be a tensor [B, *{self.input_shape}], got {type(x).__name__}"
+            )
         with torch.enable_grad() if grad else torch.no_grad():
             if self.source == "output":
                 raw, logits = self._run_output_contract(x)
@@ -413,7 +415,9 @@ class Backbone:
             return None
         params = dict(self.model.named_parameters())
         wanted = (logits.shape[1], features.shape[1])
-        candidates = [n[: -len("weight")] for n, p in params.items() if n.endswith("weight") and tuple(p.shape) == wanted]
+        candidates = [
+            n[: -len("weight")] for n, p in params.items() if n.endswith("weight") and tuple(p.shape) == wanted
+        ]
         for prefix in reversed(candidates):
             weight, bias = self._head_params(prefix)
             with torch.no_grad():
@@ -436,5 +440,9 @@ class Backbone:
             "layer": f"layer={self.layer!r}, pooling={self.pooling!r}",
             "output": "model output",
         }
-        dims = f"D={self.feature_dim}, C={self.num_classes}" if (self.source == "penultimate" or self._shape) else "D=?, C=?"
+        dims = (
+            f"D={self.feature_dim}, C={self.num_classes}"
+            if (self.source == "penultimate" or self._shape)
+            else "D=?, C=?"
+        )
         return f"Backbone({self.name!r}, {where[self.source]}, {dims}, weights_id={self.weights_id[:24]!r})"

@@ -39,9 +39,7 @@ class MemoryEstimate(dict):
         return describe_memory(self)
 
 
-def estimate_memory(
-    backbone, n_samples_per_split: Mapping[str, int], feature_dtype: str = "float32"
-) -> MemoryEstimate:
+def estimate_memory(backbone, n_samples_per_split: Mapping[str, int], feature_dtype: str = "float32") -> MemoryEstimate:
     """Bytes the feature store needs for ``backbone`` on splits of the given sizes.
 
     ``backbone``: a :class:`~oodviz.models.Backbone` (anything with ``feature_dim`` and

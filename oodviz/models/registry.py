@@ -169,15 +169,21 @@ class _Bundled:
 
 _BUNDLED: dict[str, _Bundled] = {
     "digits-cnn": _Bundled(
-        DIGITS_WEIGHTS, tuple(DIGITS_CLASSES), DigitsTransform, (1, 8, 8),
+        DIGITS_WEIGHTS,
+        tuple(DIGITS_CLASSES),
+        DigitsTransform,
+        (1, 8, 8),
         "`python scripts/train_digits_cnn.py` (about ten seconds on a CPU)",
     ),
     "fashion-cnn": _Bundled(
-        FASHION_WEIGHTS, tuple(FASHION_CLASSES), FashionTransform, (1, 28, 28),
+        FASHION_WEIGHTS,
+        tuple(FASHION_CLASSES),
+        FashionTransform,
+        (1, 28, 28),
         "`python scripts/train_fashion_cnn.py` (about ten minutes on 2 CPU cores; needs Fashion-MNIST, "
         "e.g. `apt-get install dataset-fashion-mnist`)",
     ),
-}  # fmt: skip
+}
 
 
 def available_backbones() -> list[str]:
@@ -328,7 +334,9 @@ def _load_state_dict_file(path: Path, expected: str) -> dict[str, Tensor]:
             if isinstance(obj.get(key), Mapping):
                 obj = obj[key]
                 break
-    is_state_dict = isinstance(obj, Mapping) and obj and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items())
+    is_state_dict = (
+        isinstance(obj, Mapping) and obj and all(isinstance(k, str) and isinstance(v, Tensor) for k, v in obj.items())
+    )
     if not is_state_dict:
         if isinstance(obj, Mapping):
             got = f"a dict with keys {_examples(map(repr, obj))} that are not all str -> tensor"
@@ -343,7 +351,7 @@ def _load_state_dict_file(path: Path, expected: str) -> dict[str, Tensor]:
 
 def _align_keys(state: dict[str, Tensor], expected: set[str]) -> dict[str, Tensor]:
     """Strip ``module.`` (DataParallel/DDP) and, when that makes more keys match, one common prefix."""
-    state = {(k[len("module."):] if k.startswith("module.") else k): v for k, v in state.items()}
+    state = {(k[len("module.") :] if k.startswith("module.") else k): v for k, v in state.items()}
     firsts = {k.split(".", 1)[0] for k in state}
     if len(firsts) == 1 and all("." in k for k in state):
         stripped = {k.split(".", 1)[1]: v for k, v in state.items()}
@@ -567,7 +575,9 @@ def _infer_input_shape(transform: Callable) -> tuple[int, ...]:
             f"could not run the given transform on a 256 x 256 RGB image ({_short(error)}); pass input_shape=(C, H, W)"
         ) from None
     if not isinstance(sample, Tensor) or sample.ndim != 3:
-        raise ValueError("transform must turn a PIL image into a tensor [C, H, W]; pass input_shape=(C, H, W) if it does")
+        raise ValueError(
+            "transform must turn a PIL image into a tensor [C, H, W]; pass input_shape=(C, H, W) if it does"
+        )
     return tuple(sample.shape)
 
 
@@ -622,9 +632,7 @@ def load_scripted(
             f"layer={layer!r} is not supported for {kind} models: hooks cannot be attached to them. Return "
             "(features, logits) from forward, or load the state dict with load_backbone('<architecture>', checkpoint=...)"
         )
-    contract = (
-        "forward(x [B, C, H, W]) returning logits [B, C] or (features [B, D], logits [B, C])"
-    )
+    contract = "forward(x [B, C, H, W]) returning logits [B, C] or (features [B, D], logits [B, C])"
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -639,7 +647,9 @@ def load_scripted(
                 f"with {contract}"
             )
         else:
-            expected = f"a torch.export program (torch.export.save(torch.export.export(model, (x,)), path)) with {contract}"
+            expected = (
+                f"a torch.export program (torch.export.save(torch.export.export(model, (x,)), path)) with {contract}"
+            )
         hint = ""
         found = _archive_kind(path)
         if found in USER_MODEL_NAMES and found != kind:
@@ -718,7 +728,9 @@ def wrap_model(
     if not callable(model):
         raise ValueError(f"model must be callable (an nn.Module or a function of a tensor), got {type(model).__name__}")
     if weights_id is None:
-        weights_id = f"sha256:{_state_dict_digest(model)}" if isinstance(model, nn.Module) else f"uncached:{uuid4().hex}"
+        weights_id = (
+            f"sha256:{_state_dict_digest(model)}" if isinstance(model, nn.Module) else f"uncached:{uuid4().hex}"
+        )
     shape = tuple(input_shape) if input_shape is not None else _infer_input_shape(transform)
     backbone = Backbone(
         name,
@@ -735,4 +747,3 @@ def wrap_model(
         backbone.feature_shape()
     _check_classes(backbone, classes)
     return backbone
-

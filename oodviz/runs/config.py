@@ -22,7 +22,14 @@ FEATURE_DTYPES = ("float32", "float16")
 GROUPS = ("near", "far")
 SUBSAMPLE_MODES = ("first", "random")
 
-DEFAULT_OOD = ("digits-heldout", "digits-inverted", "digits-rotated", "photo-patches", "noise-gaussian", "noise-uniform")
+DEFAULT_OOD = (
+    "digits-heldout",
+    "digits-inverted",
+    "digits-rotated",
+    "photo-patches",
+    "noise-gaussian",
+    "noise-uniform",
+)
 
 
 class ConfigError(ValueError):
@@ -96,7 +103,9 @@ class RunConfig:
         if "ood" in data:
             sets["ood"] = [_dataset_choice(d, f"ood[{i}]", problems) for i, d in enumerate(data.pop("ood") or [])]
         if "detectors" in data:
-            sets["detectors"] = [_detector_choice(d, f"detectors[{i}]", problems) for i, d in enumerate(data.pop("detectors") or [])]
+            sets["detectors"] = [
+                _detector_choice(d, f"detectors[{i}]", problems) for i, d in enumerate(data.pop("detectors") or [])
+            ]
         if problems:
             raise ConfigError(problems)
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__}, **sets)
@@ -142,7 +151,9 @@ class RunConfig:
         if self.pooling not in POOLINGS:
             found.append(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         datasets = available_datasets()
-        named = [("id_fit", self.id_fit), ("id_test", self.id_test)] + [(f"ood[{i}] ", d) for i, d in enumerate(self.ood)]
+        named = [("id_fit", self.id_fit), ("id_test", self.id_test)] + [
+            (f"ood[{i}] ", d) for i, d in enumerate(self.ood)
+        ]
         for where, choice in named:
             where = where.strip()
             if choice.name not in datasets:
@@ -162,13 +173,17 @@ class RunConfig:
             found.append("choose at least one detector")
         for i, choice in enumerate(self.detectors):
             if choice.name not in available():
-                found.append(f"detectors[{i}]: detector {choice.name!r} is unknown; choose one of: {', '.join(available())}")
+                found.append(
+                    f"detectors[{i}]: detector {choice.name!r} is unknown; choose one of: {', '.join(available())}"
+                )
                 continue
             try:
                 create(choice.name, **choice.params)
             except (ValueError, TypeError) as error:
                 found.append(f"detectors[{i}] ({choice.name}): {error}")
-        if not (self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())):
+        if not (
+            self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
+        ):
             found.append(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         for key in ("batch_size", "seed", "num_workers"):
             value = getattr(self, key)

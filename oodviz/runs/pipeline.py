@@ -173,7 +173,11 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
 
     with reporter.stage("load model") as stage:
         backbone = load_backbone(
-            config.backbone, weights=config.weights, checkpoint=config.checkpoint, layer=config.layer, pooling=config.pooling
+            config.backbone,
+            weights=config.weights,
+            checkpoint=config.checkpoint,
+            layer=config.layer,
+            pooling=config.pooling,
         )
         stage.note(f"{config.backbone}: D={backbone.feature_dim} features, C={backbone.num_classes} classes")
 
@@ -196,7 +200,11 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
                 backbone,
                 datasets[split],
                 feature_store_root(run),
-                key_params={"dataset": asdict(choice), "data_root": str(Path(config.data_root).resolve()), "seed": config.seed},
+                key_params={
+                    "dataset": asdict(choice),
+                    "data_root": str(Path(config.data_root).resolve()),
+                    "seed": config.seed,
+                },
                 device=device,
                 batch_size=config.batch_size,
                 num_workers=config.num_workers,
@@ -210,10 +218,15 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
             if store.meta.get("skipped"):
                 reporter.warn(f"{split}: {store.meta['skipped']} unreadable image(s) skipped")
     meta["splits"] = {
-        split: {"dataset": choice.name, "group": None if not as_ood else _group(choice), "n": stores[split].n,
-                "store": stores[split].key, "reused": stores[split].reused}
+        split: {
+            "dataset": choice.name,
+            "group": None if not as_ood else _group(choice),
+            "n": stores[split].n,
+            "store": stores[split].key,
+            "reused": stores[split].reused,
+        }
         for split, choice, as_ood in splits
-    }  # fmt: skip
+    }
 
     head = backbone.head
     fitted, detector_log = {}, {}
@@ -226,9 +239,14 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
                     det.fit(None)  # nothing to learn: checks that the method works with this model
                 else:
                     det = create(choice.name, **_with_scratch(choice, run))
-                    det.fit(Watched(stores["id_fit"].batches(SCORE_BATCH, device=device), stage), head=head, device=device)
+                    det.fit(
+                        Watched(stores["id_fit"].batches(SCORE_BATCH, device=device), stage), head=head, device=device
+                    )
                 fitted[choice.name] = det
-                detector_log[choice.name] = {"params": _logged_params(det, choice), "fit_s": time.perf_counter() - started}
+                detector_log[choice.name] = {
+                    "params": _logged_params(det, choice),
+                    "fit_s": time.perf_counter() - started,
+                }
             except Cancelled:
                 raise
             except Exception as error:  # one detector failing must not stop the others
@@ -248,8 +266,12 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
             with reporter.stage(f"score {split} with {name}") as stage:
                 started = time.perf_counter()
                 try:
-                    model_scores[name] = score_with_model(det, backbone, datasets[split], store, config, device, run, stage)
-                    detector_log[name]["score_s"] = detector_log[name].get("score_s", 0.0) + time.perf_counter() - started
+                    model_scores[name] = score_with_model(
+                        det, backbone, datasets[split], store, config, device, run, stage
+                    )
+                    detector_log[name]["score_s"] = (
+                        detector_log[name].get("score_s", 0.0) + time.perf_counter() - started
+                    )
                 except (Cancelled, ExtractionCancelled):
                     raise
                 except Exception as error:
@@ -277,8 +299,11 @@ def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
                 except Cancelled:
                     raise
                 except Exception as error:
-                    detector_log[name] = {**detector_log[name], "error": f"{type(error).__name__}: {error}",
-                                          "traceback": traceback.format_exc()}  # fmt: skip
+                    detector_log[name] = {
+                        **detector_log[name],
+                        "error": f"{type(error).__name__}: {error}",
+                        "traceback": traceback.format_exc(),
+                    }
                     reporter.warn(f"{name} failed to score {split}: {error}")
                     del fitted[name]
                 stage.progress(i + 1, len(fitted) or 1, {})
@@ -315,14 +340,30 @@ def analyse(scores: pd.DataFrame, detectors: list[str], groups: dict[str, str], 
         for dataset, rows in ood_rows.groupby("dataset", sort=False):
             values = ood_metrics(id_rows[name].to_numpy(), rows[name].to_numpy())
             threshold = threshold_at_recall(rows[name].to_numpy())
-            per_dataset.append({"detector": name, "ood_dataset": dataset, "group": groups[dataset], **values,
-                                "id_accuracy": id_accuracy, "threshold": threshold})  # fmt: skip
+            per_dataset.append(
+                {
+                    "detector": name,
+                    "ood_dataset": dataset,
+                    "group": groups[dataset],
+                    **values,
+                    "id_accuracy": id_accuracy,
+                    "threshold": threshold,
+                }
+            )
         metric_rows += per_dataset
         table = pd.DataFrame(per_dataset)
         for group, rows in table.groupby("group", sort=True):
             means = rows[["auroc", "aupr_in", "aupr_out", "fpr95"]].mean()
-            metric_rows.append({"detector": name, "ood_dataset": f"{group} (mean)", "group": group, **means.to_dict(),
-                                "id_accuracy": id_accuracy, "threshold": np.nan})  # fmt: skip
+            metric_rows.append(
+                {
+                    "detector": name,
+                    "ood_dataset": f"{group} (mean)",
+                    "group": group,
+                    **means.to_dict(),
+                    "id_accuracy": id_accuracy,
+                    "threshold": np.nan,
+                }
+            )
         threshold = threshold_at_recall(ood_rows[name].to_numpy())
         for label, rows in id_rows.groupby("label", sort=True):
             flagged = rows[name].to_numpy() >= threshold

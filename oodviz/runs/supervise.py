@@ -29,7 +29,9 @@ def _wait_for_turn(run: RunDir) -> bool:
             return True
         if [r.run_id for r in ahead] != announced:
             announced = [r.run_id for r in ahead]
-            run.append_event({"stage": "queued", "message": f"waiting for {len(ahead)} earlier run(s): {', '.join(announced)}"})
+            run.append_event(
+                {"stage": "queued", "message": f"waiting for {len(ahead)} earlier run(s): {', '.join(announced)}"}
+            )
         time.sleep(POLL_S)
 
 
@@ -60,7 +62,9 @@ def supervise(run: RunDir) -> int:
     status = run.read_status()
     if status.get("state") not in FINAL_STATES:
         if run.cancel_requested():
-            run.write_status(state="cancelled", exit_code=code, finished=time.time(), error="cancelled (worker stopped)")
+            run.write_status(
+                state="cancelled", exit_code=code, finished=time.time(), error="cancelled (worker stopped)"
+            )
         else:
             run.write_status(state="failed", exit_code=code, finished=time.time(), error=_describe_exit(code))
         run.append_event({"stage": run.read_status()["state"], "message": run.read_status()["error"]})

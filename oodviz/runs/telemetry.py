@@ -63,8 +63,14 @@ def device_facts() -> list[dict]:
 
     Each entry: ``{"device": "cpu" | "cuda:N", "name", "total" (bytes, GPUs), "free" (bytes, GPUs)}``.
     """
-    facts = [{"device": "cpu", "name": f"CPU ({psutil.cpu_count()} cores)", "total": psutil.virtual_memory().total,
-              "free": psutil.virtual_memory().available}]  # fmt: skip
+    facts = [
+        {
+            "device": "cpu",
+            "name": f"CPU ({psutil.cpu_count()} cores)",
+            "total": psutil.virtual_memory().total,
+            "free": psutil.virtual_memory().available,
+        }
+    ]
     nvml = _nvml()
     if nvml is None:
         return facts
@@ -73,8 +79,14 @@ def device_facts() -> list[dict]:
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)
             name = nvml.nvmlDeviceGetName(handle)
-            facts.append({"device": f"cuda:{i}", "name": name.decode() if isinstance(name, bytes) else name,
-                          "total": int(memory.total), "free": int(memory.free)})  # fmt: skip
+            facts.append(
+                {
+                    "device": f"cuda:{i}",
+                    "name": name.decode() if isinstance(name, bytes) else name,
+                    "total": int(memory.total),
+                    "free": int(memory.free),
+                }
+            )
     except Exception:
         pass
     return facts

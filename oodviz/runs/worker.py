@@ -28,7 +28,9 @@ def execute(run: RunDir, echo: Callable[[dict], None] | None = None) -> str:
     try:
         run_pipeline(RunConfig.from_dict(run.read_config()), run, reporter)
     except (Cancelled, ExtractionCancelled):
-        run.write_status(state="cancelled", finished=time.time(), error="cancelled by the user; finished parts are kept")
+        run.write_status(
+            state="cancelled", finished=time.time(), error="cancelled by the user; finished parts are kept"
+        )
         reporter.emit(None, {"event": "cancelled"})
         return "cancelled"
     except Exception as error:

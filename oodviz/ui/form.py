@@ -10,7 +10,8 @@ from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
     "digits (bundled, 8x8)": (DatasetChoice("digits-train"), DatasetChoice("digits-test")),
     "Fashion-MNIST, 8 classes (for fashion-cnn)": (
-        DatasetChoice("fashion-mnist-id", {"split": "train"}), DatasetChoice("fashion-mnist-id", {"split": "test"})
+        DatasetChoice("fashion-mnist-id", {"split": "train"}),
+        DatasetChoice("fashion-mnist-id", {"split": "test"}),
     ),
     **{
         f"{name} (torchvision files)": (DatasetChoice(name, {"split": "train"}), DatasetChoice(name, {"split": "test"}))
@@ -29,10 +30,24 @@ TORCHVISION_OOD = ("mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100", "s
 
 #: Datasets offered as OOD sets (the registry's OOD sources plus the ID-capable torchvision sets).
 OOD_CHOICES = (
-    "digits-heldout", "digits-inverted", "digits-rotated", "photo-patches", "noise-gaussian", "noise-uniform",
-    "fashion-mnist-heldout", "fashion-mnist-inverted", "fashion-mnist-rotated", "digits-28",
-    "mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100", "svhn", "dtd",
-)  # fmt: skip
+    "digits-heldout",
+    "digits-inverted",
+    "digits-rotated",
+    "photo-patches",
+    "noise-gaussian",
+    "noise-uniform",
+    "fashion-mnist-heldout",
+    "fashion-mnist-inverted",
+    "fashion-mnist-rotated",
+    "digits-28",
+    "mnist",
+    "fashion-mnist",
+    "kmnist",
+    "cifar10",
+    "cifar100",
+    "svhn",
+    "dtd",
+)
 
 
 def ood_label(name: str) -> str:
@@ -55,7 +70,7 @@ class FormValues:
     id_preset: str = "digits (bundled, 8x8)"
     fit_folder: str = ""
     test_folder: str = ""
-    ood: list[str] = field(default_factory=lambda: list(RunConfig().to_dict()["ood"][i]["name"] for i in range(6)))
+    ood: list[str] = field(default_factory=lambda: [RunConfig().to_dict()["ood"][i]["name"] for i in range(6)])
     ood_folder: str = ""
     detectors: list[str] = field(default_factory=lambda: [d.name for d in RunConfig().detectors])
     detector_params: dict[str, dict] = field(default_factory=dict)
@@ -74,7 +89,12 @@ def form_values_from_config(config: RunConfig) -> FormValues:
     configs the sidebar can make), so that the form shows the run being viewed."""
     id_preset, fit_folder, test_folder = FOLDER_PRESET, "", ""
     for label, (fit, test) in ID_PRESETS.items():
-        if (fit.name, fit.params, test.name, test.params) == (config.id_fit.name, config.id_fit.params, config.id_test.name, config.id_test.params):
+        if (fit.name, fit.params, test.name, test.params) == (
+            config.id_fit.name,
+            config.id_fit.params,
+            config.id_test.name,
+            config.id_test.params,
+        ):
             id_preset = label
     if id_preset == FOLDER_PRESET:
         fit_folder, test_folder = config.id_fit.params.get("path", ""), config.id_test.params.get("path", "")
@@ -120,10 +140,16 @@ def config_from_form(values: FormValues) -> RunConfig:
     test.subsample = _subsample(values.test_subsample)
     ood, size = [], PRESET_IMAGE_SIZE.get(values.id_preset)
     for name in values.ood:
-        params = {"split": "test"} if name in TORCHVISION_OOD else {"size": size} if size and name in GENERATED_OOD else {}
+        params = (
+            {"split": "test"} if name in TORCHVISION_OOD else {"size": size} if size and name in GENERATED_OOD else {}
+        )
         ood.append(DatasetChoice(name, params, subsample=_subsample(values.ood_subsample)))
     if values.ood_folder.strip():
-        ood.append(DatasetChoice("folder", {"path": values.ood_folder.strip()}, subsample=_subsample(values.ood_subsample), group="far"))
+        ood.append(
+            DatasetChoice(
+                "folder", {"path": values.ood_folder.strip()}, subsample=_subsample(values.ood_subsample), group="far"
+            )
+        )
     detectors = [DetectorChoice(name, dict(values.detector_params.get(name, {}))) for name in values.detectors]
     return RunConfig(
         backbone="torchscript" if values.backbone == "torchscript" else values.backbone,

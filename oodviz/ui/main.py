@@ -87,11 +87,17 @@ def runs_table() -> pd.DataFrame:
     for run in list_runs(runs_root()):
         refresh(run)
         s = summarise(run)
-        rows.append({
-            "run": s["run_id"], "state": s["state"], "what": s["title"],
-            "best detector": s["best_detector"], "mean AUROC": s["best_auroc"], "mean FPR95": s["best_fpr95"],
-            "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s["created"] else "",
-        })  # fmt: skip
+        rows.append(
+            {
+                "run": s["run_id"],
+                "state": s["state"],
+                "what": s["title"],
+                "best detector": s["best_detector"],
+                "mean AUROC": s["best_auroc"],
+                "mean FPR95": s["best_fpr95"],
+                "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s["created"] else "",
+            }
+        )
     return pd.DataFrame(rows)
 
 
@@ -102,8 +108,12 @@ def past_runs() -> None:
         return
     chosen = st.dataframe(
         table.style.format({"mean AUROC": "{:.3f}", "mean FPR95": "{:.3f}"}, na_rep="—"),
-        hide_index=True, use_container_width=True, on_select="rerun", selection_mode="multi-row", key="runs-table",
-    )  # fmt: skip
+        hide_index=True,
+        use_container_width=True,
+        on_select="rerun",
+        selection_mode="multi-row",
+        key="runs-table",
+    )
     picked = [table.iloc[i]["run"] for i in chosen.selection.rows]
     c1, c2, c3 = st.columns(3)
     if c1.button("Open", disabled=len(picked) != 1):
@@ -176,7 +186,9 @@ def main() -> None:
     try:
         page()
     except Exception as error:  # st.rerun/st.stop are BaseExceptions and pass through
-        st.error(f"Something went wrong: {type(error).__name__}: {error}. The app is still running; finished runs are kept.")
+        st.error(
+            f"Something went wrong: {type(error).__name__}: {error}. The app is still running; finished runs are kept."
+        )
         with st.expander("Details"):
             st.exception(error)
 

@@ -15,10 +15,19 @@ CONVENTION = (
     "catches 95% of the OOD samples: lower is better."
 )
 PER_CLASS_HEADINGS = {
-    "class_name": "class name", "accuracy": "classifier accuracy", "false_alarms": "false alarms",
-    "false_alarm_rate": "false-alarm rate", "mean_score": "mean score",
-}  # fmt: skip
-METRIC_COLUMNS = {"auroc": "AUROC", "aupr_in": "AUPR-In", "aupr_out": "AUPR-Out", "fpr95": "FPR95", "id_accuracy": "ID accuracy"}
+    "class_name": "class name",
+    "accuracy": "classifier accuracy",
+    "false_alarms": "false alarms",
+    "false_alarm_rate": "false-alarm rate",
+    "mean_score": "mean score",
+}
+METRIC_COLUMNS = {
+    "auroc": "AUROC",
+    "aupr_in": "AUPR-In",
+    "aupr_out": "AUPR-Out",
+    "fpr95": "FPR95",
+    "id_accuracy": "ID accuracy",
+}
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -29,7 +38,9 @@ def _results(path: str, finished: float | None) -> analysis.Results:
 def metrics_tab(results: analysis.Results) -> None:
     metrics = results.metrics
     st.caption(CONVENTION)
-    view = st.segmented_control("Rows", ["near/far means", "every OOD dataset"], default="near/far means", key="metrics-rows")
+    view = st.segmented_control(
+        "Rows", ["near/far means", "every OOD dataset"], default="near/far means", key="metrics-rows"
+    )
     means = metrics.ood_dataset.str.endswith("(mean)")
     if view == "every OOD dataset":
         shown = metrics[~means].rename(columns={"ood_dataset": "OOD dataset", **METRIC_COLUMNS})
@@ -42,7 +53,7 @@ def metrics_tab(results: analysis.Results) -> None:
     higher = [c for c in shown.columns if c.startswith(("AUROC", "AUPR"))]
     lower = [c for c in shown.columns if c.startswith("FPR95")]
     styled = (
-        shown.style.format({c: "{:.3f}" for c in higher + lower + ["ID accuracy"]})
+        shown.style.format(dict.fromkeys(higher + lower + ["ID accuracy"], "{:.3f}"))
         .highlight_max(subset=higher, color="#c8e6c9")
         .highlight_min(subset=lower, color="#c8e6c9")
     )
@@ -57,19 +68,27 @@ def histogram_tab(results: analysis.Results, detector: str, colors: dict) -> Non
     default = analysis.default_threshold(scores, detector)
     low, high = float(hist["edges"][0]), float(hist["edges"][-1])
     threshold = st.slider(
-        "Threshold (flag as OOD when score ≥ threshold)", low, high, min(max(default, low), high),
-        step=(high - low) / 200 or 1.0, key=f"threshold-{detector}",
+        "Threshold (flag as OOD when score ≥ threshold)",
+        low,
+        high,
+        min(max(default, low), high),
+        step=(high - low) / 200 or 1.0,
+        key=f"threshold-{detector}",
         help=f"Starts at {default:.4g}, the threshold that catches 95% of all OOD samples.",
-    )  # fmt: skip
+    )
     label = "95% OOD recall" if threshold == default else "threshold"
     st.plotly_chart(
-        plots.histogram_figure(hist, threshold=threshold, title=f"{detector} scores", threshold_label=label, colors=colors),
+        plots.histogram_figure(
+            hist, threshold=threshold, title=f"{detector} scores", threshold_label=label, colors=colors
+        ),
         use_container_width=True,
     )
     counts = analysis.counts_at_threshold(scores, detector, threshold)
     c1, c2 = st.columns(2)
     ids, total = counts["id"], counts["total"]
-    c1.metric("False alarms (ID flagged as OOD)", f"{ids['false_alarms']:,} of {ids['n']:,} ({ids['false_alarm_rate']:.1%})")
+    c1.metric(
+        "False alarms (ID flagged as OOD)", f"{ids['false_alarms']:,} of {ids['n']:,} ({ids['false_alarm_rate']:.1%})"
+    )
     c2.metric("Misses (OOD accepted as ID)", f"{total['missed']:,} of {total['n_ood']:,} ({total['miss_rate']:.1%})")
     table = analysis.counts_table(counts).rename(columns={"wrong": "count", "wrong_rate": "rate"})
     st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, use_container_width=True)
@@ -77,7 +96,9 @@ def histogram_tab(results: analysis.Results, detector: str, colors: dict) -> Non
 
 def curves_tab(results: analysis.Results, detector: str, colors: dict) -> None:
     scores = results.scores
-    mode = st.radio("Overlay", ["OOD sets for this detector", "detectors for one OOD set"], horizontal=True, key="curves-mode")
+    mode = st.radio(
+        "Overlay", ["OOD sets for this detector", "detectors for one OOD set"], horizontal=True, key="curves-mode"
+    )
     if mode == "OOD sets for this detector":
         curves = {name: analysis.curves(scores, detector, name) for name in analysis.ood_datasets_of(scores)}
         title = f"{detector}: one curve per OOD set"
@@ -87,7 +108,9 @@ def curves_tab(results: analysis.Results, detector: str, colors: dict) -> None:
         colors, title = None, f"{dataset}: one curve per detector"
     c1, c2 = st.columns(2)
     c1.plotly_chart(plots.roc_figure(curves, title=f"ROC — {title}", colors=colors), use_container_width=True)
-    c2.plotly_chart(plots.pr_figure(curves, title=f"PR (OOD positive) — {title}", colors=colors), use_container_width=True)
+    c2.plotly_chart(
+        plots.pr_figure(curves, title=f"PR (OOD positive) — {title}", colors=colors), use_container_width=True
+    )
 
 
 def _gallery(images, captions, columns=8) -> None:
@@ -114,17 +137,25 @@ def failures_tab(results: analysis.Results, detector: str, colors: dict) -> None
         table = table.drop(columns="class name")  # digits: the name is the number
     selection = c1.dataframe(
         table.style.format({"classifier accuracy": "{:.1%}", "false-alarm rate": "{:.1%}", "mean score": "{:.4g}"}),
-        hide_index=True, use_container_width=True, on_select="rerun", selection_mode="single-row", key=f"classes-{detector}",
-    )  # fmt: skip
+        hide_index=True,
+        use_container_width=True,
+        on_select="rerun",
+        selection_mode="single-row",
+        key=f"classes-{detector}",
+    )
     c2.plotly_chart(plots.per_class_bar(per_class), use_container_width=True)
     rows = selection.selection.rows if selection else []
     id_class = int(per_class.iloc[rows[0]]["class"]) if rows else None
     ood_names = analysis.ood_datasets_of(scores)
     ood_filter = st.selectbox("OOD set for the second gallery", ["all OOD sets"] + ood_names, key="gallery-ood")
     id_rows, ood_rows = analysis.failure_cases(
-        scores, detector, k=12, id_class=id_class, class_names=class_names,
+        scores,
+        detector,
+        k=12,
+        id_class=id_class,
+        class_names=class_names,
         ood_dataset=None if ood_filter == "all OOD sets" else ood_filter,
-    )  # fmt: skip
+    )
     which = f"class {id_rows.class_name.iloc[0]}" if id_class is not None and len(id_rows) else "all classes"
     st.markdown(f"**ID images most wrongly flagged as OOD** ({which}; true class → prediction · score)")
     _gallery(
@@ -166,9 +197,12 @@ def results_page(run: RunDir) -> None:
     for tab, draw in zip(tabs[1:4], (histogram_tab, curves_tab, failures_tab)):
         with tab:
             detector = st.selectbox(
-                "Detector", detectors, index=detectors.index(best) if best in detectors else 0, key=f"detector-{draw.__name__}",
+                "Detector",
+                detectors,
+                index=detectors.index(best) if best in detectors else 0,
+                key=f"detector-{draw.__name__}",
                 format_func=lambda d: f"{d} (best mean AUROC)" if d == best else d,
-            )  # fmt: skip
+            )
             draw(results, detector, colors)
     with tabs[4]:
         run_details(results)

@@ -47,18 +47,28 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
         st.subheader("Model")
         backbones = available_backbones() + [USER_MODEL]
         backbone = st.selectbox(
-            "Backbone", backbones, index=backbones.index(defaults.backbone) if defaults.backbone in backbones else 0,
+            "Backbone",
+            backbones,
+            index=backbones.index(defaults.backbone) if defaults.backbone in backbones else 0,
             format_func=lambda b: "your own TorchScript file" if b == USER_MODEL else b,
             help="digits-cnn ships with oodviz and works offline. torchvision models need their weight file "
             "(or 'random' weights for a dry run).",
-        )  # fmt: skip
-        weights = st.radio("Weights", ["default", "random"], horizontal=True, index=["default", "random"].index(defaults.weights))
+        )
+        weights = st.radio(
+            "Weights", ["default", "random"], horizontal=True, index=["default", "random"].index(defaults.weights)
+        )
         checkpoint = st.text_input(
-            "Checkpoint file (optional)", defaults.checkpoint,
+            "Checkpoint file (optional)",
+            defaults.checkpoint,
             help="A TorchScript file (with 'your own TorchScript file'), or a state dict of the chosen torchvision architecture.",
-        )  # fmt: skip
+        )
         c1, c2 = st.columns([2, 1])
-        layer = c1.text_input("Feature layer", defaults.layer, placeholder="penultimate", help="A module name, e.g. layer3; blank = the penultimate layer.")
+        layer = c1.text_input(
+            "Feature layer",
+            defaults.layer,
+            placeholder="penultimate",
+            help="A module name, e.g. layer3; blank = the penultimate layer.",
+        )
         pooling = c2.selectbox("Pooling", ["avg", "max", "none"], index=["avg", "max", "none"].index(defaults.pooling))
 
         st.subheader("Data")
@@ -78,9 +88,11 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
 
         st.subheader("Detectors")
         detectors = st.multiselect(
-            "Detectors", available(), default=defaults.detectors,
+            "Detectors",
+            available(),
+            default=defaults.detectors,
             help="Higher score = more OOD for every detector. See 'What each detector does' below the form.",
-        )  # fmt: skip
+        )
         with st.expander("Detector parameters"):
             detector_params = _detector_params(defaults)
 
@@ -88,10 +100,20 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
         facts = _devices()
         devices = ["auto"] + [f["device"] for f in facts]
         labels = {"auto": "auto — first GPU if any, else CPU", **{f["device"]: _device_label(f) for f in facts}}
-        device = st.selectbox("Device", devices, index=devices.index(defaults.device) if defaults.device in devices else 0, format_func=labels.get)
+        device = st.selectbox(
+            "Device",
+            devices,
+            index=devices.index(defaults.device) if defaults.device in devices else 0,
+            format_func=labels.get,
+        )
         r1, r2 = st.columns(2)
         batch_size = r1.number_input("Batch size", min_value=1, value=defaults.batch_size)
-        precision = r2.selectbox("Precision", list(PRECISIONS), index=list(PRECISIONS).index(defaults.precision), help="bf16/fp16 autocast applies on GPUs only.")
+        precision = r2.selectbox(
+            "Precision",
+            list(PRECISIONS),
+            index=list(PRECISIONS).index(defaults.precision),
+            help="bf16/fp16 autocast applies on GPUs only.",
+        )
 
         b1, b2 = st.columns(2)
         estimate = b1.form_submit_button("Estimate memory", use_container_width=True)
@@ -103,12 +125,27 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             st.markdown(f"**{name}** — {cls.summary} [paper]({cls.paper})")
 
     values = FormValues(
-        backbone=backbone, weights=weights, checkpoint=checkpoint, layer=layer, pooling=pooling, id_preset=id_preset,
-        fit_folder=fit_folder, test_folder=test_folder, ood=ood, ood_folder=ood_folder, detectors=detectors,
-        detector_params=detector_params, device=device, batch_size=int(batch_size), precision=precision,
-        fit_subsample=int(fit_subsample), test_subsample=int(test_subsample), ood_subsample=int(ood_subsample),
-        data_root=data_root, download=download,
-    )  # fmt: skip
+        backbone=backbone,
+        weights=weights,
+        checkpoint=checkpoint,
+        layer=layer,
+        pooling=pooling,
+        id_preset=id_preset,
+        fit_folder=fit_folder,
+        test_folder=test_folder,
+        ood=ood,
+        ood_folder=ood_folder,
+        detectors=detectors,
+        detector_params=detector_params,
+        device=device,
+        batch_size=int(batch_size),
+        precision=precision,
+        fit_subsample=int(fit_subsample),
+        test_subsample=int(test_subsample),
+        ood_subsample=int(ood_subsample),
+        data_root=data_root,
+        download=download,
+    )
     return values, "start" if start else "estimate" if estimate else None
 
 
@@ -121,7 +158,13 @@ def memory_estimate(config_json: str) -> tuple[dict, str, str | None]:
     from oodviz.runs.pipeline import load_split
 
     config = RunConfig.from_dict(json.loads(config_json))
-    backbone = load_backbone(config.backbone, weights=config.weights, checkpoint=config.checkpoint, layer=config.layer, pooling=config.pooling)
+    backbone = load_backbone(
+        config.backbone,
+        weights=config.weights,
+        checkpoint=config.checkpoint,
+        layer=config.layer,
+        pooling=config.pooling,
+    )
     splits = {"id_fit": load_split(config, config.id_fit, False), "id_test": load_split(config, config.id_test, False)}
     splits.update({f"ood:{c.name}": load_split(config, c, True) for c in config.ood})
     estimate = estimate_memory(backbone, {name: len(ds) for name, ds in splits.items()})

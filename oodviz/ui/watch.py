@@ -34,7 +34,8 @@ def _memory_metrics(event: dict) -> None:
             "GPU allocated",
             format_bytes(event["gpu_allocated"]),
             help=f"reserved {format_bytes(event['gpu_reserved'])}, peak {format_bytes(event['gpu_peak'])} "
-            f"of {format_bytes(event['gpu_total'])}" + (f", utilisation {event['gpu_util']:.0f}%" if "gpu_util" in event else ""),
+            f"of {format_bytes(event['gpu_total'])}"
+            + (f", utilisation {event['gpu_util']:.0f}%" if "gpu_util" in event else ""),
         )
         cols[3].caption(f"peak {format_bytes(event['gpu_peak'])} of {format_bytes(event['gpu_total'])}")
     else:
@@ -82,7 +83,14 @@ def job_panel(run: RunDir) -> None:
             st.rerun(scope="fragment")
         with st.expander("Finished stages"):
             st.dataframe(
-                [{"stage": e["stage"], "seconds": round(e["wall_s"], 2), "peak CPU RSS": format_bytes(e["peak_cpu_rss"])} for e in ended],
+                [
+                    {
+                        "stage": e["stage"],
+                        "seconds": round(e["wall_s"], 2),
+                        "peak CPU RSS": format_bytes(e["peak_cpu_rss"]),
+                    }
+                    for e in ended
+                ],
                 hide_index=True,
                 use_container_width=True,
             )
