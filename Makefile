@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 app: $(STAMP) fashion-mnist
-	$(BIN)/streamlit run app.py --server.headless true --browser.gatherUsageStats false
+	$(BIN)/oodviz app --headless
 
 # The browser tests drive Debian's Chromium; install it where we may (root with apt), else they skip.
 browser:

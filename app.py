@@ -1,5 +1,8 @@
-"""Streamlit entry point: `streamlit run app.py` (or `make app`). The UI lives in oodviz.ui."""
+"""`streamlit run app.py` from a checkout: runs the entry script inside the package, oodviz/ui/app.py,
+the one `oodviz app` and `make app` start."""
 
-from oodviz.ui.main import main
+import runpy
 
-main()
+from oodviz.ui import APP_SCRIPT
+
+runpy.run_path(str(APP_SCRIPT), run_name="__main__")

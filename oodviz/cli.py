@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from oodviz.models import format_bytes
 
@@ -116,12 +117,22 @@ def cmd_runs(args) -> int:
     return 0
 
 
-def cmd_app(args) -> int:
-    app = Path(__file__).resolve().parent.parent / "app.py"
-    command = [sys.executable, "-m", "streamlit", "run", str(app), "--browser.gatherUsageStats", "false"]
+def cmd_app(args) -> NoReturn:
+    """Serve the app with Streamlit: the entry script inside the installed package, from any directory.
+
+    The process becomes Streamlit's server (exec), so a signal sent to ``oodviz app`` reaches the server.
+    No usage statistics, no first-run e-mail prompt.
+    """
+    from oodviz.ui import APP_SCRIPT
+
+    command = [sys.executable, "-m", "streamlit", "run", str(APP_SCRIPT)]
+    command += ["--browser.gatherUsageStats", "false", "--server.showEmailPrompt", "false"]
     if args.port:
         command += ["--server.port", str(args.port)]
-    return subprocess.call(command)
+    if args.headless:
+        command += ["--server.headless", "true"]
+    sys.stdout.flush()
+    os.execv(sys.executable, command)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     runs.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT))
     runs.set_defaults(func=cmd_runs)
     app = commands.add_parser("app", help="start the Streamlit app")
-    app.add_argument("--port", type=int)
+    app.add_argument("--port", type=int, help="the port to serve on (default: Streamlit's, 8501)")
+    app.add_argument("--headless", action="store_true", help="do not open a browser (a server, CI)")
     app.set_defaults(func=cmd_app)
     args = parser.parse_args(argv)
     return args.func(args)

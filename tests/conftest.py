@@ -1,6 +1,9 @@
 """Shared fixtures: a small, seeded classification problem with a linear head."""
 
+import shutil
+import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -110,3 +113,36 @@ def assert_same_ranking(ours, theirs, n_id: int) -> None:
     theirs_auroc = ood_metrics(theirs[:n_id], theirs[n_id:])["auroc"]
     assert abs(ours_auroc - theirs_auroc) < 1e-5
     assert 0.5 < ours_auroc <= 1.0  # the synthetic OOD set is detectable: the comparison is not vacuous
+
+
+# Browser tests drive Debian's Chromium through pytest-playwright (it cannot download its own browser here).
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+chromium = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)")
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a test's server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def browser_type_launch_args(browser_type_launch_args):
+    return {
+        **browser_type_launch_args,
+        "executable_path": CHROMIUM,
+        "args": [
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--no-first-run",
+        ],
+    }
+
+
+@pytest.fixture(scope="session")
+def browser_context_args(browser_context_args):
+    return {**browser_context_args, "viewport": {"width": 1400, "height": 1000}}

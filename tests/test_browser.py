@@ -15,42 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import chromium, free_port
 
 REPO = Path(__file__).resolve().parent.parent
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 SCREENSHOTS = REPO / "assets" / "screenshots"
 
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)"
-)
-
-
-@pytest.fixture(scope="session")
-def browser_type_launch_args(browser_type_launch_args):
-    # playwright cannot download its own browser here: use the system's Chromium.
-    return {
-        **browser_type_launch_args,
-        "executable_path": CHROMIUM,
-        "args": [
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--no-first-run",
-        ],
-    }
-
-
-@pytest.fixture(scope="session")
-def browser_context_args(browser_context_args):
-    return {**browser_context_args, "viewport": {"width": 1400, "height": 1000}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytestmark = chromium
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +31,7 @@ def runs_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def app_url(runs_root):
     runs = runs_root
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, OODVIZ_RUNS_ROOT=str(runs))
     server = subprocess.Popen(
         [

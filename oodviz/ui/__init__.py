@@ -1,0 +1,6 @@
+"""The Streamlit app. ``APP_SCRIPT`` is its entry script, shipped inside the package so that an installed
+wheel can serve it: ``oodviz app``, ``make app`` and the repository's ``app.py`` all run this one file."""
+
+from pathlib import Path
+
+APP_SCRIPT = Path(__file__).resolve().parent / "app.py"
