@@ -6,11 +6,20 @@ Tensors on the ``meta`` device stand in for a GPU's (no data, any device type bu
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
 from oodviz import Batch
 from oodviz.batch import non_blocking_copy
+from oodviz.runs.telemetry import device_facts, job_environment, nvml_handle
+
+REPO = Path(__file__).resolve().parent.parent
 
 CPU, META = torch.device("cpu"), torch.device("meta")
 
@@ -85,3 +94,172 @@ def test_batch_on_the_target_device_is_not_copied():
     with CopyRecorder() as recorder:
         assert batch.to("meta") is batch
     assert recorder.copies == []
+
+
+# ----------------------------------------------------------------------------- which GPU is cuda:N
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    bus: int
+    name: str
+    capability: tuple[int, int]
+    total: int
+    free: int
+    utilisation: int = 0
+
+
+class FakeNvml:
+    """The pynvml calls oodviz makes, answered from a list of made-up GPUs (in NVML's order) and MIG instances."""
+
+    def __init__(self, gpus: list[FakeGpu], migs: dict[str, FakeGpu] | None = None):
+        self.gpus, self.migs = gpus, migs or {}
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.gpus[i]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return self.migs[uuid.decode()]  # KeyError: NVML's "not found"
+
+    def nvmlDeviceGetUUID(self, gpu):
+        return gpu.uuid
+
+    def nvmlDeviceGetName(self, gpu):
+        return gpu.name.encode()  # older pynvml returns bytes
+
+    def nvmlDeviceGetPciInfo(self, gpu):
+        return SimpleNamespace(domain=0, bus=gpu.bus, device=0, busId=f"00000000:{gpu.bus:02X}:00.0")
+
+    def nvmlDeviceGetCudaComputeCapability(self, gpu):
+        return gpu.capability
+
+    def nvmlDeviceGetMemoryInfo(self, gpu):
+        return SimpleNamespace(total=gpu.total, free=gpu.free, used=gpu.total - gpu.free)
+
+    def nvmlDeviceGetUtilizationRates(self, gpu):
+        return SimpleNamespace(gpu=gpu.utilisation, memory=0)
+
+
+GiB = 2**30
+A10_FIRST = FakeGpu("GPU-aaaa1111-0000-0000-0000-000000000000", 0x1A, "NVIDIA A10", (8, 6), 24 * GiB, 20 * GiB, 11)
+H100 = FakeGpu("GPU-bbbb2222-0000-0000-0000-000000000000", 0x3B, "NVIDIA H100", (9, 0), 80 * GiB, 70 * GiB, 22)
+A10_LAST = FakeGpu("GPU-aaab3333-0000-0000-0000-000000000000", 0x5E, "NVIDIA A10", (8, 6), 24 * GiB, 10 * GiB, 33)
+MIG = FakeGpu("MIG-cccc4444-0000-0000-0000-000000000000", 0x3B, "NVIDIA H100 MIG 1g.10gb", (9, 0), 10 * GiB, 9 * GiB)
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    # NVML lists by PCI bus id; this one does not, so that the tests see the ordering is oodviz's own.
+    nvml = FakeNvml([H100, A10_LAST, A10_FIRST], {MIG.uuid: MIG})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    return nvml
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, [A10_FIRST, H100, A10_LAST]),  # jobs run with CUDA_DEVICE_ORDER=PCI_BUS_ID
+        ({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, [A10_FIRST, H100, A10_LAST]),
+        ({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, [H100, A10_FIRST, A10_LAST]),  # the guess: highest capability
+        ({"CUDA_DEVICE_ORDER": "FASTEST_FIRST", "CUDA_VISIBLE_DEVICES": "0"}, [H100]),
+        ({"CUDA_VISIBLE_DEVICES": "2,0"}, [A10_LAST, A10_FIRST]),
+        ({"CUDA_VISIBLE_DEVICES": " 1 , 2"}, [H100, A10_LAST]),
+        ({"CUDA_VISIBLE_DEVICES": "1gpu,0"}, [H100, A10_FIRST]),  # read like strtoul
+        ({"CUDA_VISIBLE_DEVICES": "1,7,0"}, [H100]),  # the list ends at a device that does not exist
+        ({"CUDA_VISIBLE_DEVICES": "1,-1,0"}, [H100]),
+        ({"CUDA_VISIBLE_DEVICES": "0,2,0"}, []),  # a repeat hides every GPU
+        ({"CUDA_VISIBLE_DEVICES": ""}, []),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-bbbb"}, [H100]),  # a unique UUID prefix
+        ({"CUDA_VISIBLE_DEVICES": "GPU-aaab3333,0"}, [A10_LAST, A10_FIRST]),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-aaa,1"}, []),  # an ambiguous prefix names no device
+        ({"CUDA_VISIBLE_DEVICES": f"{H100.uuid},{H100.uuid}"}, []),
+        ({"CUDA_VISIBLE_DEVICES": f"{MIG.uuid}"}, [MIG]),
+        ({"CUDA_VISIBLE_DEVICES": "MIG-dddd"}, []),
+    ],
+)
+def test_device_facts_list_the_gpus_a_job_numbers_cuda_0_to_n(fake_nvml, environ, expected):
+    facts = device_facts(environ)
+    assert facts[0]["device"] == "cpu"
+    assert [(f["device"], f["name"], f["total"], f["free"]) for f in facts[1:]] == [
+        (f"cuda:{i}", gpu.name, gpu.total, gpu.free) for i, gpu in enumerate(expected)
+    ]
+
+
+def test_a_job_gets_pci_bus_order_unless_its_environment_names_one():
+    assert job_environment({"PATH": "/bin"}) == {"PATH": "/bin", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert job_environment({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+
+
+def test_the_worker_finds_its_gpu_by_uuid_then_by_pci_bus_id(fake_nvml):
+    # torch writes the UUID without the "GPU-" prefix; PCI is (domain, bus, device)
+    assert nvml_handle(fake_nvml, A10_LAST.uuid.removeprefix("GPU-"), (0, 0x1A, 0)) is A10_LAST  # the UUID wins
+    assert nvml_handle(fake_nvml, "", (0, 0x3B, 0)) is H100
+    assert nvml_handle(fake_nvml, "eeee5555-0000-0000-0000-000000000000", (0, 0x99, 0)) is None
+
+
+def test_no_nvml_lists_the_cpu_only(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    assert [f["device"] for f in device_facts({})] == ["cpu"]
+
+
+CONTEXT_ENTRY_POINTS = (
+    "init",
+    "_lazy_init",
+    "is_available",
+    "device_count",
+    "current_device",
+    "set_device",
+    "synchronize",
+    "mem_get_info",
+    "get_device_properties",
+    "get_device_name",
+    "get_device_capability",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+)
+
+
+@pytest.fixture
+def cuda_tripwire(monkeypatch):
+    """Every ``torch.cuda`` entry point that creates (or asks about) a CUDA context raises while the test runs."""
+    touched = []
+
+    def tripwire(name):
+        def wire(*args, **kwargs):
+            touched.append(name)
+            raise AssertionError(f"the app process called torch.cuda.{name}")
+
+        return wire
+
+    for name in CONTEXT_ENTRY_POINTS:
+        monkeypatch.setattr(torch.cuda, name, tripwire(name))
+    monkeypatch.setattr(torch._C, "_cuda_init", tripwire("_C._cuda_init"), raising=False)
+    return touched
+
+
+def test_listing_devices_in_the_app_never_touches_cuda(fake_nvml, cuda_tripwire, tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from oodviz.ui.sidebar import _devices
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    assert [f["device"] for f in device_facts()] == ["cpu", "cuda:0", "cuda:1", "cuda:2"]
+    _devices.clear()  # Streamlit's cache: this test's fake GPUs must neither come from nor stay in it
+    try:
+        assert [f["name"] for f in _devices()][1:] == [A10_FIRST.name, H100.name, A10_LAST.name]
+        monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path))
+        app = AppTest.from_file(str(REPO / "app.py"), default_timeout=60).run()
+    finally:
+        _devices.clear()
+    assert not app.exception
+    device_box = [s for s in app.sidebar.selectbox if s.label.lower().startswith("device")][0]
+    assert [o for o in device_box.options if "cuda" in o] and cuda_tripwire == []
