@@ -13,10 +13,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch import nn
+from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
 from oodviz import Batch
 from oodviz.batch import non_blocking_copy
+from oodviz.detectors import create
+from oodviz.detectors.mcd import rng_device
 from oodviz.runs.telemetry import device_facts, job_environment, nvml_handle
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,3 +267,56 @@ def test_listing_devices_in_the_app_never_touches_cuda(fake_nvml, cuda_tripwire,
     assert not app.exception
     device_box = [s for s in app.sidebar.selectbox if s.label.lower().startswith("device")][0]
     assert [o for o in device_box.options if "cuda" in o] and cuda_tripwire == []
+
+
+# ----------------------------------------------------------------------------- odin under autocast, mcd's generator
+
+
+def tiny_weights_model() -> nn.Module:
+    """A linear classifier whose input gradient at T = 1000 is about |W| / T ~ 1e-8: zero in float16."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 5)
+    with torch.no_grad():
+        model.weight.mul_(1e-4)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_odin_under_autocast_steps_as_in_float32(dtype):
+    model = tiny_weights_model()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    odin = create("odin", norm_std=None, model=model)
+    # float64 reference of sign(-grad_x log S_yhat(x; T)): the gradient of the cross-entropy is W^T (p - onehot) / T
+    w, b = model.weight.double(), model.bias.double()
+    logits = (x.double() @ w.T + b) / odin.temperature
+    p = logits.softmax(dim=1)
+    expected_sign = ((p - F.one_hot(logits.argmax(dim=1), 5)) @ w / odin.temperature).sign()
+    assert (expected_sign != 0).all()
+    with torch.autocast("cpu", dtype=dtype):
+        step = odin.perturb(x) - x
+        scores = odin.score(Batch(inputs=x))
+    torch.testing.assert_close(step.sign().double(), -expected_sign, rtol=0, atol=0)  # x' = x - eps * sign(grad)
+    torch.testing.assert_close(scores, odin.score(Batch(inputs=x)), rtol=0, atol=2e-3 / 5)
+
+
+def test_mcd_draws_on_the_generator_of_the_device_the_model_runs_on():
+    assert rng_device(nn.Linear(2, 2, device="meta"), CPU) == META  # where the parameters are, not what was asked
+    assert rng_device(nn.Linear(2, 2), torch.device("cuda:1")) == CPU
+    assert rng_device(nn.Dropout(0.5), torch.device("cuda:3")) == torch.device("cuda:3")  # no parameters: as asked
+    assert rng_device(None, torch.device("cuda:2")) == torch.device("cuda:2")
+
+
+def test_mcd_on_the_cpu_seeds_no_gpu_generator(monkeypatch):
+    def tripwire(*args, **kwargs):
+        raise AssertionError("mcd touched a CUDA generator while scoring on the CPU")
+
+    for name in ("manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state", "get_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, tripwire)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    x = torch.randn(10, 6)
+    first = create("mcd", model=model, samples=5, seed=2).score(Batch(inputs=x))
+    torch.default_generator.manual_seed(123)
+    state = torch.get_rng_state()
+    again = create("mcd", model=model, samples=5, seed=2).score(Batch(inputs=x))
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), state)
