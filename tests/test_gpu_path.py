@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import make_problem
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
@@ -320,3 +321,44 @@ def test_mcd_on_the_cpu_seeds_no_gpu_generator(monkeypatch):
     again = create("mcd", model=model, samples=5, seed=2).score(Batch(inputs=x))
     torch.testing.assert_close(again, first, rtol=0, atol=0)
     assert torch.equal(torch.get_rng_state(), state)
+
+
+# ----------------------------------------------------------------------------- host syncs per fit batch
+
+#: what makes the host wait for a GPU (on the CPU they are only counted): a value read into Python, or an output
+#: whose size depends on the data
+SYNCS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "masked_select"}
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts the host syncs made from the lines of ``source`` (a path suffix), attributed to the first frame
+    outside torch, so that the syncs of the caller's own code are told apart from those of the code it calls."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source, self.count = source, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in SYNCS:
+            frame = sys._getframe(1)
+            while frame is not None and f"{Path(torch.__file__).parent}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_filename.endswith(self.source):
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def vim_fit_syncs(n_batches: int) -> int:
+    problem = make_problem(n_classes=10, dim=300, n_fit=200 * n_batches)
+    batches = problem.fit_batches(size=200)  # one row block each (stats.row_blocks); the old code synced twice a block
+    with SyncCounter("oodviz/detectors/vim.py") as counter:
+        create("vim", dim=20).fit(batches, head=problem.head)
+    return counter.count
+
+
+def test_vim_fit_makes_no_host_sync_per_batch():
+    """Budget: 0 syncs per batch in vim.py's own code (both passes accumulate on the device), at most 2 per fit
+    (the two sums of the second pass, read once). FitData's reading of the batches is counted in its own test."""
+    few, many = vim_fit_syncs(3), vim_fit_syncs(9)
+    assert many == few
+    assert few <= 2
