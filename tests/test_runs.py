@@ -179,6 +179,7 @@ def test_a_second_identical_run_reuses_the_stored_features(tmp_path):
     assert meta["splits"]["id_fit"]["store"] == first_meta["splits"]["id_fit"]["store"]
 
 
+@pytest.mark.cuda
 @cuda
 def test_a_run_on_device_cuda_matches_the_same_run_on_the_cpu(tmp_path):
     """The explicit twin of the default run on the GPU: same config, device "cuda" and "cpu"; same metrics
