@@ -37,6 +37,17 @@ def _as_tensor(name: str, value) -> Tensor | None:
     raise TypeError(f"Batch.{name} must be a torch.Tensor or numpy array, got {type(value).__name__}")
 
 
+def non_blocking_copy(source: torch.device, source_pinned: bool, target: torch.device) -> bool:
+    """Whether a copy from ``source`` to ``target`` may be asynchronous: only host -> device from pinned memory.
+
+    A device -> host copy with ``non_blocking=True`` returns before the data has arrived, and the
+    host would read whatever the (pinned) pages held before; a device -> device copy across devices
+    is ordered on the source's stream only. Both block. Pageable host memory is copied synchronously
+    by CUDA anyway.
+    """
+    return source.type == "cpu" and target.type != "cpu" and source_pinned
+
+
 def _same_device(actual: torch.device, wanted: torch.device) -> bool:
     # "cuda" means the current CUDA device; a tensor reports "cuda:0".
     return actual.type == wanted.type and (wanted.index is None or actual.index == wanted.index)
@@ -103,10 +114,17 @@ class Batch:
         return None
 
     def to(self, device: torch.device | str) -> Batch:
-        """This batch with every tensor on ``device`` (non-blocking where the source is pinned)."""
+        """This batch with every tensor on ``device``: asynchronous only from pinned host memory to a device,
+        so a tensor moved to the host can be read at once (see ``non_blocking_copy``)."""
         device = torch.device(device)
         tensors = [t for t in (self.features, self.logits, self.labels, self.inputs) if t is not None]
         if all(_same_device(t.device, device) for t in tensors):
             return self
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+
+        def move(t: Tensor | None) -> Tensor | None:
+            if t is None:
+                return None
+            pinned = t.device.type == "cpu" and t.is_pinned()
+            return t.to(device, non_blocking=non_blocking_copy(t.device, pinned, device))
+
         return Batch(move(self.features), move(self.logits), move(self.labels), move(self.inputs))

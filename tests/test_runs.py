@@ -11,10 +11,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import cuda
 
 from oodviz.metrics import ood_metrics, threshold_at_recall
 from oodviz.runs.config import ConfigError, DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.jobs import cancel, list_runs, refresh, submit
+from oodviz.runs.pipeline import resolve_device
 from oodviz.runs.rundir import RunDir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,7 +107,7 @@ def test_cli_default_run_writes_a_complete_self_describing_directory(cli_default
     for name in ("metrics.csv", "scores.parquet", "per_class.csv", "meta.json", "detectors.json", "events.jsonl"):
         assert (out / name).is_file(), name
     meta = json.loads((out / "meta.json").read_text())
-    assert meta["device"] == "cpu" and meta["torch"]
+    assert meta["device"] == str(resolve_device("auto")) and meta["torch"]  # "cuda" where a GPU is visible
     assert {"extract id_fit", "fit mahalanobis", "metrics"} <= set(meta["stages"])
     assert all(s["wall_s"] >= 0 and s["peak_cpu_rss"] > 0 for s in meta["stages"].values())
     events = run.read_events()
@@ -175,6 +177,22 @@ def test_a_second_identical_run_reuses_the_stored_features(tmp_path):
     assert all(split["reused"] for split in meta["splits"].values())
     first_meta = json.loads((first.path / "meta.json").read_text())
     assert meta["splits"]["id_fit"]["store"] == first_meta["splits"]["id_fit"]["store"]
+
+
+@pytest.mark.cuda
+@cuda
+def test_a_run_on_device_cuda_matches_the_same_run_on_the_cpu(tmp_path):
+    """The explicit twin of the default run on the GPU: same config, device "cuda" and "cpu"; same metrics
+    (to within 0.01: float32 rounding of other kernels, TF32 convolutions, a sample or two at a threshold)."""
+    runs = {device: submit(small_config(device=device), tmp_path / device) for device in ("cpu", "cuda")}
+    for run in runs.values():
+        assert wait_final(run)["state"] == "done", run.read_events()[-3:]
+    assert json.loads((runs["cuda"].path / "meta.json").read_text())["device"] == "cuda"
+    metrics = {device: pd.read_csv(run.path / "metrics.csv") for device, run in runs.items()}
+    assert list(metrics["cuda"].detector) == list(metrics["cpu"].detector)
+    assert list(metrics["cuda"].ood_dataset) == list(metrics["cpu"].ood_dataset)
+    for key in ("auroc", "fpr95", "id_accuracy"):
+        np.testing.assert_allclose(metrics["cuda"][key], metrics["cpu"][key], atol=0.01)
 
 
 def test_a_failing_detector_is_recorded_and_the_others_go_on(tmp_path):

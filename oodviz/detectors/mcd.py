@@ -23,10 +23,13 @@ a model given in eval mode). Train/eval flags and devices are restored afterward
 error. A model without dropout modules is a ValueError: it would give ``N`` identical passes
 (dropout written as ``F.dropout(x, training=...)`` inside ``forward`` cannot be switched on).
 
-``seed``: the dropout masks of one ``score`` call come from a generator seeded with it (the
-global random state is saved and restored around the call), so a run is reproducible; ``None``
-draws from the global random state. Shapes: ``inputs`` ``[B, C_in, ...]`` -> scores ``[B]``.
+``seed``: the dropout masks of one ``score`` call come from a generator seeded with it, so a run is
+reproducible: the generator of the device the model runs on (``cuda:N`` for a model on GPU ``N``,
+see ``rng_device``) and the CPU's are seeded, and saved and restored around the call; other GPUs'
+are not touched. ``None`` draws from the global random state. Shapes: ``inputs`` ``[B, C_in, ...]`` -> scores ``[B]``.
 """
+
+import itertools
 
 import torch
 from torch import Tensor, nn
@@ -52,8 +55,19 @@ def dropout_modules(model) -> list[nn.Module]:
     return found
 
 
+def rng_device(module: nn.Module | None, device: torch.device) -> torch.device:
+    """The device whose random generator draws the dropout masks: where ``module``'s first parameter or buffer
+    lives (the forward runs there), else ``device``; a bare ``cuda`` is the current CUDA device."""
+    tensors = [] if module is None else itertools.chain(module.parameters(), module.buffers())
+    used = next((t.device for t in tensors), device)
+    if used.type == "cuda" and used.index is None:
+        used = torch.device("cuda", torch.cuda.current_device())
+    return used
+
+
 class _DropoutOn:
-    """Switch the dropout modules to training mode and seed the random state; undo both afterwards."""
+    """Switch the dropout modules to training mode and seed the random state of ``device`` (and the CPU's);
+    undo both afterwards. Only those generators are seeded and restored: the other GPUs' are left alone."""
 
     def __init__(self, modules: list[nn.Module], seed: int | None, device: torch.device):
         self.modules, self.seed, self.device = modules, seed, device
@@ -62,10 +76,17 @@ class _DropoutOn:
     def __enter__(self):
         self.flags = [(m, m.training) for m in self.modules]
         if self.seed is not None:
-            devices = [self.device.index or 0] if self.device.type == "cuda" else []
-            self.rng = torch.random.fork_rng(devices=devices)
+            cuda = self.device.type == "cuda"
+            self.rng = torch.random.fork_rng(devices=[self.device.index] if cuda else [])
             self.rng.__enter__()
-            torch.manual_seed(self.seed)
+            if cuda:
+                torch.default_generator.manual_seed(self.seed)
+                with torch.cuda.device(self.device.index):
+                    torch.cuda.manual_seed(self.seed)
+            elif self.device.type == "cpu":
+                torch.default_generator.manual_seed(self.seed)
+            else:  # other accelerators: torch seeds (but does not fork) them all
+                torch.manual_seed(self.seed)
         for module in self.modules:
             module.train()
         return self
@@ -114,7 +135,7 @@ class MCD(ModelDetector):
             )
 
     def _scoring(self, device: torch.device):
-        return _DropoutOn(dropout_modules(self.module), self.seed, device)
+        return _DropoutOn(dropout_modules(self.module), self.seed, rng_device(self.module, device))
 
     def _score(self, batch: Batch) -> Tensor:
         total = total_sq = None

@@ -20,6 +20,12 @@ for the backward pass (no weight gradients are computed, which halves its cost) 
 afterwards; they collect no ``.grad``. ``epsilon = 0`` skips the backward pass and is
 temperature-scaled MSP. The model runs in eval mode (see ``ModelDetector``).
 
+**Precision.** The gradient step runs with autocast off (in the model's own precision): under fp16
+autocast the input gradient, of order ``|W| / T``, underflows to zero and so would its sign. The
+loss is multiplied by ``T`` before the backward pass (the sign is unchanged) so that a model whose
+weights are themselves half precision keeps gradients of order 1. The second forward pass runs in
+the caller's autocast, if any.
+
 **Input normalisation.** ``epsilon`` is a step in *pixel* units (images in ``[0, 1]``) in the
 paper's code, which divides the sign of the gradient of each channel by the standard deviation the
 inputs were normalised with; pytorch-ood does the same when it is given ``norm_std`` and otherwise
@@ -102,6 +108,14 @@ def _frozen(module):
             p.requires_grad_(True)
 
 
+def _without_autocast(device: torch.device):
+    """Autocast off on ``device`` for the block: under fp16 autocast the input gradient, of order ``W / T``, underflows
+    to 0 and its sign with it; the gradient step runs in the model's own precision (float32 for most models)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class ODIN(ModelDetector):
     name = "odin"
     summary = "Negative max softmax at temperature T of the input nudged by epsilon towards higher confidence (runs the model)."
@@ -130,9 +144,10 @@ class ODIN(ModelDetector):
         with torch.inference_mode(False):
             x = x.clone() if torch.is_inference(x) else x
             x = x.detach().requires_grad_(True)
-            with torch.enable_grad(), _frozen(self.module):
+            with torch.enable_grad(), _frozen(self.module), _without_autocast(x.device):
                 logits = self.logits(x, grad=True) / self.temperature
-                loss = F.cross_entropy(logits, logits.argmax(dim=1), reduction="sum")
+                # times T: the same sign, gradients of order 1 rather than 1/T for a half-precision model
+                loss = self.temperature * F.cross_entropy(logits, logits.argmax(dim=1), reduction="sum")
                 (gradient,) = torch.autograd.grad(loss, x)
             step = gradient.sign()
             std = self.channel_std()

@@ -98,7 +98,9 @@ class ViM(Detector):
         del eigenvectors
         origin = origin.float()
         self.head_weight_, self.head_bias_ = weight, bias
-        max_logit_sum, norm_sum = 0.0, 0.0
+        # [sum of max logits, sum of residual norms]: each block's float32 sums are added in float64 on the
+        # device, as a Python float would add them, and read once after the pass (no host sync per block)
+        sums = torch.zeros(2, dtype=ACCUMULATE, device=origin.device)
         for batch in data:
             for block in row_blocks(len(batch.features), max(n_features, len(bias))):
                 x = batch.features[block].float()
@@ -106,8 +108,9 @@ class ViM(Detector):
                 projected = torch.mm(
                     centred, residual, out=scratch.get("residual", (len(x), residual.shape[1]), torch.float32, x.device)
                 )
-                norm_sum += float(torch.linalg.vector_norm(projected, dim=1).sum())
-                max_logit_sum += float(self._logits(batch, block, scratch).amax(dim=1).sum())
+                sums[1] += torch.linalg.vector_norm(projected, dim=1).sum()
+                sums[0] += self._logits(batch, block, scratch).amax(dim=1).sum()
+        max_logit_sum, norm_sum = sums.tolist()
         if norm_sum == 0:
             raise ValueError(
                 f"vim: the features have no component outside the top {dim} principal directions; choose a smaller dim."

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from oodviz.runs.config import RunConfig
 from oodviz.runs.rundir import FINAL_STATES, RunDir
+from oodviz.runs.telemetry import job_environment
 
 CANCEL_GRACE_S = 10.0  # after a cancel request, a worker that has not stopped by then is killed
 
@@ -51,7 +52,7 @@ def pid_alive(pid: int | None, run: RunDir | None = None) -> bool:
 
 def _spawn(module: str, run: RunDir, new_session: bool) -> subprocess.Popen:
     log = open(run.log_path, "ab")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = job_environment(dict(os.environ, PYTHONUNBUFFERED="1"))  # cuda:N as the app lists it
     return subprocess.Popen(
         [sys.executable, "-m", module, str(run.path.resolve())],
         stdin=subprocess.DEVNULL,

@@ -1,0 +1,365 @@
+"""The CUDA paths that can be checked without a GPU: copies, device choice, NVML mapping, host syncs, precision.
+
+Tensors on the ``meta`` device stand in for a GPU's (no data, any device type but the host's);
+``TorchFunctionMode``s record what the code asks torch to do. No test fakes ``torch.cuda`` into a GPU.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import make_problem
+from torch import nn
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
+
+from oodviz import Batch
+from oodviz.batch import non_blocking_copy
+from oodviz.detectors import create
+from oodviz.detectors.mcd import rng_device
+from oodviz.runs.telemetry import device_facts, job_environment, nvml_handle
+
+REPO = Path(__file__).resolve().parent.parent
+
+CPU, META = torch.device("cpu"), torch.device("meta")
+
+
+class CopyRecorder(TorchFunctionMode):
+    """Records ``(source device, target device, non_blocking)`` of every ``Tensor.to`` / ``copy_``; a copy out of
+    a meta tensor (which has no data) returns an empty tensor on the target instead of failing."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.to:
+            source = args[0]
+            target = next((a for a in args[1:] if isinstance(a, (torch.device, str))), kwargs.get("device"))
+            target = source.device if target is None else torch.device(target)
+            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 and isinstance(args[2], bool) else False)
+            self.copies.append((source.device, target, non_blocking))
+            if source.device.type == "meta" and target.type != "meta":
+                return torch.empty(source.shape, dtype=source.dtype, device=target)
+        elif func is torch.Tensor.copy_:
+            target, source = args[0], args[1]
+            self.copies.append(
+                (source.device, target.device, kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
+            )
+        return func(*args, **kwargs)
+
+
+def meta_batch(n=5) -> Batch:
+    return Batch(
+        torch.empty(n, 4, device="meta"),
+        torch.empty(n, 3, device="meta"),
+        torch.empty(n, dtype=torch.long, device="meta"),
+        torch.empty(n, 1, 2, 2, device="meta"),
+    )
+
+
+def test_device_to_host_copies_block():
+    with CopyRecorder() as recorder:
+        moved = meta_batch().to("cpu")
+    assert [t.device.type for t in (moved.features, moved.logits, moved.labels, moved.inputs)] == ["cpu"] * 4
+    assert len(recorder.copies) == 4
+    assert all(
+        source == META and target == CPU and not non_blocking for source, target, non_blocking in recorder.copies
+    )
+
+
+def test_pageable_host_to_device_copies_block():
+    batch = Batch(torch.zeros(5, 4), torch.zeros(5, 3), torch.zeros(5, dtype=torch.long))
+    assert not batch.features.is_pinned()
+    with CopyRecorder() as recorder:
+        moved = batch.to("meta")
+    assert moved.device == META
+    assert [c[2] for c in recorder.copies] == [False, False, False]
+
+
+def test_only_pinned_host_to_device_copies_may_be_asynchronous():
+    cuda0, cuda1 = torch.device("cuda:0"), torch.device("cuda:1")
+    assert non_blocking_copy(CPU, True, cuda0)
+    assert non_blocking_copy(CPU, True, META)
+    assert not non_blocking_copy(CPU, False, cuda0)  # pageable: CUDA copies it synchronously anyway
+    assert not non_blocking_copy(cuda0, False, CPU)  # the host would read the pages before the data lands
+    assert not non_blocking_copy(cuda0, True, CPU)
+    assert not non_blocking_copy(cuda0, False, cuda1)  # ordered on the source's stream only
+    assert not non_blocking_copy(CPU, True, CPU)
+
+
+def test_batch_on_the_target_device_is_not_copied():
+    batch = meta_batch()
+    with CopyRecorder() as recorder:
+        assert batch.to("meta") is batch
+    assert recorder.copies == []
+
+
+# ----------------------------------------------------------------------------- which GPU is cuda:N
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    bus: int
+    name: str
+    capability: tuple[int, int]
+    total: int
+    free: int
+    utilisation: int = 0
+
+
+class FakeNvml:
+    """The pynvml calls oodviz makes, answered from a list of made-up GPUs (in NVML's order) and MIG instances."""
+
+    def __init__(self, gpus: list[FakeGpu], migs: dict[str, FakeGpu] | None = None):
+        self.gpus, self.migs = gpus, migs or {}
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return self.gpus[i]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        return self.migs[uuid.decode()]  # KeyError: NVML's "not found"
+
+    def nvmlDeviceGetUUID(self, gpu):
+        return gpu.uuid
+
+    def nvmlDeviceGetName(self, gpu):
+        return gpu.name.encode()  # older pynvml returns bytes
+
+    def nvmlDeviceGetPciInfo(self, gpu):
+        return SimpleNamespace(domain=0, bus=gpu.bus, device=0, busId=f"00000000:{gpu.bus:02X}:00.0")
+
+    def nvmlDeviceGetCudaComputeCapability(self, gpu):
+        return gpu.capability
+
+    def nvmlDeviceGetMemoryInfo(self, gpu):
+        return SimpleNamespace(total=gpu.total, free=gpu.free, used=gpu.total - gpu.free)
+
+    def nvmlDeviceGetUtilizationRates(self, gpu):
+        return SimpleNamespace(gpu=gpu.utilisation, memory=0)
+
+
+GiB = 2**30
+A10_FIRST = FakeGpu("GPU-aaaa1111-0000-0000-0000-000000000000", 0x1A, "NVIDIA A10", (8, 6), 24 * GiB, 20 * GiB, 11)
+H100 = FakeGpu("GPU-bbbb2222-0000-0000-0000-000000000000", 0x3B, "NVIDIA H100", (9, 0), 80 * GiB, 70 * GiB, 22)
+A10_LAST = FakeGpu("GPU-aaab3333-0000-0000-0000-000000000000", 0x5E, "NVIDIA A10", (8, 6), 24 * GiB, 10 * GiB, 33)
+MIG = FakeGpu("MIG-cccc4444-0000-0000-0000-000000000000", 0x3B, "NVIDIA H100 MIG 1g.10gb", (9, 0), 10 * GiB, 9 * GiB)
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    # NVML lists by PCI bus id; this one does not, so that the tests see the ordering is oodviz's own.
+    nvml = FakeNvml([H100, A10_LAST, A10_FIRST], {MIG.uuid: MIG})
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    return nvml
+
+
+@pytest.mark.parametrize(
+    "environ, expected",
+    [
+        ({}, [A10_FIRST, H100, A10_LAST]),  # jobs run with CUDA_DEVICE_ORDER=PCI_BUS_ID
+        ({"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}, [A10_FIRST, H100, A10_LAST]),
+        ({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"}, [H100, A10_FIRST, A10_LAST]),  # the guess: highest capability
+        ({"CUDA_DEVICE_ORDER": "FASTEST_FIRST", "CUDA_VISIBLE_DEVICES": "0"}, [H100]),
+        ({"CUDA_VISIBLE_DEVICES": "2,0"}, [A10_LAST, A10_FIRST]),
+        ({"CUDA_VISIBLE_DEVICES": " 1 , 2"}, [H100, A10_LAST]),
+        ({"CUDA_VISIBLE_DEVICES": "1gpu,0"}, [H100, A10_FIRST]),  # read like strtoul
+        ({"CUDA_VISIBLE_DEVICES": "1,7,0"}, [H100]),  # the list ends at a device that does not exist
+        ({"CUDA_VISIBLE_DEVICES": "1,-1,0"}, [H100]),
+        ({"CUDA_VISIBLE_DEVICES": "0,2,0"}, []),  # a repeat hides every GPU
+        ({"CUDA_VISIBLE_DEVICES": ""}, []),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-bbbb"}, [H100]),  # a unique UUID prefix
+        ({"CUDA_VISIBLE_DEVICES": "GPU-aaab3333,0"}, [A10_LAST, A10_FIRST]),
+        ({"CUDA_VISIBLE_DEVICES": "GPU-aaa,1"}, []),  # an ambiguous prefix names no device
+        ({"CUDA_VISIBLE_DEVICES": f"{H100.uuid},{H100.uuid}"}, []),
+        ({"CUDA_VISIBLE_DEVICES": f"{MIG.uuid}"}, [MIG]),
+        ({"CUDA_VISIBLE_DEVICES": "MIG-dddd"}, []),
+    ],
+)
+def test_device_facts_list_the_gpus_a_job_numbers_cuda_0_to_n(fake_nvml, environ, expected):
+    facts = device_facts(environ)
+    assert facts[0]["device"] == "cpu"
+    assert [(f["device"], f["name"], f["total"], f["free"]) for f in facts[1:]] == [
+        (f"cuda:{i}", gpu.name, gpu.total, gpu.free) for i, gpu in enumerate(expected)
+    ]
+
+
+def test_a_job_gets_pci_bus_order_unless_its_environment_names_one():
+    assert job_environment({"PATH": "/bin"}) == {"PATH": "/bin", "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert job_environment({"CUDA_DEVICE_ORDER": "FASTEST_FIRST"})["CUDA_DEVICE_ORDER"] == "FASTEST_FIRST"
+
+
+def test_the_worker_finds_its_gpu_by_uuid_then_by_pci_bus_id(fake_nvml):
+    # torch writes the UUID without the "GPU-" prefix; PCI is (domain, bus, device)
+    assert nvml_handle(fake_nvml, A10_LAST.uuid.removeprefix("GPU-"), (0, 0x1A, 0)) is A10_LAST  # the UUID wins
+    assert nvml_handle(fake_nvml, "", (0, 0x3B, 0)) is H100
+    assert nvml_handle(fake_nvml, "eeee5555-0000-0000-0000-000000000000", (0, 0x99, 0)) is None
+
+
+def test_no_nvml_lists_the_cpu_only(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    assert [f["device"] for f in device_facts({})] == ["cpu"]
+
+
+CONTEXT_ENTRY_POINTS = (
+    "init",
+    "_lazy_init",
+    "is_available",
+    "device_count",
+    "current_device",
+    "set_device",
+    "synchronize",
+    "mem_get_info",
+    "get_device_properties",
+    "get_device_name",
+    "get_device_capability",
+    "memory_allocated",
+    "memory_reserved",
+    "max_memory_allocated",
+)
+
+
+@pytest.fixture
+def cuda_tripwire(monkeypatch):
+    """Every ``torch.cuda`` entry point that creates (or asks about) a CUDA context raises while the test runs."""
+    touched = []
+
+    def tripwire(name):
+        def wire(*args, **kwargs):
+            touched.append(name)
+            raise AssertionError(f"the app process called torch.cuda.{name}")
+
+        return wire
+
+    for name in CONTEXT_ENTRY_POINTS:
+        monkeypatch.setattr(torch.cuda, name, tripwire(name))
+    monkeypatch.setattr(torch._C, "_cuda_init", tripwire("_C._cuda_init"), raising=False)
+    return touched
+
+
+def test_listing_devices_in_the_app_never_touches_cuda(fake_nvml, cuda_tripwire, tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    from oodviz.ui.sidebar import _devices
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    assert [f["device"] for f in device_facts()] == ["cpu", "cuda:0", "cuda:1", "cuda:2"]
+    _devices.clear()  # Streamlit's cache: this test's fake GPUs must neither come from nor stay in it
+    try:
+        assert [f["name"] for f in _devices()][1:] == [A10_FIRST.name, H100.name, A10_LAST.name]
+        monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path))
+        app = AppTest.from_file(str(REPO / "app.py"), default_timeout=60).run()
+    finally:
+        _devices.clear()
+    assert not app.exception
+    device_box = [s for s in app.sidebar.selectbox if s.label.lower().startswith("device")][0]
+    assert [o for o in device_box.options if "cuda" in o] and cuda_tripwire == []
+
+
+# ----------------------------------------------------------------------------- odin under autocast, mcd's generator
+
+
+def tiny_weights_model() -> nn.Module:
+    """A linear classifier whose input gradient at T = 1000 is about |W| / T ~ 1e-8: zero in float16."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 5)
+    with torch.no_grad():
+        model.weight.mul_(1e-4)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_odin_under_autocast_steps_as_in_float32(dtype):
+    model = tiny_weights_model()
+    x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+    odin = create("odin", norm_std=None, model=model)
+    # float64 reference of sign(-grad_x log S_yhat(x; T)): the gradient of the cross-entropy is W^T (p - onehot) / T
+    w, b = model.weight.double(), model.bias.double()
+    logits = (x.double() @ w.T + b) / odin.temperature
+    p = logits.softmax(dim=1)
+    expected_sign = ((p - F.one_hot(logits.argmax(dim=1), 5)) @ w / odin.temperature).sign()
+    assert (expected_sign != 0).all()
+    with torch.autocast("cpu", dtype=dtype):
+        step = odin.perturb(x) - x
+        scores = odin.score(Batch(inputs=x))
+    torch.testing.assert_close(step.sign().double(), -expected_sign, rtol=0, atol=0)  # x' = x - eps * sign(grad)
+    # the second forward runs in the caller's autocast; divided by T = 1000 its rounding stays below 1e-6
+    torch.testing.assert_close(scores, odin.score(Batch(inputs=x)), rtol=0, atol=1e-6)
+
+
+def test_mcd_draws_on_the_generator_of_the_device_the_model_runs_on():
+    assert rng_device(nn.Linear(2, 2, device="meta"), CPU) == META  # where the parameters are, not what was asked
+    assert rng_device(nn.Linear(2, 2), torch.device("cuda:1")) == CPU
+    assert rng_device(nn.Dropout(0.5), torch.device("cuda:3")) == torch.device("cuda:3")  # no parameters: as asked
+    assert rng_device(None, torch.device("cuda:2")) == torch.device("cuda:2")
+
+
+def test_mcd_on_the_cpu_seeds_no_gpu_generator(monkeypatch):
+    def tripwire(*args, **kwargs):
+        raise AssertionError("mcd touched a CUDA generator while scoring on the CPU")
+
+    for name in ("manual_seed", "manual_seed_all", "get_rng_state", "set_rng_state", "get_rng_state_all"):
+        monkeypatch.setattr(torch.cuda, name, tripwire)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Dropout(0.5), nn.Linear(16, 3))
+    x = torch.randn(10, 6)
+    first = create("mcd", model=model, samples=5, seed=2).score(Batch(inputs=x))
+    torch.default_generator.manual_seed(123)
+    state = torch.get_rng_state()
+    again = create("mcd", model=model, samples=5, seed=2).score(Batch(inputs=x))
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+# ----------------------------------------------------------------------------- host syncs per fit batch
+
+#: what makes the host wait for a GPU (on the CPU they are only counted): a value read into Python, or an output
+#: whose size depends on the data
+SYNCS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero", "masked_select"}
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts the host syncs made from the lines of ``source`` (a path suffix), attributed to the first frame
+    outside torch, so that the syncs of the caller's own code are told apart from those of the code it calls."""
+
+    def __init__(self, source: str):
+        super().__init__()
+        self.source, self.count = source, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in SYNCS:
+            frame = sys._getframe(1)
+            while frame is not None and f"{Path(torch.__file__).parent}" in frame.f_code.co_filename:
+                frame = frame.f_back
+            if frame is not None and frame.f_code.co_filename.endswith(self.source):
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def vim_fit_syncs(n_batches: int) -> int:
+    problem = make_problem(n_classes=10, dim=300, n_fit=200 * n_batches)
+    batches = problem.fit_batches(size=200)  # one row block each (stats.row_blocks); the old code synced twice a block
+    with SyncCounter("oodviz/detectors/vim.py") as counter:
+        create("vim", dim=20).fit(batches, head=problem.head)
+    return counter.count
+
+
+def test_vim_fit_makes_no_host_sync_per_batch():
+    """Budget: 0 syncs per batch in vim.py's own code (both passes accumulate on the device), at most 2 per fit
+    (the two sums of the second pass, read once). FitData's reading of the batches is counted in its own test."""
+    few, many = vim_fit_syncs(3), vim_fit_syncs(9)
+    assert many == few
+    assert few <= 2
