@@ -72,6 +72,13 @@ class StoreError(ValueError):
     """A directory that is not a complete, readable feature store."""
 
 
+def check_feature_dtype(feature_dtype: str) -> str:
+    """``feature_dtype`` when it is one of :data:`FEATURE_DTYPES`, else a ValueError naming them."""
+    if feature_dtype not in FEATURE_DTYPES:
+        raise ValueError(f"feature_dtype must be one of {FEATURE_DTYPES}, got {feature_dtype!r}")
+    return feature_dtype
+
+
 # ---------------------------------------------------------------------------------- keys
 
 
@@ -276,8 +283,7 @@ class StoreWriter:
     def __init__(
         self, root, key: str, capacity: int, feature_dim: int, num_classes: int, feature_dtype: str = "float32"
     ):
-        if feature_dtype not in FEATURE_DTYPES:
-            raise ValueError(f"feature_dtype must be one of {FEATURE_DTYPES}, got {feature_dtype!r}")
+        check_feature_dtype(feature_dtype)
         if int(capacity) < 1:
             raise ValueError(f"capacity must be at least 1 row, got {capacity}")
         self.root = Path(root)
