@@ -20,6 +20,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.engine.store.keys import StoreError
+from oodviz.models.placement import parse_device
 
 if TYPE_CHECKING:
     from oodviz.engine.store.reader import FeatureStore
@@ -60,9 +61,7 @@ class StoreBatches:
     ):
         self.store = store
         self.batch_size = check_batch_size(batch_size)
-        self.device = None if device is None else torch.device(device)
-        if self.device is not None and self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but CUDA is not available here; use device=None (CPU)")
+        self.device = None if device is None else parse_device(device)
         self.include = check_include(include)
         if not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating-point torch dtype (features and logits), got {dtype}")
@@ -262,12 +261,10 @@ class DeviceSplit:
         self, store: FeatureStore, device, include=BATCH_FIELDS, dtype=torch.float32, max_fraction: float = 0.5
     ):
         self.store = store
-        self.device = torch.device(device)
+        self.device = parse_device(device)
         self.include = check_include(include)
         need = store.nbytes(self.include, dtype)
         if self.device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(f"device={device!r} but CUDA is not available here")
             free, _total = torch.cuda.mem_get_info(self.device)
             if need > max_fraction * free:
                 raise ValueError(
