@@ -564,6 +564,21 @@ def test_batches_are_reiterable_writable_copies(tmp_path):
         store.batches(include=("predictions",))
 
 
+def test_store_streams_take_the_device_names_of_a_run(tmp_path):
+    store = extract(TinyBackbone(), ListDataset(n=5), tmp_path, batch_size=4)
+    on_cpu = list(store.batches(batch_size=2, device="cpu"))
+    assert [len(b) for b in on_cpu] == [2, 2, 1] and all(b.features.device.type == "cpu" for b in on_cpu)
+    np.testing.assert_array_equal(torch.cat([b.features for b in on_cpu]).numpy(), store.features)
+    gpu = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    assert store.batches(device="auto").device == (gpu or torch.device("cpu"))
+    for refuse in (lambda: store.batches(device="gpu"), lambda: store.to_device("gpu")):
+        with pytest.raises(ValueError, match="device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+            refuse()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available here"):
+            store.to_device("cuda")
+
+
 def test_early_break_stops_the_reader_thread(tmp_path):
     store = extract(TinyBackbone(), ListDataset(n=10), tmp_path, batch_size=4)
     before = threading.active_count()

@@ -437,3 +437,69 @@ def test_the_training_loop_is_deterministic_and_learns():
     assert len(losses) == 5 and losses[-1] < losses[0] / 2
     assert float((a(x).argmax(1) == y).float().mean()) > 0.97
     assert sum(seen) == 2 * 5 * 200 and max(seen) == 32
+
+
+# ---- device names ---------------------------------------------------------------------------
+
+SPELLING = "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
+
+
+@pytest.mark.parametrize(
+    "text", ["gpu", "CUDA", "Cpu", " cpu", "cuda:", "cuda:01", "cuda:-1", "cuda: 1", "mps", "", None, 0]
+)
+def test_device_names_outside_the_four_forms_are_refused_with_the_forms(text):
+    from oodviz.models import device_problem, parse_device
+    from oodviz.runs.config import RunConfig
+
+    with pytest.raises(ValueError, match=SPELLING) as refused:
+        parse_device(text)
+    assert str(refused.value).endswith(f"got {text!r}; 'auto' takes the GPU when there is one")
+    assert device_problem(text) == str(refused.value)
+    # The run config refuses the same names with the same message, before any work.
+    assert str(refused.value) in RunConfig(device=text).problems()
+
+
+def test_device_names_in_the_four_forms_pass_the_spelling_check_without_looking_at_the_hardware():
+    from oodviz.models import device_problem
+    from oodviz.runs.config import RunConfig
+
+    for text in ["auto", "cpu", "cuda", "cuda:0", "cuda:7", "cuda:12", torch.device("cpu"), torch.device("cuda", 3)]:
+        assert device_problem(text) is None
+    assert (
+        device_problem(torch.device("meta")) == "device 'meta' is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'"
+    )
+    assert not [p for p in RunConfig(device="cuda:7").problems() if "device" in p]
+
+
+def test_cpu_and_auto_resolve_to_the_cpu_without_a_gpu():
+    from oodviz.models import parse_device
+
+    assert parse_device("cpu") == torch.device("cpu") and parse_device("cpu").index is None
+    assert parse_device(torch.device("cpu", 0)) == torch.device("cpu")
+    expected = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    assert parse_device("auto") == parse_device() == expected
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_names_without_cuda_say_to_use_cpu_or_auto():
+    from oodviz.models import parse_device
+    from oodviz.runs.pipeline import resolve_device
+
+    for text in ["cuda", "cuda:0", "cuda:3", torch.device("cuda")]:
+        with pytest.raises(ValueError, match=r"but CUDA is not available here .*; use device='cpu' or 'auto'"):
+            parse_device(text)
+    with pytest.raises(ValueError, match=r"device='cuda:1' but CUDA is not available here"):
+        resolve_device("cuda:1")  # the run resolves its device with the same parser
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_names_get_an_index_and_an_absent_gpu_is_named():
+    from oodviz.models import parse_device
+
+    current = torch.cuda.current_device()
+    assert parse_device("cuda") == parse_device(torch.device("cuda")) == torch.device("cuda", current)
+    assert parse_device("cuda:0") == torch.device("cuda", 0)
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match=rf"device='cuda:{count}' but only {count} GPU.* visible here .*or 'auto'"):
+        parse_device(f"cuda:{count}")

@@ -40,7 +40,7 @@ DIGITS_SPLITS = ("train", "test", "heldout")
 
 
 @lru_cache(maxsize=1)
-def _digits() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def all_digits() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """All digits as uint8 ``[1797, 8, 8]`` (0..255), labels ``[1797]``, test mask ``[1797]``."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
@@ -67,7 +67,7 @@ def digits_split(split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """
     if split not in DIGITS_SPLITS:
         raise ValueError(f"digits split must be one of {', '.join(DIGITS_SPLITS)}, got {split!r}")
-    images, labels, is_test = _digits()
+    images, labels, is_test = all_digits()
     if split == "heldout":
         keep = np.isin(labels, DIGITS_HELD_OUT)
     else:

@@ -42,7 +42,7 @@ import threading
 import numpy as np
 from PIL import Image
 
-from oodviz.data.bundled import ArraySource, _digits
+from oodviz.data.bundled import ArraySource, all_digits
 from oodviz.data.registry import DatasetInfo, register_dataset
 
 #: Fashion-MNIST's ten classes, index = its label (as torchvision names them).
@@ -161,7 +161,7 @@ def digits_28(box: int = 20, size: int = 28) -> np.ndarray:
     """
     if not 1 <= box <= size:
         raise ValueError(f"box must be between 1 and size ({size}), got {box}")
-    images = _digits()[0]
+    images = all_digits()[0]
     out = np.zeros((len(images), size, size), dtype=np.uint8)
     top = (size - box) // 2
     for i, image in enumerate(images):
@@ -172,7 +172,7 @@ def digits_28(box: int = 20, size: int = 28) -> np.ndarray:
 
 def load_digits_28(root: str, download: bool) -> ArraySource:
     images = digits_28()
-    labels = _digits()[1]
+    labels = all_digits()[1]
     return ArraySource(images, None, [], [f"digit {d} load_digits()[{i}] at 28x28" for i, d in enumerate(labels)])
 
 

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from oodviz.batch import OOD_LABEL, Batch
 from oodviz.detectors.stats import row_blocks
+from oodviz.models.placement import model_on_device
 
 Head = tuple[Tensor, Tensor]
 
@@ -438,8 +439,6 @@ class ModelDetector(Detector):
 
     def score(self, batches, device=None) -> Tensor:
         """Outlier scores of the batches' ``inputs``, a CPU float32 tensor ``[N]``; higher = more OOD."""
-        from oodviz.engine.extract import model_on_device
-
         self._check_fit_model(self._require_model())
         iterator = _iter_batches(batches)
         first = next((b for b in iterator if len(b)), None)

@@ -7,11 +7,14 @@
   :class:`oodviz.Batch` chunks for ``detector.fit`` / ``score`` (:mod:`oodviz.engine.store`).
 - :func:`store_key` / :func:`key_spec`: the content key of a split.
 - :func:`score_inputs`: for detectors that run the model again (odin, mcd), the dataset's model
-  inputs streamed through a scoring function on the device, in store order, with the same
-  DataLoader, OOM back-off, progress and cancel as extraction (:mod:`oodviz.engine.inputs`).
+  inputs streamed through a scoring function on the device, in store order (:mod:`oodviz.engine.inputs`).
+- :class:`BatchedPass`: what both share, one batched pass of a dataset through the model on a
+  device: DataLoader, model placement, OOM back-off, progress, :class:`Cancelled`
+  (:mod:`oodviz.engine.batched`).
 """
 
-from oodviz.engine.extract import PRECISIONS, Cancelled, extract, extract_or_reuse, is_out_of_memory, model_on_device
+from oodviz.engine.batched import PRECISIONS, BatchedPass, Cancelled, is_out_of_memory
+from oodviz.engine.extract import extract, extract_or_reuse
 from oodviz.engine.inputs import InputScores, score_inputs
 from oodviz.engine.store import (
     FEATURE_DTYPES,
@@ -34,6 +37,7 @@ __all__ = [
     "FEATURE_DTYPES",
     "PRECISIONS",
     "STORE_FORMAT",
+    "BatchedPass",
     "Cancelled",
     "DeviceSplit",
     "FeatureStore",
@@ -49,7 +53,6 @@ __all__ = [
     "is_out_of_memory",
     "key_spec",
     "list_stores",
-    "model_on_device",
     "open_store",
     "score_inputs",
     "store_key",

@@ -28,7 +28,6 @@ outputs of batch ``k - 1`` are copied back on another stream and written to disk
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import deque
@@ -39,230 +38,21 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, default_collate
 
 import oodviz
+from oodviz.engine.batched import PRECISIONS, BatchedPass, Progress, check_pass_options
 from oodviz.engine.store import (
-    FEATURE_DTYPES,
     FeatureStore,
     StoreWriter,
+    check_feature_dtype,
     clean_stale_tmp,
     find_store,
     key_spec,
     store_key,
 )
+from oodviz.models.placement import parse_device
 
 logger = logging.getLogger("oodviz.engine")
-
-#: ``precision`` -> autocast dtype (``None`` = no autocast)
-PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-Progress = Callable[[int, int, dict], None]
-
-
-class Cancelled(Exception):
-    """The extraction stopped because ``should_cancel()`` returned True; nothing was stored."""
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    """True for ``torch.cuda.OutOfMemoryError`` and any RuntimeError saying "out of memory"."""
-    return isinstance(err, torch.cuda.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
-    )
-
-
-# ---------------------------------------------------------------------------------- the model
-
-
-class _ModelState:
-    """Where every parameter and buffer of a module lives and which submodules are training."""
-
-    def __init__(self, model: nn.Module, track_format: bool):
-        self.model = model
-        self.training = [(m, m.training) for m in model.modules()]
-        self.tensors = []  # (module, kind, name, device, memory_format)
-        for module in model.modules():
-            for kind, items in (
-                ("param", module.named_parameters(recurse=False)),
-                ("buffer", module.named_buffers(recurse=False)),
-            ):
-                for name, tensor in items:
-                    fmt = torch.preserve_format
-                    if track_format and tensor.dim() == 4:
-                        is_cl = tensor.is_contiguous(memory_format=torch.channels_last) and not tensor.is_contiguous()
-                        fmt = torch.channels_last if is_cl else torch.contiguous_format
-                    self.tensors.append((module, kind, name, tensor.device, fmt))
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for module, kind, name, device, fmt in self.tensors:
-                current = dict(
-                    module.named_parameters(recurse=False) if kind == "param" else module.named_buffers(recurse=False)
-                )
-                tensor = current.get(name)
-                if tensor is None:
-                    continue
-                if tensor.device != device or fmt is not torch.preserve_format:
-                    tensor.data = tensor.data.to(device=device, memory_format=fmt)
-                if kind == "param" and tensor.grad is not None and tensor.grad.device != device:
-                    tensor.grad = tensor.grad.to(device)
-        for module, flag in self.training:
-            module.training = flag
-
-
-@contextlib.contextmanager
-def model_on_device(model, device, channels_last: bool = False):
-    """Run a block with ``model`` on ``device`` in eval mode, then put it back exactly as it was.
-
-    A model that is not an ``nn.Module`` (a function, any callable) is left alone.
-    ``channels_last=True`` also converts 4-D weights to channels-last for the block.
-    """
-    if not isinstance(model, nn.Module):
-        yield model
-        return
-    state = _ModelState(model, track_format=channels_last)
-    try:
-        model.to(device)
-        if channels_last:
-            model.to(memory_format=torch.channels_last)
-        model.eval()
-        yield model
-    finally:
-        state.restore()
-
-
-# ---------------------------------------------------------------------------------- data
-
-
-class _Items(Dataset):
-    """``dataset[i]`` -> ``(transform(image), label, source_index)``, or ``None`` for an unreadable item."""
-
-    def __init__(self, dataset, transform):
-        self.dataset = dataset
-        self.transform = transform
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, i: int):
-        item = self.dataset[i]
-        if item is None:
-            return None
-        if not isinstance(item, (tuple, list)) or len(item) != 3:
-            raise ValueError(
-                f"dataset item {i} must be (image, label, source_index) or None for an unreadable image, "
-                f"got {type(item).__name__}" + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
-            )
-        image, label, source_index = item
-        x = image if self.transform is None else self.transform(image)
-        if not isinstance(x, Tensor):
-            raise ValueError(
-                f"the backbone's transform must turn an image into a tensor [C, H, W]; item {i} gave a "
-                f"{type(x).__name__} (end the transform with torchvision.transforms.ToTensor() or PILToTensor())"
-            )
-        return x, int(label), int(source_index)
-
-
-def _collate(items):
-    """Drop ``None`` items: ``(x [b, ...], labels [b], source_indices [b], n_dropped)``; x is None when b = 0."""
-    kept = [item for item in items if item is not None]
-    dropped = len(items) - len(kept)
-    if not kept:
-        return None, None, None, dropped
-    x, labels, indices = default_collate(kept)
-    return x, labels, indices, dropped
-
-
-def _close_loader(iterator) -> None:
-    shutdown = getattr(iterator, "_shutdown_workers", None)
-    if shutdown is not None:
-        shutdown()
-
-
-def make_loader(dataset, transform, batch_size: int, num_workers: int, device: torch.device) -> DataLoader:
-    """The dataset in order as ``(x [b, ...], labels [b], source_indices [b], n_dropped)`` batches.
-
-    ``transform`` turns each image into a tensor; unreadable items (``None``) are dropped and
-    counted, so every pass over the same dataset gives the same rows in the same order.
-    """
-    return DataLoader(
-        _Items(dataset, transform),
-        batch_size=batch_size,
-        shuffle=False,
-        num_workers=num_workers,
-        collate_fn=_collate,
-        pin_memory=device.type == "cuda",
-        prefetch_factor=4 if num_workers > 0 else None,
-    )
-
-
-def progress_info(stage: str, done: int, started: float, backoff: Backoff, skipped: int, **extra) -> dict:
-    """The ``info`` of a ``progress(done, total, info)`` call: stage, items/s since ``started``
-    (a ``time.perf_counter()``), the batch size in force, the device, skipped items, OOM back-offs."""
-    elapsed = time.perf_counter() - started
-    return {
-        "stage": stage,
-        "items_per_s": done / elapsed if elapsed > 0 else 0.0,
-        "batch_size": backoff.in_force,
-        "device": str(backoff.device),
-        "skipped": skipped,
-        "elapsed_s": elapsed,
-        "oom_backoffs": backoff.backoffs,
-        **extra,
-    }
-
-
-class Backoff:
-    """Runs ``n`` rows in chunks of at most ``in_force``; a CUDA out-of-memory error halves it.
-
-    ``chunks(n, submit)`` calls ``submit(start, stop)`` for consecutive row ranges and yields
-    ``(start, stop, result)``. When ``submit`` runs out of memory, the same rows are retried in
-    two halves and the smaller size stays in force for later batches, so the results are those of
-    a smaller batch size; at one row it gives up with a message that says what to try. Other
-    errors are not retried.
-    """
-
-    def __init__(self, batch_size: int, device: torch.device, what: str):
-        self.in_force = batch_size
-        self.backoffs = 0
-        self.device = device
-        self.what = what
-
-    def chunks(self, n: int, submit: Callable[[int, int], object]):
-        pending = deque([(0, n)])
-        while pending:
-            start, stop = pending.popleft()
-            if stop - start > self.in_force:
-                pending.appendleft((start + self.in_force, stop))
-                pending.appendleft((start, start + self.in_force))
-                continue
-            if stop == start:
-                continue
-            oom = None
-            try:
-                result = submit(start, stop)
-            except Exception as err:
-                if not is_out_of_memory(err):
-                    raise
-                oom = f"{type(err).__name__}: {err}"
-            if oom is None:
-                yield start, stop, result
-                continue
-            # Out of memory (the error and its frames are released by now): retry the same rows in halves.
-            if stop - start == 1:
-                raise torch.cuda.OutOfMemoryError(
-                    f"out of memory on {self.device} even at batch size 1 while {self.what}; free memory on the device "
-                    f"(other processes?), use precision='bf16', or a smaller input size. Original error: {oom}"
-                )
-            self.in_force = (stop - start) // 2
-            self.backoffs += 1
-            logger.warning(
-                "out of memory on %s at batch size %d; retrying at %d", self.device, stop - start, self.in_force
-            )
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
-            pending.appendleft((start + self.in_force, stop))
-            pending.appendleft((start, start + self.in_force))
 
 
 # ---------------------------------------------------------------------------------- the loop
@@ -361,30 +151,6 @@ class _Extraction:
         )
 
 
-def _check_device(device) -> torch.device:
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={str(device)!r} but CUDA is not available here; use device='cpu'")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _check_options(batch_size, num_workers, precision, feature_dtype) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be a non-negative integer (0 = load in this process), got {num_workers!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
-    if feature_dtype not in FEATURE_DTYPES:
-        raise ValueError(f"feature_dtype must be one of {FEATURE_DTYPES}, got {feature_dtype!r}")
-
-
 def _read_head(backbone):
     try:
         head = getattr(backbone, "head", None)
@@ -439,33 +205,37 @@ def extract(
     :raises Cancelled: when ``should_cancel()`` said so
     :raises torch.cuda.OutOfMemoryError: when even one sample does not fit on the device
     """
-    device = _check_device(device)
-    _check_options(batch_size, num_workers, precision, feature_dtype)
-    total = len(dataset)
-    if total == 0:
-        raise ValueError(f"dataset {dataset.name!r} is empty; nothing to extract (check its path and subsample)")
+    device = parse_device(device)
+    check_feature_dtype(feature_dtype)
+    writer: StoreWriter | None = None
+    nonfinite = 0
+
+    def written() -> dict:
+        return {"written": 0 if writer is None else writer.rows, "key": key}
+
+    batched = BatchedPass(
+        backbone,
+        dataset,
+        device=device,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        precision=precision,
+        channels_last=channels_last,
+        activity=f"extracting {backbone.name} features",
+        stage="extract",
+        progress=progress,
+        should_cancel=should_cancel,
+        info=written,
+    )
+    total = batched.total
     spec = key_spec(backbone, dataset, key_params, feature_dtype=feature_dtype, precision=precision)
     key = store_key(backbone, dataset, key_params, feature_dtype=feature_dtype, precision=precision)
     clean_stale_tmp(store_root, key=key)
 
-    started = time.perf_counter()
-    first_batch_s = None
-    done = skipped = nonfinite = 0
-    backoff = Backoff(batch_size, device, f"extracting {backbone.name} features")
-    writer: StoreWriter | None = None
-    head = None
-    loader_iter = None
-
-    def report(stage: str) -> None:
-        if progress is not None:
-            written = 0 if writer is None else writer.rows
-            progress(done, total, progress_info(stage, done, started, backoff, skipped, written=written, key=key))
-
     try:
-        with model_on_device(getattr(backbone, "model", None), device, channels_last):
+        with batched:
             with torch.no_grad():
                 head = _read_head(backbone)
-            loader = make_loader(dataset, getattr(backbone, "transform", None), batch_size, num_workers, device)
             run = _Extraction(backbone, device, precision, channels_last, feature_dtype)
             pending: deque[_Outputs] = deque()
             depth = 1 if run.cuda else 0  # chunks left in flight while the next one starts
@@ -478,37 +248,17 @@ def extract(
                 writer.append(outputs.features, outputs.logits, outputs.labels, outputs.indices, outputs.predictions)
                 nonfinite += int(outputs.nonfinite)
 
-            autocast = (
-                torch.autocast(device_type=device.type, dtype=run.autocast_dtype)
-                if run.autocast_dtype is not None
-                else contextlib.nullcontext()
-            )
-            with torch.inference_mode(), autocast, torch.cuda.device(device) if run.cuda else contextlib.nullcontext():
-                loader_iter = iter(loader)
-                for x, labels, indices, dropped in loader_iter:
-                    if should_cancel is not None and should_cancel():
-                        raise Cancelled(f"extraction cancelled after {done} of {total} items; nothing was stored")
-                    skipped += dropped
-                    done += dropped
-                    submit = lambda a, b: run.submit(x[a:b], labels[a:b], indices[a:b])  # noqa: B023, E731
-                    for start, stop, outputs in backoff.chunks(0 if x is None else len(x), submit):
-                        pending.append(outputs)
-                        done += stop - start
-                        while len(pending) > depth:
-                            finish(pending.popleft())
-                    if first_batch_s is None:
-                        first_batch_s = time.perf_counter() - started
-                    report("extract")
+            def collect(outputs: _Outputs) -> None:
+                pending.append(outputs)
+                while len(pending) > depth:
+                    finish(pending.popleft())
+
+            with torch.inference_mode():
+                batched.run(run.submit, collect)
                 while pending:
                     finish(pending.popleft())
-                _close_loader(loader_iter)
-                loader_iter = None
 
-        if writer is None:
-            raise ValueError(
-                f"no readable items in dataset {dataset.name!r}: all {total} were unreadable (None); check the files"
-            )
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter() - batched.started
         if nonfinite:
             logger.warning("%d of %d rows have NaN or infinite features (%s)", nonfinite, writer.rows, backbone.name)
         meta = {
@@ -522,19 +272,24 @@ def extract(
             },
             "dataset": {"name": str(dataset.name), "len": total, "classes": spec["dataset"]["classes"]},
             "params": spec["params"],
-            "counts": {"requested": total, "written": writer.rows, "skipped": skipped, "nonfinite_rows": nonfinite},
-            "skipped": skipped,
+            "counts": {
+                "requested": total,
+                "written": writer.rows,
+                "skipped": batched.skipped,
+                "nonfinite_rows": nonfinite,
+            },
+            "skipped": batched.skipped,
             "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "precision": precision,
             "channels_last": channels_last,
             "num_workers": num_workers,
             "batch_size_requested": batch_size,
-            "batch_size_in_force": backoff.in_force,
-            "oom_backoffs": backoff.backoffs,
+            "batch_size_in_force": batched.backoff.in_force,
+            "oom_backoffs": batched.backoff.backoffs,
             "timings": {
                 "extract_s": elapsed,
-                "first_batch_s": first_batch_s,
+                "first_batch_s": batched.first_batch_s,
                 "items_per_s": total / elapsed if elapsed > 0 else None,
             },
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -544,11 +299,9 @@ def extract(
         }
         store = writer.commit(meta, head=head, sync=sync)
         logger.info("extracted %s: %d rows in %.1f s -> %s", backbone.name, store.n, elapsed, store.path)
-        report("done")
+        batched.report("done")
         return store
     finally:
-        if loader_iter is not None:
-            _close_loader(loader_iter)
         if writer is not None:
             writer.abort()  # no-op after a commit
 
@@ -574,7 +327,8 @@ def extract_or_reuse(
     Reuse runs no forward pass; it is reported as ``progress(n, n, {"stage": "reused", ...})`` and
     logged, and the returned store has ``reused = True``. Arguments as for :func:`extract`.
     """
-    _check_options(batch_size, num_workers, precision, feature_dtype)
+    check_pass_options(batch_size, num_workers, precision)
+    check_feature_dtype(feature_dtype)
     key = store_key(backbone, dataset, key_params, feature_dtype=feature_dtype, precision=precision)
     store = find_store(store_root, key)
     if store is None:

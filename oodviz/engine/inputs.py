@@ -10,9 +10,9 @@ unreadable items skipped), so its rows line up with the split's store, and hands
     result = score_inputs(lambda b: det.score(b, device="cuda"), backbone, dataset, device="cuda")
     result.scores          # CPU float32 [N], row i is dataset item result.indices[i]
 
-What it shares with extraction (the same code): the DataLoader and its workers, the model held
-on the device in eval mode for the whole pass and put back exactly as it was afterwards (also
-after an error or a cancel), the CUDA out-of-memory back-off (halve the batch, retry the same
+What it shares with extraction (the same code, :class:`~oodviz.engine.batched.BatchedPass`): the
+DataLoader and its workers, the model held on the device in eval mode for the whole pass and put
+back exactly as it was afterwards (also after an error or a cancel), the CUDA out-of-memory back-off (halve the batch, retry the same
 rows, keep the smaller size: the same scores as with that batch size from the start), progress
 after every batch and ``should_cancel()`` before every batch. Unlike extraction it runs without
 ``torch.inference_mode`` (ODIN differentiates with respect to the inputs) and writes nothing.
@@ -20,7 +20,6 @@ after every batch and ``should_cancel()`` before every batch. Unlike extraction 
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,18 +29,8 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.engine.extract import (
-    PRECISIONS,
-    Backoff,
-    Cancelled,
-    Progress,
-    _check_device,
-    _check_options,
-    _close_loader,
-    make_loader,
-    model_on_device,
-    progress_info,
-)
+from oodviz.engine.batched import BatchedPass, Progress
+from oodviz.models.placement import parse_device
 
 
 @dataclass
@@ -81,75 +70,49 @@ def score_inputs(
         (``precision`` turns on autocast around ``score``)
     :param progress: ``progress(done, total, info)`` after every batch, ``info`` as in extraction
         (``stage="score"``)
-    :param should_cancel: checked before every batch; True raises :class:`Cancelled`
-    :param what: the activity named in the out-of-memory message
+    :param should_cancel: checked before every batch; True raises :class:`~oodviz.engine.Cancelled`
+    :param what: the activity named in the out-of-memory and cancel messages
     :raises torch.cuda.OutOfMemoryError: when even one sample does not fit on the device
     """
-    device = _check_device(device)
-    _check_options(batch_size, num_workers, precision, "float32")
-    total = len(dataset)
-    if total == 0:
-        raise ValueError(f"dataset {dataset.name!r} is empty; nothing to score (check its path and subsample)")
-    started = time.perf_counter()
-    done = skipped = 0
-    backoff = Backoff(batch_size, device, f"{what} {getattr(backbone, 'name', 'the model')} inputs")
+    device = parse_device(device)
+    batched = BatchedPass(
+        backbone,
+        dataset,
+        device=device,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        precision=precision,
+        activity=f"{what} {getattr(backbone, 'name', 'the model')} inputs",
+        stage="score",
+        progress=progress,
+        should_cancel=should_cancel,
+    )
     scores, labels_out, indices_out = [], [], []
 
-    def report(stage: str) -> None:
-        if progress is not None:
-            progress(done, total, progress_info(stage, done, started, backoff, skipped))
+    def submit(x: Tensor, labels: Tensor, indices: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        inputs = Batch(inputs=x.to(device, non_blocking=True), labels=labels.to(device, non_blocking=True))
+        values = torch.as_tensor(score(inputs)).detach().float().cpu().reshape(-1)
+        if len(values) != len(x):
+            raise ValueError(
+                f"score returned {len(values)} values for a batch of {len(x)} inputs; expected one per input"
+            )
+        return values, labels, indices
 
-    autocast_dtype = PRECISIONS[precision]
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=autocast_dtype)
-        if autocast_dtype is not None
-        else contextlib.nullcontext()
-    )
-    loader_iter = None
-    try:
-        with model_on_device(getattr(backbone, "model", None), device), autocast:
-            loader = make_loader(dataset, getattr(backbone, "transform", None), batch_size, num_workers, device)
-            loader_iter = iter(loader)
-            for x, labels, indices, dropped in loader_iter:
-                if should_cancel is not None and should_cancel():
-                    raise Cancelled(f"{what} cancelled after {done} of {total} items")
-                skipped += dropped
-                done += dropped
-                if x is not None:
-                    x_device = x.to(device, non_blocking=True)
-                    y_device = labels.to(device, non_blocking=True)
+    def collect(result: tuple[Tensor, Tensor, Tensor]) -> None:
+        values, labels, indices = result
+        scores.append(values)
+        labels_out.append(labels)
+        indices_out.append(indices)
 
-                    def submit(a: int, b: int) -> Tensor:
-                        values = score(Batch(inputs=x_device[a:b], labels=y_device[a:b]))  # noqa: B023
-                        values = torch.as_tensor(values).detach().float().cpu().reshape(-1)
-                        if len(values) != b - a:
-                            raise ValueError(
-                                f"score returned {len(values)} values for a batch of {b - a} inputs; expected one per input"
-                            )
-                        return values
-
-                    for start, stop, values in backoff.chunks(len(x), submit):
-                        scores.append(values)
-                        labels_out.append(labels[start:stop])
-                        indices_out.append(indices[start:stop])
-                        done += stop - start
-                report("score")
-            _close_loader(loader_iter)
-            loader_iter = None
-    finally:
-        if loader_iter is not None:
-            _close_loader(loader_iter)
-    if not scores:
-        raise ValueError(
-            f"no readable items in dataset {dataset.name!r}: all {total} were unreadable (None); check the files"
-        )
-    report("done")
+    with batched:
+        batched.run(submit, collect)
+    batched.report("done")
     return InputScores(
         scores=torch.cat(scores),
         labels=torch.cat(labels_out).numpy().astype(np.int64),
         indices=torch.cat(indices_out).numpy().astype(np.int64),
-        skipped=skipped,
-        batch_size_in_force=backoff.in_force,
-        oom_backoffs=backoff.backoffs,
-        elapsed_s=time.perf_counter() - started,
+        skipped=batched.skipped,
+        batch_size_in_force=batched.backoff.in_force,
+        oom_backoffs=batched.backoff.backoffs,
+        elapsed_s=time.perf_counter() - batched.started,
     )

@@ -12,24 +12,25 @@ bb.head                                    # (weight [C, D], bias [C]) or None
 estimate_memory(bb, {"train": 50_000}).warn_if_over(4 * 2**30)     # str or None
 ```
 
-See :mod:`oodviz.models.registry` (names, weights, checkpoints), :mod:`oodviz.models.backbone`
-(feature sources, pooling) and :mod:`oodviz.models.memory` (store size estimates).
+See :mod:`oodviz.models.registry` (the loaders: names, weights, checkpoints, model files) with
+:mod:`oodviz.models.architectures` and :mod:`oodviz.models.checkpoints`, :mod:`oodviz.models.backbone`
+(feature sources, pooling), :mod:`oodviz.models.memory` (store size estimates) and
+:mod:`oodviz.models.placement` (device names, a model held on a device for a block).
 """
 
-from oodviz.models.backbone import POOLINGS, Backbone, FeatureShape, pool_features
-from oodviz.models.digits import DigitsCNN, DigitsTransform, digits_arrays
-from oodviz.models.fashion import FashionCNN, FashionTransform
-from oodviz.models.memory import MemoryEstimate, describe_memory, estimate_memory, format_bytes, warn_if_over
-from oodviz.models.registry import (
+from oodviz.models.architectures import (
     RGBTransform,
     available_backbones,
     backbone_info,
     default_weights_dir,
     imagenet_transform,
-    load_backbone,
-    load_scripted,
-    wrap_model,
 )
+from oodviz.models.backbone import POOLINGS, Backbone, FeatureShape, pool_features
+from oodviz.models.digits import DigitsCNN, DigitsTransform, digits_arrays
+from oodviz.models.fashion import FashionCNN, FashionTransform
+from oodviz.models.memory import MemoryEstimate, describe_memory, estimate_memory, format_bytes, warn_if_over
+from oodviz.models.placement import DEVICE_CHOICES, device_problem, model_on_device, parse_device
+from oodviz.models.registry import load_backbone, load_scripted, wrap_model
 
 
 def feature_shape(backbone: Backbone, sample_input=None) -> FeatureShape:
@@ -39,6 +40,7 @@ def feature_shape(backbone: Backbone, sample_input=None) -> FeatureShape:
 
 
 __all__ = [
+    "DEVICE_CHOICES",
     "POOLINGS",
     "Backbone",
     "DigitsCNN",
@@ -52,6 +54,7 @@ __all__ = [
     "backbone_info",
     "default_weights_dir",
     "describe_memory",
+    "device_problem",
     "digits_arrays",
     "estimate_memory",
     "feature_shape",
@@ -59,6 +62,8 @@ __all__ = [
     "imagenet_transform",
     "load_backbone",
     "load_scripted",
+    "model_on_device",
+    "parse_device",
     "pool_features",
     "warn_if_over",
     "wrap_model",

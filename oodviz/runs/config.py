@@ -16,11 +16,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-PRECISIONS = ("fp32", "bf16", "fp16")
-POOLINGS = ("avg", "max", "none")
-FEATURE_DTYPES = ("float32", "float16")
-GROUPS = ("near", "far")
-SUBSAMPLE_MODES = ("first", "random")
+from oodviz.data.base import SUBSAMPLE_MODES
+from oodviz.data.registry import GROUPS
+from oodviz.engine import FEATURE_DTYPES, PRECISIONS
+from oodviz.models import POOLINGS, device_problem
 
 DEFAULT_OOD = (
     "digits-heldout",
@@ -162,7 +161,7 @@ class RunConfig:
                 found.append(f"{where}: subsample must be a positive number of samples, got {choice.subsample!r}")
             if choice.subsample_mode not in SUBSAMPLE_MODES:
                 found.append(f"{where}: subsample_mode must be one of {SUBSAMPLE_MODES}, got {choice.subsample_mode!r}")
-            if choice.group is not None and choice.group not in GROUPS:
+            if choice.group not in GROUPS:
                 found.append(f"{where}: group must be 'near', 'far' or unset, got {choice.group!r}")
         if not self.ood:
             found.append("choose at least one OOD dataset")
@@ -181,17 +180,15 @@ class RunConfig:
                 create(choice.name, **choice.params)
             except (ValueError, TypeError) as error:
                 found.append(f"detectors[{i}] ({choice.name}): {error}")
-        if not (
-            self.device in ("auto", "cpu", "cuda") or (self.device.startswith("cuda:") and self.device[5:].isdigit())
-        ):
-            found.append(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if (problem := device_problem(self.device)) is not None:
+            found.append(problem)
         for key in ("batch_size", "seed", "num_workers"):
             value = getattr(self, key)
             minimum = 1 if key == "batch_size" else 0
             if not isinstance(value, int) or value < minimum:
                 found.append(f"{key} must be an integer >= {minimum}, got {value!r}")
         if self.precision not in PRECISIONS:
-            found.append(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+            found.append(f"precision must be one of {tuple(PRECISIONS)}, got {self.precision!r}")
         if self.feature_dtype not in FEATURE_DTYPES:
             found.append(f"feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
         if not isinstance(self.memory_budget_gb, (int, float)) or self.memory_budget_gb <= 0:

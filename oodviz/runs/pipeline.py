@@ -47,12 +47,10 @@ SCORE_BATCH = 4096
 
 
 def resolve_device(choice: str) -> torch.device:
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(choice)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {choice!r} was chosen but no CUDA device is visible; choose device 'cpu' or 'auto'.")
-    return device
+    """The run's device on this machine (:func:`oodviz.models.parse_device`)."""
+    from oodviz.models import parse_device
+
+    return parse_device(choice)
 
 
 class Watched:

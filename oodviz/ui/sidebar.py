@@ -5,8 +5,9 @@ from __future__ import annotations
 import streamlit as st
 
 from oodviz.detectors import available, create, detector_class
-from oodviz.models import available_backbones, estimate_memory, format_bytes
-from oodviz.runs.config import PRECISIONS, RunConfig
+from oodviz.engine import PRECISIONS
+from oodviz.models import POOLINGS, available_backbones, estimate_memory, format_bytes
+from oodviz.runs.config import RunConfig
 from oodviz.runs.telemetry import device_facts
 from oodviz.ui.form import FOLDER_PRESET, ID_PRESETS, OOD_CHOICES, FormValues, config_from_form, ood_label
 
@@ -69,7 +70,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             placeholder="penultimate",
             help="A module name, e.g. layer3; blank = the penultimate layer.",
         )
-        pooling = c2.selectbox("Pooling", ["avg", "max", "none"], index=["avg", "max", "none"].index(defaults.pooling))
+        pooling = c2.selectbox("Pooling", list(POOLINGS), index=list(POOLINGS).index(defaults.pooling))
 
         st.subheader("Data")
         presets = list(ID_PRESETS) + [FOLDER_PRESET]

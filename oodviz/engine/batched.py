@@ -1,0 +1,332 @@
+"""One batched pass of a dataset through a model on a device: what extraction and model-based scoring share.
+
+::
+
+    with BatchedPass(backbone, dataset, device=device, batch_size=256, num_workers=2, precision="bf16",
+                     activity="extracting resnet18 features", stage="extract", progress=print) as batched:
+        batched.run(submit, collect)     # submit(x, labels, indices) -> result; collect(result)
+
+:class:`BatchedPass` owns, for every caller:
+
+- **The data.** A DataLoader reads the dataset in order through ``backbone.transform``; unreadable
+  items (``None``) are dropped and counted, so every pass over a dataset gives the same rows in the
+  same order (:func:`make_loader`). Its worker processes are shut down when the pass ends, also
+  after an error or a cancel.
+- **The model.** ``backbone.model`` is on the device in eval mode for the whole ``with`` block and
+  put back exactly as it was afterwards (:func:`oodviz.models.placement.model_on_device`);
+  autocast follows ``precision`` (:data:`PRECISIONS`) around ``submit``.
+- **Out-of-memory back-off.** A CUDA out-of-memory error in ``submit`` halves the batch and retries
+  the same rows; the smaller size stays in force (:class:`Backoff`), so the results are those of
+  that batch size from the start.
+- **Cancel and progress.** ``should_cancel()`` is asked before every batch (True raises
+  :class:`Cancelled`); ``progress(done, total, info)`` is called after every batch
+  (:func:`progress_info`).
+
+Gradient mode is the caller's: extraction runs ``run`` under ``torch.inference_mode()``; ODIN
+differentiates with respect to its inputs, so scoring does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from oodviz.models.placement import model_on_device
+
+logger = logging.getLogger("oodviz.engine")
+
+#: ``precision`` -> autocast dtype (``None`` = no autocast)
+PRECISIONS: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+#: ``progress(done, total, info)``
+Progress = Callable[[int, int, dict], None]
+Result = TypeVar("Result")
+
+
+class Cancelled(Exception):
+    """The work stopped because ``should_cancel()`` returned True; nothing was stored."""
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """True for ``torch.cuda.OutOfMemoryError`` and any RuntimeError saying "out of memory"."""
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+    )
+
+
+def check_pass_options(batch_size, num_workers, precision) -> None:
+    """A ValueError naming the fix when ``batch_size``, ``num_workers`` or ``precision`` is not usable."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers must be a non-negative integer (0 = load in this process), got {num_workers!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
+
+
+# ---------------------------------------------------------------------------------- data
+
+
+class _Items(Dataset):
+    """``dataset[i]`` -> ``(transform(image), label, source_index)``, or ``None`` for an unreadable item."""
+
+    def __init__(self, dataset, transform):
+        self.dataset = dataset
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int):
+        item = self.dataset[i]
+        if item is None:
+            return None
+        if not isinstance(item, (tuple, list)) or len(item) != 3:
+            raise ValueError(
+                f"dataset item {i} must be (image, label, source_index) or None for an unreadable image, "
+                f"got {type(item).__name__}" + (f" of length {len(item)}" if isinstance(item, (tuple, list)) else "")
+            )
+        image, label, source_index = item
+        x = image if self.transform is None else self.transform(image)
+        if not isinstance(x, Tensor):
+            raise ValueError(
+                f"the backbone's transform must turn an image into a tensor [C, H, W]; item {i} gave a "
+                f"{type(x).__name__} (end the transform with torchvision.transforms.ToTensor() or PILToTensor())"
+            )
+        return x, int(label), int(source_index)
+
+
+def _collate(items):
+    """Drop ``None`` items: ``(x [b, ...], labels [b], source_indices [b], n_dropped)``; x is None when b = 0."""
+    kept = [item for item in items if item is not None]
+    dropped = len(items) - len(kept)
+    if not kept:
+        return None, None, None, dropped
+    x, labels, indices = default_collate(kept)
+    return x, labels, indices, dropped
+
+
+def make_loader(dataset, transform, batch_size: int, num_workers: int, device: torch.device) -> DataLoader:
+    """The dataset in order as ``(x [b, ...], labels [b], source_indices [b], n_dropped)`` batches.
+
+    ``transform`` turns each image into a tensor; unreadable items (``None``) are dropped and
+    counted, so every pass over the same dataset gives the same rows in the same order. On CUDA
+    the batches come in pinned memory (asynchronous copies to the device).
+    """
+    return DataLoader(
+        _Items(dataset, transform),
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=_collate,
+        pin_memory=device.type == "cuda",
+        prefetch_factor=4 if num_workers > 0 else None,
+    )
+
+
+def _shut_down(iterator) -> None:
+    """Stop a DataLoader iterator's worker processes now (not when it is garbage-collected)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+
+
+# ---------------------------------------------------------------------------------- back-off and progress
+
+
+class Backoff:
+    """Runs ``n`` rows in chunks of at most ``in_force``; a CUDA out-of-memory error halves it.
+
+    ``chunks(n, submit)`` calls ``submit(start, stop)`` for consecutive row ranges and yields
+    ``(start, stop, result)``. When ``submit`` runs out of memory, the same rows are retried in
+    two halves and the smaller size stays in force for later batches, so the results are those of
+    a smaller batch size; at one row it gives up with a message that says what to try. Other
+    errors are not retried.
+    """
+
+    def __init__(self, batch_size: int, device: torch.device, what: str):
+        self.in_force = batch_size
+        self.backoffs = 0
+        self.device = device
+        self.what = what
+
+    def chunks(self, n: int, submit: Callable[[int, int], object]):
+        pending = deque([(0, n)])
+        while pending:
+            start, stop = pending.popleft()
+            if stop - start > self.in_force:
+                pending.appendleft((start + self.in_force, stop))
+                pending.appendleft((start, start + self.in_force))
+                continue
+            if stop == start:
+                continue
+            oom = None
+            try:
+                result = submit(start, stop)
+            except Exception as err:
+                if not is_out_of_memory(err):
+                    raise
+                oom = f"{type(err).__name__}: {err}"
+            if oom is None:
+                yield start, stop, result
+                continue
+            # Out of memory (the error and its frames are released by now): retry the same rows in halves.
+            if stop - start == 1:
+                raise torch.cuda.OutOfMemoryError(
+                    f"out of memory on {self.device} even at batch size 1 while {self.what}; free memory on the device "
+                    f"(other processes?), use precision='bf16', or a smaller input size. Original error: {oom}"
+                )
+            self.in_force = (stop - start) // 2
+            self.backoffs += 1
+            logger.warning(
+                "out of memory on %s at batch size %d; retrying at %d", self.device, stop - start, self.in_force
+            )
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            pending.appendleft((start + self.in_force, stop))
+            pending.appendleft((start, start + self.in_force))
+
+
+def progress_info(stage: str, done: int, started: float, backoff: Backoff, skipped: int, **extra) -> dict:
+    """The ``info`` of a ``progress(done, total, info)`` call: stage, items/s since ``started``
+    (a ``time.perf_counter()``), the batch size in force, the device, skipped items, OOM back-offs."""
+    elapsed = time.perf_counter() - started
+    return {
+        "stage": stage,
+        "items_per_s": done / elapsed if elapsed > 0 else 0.0,
+        "batch_size": backoff.in_force,
+        "device": str(backoff.device),
+        "skipped": skipped,
+        "elapsed_s": elapsed,
+        "oom_backoffs": backoff.backoffs,
+        **extra,
+    }
+
+
+# ---------------------------------------------------------------------------------- the pass
+
+
+class BatchedPass:
+    """One pass of ``dataset`` through ``backbone.transform`` and a model step on ``device`` (see the module doc).
+
+    :param backbone: has ``model`` (an ``nn.Module`` is moved to ``device`` for the ``with`` block;
+        any other callable is used as is) and ``transform`` (image -> tensor ``[C, H, W]``)
+    :param dataset: ``len(dataset)``, ``dataset[i] -> (image, label, source_index)`` or ``None`` for
+        an unreadable image, ``name``
+    :param device: a checked ``torch.device`` (:func:`oodviz.models.placement.parse_device`)
+    :param batch_size: rows per batch, halved on out-of-memory; :param num_workers: DataLoader workers
+    :param precision: a key of :data:`PRECISIONS`; :param channels_last: 4-D weights channels-last for the block
+    :param activity: what the pass does, e.g. ``"extracting resnet18 features"`` (in messages)
+    :param stage: the ``stage`` of the progress reported after every batch
+    :param info: extra fields for every progress report (called at report time)
+
+    Counters, readable at any time: ``total``, ``done`` (items read, unreadable ones included),
+    ``skipped`` (unreadable), ``first_batch_s``, ``backoff`` (batch size in force, back-offs), ``started``.
+    """
+
+    def __init__(
+        self,
+        backbone,
+        dataset,
+        *,
+        device: torch.device,
+        batch_size: int,
+        num_workers: int,
+        precision: str,
+        activity: str,
+        stage: str,
+        channels_last: bool = False,
+        progress: Progress | None = None,
+        should_cancel: Callable[[], bool] | None = None,
+        info: Callable[[], dict] | None = None,
+    ):
+        check_pass_options(batch_size, num_workers, precision)
+        self.total = len(dataset)
+        if self.total == 0:
+            raise ValueError(
+                f"dataset {dataset.name!r} is empty, nothing to do ({activity}); check its path and subsample"
+            )
+        self.backbone, self.dataset, self.device = backbone, dataset, device
+        self.batch_size, self.num_workers, self.precision = batch_size, num_workers, precision
+        self.channels_last, self.activity, self.stage = channels_last, activity, stage
+        self.progress, self.should_cancel, self.info = progress, should_cancel, info
+        self.backoff = Backoff(batch_size, device, activity)
+        self.started = time.perf_counter()
+        self.first_batch_s: float | None = None
+        self.done = self.skipped = 0
+        self._held = contextlib.ExitStack()
+
+    def __enter__(self) -> BatchedPass:
+        with contextlib.ExitStack() as held:
+            held.enter_context(model_on_device(getattr(self.backbone, "model", None), self.device, self.channels_last))
+            if self.device.type == "cuda":
+                held.enter_context(torch.cuda.device(self.device))
+            self._held = held.pop_all()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._held.close()
+
+    def report(self, stage: str) -> None:
+        """``progress(done, total, info)`` now, with ``stage`` and the extra ``info``."""
+        if self.progress is not None:
+            extra = self.info() if self.info is not None else {}
+            self.progress(
+                self.done,
+                self.total,
+                progress_info(stage, self.done, self.started, self.backoff, self.skipped, **extra),
+            )
+
+    def run(self, submit: Callable[[Tensor, Tensor, Tensor], Result], collect: Callable[[Result], None]) -> None:
+        """``collect(submit(x, labels, indices))`` for every chunk of readable rows, in dataset order.
+
+        ``x`` ``[b, ...]``, ``labels`` ``[b]`` and source ``indices`` ``[b]`` are CPU tensors (pinned on
+        CUDA); ``b`` is at most the batch size in force. ``submit`` runs under autocast; when it runs
+        out of memory, the same rows are submitted again in halves (so ``submit`` must not have
+        side effects that a retry would repeat: ``collect`` keeps the results).
+
+        :raises Cancelled: when ``should_cancel()`` returns True (asked before every batch)
+        :raises ValueError: when no item of the dataset was readable
+        :raises torch.cuda.OutOfMemoryError: when even one row does not fit on the device
+        """
+        autocast_dtype = PRECISIONS[self.precision]
+        autocast = (
+            torch.autocast(device_type=self.device.type, dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        transform = getattr(self.backbone, "transform", None)
+        loader = make_loader(self.dataset, transform, self.batch_size, self.num_workers, self.device)
+        iterator = iter(loader)
+        try:
+            with autocast:
+                for x, labels, indices, dropped in iterator:
+                    if self.should_cancel is not None and self.should_cancel():
+                        raise Cancelled(
+                            f"cancelled after {self.done} of {self.total} items while {self.activity}; "
+                            "nothing was stored"
+                        )
+                    self.skipped += dropped
+                    self.done += dropped
+                    chunk = lambda a, b: submit(x[a:b], labels[a:b], indices[a:b])  # noqa: B023, E731
+                    for start, stop, result in self.backoff.chunks(0 if x is None else len(x), chunk):
+                        collect(result)
+                        self.done += stop - start
+                    if self.first_batch_s is None:
+                        self.first_batch_s = time.perf_counter() - self.started
+                    self.report(self.stage)
+        finally:
+            _shut_down(iterator)
+        if self.done == self.skipped:
+            raise ValueError(
+                f"no readable items in dataset {self.dataset.name!r}: all {self.total} were unreadable (None); "
+                "check the files"
+            )
