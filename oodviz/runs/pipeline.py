@@ -158,6 +158,18 @@ class Job:
         ood = [(f"ood:{choice.name}", OOD_SPLIT, choice.name) for choice in self.config.ood]
         return [("id_test", ID_SPLIT, self.config.id_test.name), *ood]
 
+    def model_pass_options(self, stage: Stage) -> dict:
+        """Keyword arguments of a batched pass through the model (extraction, model-based scoring):
+        the job's device and loader settings, ``stage``'s progress and the run's cancel request."""
+        return {
+            "device": self.device,
+            "batch_size": self.config.batch_size,
+            "num_workers": self.config.num_workers,
+            "precision": self.config.precision,
+            "progress": stage.progress,
+            "should_cancel": self.run.cancel_requested,
+        }
+
     @contextmanager
     def detector_may_fail(self, name: str, doing: str, stage: Stage) -> Iterator[None]:
         """Run the body for detector ``name``; if it raises (cancellation aside), record the failure
@@ -241,13 +253,8 @@ def extract_splits(job: Job) -> None:
                     "data_root": str(Path(config.data_root).resolve()),
                     "seed": config.seed,
                 },
-                device=job.device,
-                batch_size=config.batch_size,
-                num_workers=config.num_workers,
-                precision=config.precision,
                 feature_dtype=config.feature_dtype,
-                progress=stage.progress,
-                should_cancel=job.run.cancel_requested,
+                **job.model_pass_options(stage),
             )
             job.stores[split] = store
             stage.note(f"{'reused' if store.reused else 'extracted'} store {store.key}: {store.n} samples")
@@ -294,47 +301,56 @@ def score_splits(job: Job) -> None:
     """Per scored split: a stage per model-based detector, then one that scores the features with
     the others and collects the split's scores table."""
     for split, kind, dataset in job.scored_splits:
-        store = job.stores[split]
-        model_scores = {}
-        for name, detector in list(job.fitted.items()):
-            if not detector.needs_model:
-                continue
-            with job.reporter.stage(f"score {split} with {name}") as stage:
+        model_scores = score_with_models(job, split)
+        job.frames.append(split_scores(job, split, kind, dataset, model_scores))
+
+
+def score_with_models(job: Job, split: str) -> dict[str, np.ndarray]:
+    """Scores of each model-based detector on ``split``, one stage each (``score <split> with <name>``)."""
+    model_scores = {}
+    for name, detector in list(job.fitted.items()):
+        if not detector.needs_model:
+            continue
+        with (
+            job.reporter.stage(f"score {split} with {name}") as stage,
+            job.detector_may_fail(name, f"score {split}", stage),
+        ):
+            started = time.perf_counter()
+            model_scores[name] = score_with_model(job, detector, split, stage)
+            log = job.detector_log[name]
+            log["score_s"] = log.get("score_s", 0.0) + time.perf_counter() - started
+    return model_scores
+
+
+def split_scores(job: Job, split: str, kind: str, dataset: str, model_scores: dict) -> pd.DataFrame:
+    """The scores table of ``split`` (stage ``score <split>``): every feature-based detector scores the
+    split's store; model-based ones bring ``model_scores``."""
+    store = job.stores[split]
+    with job.reporter.stage(f"score {split}") as stage:
+        frame = score_frame(kind, dataset, store.indices, store.labels, store.predictions)
+        names = list(job.fitted)
+        for done, name in enumerate(names, start=1):
+            if name in model_scores:
+                frame[name] = model_scores[name]
+            else:
                 with job.detector_may_fail(name, f"score {split}", stage):
-                    started = time.perf_counter()
-                    model_scores[name] = score_with_model(job, detector, split, stage)
-                    log = job.detector_log[name]
-                    log["score_s"] = log.get("score_s", 0.0) + time.perf_counter() - started
-        with job.reporter.stage(f"score {split}") as stage:
-            frame = score_frame(kind, dataset, store.indices, store.labels, store.predictions)
-            names = list(job.fitted)
-            for done, name in enumerate(names, start=1):
-                if name in model_scores:
-                    frame[name] = model_scores[name]
-                else:
-                    with job.detector_may_fail(name, f"score {split}", stage):
-                        batches = store.batches(SCORE_BATCH, device=job.device)
-                        frame[name] = job.fitted[name].score(batches, device=job.device).numpy()
-                stage.progress(done, len(names), {})
-            job.frames.append(frame)
+                    batches = store.batches(SCORE_BATCH, device=job.device)
+                    frame[name] = job.fitted[name].score(batches, device=job.device).numpy()
+            stage.progress(done, len(names), {})
+    return frame
 
 
 def score_with_model(job: Job, detector, split: str, stage: Stage) -> np.ndarray:
     """Scores ``[N]`` of a model-based detector on one split, aligned with the split's store rows."""
     from oodviz.engine import score_inputs
 
-    store, config = job.stores[split], job.config
+    store = job.stores[split]
     result = score_inputs(
         lambda batch: detector.score(batch, device=job.device),
         job.backbone,
         job.datasets[split],
-        device=job.device,
-        batch_size=config.batch_size,
-        num_workers=config.num_workers,
-        precision=config.precision,
-        progress=stage.progress,
-        should_cancel=job.run.cancel_requested,
         what=f"scoring {detector.name} on",
+        **job.model_pass_options(stage),
     )
     if not np.array_equal(result.indices, np.asarray(store.indices)):
         raise ValueError(
