@@ -1,8 +1,9 @@
-"""What the results of a run say: pure functions from a run directory's tables to plain data.
+"""What the results of a run say: pure functions from a run's tables to plain data.
 
-Everything the UI shows is computed here (and drawn by :mod:`oodviz.plots`); the Streamlit code
-only arranges it. Histogram bins and curve points are computed here too, so every chart the
-browser receives stays small whatever the number of samples.
+Everything the UI shows is computed here or in :mod:`oodviz.results` (and drawn by
+:mod:`oodviz.plots`); the Streamlit code only arranges it. Histogram bins and curve points are
+computed here too, so every chart the browser receives stays small whatever the number of samples.
+Images of samples come from :mod:`oodviz.thumbnails`.
 
 Convention everywhere: **OOD is the positive class; higher score = more OOD.** A sample is
 *flagged* (called OOD) when ``score >= threshold``:
@@ -10,7 +11,7 @@ Convention everywhere: **OOD is the positive class; higher score = more OOD.** A
 - an ID sample that is flagged is a **false alarm**;
 - an OOD sample that is not flagged (``score < threshold``) is a **miss** (accepted as ID).
 
-Inputs are the tables of a finished run (see :mod:`oodviz.runs.pipeline`); ``scores`` is
+Inputs are the tables of a run (their schema: :mod:`oodviz.results`); ``scores`` is
 ``scores.parquet``: one row per scored sample with ``split`` (``"id_test"`` or ``"ood"``),
 ``dataset``, ``index`` (the sample's *source index* in its dataset, as stored by the engine),
 ``label`` (``-1`` for OOD), ``prediction`` and one float column per detector.
@@ -20,163 +21,30 @@ This module never imports streamlit.
 
 from __future__ import annotations
 
-import json
 import math
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from PIL import Image, ImageDraw
 
-from oodviz.metrics import ood_metrics, threshold_at_recall
+from oodviz.metrics import ood_metrics
+from oodviz.results import (
+    ID_SPLIT,
+    OOD_SPLIT,
+    SCORE_META_COLUMNS,
+    Results,
+    check_detector,
+    check_ood_dataset,
+    id_dataset_of,
+    ood_datasets_of,
+    score_values,
+)
 
-#: columns of ``scores.parquet`` that are not detector scores
-SCORE_META_COLUMNS = ("split", "dataset", "index", "label", "prediction")
-ID_SPLIT = "id_test"
-OOD_SPLIT = "ood"
 MiB = 2**20
-
-
-# -- loading -------------------------------------------------------------------------------------
-@dataclass
-class Results:
-    """Everything a run directory holds; a file that does not exist (yet) is ``None``.
-
-    - ``path``: the run directory;
-    - ``config``: ``config.json`` (the RunConfig as a dict; ``{}`` when missing);
-    - ``status``: ``status.json`` (``{"state", "stage", "error", ...}``);
-    - ``metrics``: ``metrics.csv`` (detector x OOD dataset: auroc, aupr_in, aupr_out, fpr95, ...);
-    - ``scores``: ``scores.parquet`` (one row per sample, one column per detector);
-    - ``per_class``: ``per_class.csv`` (detector x ID class false alarms at 95% OOD recall);
-    - ``meta``: ``meta.json``; ``detectors``: ``detectors.json`` (params, fit time, errors);
-    - ``events``: the parsed ``events.jsonl`` (``[]`` when missing).
-    """
-
-    path: Path
-    config: dict = field(default_factory=dict)
-    status: dict = field(default_factory=dict)
-    metrics: pd.DataFrame | None = None
-    scores: pd.DataFrame | None = None
-    per_class: pd.DataFrame | None = None
-    meta: dict | None = None
-    detectors: dict | None = None
-    events: list = field(default_factory=list)
-
-    @property
-    def state(self) -> str | None:
-        return self.status.get("state")
-
-    @property
-    def finished(self) -> bool:
-        """True when the run's results are complete (state ``done`` and the scores written)."""
-        return self.state == "done" and self.scores is not None
-
-    @property
-    def class_names(self) -> list[str]:
-        """ID class names, index = label, as recorded in ``per_class.csv`` (``[]`` when unknown)."""
-        return class_names_of(self.per_class)
-
-
-def _read_json(path: Path):
-    try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError, OSError):
-        return None
-
-
-def _read_table(path: Path) -> pd.DataFrame | None:
-    if not path.exists():
-        return None
-    try:
-        return pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    except Exception:  # an unreadable or empty table is reported as absent, not as a crash of the page
-        return None
-
-
-def load_results(run_dir) -> Results:
-    """Read a run directory (see :mod:`oodviz.runs.pipeline`), finished or not: each missing or
-    unreadable file gives ``None``."""
-    from oodviz.runs.rundir import RunDir
-
-    path = Path(run_dir)
-    run = RunDir(path)
-
-    return Results(
-        path=path,
-        config=_read_json(run.config_path) or {},
-        status=run.read_status(),
-        metrics=_read_table(path / "metrics.csv"),
-        scores=_read_table(path / "scores.parquet"),
-        per_class=_read_table(path / "per_class.csv"),
-        meta=_read_json(path / "meta.json"),
-        detectors=_read_json(path / "detectors.json"),
-        events=run.read_events(),
-    )
-
-
-def class_names_of(per_class: pd.DataFrame | None) -> list[str]:
-    """Class names (index = label) from a ``per_class`` table; labels it lacks are named by number."""
-    if per_class is None or not len(per_class) or "class" not in per_class:
-        return []
-    names = per_class.drop_duplicates("class").set_index("class")["class_name"]
-    top = int(names.index.max())
-    return [str(names[c]) if c in names.index else str(c) for c in range(top + 1)]
-
-
-# -- what is in a scores table ----------------------------------------------------------------------
-def detectors_of(scores: pd.DataFrame) -> list[str]:
-    """Detector score columns of ``scores``, in table order."""
-    return [c for c in scores.columns if c not in SCORE_META_COLUMNS]
-
-
-def ood_datasets_of(scores: pd.DataFrame) -> list[str]:
-    """OOD datasets of ``scores`` in the order of the run config (order of first appearance)."""
-    return list(pd.unique(scores.loc[scores.split == OOD_SPLIT, "dataset"]))
-
-
-def id_dataset_of(scores: pd.DataFrame) -> str:
-    """The name of the ID test dataset (``"ID"`` when the table has no ID rows)."""
-    names = pd.unique(scores.loc[scores.split == ID_SPLIT, "dataset"])
-    return str(names[0]) if len(names) else "ID"
 
 
 def id_label(scores: pd.DataFrame) -> str:
     """The key of the ID set in :func:`score_histogram` counts: ``"ID (<dataset>)"``."""
     return f"ID ({id_dataset_of(scores)})"
-
-
-def _check_detector(scores: pd.DataFrame, detector: str) -> None:
-    if detector not in scores.columns or detector in SCORE_META_COLUMNS:
-        known = ", ".join(detectors_of(scores)) or "none"
-        raise ValueError(f"No scores for detector {detector!r}; this run has: {known}")
-
-
-def _check_ood_dataset(scores: pd.DataFrame, ood_dataset: str) -> None:
-    if ood_dataset not in ood_datasets_of(scores):
-        raise ValueError(f"No OOD dataset {ood_dataset!r} in this run; it has: {', '.join(ood_datasets_of(scores))}")
-
-
-def _values(rows: pd.DataFrame, detector: str) -> np.ndarray:
-    return rows[detector].to_numpy(dtype=np.float64)
-
-
-def default_threshold(
-    scores: pd.DataFrame, detector: str, ood_dataset: str | None = None, recall: float = 0.95
-) -> float:
-    """The highest threshold that flags at least ``recall`` of the OOD samples (``score >= t``).
-
-    ``ood_dataset=None`` pools every OOD dataset (the threshold of ``per_class.csv``); a name uses
-    that dataset only (the ``threshold`` column of ``metrics.csv``).
-    """
-    _check_detector(scores, detector)
-    rows = scores[scores.split == OOD_SPLIT]
-    if ood_dataset is not None:
-        _check_ood_dataset(scores, ood_dataset)
-        rows = rows[rows.dataset == ood_dataset]
-    return threshold_at_recall(_values(rows, detector), recall)
 
 
 # -- histograms -----------------------------------------------------------------------------------
@@ -193,10 +61,10 @@ def score_histogram(scores: pd.DataFrame, detector: str, bins: int = 60, clip_pe
         "id_label"}``; the labels are ``"ID (<dataset>)"`` first, then each OOD dataset in run order.
         Each set's counts sum to its number of (non-NaN) samples.
     """
-    _check_detector(scores, detector)
+    check_detector(scores, detector)
     if bins < 1:
         raise ValueError(f"bins must be at least 1, got {bins}")
-    values = _values(scores, detector)
+    values = score_values(scores, detector)
     finite = values[np.isfinite(values)]
     if finite.size:
         lo, hi = np.percentile(finite, clip_percentiles)
@@ -211,7 +79,7 @@ def score_histogram(scores: pd.DataFrame, detector: str, bins: int = 60, clip_pe
     counts, sizes = {}, {}
     low = high = nan = 0
     for label, rows in groups:
-        v = _values(rows, detector)
+        v = score_values(rows, detector)
         nan += int(np.isnan(v).sum())
         v = v[~np.isnan(v)]
         low += int((v < lo).sum())
@@ -271,13 +139,13 @@ def curves(scores: pd.DataFrame, detector: str, ood_dataset: str | None, max_poi
     """
     from sklearn.metrics import precision_recall_curve, roc_curve
 
-    _check_detector(scores, detector)
-    id_scores = _values(scores[scores.split == ID_SPLIT], detector)
+    check_detector(scores, detector)
+    id_scores = score_values(scores[scores.split == ID_SPLIT], detector)
     ood_rows = scores[scores.split == OOD_SPLIT]
     if ood_dataset is not None:
-        _check_ood_dataset(scores, ood_dataset)
+        check_ood_dataset(scores, ood_dataset)
         ood_rows = ood_rows[ood_rows.dataset == ood_dataset]
-    ood_scores = _values(ood_rows, detector)
+    ood_scores = score_values(ood_rows, detector)
     metrics = ood_metrics(id_scores, ood_scores)  # also rejects empty and non-finite scores
     values = np.concatenate([id_scores, ood_scores])
     is_ood = np.concatenate([np.zeros(id_scores.size, np.int8), np.ones(ood_scores.size, np.int8)])
@@ -322,13 +190,13 @@ def counts_at_threshold(scores: pd.DataFrame, detector: str, threshold: float) -
         "miss_rate"}}``. False alarm: ID with ``score >= threshold``; miss: OOD with
         ``score < threshold`` (accepted as ID). Rates are fractions (NaN for an empty set).
     """
-    _check_detector(scores, detector)
+    check_detector(scores, detector)
     threshold = float(threshold)
-    id_values = _values(scores[scores.split == ID_SPLIT], detector)
+    id_values = score_values(scores[scores.split == ID_SPLIT], detector)
     false_alarms = int((id_values >= threshold).sum())
     ood = {}
     for name in ood_datasets_of(scores):
-        v = _values(scores[(scores.split == OOD_SPLIT) & (scores.dataset == name)], detector)
+        v = score_values(scores[(scores.split == OOD_SPLIT) & (scores.dataset == name)], detector)
         missed = int((v < threshold).sum())
         n = int(v.size)
         ood[name] = {"n": n, "detected": n - missed, "missed": missed, "miss_rate": _rate(missed, n)}
@@ -391,44 +259,9 @@ def counts_table(counts: dict) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["set", "kind", "n", "wrong", "wrong_rate"])
 
 
-PER_CLASS_COLUMNS = ["class", "class_name", "n", "accuracy", "false_alarms", "false_alarm_rate", "mean_score"]
-
-
-def per_class_at_threshold(scores: pd.DataFrame, detector: str, threshold: float, class_names=None) -> pd.DataFrame:
-    """Per true ID class: how many of its test samples are flagged as OOD (``score >= threshold``).
-
-    Columns ``class, class_name, n, accuracy (of the classifier), false_alarms, false_alarm_rate,
-    mean_score``; one row per class present in the ID test set, sorted by ``false_alarm_rate``
-    (highest first; ties by class). With the pooled 95%-recall threshold (:func:`default_threshold`)
-    this reproduces the run's ``per_class.csv``.
-    """
-    _check_detector(scores, detector)
-    class_names = list(class_names or [])
-    rows = []
-    id_rows = scores[scores.split == ID_SPLIT]
-    for label, group in id_rows.groupby("label", sort=True):
-        v = _values(group, detector)
-        flagged = v >= float(threshold)
-        label = int(label)
-        rows.append(
-            {
-                "class": label,
-                "class_name": class_names[label] if 0 <= label < len(class_names) else str(label),
-                "n": int(v.size),
-                "accuracy": float((group.label == group.prediction).mean()),
-                "false_alarms": int(flagged.sum()),
-                "false_alarm_rate": float(flagged.mean()),
-                "mean_score": float(v.mean()),
-            }
-        )
-    table = pd.DataFrame(rows, columns=PER_CLASS_COLUMNS)
-    table = table.sort_values(["false_alarm_rate", "class"], ascending=[False, True], kind="stable")
-    return table.reset_index(drop=True)
-
-
 # -- failure cases --------------------------------------------------------------------------------
 def _top(rows: pd.DataFrame, detector: str, k: int, highest: bool) -> pd.DataFrame:
-    v = _values(rows, detector)
+    v = score_values(rows, detector)
     ok = ~np.isnan(v)
     rows, v = rows[ok], v[ok]
     order = np.argsort(-v if highest else v, kind="stable")[: max(int(k), 0)]  # ties: table order
@@ -455,19 +288,19 @@ def failure_cases(
       as ID), optionally only of ``ood_dataset``.
 
     Columns: ``rank`` (1 = worst), ``row`` (row of ``scores``), ``split, dataset, index`` (source
-    index, for :func:`thumbnails`), ``label, prediction, score`` and, with ``class_names``,
-    ``class_name`` (true class; ``"OOD"`` for OOD rows) and ``predicted_name`` (the class the model
-    gave). ID tables also get ``correct`` (the classifier was right). Ties keep table order; NaN
-    scores are left out.
+    index, for :func:`oodviz.thumbnails.thumbnails`), ``label, prediction, score`` and, with
+    ``class_names``, ``class_name`` (true class; ``"OOD"`` for OOD rows) and ``predicted_name``
+    (the class the model gave). ID tables also get ``correct`` (the classifier was right). Ties
+    keep table order; NaN scores are left out.
     """
-    _check_detector(scores, detector)
+    check_detector(scores, detector)
     keep = list(SCORE_META_COLUMNS)
     id_rows = scores.loc[scores.split == ID_SPLIT, keep + [detector]]
     if id_class is not None:
         id_rows = id_rows[id_rows.label == int(id_class)]
     ood_rows = scores.loc[scores.split == OOD_SPLIT, keep + [detector]]
     if ood_dataset is not None:
-        _check_ood_dataset(scores, ood_dataset)
+        check_ood_dataset(scores, ood_dataset)
         ood_rows = ood_rows[ood_rows.dataset == ood_dataset]
     flagged = _top(id_rows, detector, k, highest=True).drop(columns=detector)
     accepted = _top(ood_rows, detector, k, highest=False).drop(columns=detector)
@@ -482,166 +315,6 @@ def failure_cases(
             table["class_name"] = [name(int(c)) for c in table.label]
             table["predicted_name"] = [name(int(c)) for c in table.prediction]
     return flagged, accepted
-
-
-# -- thumbnails -----------------------------------------------------------------------------------
-_DATASET_CACHE: OrderedDict = OrderedDict()
-_DATASET_CACHE_LOCK = threading.Lock()  # Streamlit serves sessions from threads
-DATASET_CACHE_SIZE = 16
-PLACEHOLDER_GREY = (160, 160, 160)
-LETTERBOX = (255, 255, 255)
-
-
-def _config_dict(results_or_config) -> dict:
-    if isinstance(results_or_config, Results):
-        return results_or_config.config or {}
-    if hasattr(results_or_config, "to_dict"):
-        return results_or_config.to_dict()
-    return dict(results_or_config or {})
-
-
-def _choice_for(config: dict, split: str, dataset: str) -> tuple[dict | None, bool]:
-    """The dataset entry of the run config for a scores row and whether it was loaded as OOD."""
-    if split == ID_SPLIT:
-        choice = config.get("id_test")
-        return (choice if choice and choice.get("name") == dataset else None), False
-    for choice in config.get("ood", []) or []:
-        if choice.get("name") == dataset:
-            return choice, True
-    return None, True
-
-
-def _cache_key(config: dict, choice: dict, as_ood: bool) -> tuple:
-    return (
-        choice.get("name"),
-        json.dumps(choice.get("params") or {}, sort_keys=True, default=str),
-        str(config.get("data_root", "data")),
-        choice.get("subsample"),
-        choice.get("subsample_mode", "first"),
-        int(config.get("seed", 0)),
-        bool(as_ood),
-    )
-
-
-def _open_dataset(key: tuple):
-    """The dataset for a cache key (module-level LRU of :data:`DATASET_CACHE_SIZE` datasets).
-
-    Opened with ``download=False`` (a thumbnail never fetches files). Failures are not cached.
-    """
-    with _DATASET_CACHE_LOCK:
-        if key in _DATASET_CACHE:
-            _DATASET_CACHE.move_to_end(key)
-            return _DATASET_CACHE[key]
-    from oodviz.data import load_dataset
-
-    name, params, root, subsample, mode, seed, as_ood = key
-    ds = load_dataset(
-        name,
-        root=root,
-        download=False,
-        subsample=subsample,
-        subsample_mode=mode,
-        seed=seed,
-        as_ood=as_ood,
-        **json.loads(params),
-    )
-    with _DATASET_CACHE_LOCK:
-        _DATASET_CACHE[key] = ds
-        while len(_DATASET_CACHE) > DATASET_CACHE_SIZE:
-            _DATASET_CACHE.popitem(last=False)
-    return ds
-
-
-def clear_dataset_cache() -> None:
-    """Forget the datasets :func:`thumbnails` opened (e.g. after files changed on disk)."""
-    with _DATASET_CACHE_LOCK:
-        _DATASET_CACHE.clear()
-
-
-def placeholder(size: int = 64, text: str = "missing") -> Image.Image:
-    """A grey ``size`` x ``size`` RGB image with ``text`` in the middle; ``info["oodviz"] == text``."""
-    image = Image.new("RGB", (size, size), PLACEHOLDER_GREY)
-    draw = ImageDraw.Draw(image)
-    left, top, right, bottom = draw.textbbox((0, 0), text)
-    draw.text(((size - (right - left)) / 2 - left, (size - (bottom - top)) / 2 - top), text, fill=(255, 255, 255))
-    image.info["oodviz"] = text
-    return image
-
-
-def fit_image(image: Image.Image, size: int = 64) -> Image.Image:
-    """``image`` as an RGB ``size`` x ``size`` thumbnail, aspect ratio kept (white letterbox).
-
-    Images smaller than ``size`` are enlarged with NEAREST (8x8 digits stay crisp pixel blocks;
-    an 8x8 image becomes exact 8x8-pixel blocks at size 64); larger ones are reduced with a
-    smoothing (LANCZOS) filter.
-    """
-    image = image.convert("RGB")
-    w, h = image.size
-    scale = size / max(w, h)
-    new = (max(1, round(w * scale)), max(1, round(h * scale)))
-    if new != (w, h):
-        image = image.resize(new, Image.Resampling.NEAREST if scale > 1 else Image.Resampling.LANCZOS)
-    if new == (size, size):
-        image.info["oodviz"] = "ok"
-        return image
-    canvas = Image.new("RGB", (size, size), LETTERBOX)
-    canvas.paste(image, ((size - new[0]) // 2, (size - new[1]) // 2))
-    canvas.info["oodviz"] = "ok"
-    return canvas
-
-
-def thumbnails(results_or_config, rows: pd.DataFrame, size: int = 64) -> list[Image.Image]:
-    """One RGB ``size`` x ``size`` image per row of ``rows`` (e.g. a :func:`failure_cases` table).
-
-    ``results_or_config``: :class:`Results`, a RunConfig or its dict. Each row's dataset is
-    re-opened with the run config's parameters (the ``id_test`` entry for split ``id_test``, the
-    OOD entry of the same name for split ``ood``; same root, subsampling and seed, but never
-    downloading) and cached in a module-level LRU. The row's ``index`` is the sample's *source
-    index* (what the engine stores); its position in the dataset is found in
-    ``ds.source_indices``.
-
-    Never raises for a sample that cannot be shown: a dataset that cannot be opened any more
-    (files moved, unknown name) or a source index it no longer has gives a grey placeholder with
-    the text ``"missing"``; an image file that cannot be decoded gives ``"unreadable"``. Each
-    image's ``info["oodviz"]`` says which (``"ok"``, ``"missing"``, ``"unreadable"``).
-    """
-    config = _config_dict(results_or_config)
-    images: list[Image.Image] = []
-    failed: dict[tuple, bool] = {}  # within one call, try a broken dataset once
-    for split, dataset, index in zip(rows["split"], rows["dataset"], rows["index"]):
-        choice, as_ood = _choice_for(config, str(split), str(dataset))
-        if choice is None:
-            images.append(placeholder(size, "missing"))
-            continue
-        key = _cache_key(config, choice, as_ood)
-        if key in failed:
-            images.append(placeholder(size, "missing"))
-            continue
-        try:
-            ds = _open_dataset(key)
-        except Exception:
-            failed[key] = True
-            images.append(placeholder(size, "missing"))
-            continue
-        source_indices = np.asarray(ds.source_indices)
-        index = int(index)
-        position = int(np.searchsorted(source_indices, index))  # subsample_indices are ascending
-        if position >= len(source_indices) or source_indices[position] != index:
-            hits = np.flatnonzero(source_indices == index)  # a source with unsorted indices
-            if not hits.size:
-                images.append(placeholder(size, "missing"))
-                continue
-            position = int(hits[0])
-        try:
-            item = ds[position]
-        except Exception:
-            images.append(placeholder(size, "missing"))
-            continue
-        if item is None or not isinstance(item[0], Image.Image):
-            images.append(placeholder(size, "unreadable"))
-            continue
-        images.append(fit_image(item[0], size))
-    return images
 
 
 # -- comparing runs -------------------------------------------------------------------------------

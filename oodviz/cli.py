@@ -89,12 +89,9 @@ def cmd_run(args) -> int:
     state = execute(run, echo=TerminalProgress())
     print(f"{state} in {time.monotonic() - started:.1f}s: {run.path}", file=sys.stderr)
     if state == "done":
-        import pandas as pd
+        from oodviz.results import group_means, read_table
 
-        metrics = pd.read_csv(run.path / "metrics.csv")
-        table = metrics[metrics.ood_dataset.str.endswith("(mean)")].pivot(
-            index="detector", columns="group", values=["auroc", "fpr95"]
-        )
+        table = group_means(read_table(run.path / "metrics.csv"), values=("auroc", "fpr95"))
         print("\nMean AUROC / FPR95 per near/far group (OOD is positive; FPR95 = ID flagged at 95% OOD recall):")
         print(table.round(3).to_string())
         print(f"\nFull table: {run.path / 'metrics.csv'}")

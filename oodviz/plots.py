@@ -213,8 +213,8 @@ def per_class_bar(
     per_class: pd.DataFrame, title: str = "False alarms per ID class", color: str = ID_COLOR
 ) -> go.Figure:
     """False-alarm rate (ID test samples flagged as OOD) per true ID class, in the table's order
-    (:func:`per_class_at_threshold` sorts worst first); hover shows the counts, accuracy and mean
-    score."""
+    (:func:`oodviz.results.per_class_at_threshold` sorts worst first); hover shows the counts,
+    accuracy and mean score."""
     names = [str(c) for c in per_class["class_name"]]
     fig = go.Figure(
         go.Bar(

@@ -1,7 +1,9 @@
-"""Shared fixtures: a small, seeded classification problem with a linear head."""
+"""Shared fixtures: a small, seeded classification problem with a linear head; the default run."""
 
 import shutil
 import socket
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,3 +148,49 @@ def browser_type_launch_args(browser_type_launch_args):
 @pytest.fixture(scope="session")
 def browser_context_args(browser_context_args):
     return {**browser_context_args, "viewport": {"width": 1400, "height": 1000}}
+
+
+@dataclass
+class DefaultRun:
+    """The finished run directory ``path`` of ``oodviz run --out PATH`` and what the command printed."""
+
+    path: Path
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory) -> DefaultRun:
+    """``oodviz run --out DIR`` with no config: the bundled offline default (digits-cnn, 8x8 digits vs
+    6 OOD sets, every default detector), run once per test session as a user would run it.
+
+    Tests only read it; one that changes a run works on a copy (``shutil.copytree``).
+    """
+    root = tmp_path_factory.mktemp("default-run")
+    out = root / "r1"
+    result = subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", "run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(root),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return DefaultRun(out, result.stdout, result.stderr)
+
+
+@pytest.fixture(scope="session")
+def default_results(default_run):
+    """:func:`oodviz.results.load_results` of :func:`default_run` (shared: copy what you change)."""
+    from oodviz.results import load_results
+
+    return load_results(default_run.path)
+
+
+def brute_force_threshold(ood_scores, recall=0.95) -> float:
+    """The highest OOD score ``t`` with ``mean(ood_scores >= t) >= recall``, found by trying every one
+    (float64; an independent reference for ``threshold_at_recall`` and FPR95)."""
+    ood = np.asarray(ood_scores, dtype=np.float64)
+    candidates = np.unique(ood)[::-1]  # highest first
+    recall_at = (ood[None, :] >= candidates[:, None]).mean(axis=1)
+    return float(candidates[np.flatnonzero(recall_at >= recall)[0]])

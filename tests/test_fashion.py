@@ -395,7 +395,8 @@ def test_preset_runs_end_to_end(preset_run):
 
 @needs_files
 def test_preset_thumbnails_are_the_real_28x28_images(preset_run):
-    from oodviz.analysis import fit_image, load_results, thumbnails
+    from oodviz.results import load_results
+    from oodviz.thumbnails import fit_image, thumbnails
 
     results = load_results(preset_run)
     scores = pd.read_parquet(preset_run / "scores.parquet")

@@ -7,6 +7,7 @@ from conftest import synthetic_scores
 
 from oodviz import analysis as A
 from oodviz import plots as P
+from oodviz.results import default_threshold, ood_datasets_of, per_class_at_threshold
 
 
 @pytest.fixture(scope="module")
@@ -16,7 +17,7 @@ def scores():
 
 def test_histogram_figure_bars_and_threshold_line(scores):
     hist = A.score_histogram(scores, "det", bins=20)
-    threshold = A.default_threshold(scores, "det")
+    threshold = default_threshold(scores, "det")
     fig = P.histogram_figure(hist, threshold=threshold)
     edges = hist["edges"]
     assert [t.name for t in fig.data] == ["ID (id-set)", "far-set", "near-set"]
@@ -50,7 +51,7 @@ def test_histogram_figure_normalized_and_custom_label(scores):
 
 
 def test_roc_figure_lines_legend_and_chance(scores):
-    by_label = {name: A.curves(scores, "det", name, max_points=50) for name in A.ood_datasets_of(scores)}
+    by_label = {name: A.curves(scores, "det", name, max_points=50) for name in ood_datasets_of(scores)}
     fig = P.roc_figure(by_label)
     assert len(fig.data) == 3
     for trace, (name, c) in zip(fig.data[:2], by_label.items()):
@@ -79,7 +80,7 @@ def test_pr_figure_lines_and_legend(scores):
 
 
 def test_colours_are_consistent_across_figures(scores):
-    names = A.ood_datasets_of(scores)
+    names = ood_datasets_of(scores)
     colors = P.color_map(names)
     assert colors == {"far-set": P.OOD_COLORS[0], "near-set": P.OOD_COLORS[1]}
     hist = P.histogram_figure(A.score_histogram(scores, "det"), colors=colors)
@@ -90,7 +91,7 @@ def test_colours_are_consistent_across_figures(scores):
 
 
 def test_per_class_bar(scores):
-    table = A.per_class_at_threshold(scores, "det", 0.8, ["zero", "one", "two", "three"])
+    table = per_class_at_threshold(scores, "det", 0.8, ["zero", "one", "two", "three"])
     fig = P.per_class_bar(table)
     (bar,) = fig.data
     assert list(bar.x) == list(table.class_name)

@@ -1,6 +1,7 @@
 """Runs as files: config validation, the run directory, background jobs, cancel, kill, queue, CLI."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -11,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import cuda
+from conftest import brute_force_threshold, cuda
+from sklearn.metrics import average_precision_score, roc_auc_score
 
 from oodviz.metrics import ood_metrics, threshold_at_recall
 from oodviz.runs.config import ConfigError, DatasetChoice, DetectorChoice, RunConfig
@@ -88,19 +90,8 @@ def test_a_config_with_three_mistakes_reports_all_three():
 # ---- a run in the foreground ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cli_default_run(tmp_path_factory):
-    """`oodviz run --out DIR` with no config: the bundled offline default, as a user would run it."""
-    out = tmp_path_factory.mktemp("cli") / "default"
-    result = subprocess.run(
-        [sys.executable, "-m", "oodviz.cli", "run", "--out", str(out)], capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr
-    return out, result
-
-
-def test_cli_default_run_writes_a_complete_self_describing_directory(cli_default_run):
-    out, result = cli_default_run
+def test_cli_default_run_writes_a_complete_self_describing_directory(default_run):
+    out = default_run.path
     run = RunDir(out)
     assert run.read_status()["state"] == "done"
     assert RunConfig.from_dict(run.read_config()) == RunConfig()
@@ -114,51 +105,108 @@ def test_cli_default_run_writes_a_complete_self_describing_directory(cli_default
     assert events[-1]["event"] == "done"
     assert {"stage", "event", "cpu_rss", "device"} <= set(events[0])
     scores = pd.read_parquet(out / "scores.parquet")
+    assert list(scores.columns) == ["split", "dataset", "index", "label", "prediction"] + [
+        d.name for d in RunConfig().detectors
+    ]
     assert set(scores.split) == {"id_test", "ood"}
     assert (scores[scores.split == "ood"].label == -1).all()
     assert len(scores[scores.split == "id_test"]) == 362  # the digits test split, classes 0-7
-    assert "Mean AUROC / FPR95" in result.stdout
+    # The CLI prints the near/far means of metrics.csv, one row per detector in config order.
+    metrics = pd.read_csv(out / "metrics.csv")
+    assert "Mean AUROC / FPR95" in default_run.stdout
+    detectors = [d.name for d in RunConfig().detectors]
+    printed = {line.split()[0]: line.split()[1:] for line in default_run.stdout.splitlines() if line.strip()}
+    assert [name for name in printed if name in detectors] == detectors
+    for name in ("msp", "knn"):  # columns: AUROC far, near, FPR95 far, near
+        for value, (key, group) in zip(
+            printed[name], [("auroc", "far"), ("auroc", "near"), ("fpr95", "far"), ("fpr95", "near")]
+        ):
+            mean = metrics[(metrics.detector == name) & (metrics.ood_dataset == f"{group} (mean)")][key].item()
+            assert abs(float(value) - mean) <= 5e-4
     # knn's bank lived in the run's scratch directory, which is gone now, and is not logged as a parameter
     assert not run.scratch_path.exists()
     assert json.loads((out / "detectors.json").read_text())["knn"]["params"] == {"k": 50, "chunk_size": 16384}
 
 
-def test_cli_metrics_equal_ood_metrics_on_the_stored_scores(cli_default_run):
-    out, _ = cli_default_run
-    scores = pd.read_parquet(out / "scores.parquet")
-    metrics = pd.read_csv(out / "metrics.csv")
+def test_metrics_csv_agrees_with_sklearn_and_a_brute_force_fpr95(default_run):
+    """Every per-dataset row of metrics.csv against scikit-learn on the stored scores (OOD positive),
+    FPR95 and the threshold found by trying every OOD score, and the group means by hand."""
+    scores = pd.read_parquet(default_run.path / "scores.parquet")
+    metrics = pd.read_csv(default_run.path / "metrics.csv")
     id_rows = scores[scores.split == "id_test"]
-    detectors = [c for c in scores.columns if c not in ("split", "dataset", "index", "label", "prediction")]
-    assert set(detectors) == {RunConfig().to_dict()["detectors"][i]["name"] for i in range(len(detectors))}
-    checked = 0
-    for row in metrics[~metrics.ood_dataset.str.endswith("(mean)")].itertuples():
-        ood = scores[(scores.split == "ood") & (scores.dataset == row.ood_dataset)][row.detector]
-        expected = ood_metrics(id_rows[row.detector].to_numpy(), ood.to_numpy())
-        for key in ("auroc", "aupr_in", "aupr_out", "fpr95"):
-            assert getattr(row, key) == pytest.approx(expected[key], abs=1e-12)
+    detectors = [d.name for d in RunConfig().detectors]
+    groups = {
+        "digits-heldout": "near",
+        "digits-inverted": "near",
+        "digits-rotated": "near",
+        "photo-patches": "far",
+        "noise-gaussian": "far",
+        "noise-uniform": "far",
+    }
+    per_dataset = metrics[~metrics.ood_dataset.str.endswith("(mean)")]
+    assert list(zip(per_dataset.detector, per_dataset.ood_dataset)) == [(d, o) for d in detectors for o in groups]
+    for row in per_dataset.itertuples():
+        id_scores = id_rows[row.detector].to_numpy(np.float64)
+        ood_scores = scores[(scores.split == "ood") & (scores.dataset == row.ood_dataset)][row.detector]
+        ood_scores = ood_scores.to_numpy(np.float64)
+        is_ood = np.r_[np.zeros(id_scores.size), np.ones(ood_scores.size)]
+        both = np.r_[id_scores, ood_scores]
+        assert row.auroc == pytest.approx(roc_auc_score(is_ood, both), abs=1e-12)
+        assert row.aupr_out == pytest.approx(average_precision_score(is_ood, both), abs=1e-12)
+        assert row.aupr_in == pytest.approx(average_precision_score(1 - is_ood, -both), abs=1e-12)
+        threshold = brute_force_threshold(ood_scores)
+        assert row.threshold == threshold
+        assert row.fpr95 == pytest.approx((id_scores >= threshold).mean(), abs=1e-12)
+        assert row.group == groups[row.ood_dataset]
         assert row.id_accuracy == pytest.approx((id_rows.label == id_rows.prediction).mean())
-        checked += 1
-    assert checked == len(detectors) * 6
-    near = metrics[(metrics.ood_dataset == "near (mean)") & (metrics.detector == "mahalanobis")].auroc.item()
-    per = metrics[
-        (metrics.group == "near") & (metrics.detector == "mahalanobis") & ~metrics.ood_dataset.str.endswith("(mean)")
+    means = metrics[metrics.ood_dataset.str.endswith("(mean)")]
+    assert len(means) == len(detectors) * len(set(groups.values()))
+    for row in means.itertuples():
+        members = [o for o, g in groups.items() if g == row.group]
+        assert row.ood_dataset == f"{row.group} (mean)" and np.isnan(row.threshold)
+        for key in ("auroc", "aupr_in", "aupr_out", "fpr95"):
+            rows = per_dataset[(per_dataset.detector == row.detector) & per_dataset.ood_dataset.isin(members)]
+            assert getattr(row, key) == pytest.approx(sum(getattr(r, key) for r in rows.itertuples()) / len(members))
+
+
+def test_per_class_csv_counts_false_alarms_at_the_pooled_95_percent_recall_threshold(default_run):
+    scores = pd.read_parquet(default_run.path / "scores.parquet")
+    per_class = pd.read_csv(default_run.path / "per_class.csv")
+    id_rows = scores[scores.split == "id_test"]
+    detectors = [d.name for d in RunConfig().detectors]
+    assert list(per_class.columns) == [
+        "detector",
+        "class",
+        "class_name",
+        "n",
+        "accuracy",
+        "false_alarms",
+        "false_alarm_rate",
+        "mean_score",
+        "threshold",
     ]
-    assert near == pytest.approx(per.auroc.mean())
-    # Per-class false alarms at the pooled 95%-recall threshold, recomputed from the scores.
-    per_class = pd.read_csv(out / "per_class.csv")
-    t = threshold_at_recall(scores[scores.split == "ood"].mahalanobis.to_numpy())
-    mine = per_class[per_class.detector == "mahalanobis"].set_index("class")
-    for label, rows in id_rows.groupby("label"):
-        assert mine.loc[label, "false_alarms"] == int((rows.mahalanobis >= t).sum())
-    assert (scores[scores.split == "ood"].mahalanobis >= t).mean() >= 0.95
+    assert list(zip(per_class.detector, per_class["class"])) == [(d, c) for d in detectors for c in range(8)]
+    for row in per_class.itertuples():
+        threshold = brute_force_threshold(scores[scores.split == "ood"][row.detector])
+        members = id_rows[id_rows.label == row[2]]
+        values = members[row.detector].to_numpy(np.float64)
+        assert row.threshold == threshold
+        assert row.class_name == row[2] and row.n == len(members)  # digits: the name is the number
+        assert row.false_alarms == int(np.sum(values >= threshold))
+        assert row.false_alarm_rate == pytest.approx(np.mean(values >= threshold), abs=1e-15)
+        assert row.accuracy == pytest.approx(np.mean(members.label == members.prediction), abs=1e-15)
+        assert row.mean_score == pytest.approx(math.fsum(values) / len(values), rel=1e-12)
 
 
-def test_threshold_at_recall_is_the_fpr95_threshold():
+@pytest.mark.parametrize("rounded", [False, True])
+def test_threshold_at_recall_and_fpr95_against_trying_every_threshold(rounded):
     rng = np.random.default_rng(0)
     id_scores, ood_scores = rng.normal(size=500), rng.normal(1, size=333)
+    if rounded:  # many ties, where ">=" versus ">" matters
+        id_scores, ood_scores = np.round(id_scores, 1), np.round(ood_scores, 1)
     t = threshold_at_recall(ood_scores)
-    assert (ood_scores >= t).mean() >= 0.95 > (ood_scores > t).mean()
-    assert ood_metrics(id_scores, ood_scores)["fpr95"] == pytest.approx((id_scores >= t).mean())
+    assert t == brute_force_threshold(ood_scores)
+    assert ood_metrics(id_scores, ood_scores)["fpr95"] == pytest.approx((id_scores >= t).mean(), abs=1e-15)
 
 
 def test_a_second_identical_run_reuses_the_stored_features(tmp_path):
@@ -203,6 +251,54 @@ def test_a_failing_detector_is_recorded_and_the_others_go_on(tmp_path):
     assert "k=5000 exceeds the 1081 in-distribution samples" in log["knn"]["error"]
     assert "error" not in log["msp"]
     assert set(pd.read_csv(run.path / "metrics.csv").detector) == {"msp"}
+
+
+def test_a_detector_failing_to_score_is_recorded_like_one_failing_to_fit(tmp_path):
+    """One failure path: knn cannot fit (k too large) and odin cannot score id_test (its images changed
+    after extraction); each gets error and traceback in detectors.json, a warning and a failed stage;
+    msp goes on, and odin is not scored again."""
+    from dataclasses import replace
+
+    from oodviz.runs import pipeline
+    from oodviz.runs.reporter import Reporter
+
+    config = small_config(detectors=[DetectorChoice("knn", {"k": 5000}), DetectorChoice("msp"), DetectorChoice("odin")])
+    run = RunDir.create(tmp_path, config.to_dict())
+    job = pipeline.start_job(config, run, Reporter(run))
+    for stage in pipeline.STAGES:
+        stage(job)
+        if stage is pipeline.fit_detectors:  # odin re-reads the images: 50 of them no longer match the 362 stored
+            job.datasets["id_test"] = pipeline.load_split(config, replace(config.id_test, subsample=50), as_ood=False)
+    log = json.loads((run.path / "detectors.json").read_text())
+    assert log["knn"]["error"].startswith("ValueError: knn: k=5000 exceeds the 1081 in-distribution samples")
+    assert log["odin"]["error"].startswith("ValueError: the dataset gave other items (50 rows)")
+    for name in ("knn", "odin"):
+        assert log[name]["traceback"].startswith("Traceback (most recent call last)")
+        assert log[name]["traceback"].rstrip().endswith(log[name]["error"])
+    assert log["odin"]["fit_s"] >= 0 and "error" not in log["msp"]
+    warnings = [e["message"] for e in run.read_events() if e["event"] == "warning"]
+    failures = [w for w in warnings if " failed to " in w]
+    assert [w.split(":")[0] for w in failures] == ["knn failed to fit", "odin failed to score id_test"]
+    stages = json.loads((run.path / "meta.json").read_text())["stages"]
+    assert (stages["fit knn"]["error"], stages["score id_test with odin"]["error"]) == tuple(failures)
+    assert not any("error" in stages[name] for name in ("fit msp", "fit odin", "score id_test", "metrics"))
+    assert not any(name.endswith("with odin") for name in stages if name.startswith("score ood:"))
+    assert list(pd.read_parquet(run.path / "scores.parquet").columns[5:]) == ["msp"]
+    assert set(pd.read_csv(run.path / "metrics.csv").detector) == {"msp"}
+
+
+def test_a_cancel_request_raises_the_engines_cancelled_at_the_next_stage(tmp_path):
+    from oodviz.engine import Cancelled
+    from oodviz.runs.reporter import Reporter
+
+    run = RunDir.create(tmp_path, small_config().to_dict())
+    reporter = Reporter(run)
+    with reporter.stage("first") as stage:
+        stage.progress(1, 2)
+    run.request_cancel()
+    with pytest.raises(Cancelled, match="cancelled by the user"), reporter.stage("second"):
+        pass
+    assert [e["stage"] for e in run.read_events() if e["event"] == "start"] == ["first"]
 
 
 # ---- background jobs: kill, cancel, queue, restart -------------------------------------------

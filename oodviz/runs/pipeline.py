@@ -1,21 +1,20 @@
-"""The stages of a run: extract every split (or reuse its store), fit, score, metrics, analysis.
+"""The stages of a run: load the model and data, extract every split (or reuse its store), fit,
+score, metrics.
 
-``run_pipeline(config, run, reporter)`` is what the worker process and ``oodviz run`` execute.
-Results land in the run directory, each file written atomically:
+``run_pipeline(config, run, reporter)`` is what the worker process and ``oodviz run`` execute: it
+calls the functions of :data:`STAGES` in order on one :class:`Job`, each reporting one or more
+named stages (``load model``, ``load data``, ``extract <split>``, ``fit <name>``,
+``score <split> with <name>``, ``score <split>``, ``metrics``). Results land in the run
+directory, each file written atomically; their schema and every table derived from the scores
+belong to :mod:`oodviz.results` (``scores.parquet``, ``metrics.csv``, ``per_class.csv``,
+``detectors.json``, ``meta.json``). ``scratch/`` holds detectors' working files (knn's bank) while
+the job runs; the worker removes it when it ends and the supervisor when the worker was killed.
 
-- ``scores.parquet``: one row per sample of every scored split: ``split`` (``id_test`` or
-  ``ood``), ``dataset``, ``index`` (the sample's index in its dataset), ``label`` (-1 for OOD),
-  ``prediction``, and one column per fitted detector (higher = more OOD);
-- ``metrics.csv``: one row per detector and OOD dataset, then one per detector and near/far group
-  (the mean over that group's datasets): ``detector, ood_dataset, group, auroc, aupr_in,
-  aupr_out, fpr95, id_accuracy, threshold``;
-- ``per_class.csv``: per detector and ID class, the false-alarm rate at the threshold that flags
-  95% of all OOD samples: ``detector, class, class_name, n, accuracy, false_alarms,
-  false_alarm_rate, mean_score``;
-- ``detectors.json``: each detector's parameters, fit time and, when it failed, its error;
-- ``meta.json``: versions, device, the splits and their stores, wall time and peak memory per stage;
-- ``scratch/`` while the job runs: detectors' working files (knn's bank), removed by the worker when
-  it ends and by the supervisor when the worker was killed.
+A detector that fails to fit or to score does not stop the others: :meth:`Job.detector_may_fail`
+records it in ``detectors.json`` (error and traceback), emits a warning, marks the stage failed
+and drops the detector (a score column it had for some splits is not written). Cancellation is
+:class:`oodviz.engine.Cancelled`, raised at the next batch or stage and never recorded as a
+detector's failure.
 
 Detectors that run the model again (``needs_model``: odin, mcd) are made with the run's backbone,
 need no fit data, and score each split in a stage of their own (``score <split> with <name>``):
@@ -26,11 +25,12 @@ of the split's feature store.
 
 from __future__ import annotations
 
-import io
 import platform
 import time
 import traceback
-from dataclasses import asdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -38,10 +38,19 @@ import pandas as pd
 import torch
 
 import oodviz
-from oodviz.metrics import ood_metrics, threshold_at_recall
-from oodviz.runs.config import DatasetChoice, RunConfig
-from oodviz.runs.reporter import Cancelled, Reporter, Stage
-from oodviz.runs.rundir import RunDir, write_atomic, write_json
+from oodviz.engine import Cancelled
+from oodviz.results import (
+    ID_SPLIT,
+    OOD_SPLIT,
+    detectors_of,
+    metrics_table,
+    per_class_table,
+    score_frame,
+    write_table,
+)
+from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.reporter import Reporter, Stage
+from oodviz.runs.rundir import RunDir, write_json
 
 SCORE_BATCH = 4096
 
@@ -97,40 +106,249 @@ def _group(choice: DatasetChoice) -> str:
     return choice.group or dataset_info(choice.name).group or "far"
 
 
-def write_table(path: Path, frame: pd.DataFrame) -> None:
-    """CSV or Parquet by suffix, written atomically."""
-    buffer = io.BytesIO()
-    if path.suffix == ".parquet":
-        frame.to_parquet(buffer, index=False)
-    else:
-        frame.to_csv(buffer, index=False)
-    write_atomic(path, buffer.getvalue())
-
-
-def _failure(error: BaseException) -> dict:
-    return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
-
-
-def _logged_params(det, choice) -> dict:
+def _logged_params(det, choice: DetectorChoice) -> dict:
     """The parameters in force, less the model and the scratch bank directory the run chose itself."""
     return {k: v for k, v in det.get_params().items() if k != "model" and (k != "bank_dir" or k in choice.params)}
 
 
-def score_with_model(det, backbone, dataset, store, config: RunConfig, device: torch.device, run: RunDir, stage: Stage):
-    """Scores ``[N]`` (numpy) of a model-based detector on one split, aligned with ``store``'s rows."""
+def _with_scratch(choice: DetectorChoice, run: RunDir) -> dict:
+    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory
+    unless the config chose a place: removed when the worker ends, even when it is killed."""
+    from oodviz.detectors import detector_class
+
+    if "bank_dir" in detector_class(choice.name).param_names() and not choice.params.get("bank_dir"):
+        return {**choice.params, "bank_dir": str(run.scratch_path / choice.name)}
+    return dict(choice.params)
+
+
+@dataclass
+class Job:
+    """What the stages of one run share; each stage reads what the earlier ones left here.
+
+    ``datasets`` and ``stores`` are keyed by split (``id_fit``, ``id_test``, ``ood:<name>``);
+    ``fitted``: the detectors still in the run, in config order; ``detector_log``: what becomes
+    ``detectors.json``; ``frames``: the scores table of each scored split; ``scores``: all of them
+    (``scores.parquet``); ``meta``: what becomes ``meta.json``.
+    """
+
+    config: RunConfig
+    run: RunDir
+    reporter: Reporter
+    device: torch.device
+    meta: dict
+    backbone: object = None
+    datasets: dict = field(default_factory=dict)
+    stores: dict = field(default_factory=dict)
+    fitted: dict = field(default_factory=dict)
+    detector_log: dict = field(default_factory=dict)
+    frames: list = field(default_factory=list)
+    scores: pd.DataFrame | None = None
+
+    @property
+    def splits(self) -> list[tuple[str, DatasetChoice, bool]]:
+        """``(split, dataset choice, loaded as OOD)`` of every split the run extracts."""
+        ood = [(f"ood:{choice.name}", choice, True) for choice in self.config.ood]
+        return [("id_fit", self.config.id_fit, False), ("id_test", self.config.id_test, False), *ood]
+
+    @property
+    def scored_splits(self) -> list[tuple[str, str, str]]:
+        """``(split, scores.parquet split, dataset name)`` of every split the run scores."""
+        ood = [(f"ood:{choice.name}", OOD_SPLIT, choice.name) for choice in self.config.ood]
+        return [("id_test", ID_SPLIT, self.config.id_test.name), *ood]
+
+    def model_pass_options(self, stage: Stage) -> dict:
+        """Keyword arguments of a batched pass through the model (extraction, model-based scoring):
+        the job's device and loader settings, ``stage``'s progress and the run's cancel request."""
+        return {
+            "device": self.device,
+            "batch_size": self.config.batch_size,
+            "num_workers": self.config.num_workers,
+            "precision": self.config.precision,
+            "progress": stage.progress,
+            "should_cancel": self.run.cancel_requested,
+        }
+
+    @contextmanager
+    def detector_may_fail(self, name: str, doing: str, stage: Stage) -> Iterator[None]:
+        """Run the body for detector ``name``; if it raises (cancellation aside), record the failure
+        and go on without the detector: its ``detectors.json`` entry gets ``error`` and
+        ``traceback``, a warning ``"<name> failed to <doing>: <error>"`` is emitted and ``stage``
+        is marked failed with the same message."""
+        try:
+            yield
+        except Cancelled:
+            raise
+        except Exception as error:  # one detector failing must not stop the others
+            choice = next(c for c in self.config.detectors if c.name == name)
+            entry = self.detector_log.setdefault(
+                name, {"params": {k: v for k, v in choice.params.items() if k != "model"}}
+            )
+            entry.update(error=f"{type(error).__name__}: {error}", traceback="".join(traceback.format_exception(error)))
+            self.fitted.pop(name, None)
+            message = f"{name} failed to {doing}: {error}"
+            self.reporter.warn(message)
+            stage.failed(message)
+
+
+def start_job(config: RunConfig, run: RunDir, reporter: Reporter) -> Job:
+    """The job of ``config`` on its device, with the versions and device in its ``meta``."""
+    device = resolve_device(config.device)
+    reporter.device = device
+    meta = {
+        "oodviz": oodviz.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU",
+        "stages": {},
+    }
+    return Job(config, run, reporter, device, meta)
+
+
+# -- the stages -------------------------------------------------------------------------------------
+def load_model(job: Job) -> None:
+    from oodviz.models import load_backbone
+
+    config = job.config
+    with job.reporter.stage("load model") as stage:
+        job.backbone = load_backbone(
+            config.backbone,
+            weights=config.weights,
+            checkpoint=config.checkpoint,
+            layer=config.layer,
+            pooling=config.pooling,
+        )
+        stage.note(f"{config.backbone}: D={job.backbone.feature_dim} features, C={job.backbone.num_classes} classes")
+
+
+def load_data(job: Job) -> None:
+    """Open every split's dataset and warn when the estimated memory exceeds the budget."""
+    from oodviz.models import estimate_memory
+
+    with job.reporter.stage("load data") as stage:
+        for split, choice, as_ood in job.splits:
+            job.datasets[split] = load_split(job.config, choice, as_ood)
+        estimate = estimate_memory(job.backbone, {split: len(ds) for split, ds in job.datasets.items()})
+        stage.note(estimate.describe())
+        warning = estimate.warn_if_over(int(job.config.memory_budget_gb * 2**30))
+        if warning:
+            job.reporter.warn(warning)
+
+
+def extract_splits(job: Job) -> None:
+    """One stage per split: its feature store, extracted or reused; the splits go into ``meta``."""
+    from oodviz.engine import extract_or_reuse
+
+    config = job.config
+    for split, choice, _ in job.splits:
+        with job.reporter.stage(f"extract {split}") as stage:
+            store = extract_or_reuse(
+                job.backbone,
+                job.datasets[split],
+                feature_store_root(job.run),
+                key_params={
+                    "dataset": asdict(choice),
+                    "data_root": str(Path(config.data_root).resolve()),
+                    "seed": config.seed,
+                },
+                feature_dtype=config.feature_dtype,
+                **job.model_pass_options(stage),
+            )
+            job.stores[split] = store
+            stage.note(f"{'reused' if store.reused else 'extracted'} store {store.key}: {store.n} samples")
+            if store.meta.get("skipped"):
+                job.reporter.warn(f"{split}: {store.meta['skipped']} unreadable image(s) skipped")
+    job.meta["splits"] = {
+        split: {
+            "dataset": choice.name,
+            "group": _group(choice) if as_ood else None,
+            "n": job.stores[split].n,
+            "store": job.stores[split].key,
+            "reused": job.stores[split].reused,
+        }
+        for split, choice, as_ood in job.splits
+    }
+
+
+def fit_detectors(job: Job) -> None:
+    """One stage per detector: fit it on the ID fit split (model-based ones only check the model)."""
+    for choice in job.config.detectors:
+        with job.reporter.stage(f"fit {choice.name}") as stage, job.detector_may_fail(choice.name, "fit", stage):
+            started = time.perf_counter()
+            job.fitted[choice.name] = detector = fitted_detector(job, choice, stage)
+            job.detector_log[choice.name] = {
+                "params": _logged_params(detector, choice),
+                "fit_s": time.perf_counter() - started,
+            }
+
+
+def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
+    from oodviz.detectors import create, detector_class
+
+    if detector_class(choice.name).needs_model:
+        detector = create(choice.name, **{**choice.params, "model": job.backbone})
+        detector.fit(None)  # nothing to learn: checks that the method works with this model
+        return detector
+    detector = create(choice.name, **_with_scratch(choice, job.run))
+    batches = Watched(job.stores["id_fit"].batches(SCORE_BATCH, device=job.device), stage)
+    detector.fit(batches, head=job.backbone.head, device=job.device)
+    return detector
+
+
+def score_splits(job: Job) -> None:
+    """Per scored split: a stage per model-based detector, then one that scores the features with
+    the others and collects the split's scores table."""
+    for split, kind, dataset in job.scored_splits:
+        model_scores = score_with_models(job, split)
+        job.frames.append(split_scores(job, split, kind, dataset, model_scores))
+
+
+def score_with_models(job: Job, split: str) -> dict[str, np.ndarray]:
+    """Scores of each model-based detector on ``split``, one stage each (``score <split> with <name>``)."""
+    model_scores = {}
+    for name, detector in list(job.fitted.items()):
+        if not detector.needs_model:
+            continue
+        with (
+            job.reporter.stage(f"score {split} with {name}") as stage,
+            job.detector_may_fail(name, f"score {split}", stage),
+        ):
+            started = time.perf_counter()
+            model_scores[name] = score_with_model(job, detector, split, stage)
+            log = job.detector_log[name]
+            log["score_s"] = log.get("score_s", 0.0) + time.perf_counter() - started
+    return model_scores
+
+
+def split_scores(job: Job, split: str, kind: str, dataset: str, model_scores: dict) -> pd.DataFrame:
+    """The scores table of ``split`` (stage ``score <split>``): every feature-based detector scores the
+    split's store; model-based ones bring ``model_scores``."""
+    store = job.stores[split]
+    with job.reporter.stage(f"score {split}") as stage:
+        frame = score_frame(kind, dataset, store.indices, store.labels, store.predictions)
+        names = list(job.fitted)
+        for done, name in enumerate(names, start=1):
+            if name in model_scores:
+                frame[name] = model_scores[name]
+            else:
+                with job.detector_may_fail(name, f"score {split}", stage):
+                    batches = store.batches(SCORE_BATCH, device=job.device)
+                    frame[name] = job.fitted[name].score(batches, device=job.device).numpy()
+            stage.progress(done, len(names), {})
+    return frame
+
+
+def score_with_model(job: Job, detector, split: str, stage: Stage) -> np.ndarray:
+    """Scores ``[N]`` of a model-based detector on one split, aligned with the split's store rows."""
     from oodviz.engine import score_inputs
 
+    store = job.stores[split]
     result = score_inputs(
-        lambda batch: det.score(batch, device=device),
-        backbone,
-        dataset,
-        device=device,
-        batch_size=config.batch_size,
-        num_workers=config.num_workers,
-        precision=config.precision,
-        progress=stage.progress,
-        should_cancel=run.cancel_requested,
-        what=f"scoring {det.name} on",
+        lambda batch: detector.score(batch, device=job.device),
+        job.backbone,
+        job.datasets[split],
+        what=f"scoring {detector.name} on",
+        **job.model_pass_options(stage),
     )
     if not np.array_equal(result.indices, np.asarray(store.indices)):
         raise ValueError(
@@ -142,240 +360,35 @@ def score_with_model(det, backbone, dataset, store, config: RunConfig, device: t
     return result.scores.numpy()
 
 
-def _with_scratch(choice, run: RunDir) -> dict:
-    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory
-    unless the config chose a place: removed when the worker ends, even when it is killed."""
-    from oodviz.detectors import detector_class
+def write_scores(job: Job) -> None:
+    """``scores.parquet`` (only the detectors that scored every split) and ``detectors.json``."""
+    scores = pd.concat(job.frames, ignore_index=True)
+    partial = [name for name in detectors_of(scores) if name not in job.fitted]
+    job.scores = scores.drop(columns=partial)  # scored some splits, then failed: keep no partial column
+    write_table(job.run.path / "scores.parquet", job.scores)
+    write_json(job.run.path / "detectors.json", job.detector_log)
 
-    if "bank_dir" in detector_class(choice.name).param_names() and not choice.params.get("bank_dir"):
-        return {**choice.params, "bank_dir": str(run.scratch_path / choice.name)}
-    return dict(choice.params)
+
+def write_metrics(job: Job) -> None:
+    """``metrics.csv`` and ``per_class.csv`` from the scores (:mod:`oodviz.results`)."""
+    with job.reporter.stage("metrics"):
+        groups = {choice.name: _group(choice) for choice in job.config.ood}
+        backbone = job.backbone
+        class_names = backbone.classes or [str(k) for k in range(backbone.num_classes)]
+        write_table(job.run.path / "metrics.csv", metrics_table(job.scores, groups))
+        write_table(job.run.path / "per_class.csv", per_class_table(job.scores, class_names))
+
+
+def write_meta(job: Job) -> None:
+    job.meta["stages"] = job.reporter.stage_summary()
+    write_json(job.run.path / "meta.json", job.meta)
+
+
+STAGES = (load_model, load_data, extract_splits, fit_detectors, score_splits, write_scores, write_metrics, write_meta)
 
 
 def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
-    from oodviz.detectors import create, detector_class
-    from oodviz.engine import Cancelled as ExtractionCancelled
-    from oodviz.engine import extract_or_reuse
-    from oodviz.models import estimate_memory, load_backbone
-
-    device = resolve_device(config.device)
-    reporter.device = device
-    meta = {
-        "oodviz": oodviz.__version__,
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "CPU",
-        "stages": {},
-    }
-
-    with reporter.stage("load model") as stage:
-        backbone = load_backbone(
-            config.backbone,
-            weights=config.weights,
-            checkpoint=config.checkpoint,
-            layer=config.layer,
-            pooling=config.pooling,
-        )
-        stage.note(f"{config.backbone}: D={backbone.feature_dim} features, C={backbone.num_classes} classes")
-
-    splits = [("id_fit", config.id_fit, False), ("id_test", config.id_test, False)]
-    splits += [(f"ood:{choice.name}", choice, True) for choice in config.ood]
-    datasets = {}
-    with reporter.stage("load data") as stage:
-        for split, choice, as_ood in splits:
-            datasets[split] = load_split(config, choice, as_ood)
-        estimate = estimate_memory(backbone, {split: len(ds) for split, ds in datasets.items()})
-        stage.note(estimate.describe())
-        warning = estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
-        if warning:
-            reporter.warn(warning)
-
-    stores = {}
-    for split, choice, _ in splits:
-        with reporter.stage(f"extract {split}") as stage:
-            store = extract_or_reuse(
-                backbone,
-                datasets[split],
-                feature_store_root(run),
-                key_params={
-                    "dataset": asdict(choice),
-                    "data_root": str(Path(config.data_root).resolve()),
-                    "seed": config.seed,
-                },
-                device=device,
-                batch_size=config.batch_size,
-                num_workers=config.num_workers,
-                precision=config.precision,
-                feature_dtype=config.feature_dtype,
-                progress=stage.progress,
-                should_cancel=run.cancel_requested,
-            )
-            stores[split] = store
-            stage.note(f"{'reused' if store.reused else 'extracted'} store {store.key}: {store.n} samples")
-            if store.meta.get("skipped"):
-                reporter.warn(f"{split}: {store.meta['skipped']} unreadable image(s) skipped")
-    meta["splits"] = {
-        split: {
-            "dataset": choice.name,
-            "group": None if not as_ood else _group(choice),
-            "n": stores[split].n,
-            "store": stores[split].key,
-            "reused": stores[split].reused,
-        }
-        for split, choice, as_ood in splits
-    }
-
-    head = backbone.head
-    fitted, detector_log = {}, {}
-    for choice in config.detectors:
-        with reporter.stage(f"fit {choice.name}") as stage:
-            started = time.perf_counter()
-            try:
-                if detector_class(choice.name).needs_model:
-                    det = create(choice.name, **{**choice.params, "model": backbone})
-                    det.fit(None)  # nothing to learn: checks that the method works with this model
-                else:
-                    det = create(choice.name, **_with_scratch(choice, run))
-                    det.fit(
-                        Watched(stores["id_fit"].batches(SCORE_BATCH, device=device), stage), head=head, device=device
-                    )
-                fitted[choice.name] = det
-                detector_log[choice.name] = {
-                    "params": _logged_params(det, choice),
-                    "fit_s": time.perf_counter() - started,
-                }
-            except Cancelled:
-                raise
-            except Exception as error:  # one detector failing must not stop the others
-                params = {k: v for k, v in choice.params.items() if k != "model"}
-                detector_log[choice.name] = {"params": params, **_failure(error)}
-                reporter.warn(f"{choice.name} failed to fit: {error}")
-                stage.failed(str(error))
-
-    frames = []
-    scored = [("id_test", config.id_test.name)] + [(f"ood:{c.name}", c.name) for c in config.ood]
-    for split, dataset in scored:
-        store = stores[split]
-        model_scores = {}
-        for name, det in list(fitted.items()):
-            if not det.needs_model:
-                continue
-            with reporter.stage(f"score {split} with {name}") as stage:
-                started = time.perf_counter()
-                try:
-                    model_scores[name] = score_with_model(
-                        det, backbone, datasets[split], store, config, device, run, stage
-                    )
-                    detector_log[name]["score_s"] = (
-                        detector_log[name].get("score_s", 0.0) + time.perf_counter() - started
-                    )
-                except (Cancelled, ExtractionCancelled):
-                    raise
-                except Exception as error:
-                    detector_log[name] = {**detector_log[name], **_failure(error)}
-                    reporter.warn(f"{name} failed to score {split}: {error}")
-                    stage.failed(str(error))
-                    del fitted[name]
-        with reporter.stage(f"score {split}") as stage:
-            frame = pd.DataFrame(
-                {
-                    "split": "id_test" if split == "id_test" else "ood",
-                    "dataset": dataset,
-                    "index": np.asarray(store.indices),
-                    "label": np.asarray(store.labels),
-                    "prediction": np.asarray(store.predictions),
-                }
-            )
-            for i, (name, det) in enumerate(list(fitted.items())):
-                if name in model_scores:
-                    frame[name] = model_scores[name]
-                    stage.progress(i + 1, len(fitted) or 1, {})
-                    continue
-                try:
-                    frame[name] = det.score(store.batches(SCORE_BATCH, device=device), device=device).numpy()
-                except Cancelled:
-                    raise
-                except Exception as error:
-                    detector_log[name] = {
-                        **detector_log[name],
-                        "error": f"{type(error).__name__}: {error}",
-                        "traceback": traceback.format_exc(),
-                    }
-                    reporter.warn(f"{name} failed to score {split}: {error}")
-                    del fitted[name]
-                stage.progress(i + 1, len(fitted) or 1, {})
-            frames.append(frame)
-    scores = pd.concat(frames, ignore_index=True)
-    for name in set(scores.columns) - {"split", "dataset", "index", "label", "prediction"} - set(fitted):
-        scores = scores.drop(columns=name)  # scored some splits, then failed: keep no partial column
-    write_table(run.path / "scores.parquet", scores)
-    write_json(run.path / "detectors.json", detector_log)
-
-    with reporter.stage("metrics"):
-        groups = {c.name: _group(c) for c in config.ood}
-        class_names = backbone.classes or [str(k) for k in range(backbone.num_classes)]
-        metrics, per_class = analyse(scores, list(fitted), groups, class_names)
-        write_table(run.path / "metrics.csv", metrics)
-        write_table(run.path / "per_class.csv", per_class)
-
-    meta["stages"] = reporter.stage_summary()
-    write_json(run.path / "meta.json", meta)
-
-
-def analyse(scores: pd.DataFrame, detectors: list[str], groups: dict[str, str], class_names: list[str]):
-    """Metrics per detector and OOD dataset (plus near/far means) and per-class false alarms.
-
-    ``scores``: the ``scores.parquet`` table; ``groups``: OOD dataset -> ``"near"``/``"far"``.
-    The per-class threshold is the one that flags 95% of all OOD samples pooled together.
-    """
-    id_rows = scores[scores.split == "id_test"]
-    ood_rows = scores[scores.split == "ood"]
-    id_accuracy = float((id_rows.label == id_rows.prediction).mean())
-    metric_rows, class_rows = [], []
-    for name in detectors:
-        per_dataset = []
-        for dataset, rows in ood_rows.groupby("dataset", sort=False):
-            values = ood_metrics(id_rows[name].to_numpy(), rows[name].to_numpy())
-            threshold = threshold_at_recall(rows[name].to_numpy())
-            per_dataset.append(
-                {
-                    "detector": name,
-                    "ood_dataset": dataset,
-                    "group": groups[dataset],
-                    **values,
-                    "id_accuracy": id_accuracy,
-                    "threshold": threshold,
-                }
-            )
-        metric_rows += per_dataset
-        table = pd.DataFrame(per_dataset)
-        for group, rows in table.groupby("group", sort=True):
-            means = rows[["auroc", "aupr_in", "aupr_out", "fpr95"]].mean()
-            metric_rows.append(
-                {
-                    "detector": name,
-                    "ood_dataset": f"{group} (mean)",
-                    "group": group,
-                    **means.to_dict(),
-                    "id_accuracy": id_accuracy,
-                    "threshold": np.nan,
-                }
-            )
-        threshold = threshold_at_recall(ood_rows[name].to_numpy())
-        for label, rows in id_rows.groupby("label", sort=True):
-            flagged = rows[name].to_numpy() >= threshold
-            class_rows.append(
-                {
-                    "detector": name,
-                    "class": int(label),
-                    "class_name": class_names[int(label)] if 0 <= label < len(class_names) else str(label),
-                    "n": len(rows),
-                    "accuracy": float((rows.label == rows.prediction).mean()),
-                    "false_alarms": int(flagged.sum()),
-                    "false_alarm_rate": float(flagged.mean()),
-                    "mean_score": float(rows[name].mean()),
-                    "threshold": threshold,
-                }
-            )
-    return pd.DataFrame(metric_rows), pd.DataFrame(class_rows)
+    """Run every stage of :data:`STAGES` on ``config``'s job, writing its results into ``run``."""
+    job = start_job(config, run, reporter)
+    for stage in STAGES:
+        stage(job)

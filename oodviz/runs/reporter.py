@@ -13,12 +13,9 @@ from contextlib import contextmanager
 
 import torch
 
+from oodviz.engine import Cancelled
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.telemetry import memory_snapshot
-
-
-class Cancelled(Exception):
-    """The user asked the run to stop."""
 
 
 class Stage:
@@ -54,7 +51,8 @@ class Stage:
         self.reporter.emit(self, {"event": "note", "message": message})
 
     def failed(self, message: str) -> None:
-        self.error = message
+        """Mark the stage failed; its ``end`` event and summary carry every message, ``"; "``-joined."""
+        self.error = message if not self.error else f"{self.error}; {message}"
 
 
 class Reporter:
@@ -66,6 +64,7 @@ class Reporter:
         self._summary: dict[str, dict] = {}
 
     def check_cancel(self) -> None:
+        """:class:`oodviz.engine.Cancelled` when the user asked the run to stop."""
         if self.run.cancel_requested():
             raise Cancelled("cancelled by the user")
 

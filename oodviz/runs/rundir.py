@@ -7,7 +7,7 @@ Layout of ``<runs root>/<run id>/``::
     events.jsonl     one JSON event per line, appended by the worker (progress, memory, warnings)
     cancel           present = the user asked the run to stop
     worker.log       the worker's stdout and stderr
-    metrics.csv, scores.parquet, per_class.csv, detectors.json, meta.json   the results (see pipeline)
+    metrics.csv, scores.parquet, per_class.csv, detectors.json, meta.json   the results (see oodviz.results)
 
 Every file except the event log is written atomically (a temporary file renamed over the old
 one), so a reader never sees half a file. The event log is only appended; a reader skips a

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import pandas as pd
-
+from oodviz.results import best_detector, read_table
 from oodviz.runs.rundir import RunDir
 
 
@@ -15,14 +14,9 @@ def title(config: dict) -> str:
     )
 
 
-def read_metrics(run: RunDir) -> pd.DataFrame | None:
-    path = run.path / "metrics.csv"
-    return pd.read_csv(path) if path.exists() else None
-
-
 def summarise(run: RunDir) -> dict:
     """``run_id, state, title, created, error``, and for finished runs ``best_detector`` with the best
-    mean AUROC over the OOD datasets (``best_auroc``) and its mean FPR95."""
+    mean AUROC over the OOD datasets (``best_auroc``) and its mean FPR95 (:func:`oodviz.results.best_detector`)."""
     status = run.read_status()
     summary = {
         "run_id": run.run_id,
@@ -35,15 +29,7 @@ def summarise(run: RunDir) -> dict:
         "best_auroc": None,
         "best_fpr95": None,
     }
-    metrics = read_metrics(run)
+    metrics = read_table(run.path / "metrics.csv")
     if metrics is not None and len(metrics):
         summary.update(best_detector(metrics))
     return summary
-
-
-def best_detector(metrics: pd.DataFrame) -> dict:
-    """``best_detector`` with the highest AUROC averaged over the OOD datasets, its ``best_auroc`` and ``best_fpr95``."""
-    per_dataset = metrics[~metrics.ood_dataset.str.endswith("(mean)")]
-    means = per_dataset.groupby("detector")[["auroc", "fpr95"]].mean()
-    best = means.auroc.idxmax()
-    return {"best_detector": best, "best_auroc": float(means.auroc[best]), "best_fpr95": float(means.fpr95[best])}

@@ -13,21 +13,21 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from oodviz.engine import Cancelled
 from oodviz.runs.config import RunConfig
-from oodviz.runs.reporter import Cancelled, Reporter
+from oodviz.runs.reporter import Reporter
 from oodviz.runs.rundir import RunDir
 
 
 def execute(run: RunDir, echo: Callable[[dict], None] | None = None) -> str:
     """Run ``run``'s config; returns and records the final state (done, cancelled or failed)."""
-    from oodviz.engine import Cancelled as ExtractionCancelled
     from oodviz.runs.pipeline import run_pipeline
 
     reporter = Reporter(run, echo=echo)
     run.write_status(state="running", pid=os.getpid(), started=run.read_status().get("started") or time.time())
     try:
         run_pipeline(RunConfig.from_dict(run.read_config()), run, reporter)
-    except (Cancelled, ExtractionCancelled):
+    except Cancelled:
         run.write_status(
             state="cancelled", finished=time.time(), error="cancelled by the user; finished parts are kept"
         )

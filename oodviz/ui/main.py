@@ -124,7 +124,8 @@ def past_runs() -> None:
             delete_run(RunDir(runs_root() / run_id))
         st.rerun()
     if len(picked) == 2:
-        from oodviz.analysis import compare_runs, load_results
+        from oodviz.analysis import compare_runs
+        from oodviz.results import load_results
 
         a, b = (load_results(runs_root() / r) for r in picked)
         if a.metrics is None or b.metrics is None:

@@ -6,8 +6,20 @@ import pandas as pd
 import streamlit as st
 
 from oodviz import analysis, plots
+from oodviz.results import (
+    METRIC_NAMES,
+    Results,
+    best_detector,
+    default_threshold,
+    detectors_of,
+    group_means,
+    is_group_mean,
+    load_results,
+    ood_datasets_of,
+    per_class_at_threshold,
+)
 from oodviz.runs.rundir import RunDir
-from oodviz.runs.summary import best_detector
+from oodviz.thumbnails import thumbnails
 
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
@@ -31,23 +43,21 @@ METRIC_COLUMNS = {
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
-def _results(path: str, finished: float | None) -> analysis.Results:
-    return analysis.load_results(path)  # cached per run and finish time
+def _results(path: str, finished: float | None) -> Results:
+    return load_results(path)  # cached per run and finish time
 
 
-def metrics_tab(results: analysis.Results) -> None:
+def metrics_tab(results: Results) -> None:
     metrics = results.metrics
     st.caption(CONVENTION)
     view = st.segmented_control(
         "Rows", ["near/far means", "every OOD dataset"], default="near/far means", key="metrics-rows"
     )
-    means = metrics.ood_dataset.str.endswith("(mean)")
     if view == "every OOD dataset":
-        shown = metrics[~means].rename(columns={"ood_dataset": "OOD dataset", **METRIC_COLUMNS})
+        shown = metrics[~is_group_mean(metrics)].rename(columns={"ood_dataset": "OOD dataset", **METRIC_COLUMNS})
         shown = shown[["detector", "OOD dataset", "group", *METRIC_COLUMNS.values()]]
     else:  # one row per detector: each metric for the near and the far group side by side
-        wide = metrics[means].pivot(index="detector", columns="group", values=["auroc", "aupr_in", "aupr_out", "fpr95"])
-        wide = wide.reindex(metrics.detector.unique())
+        wide = group_means(metrics, values=METRIC_NAMES)
         wide.columns = [f"{METRIC_COLUMNS[metric]} {group}" for metric, group in wide.columns]
         shown = wide.reset_index().assign(**{"ID accuracy": metrics.id_accuracy.iloc[0]})
     higher = [c for c in shown.columns if c.startswith(("AUROC", "AUPR"))]
@@ -62,10 +72,10 @@ def metrics_tab(results: analysis.Results) -> None:
     st.download_button("Download metrics.csv", metrics.to_csv(index=False), "metrics.csv", "text/csv")
 
 
-def histogram_tab(results: analysis.Results, detector: str, colors: dict) -> None:
+def histogram_tab(results: Results, detector: str, colors: dict) -> None:
     scores = results.scores
     hist = analysis.score_histogram(scores, detector)
-    default = analysis.default_threshold(scores, detector)
+    default = default_threshold(scores, detector)
     low, high = float(hist["edges"][0]), float(hist["edges"][-1])
     threshold = st.slider(
         "Threshold (flag as OOD when score ≥ threshold)",
@@ -94,17 +104,17 @@ def histogram_tab(results: analysis.Results, detector: str, colors: dict) -> Non
     st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, use_container_width=True)
 
 
-def curves_tab(results: analysis.Results, detector: str, colors: dict) -> None:
+def curves_tab(results: Results, detector: str, colors: dict) -> None:
     scores = results.scores
     mode = st.radio(
         "Overlay", ["OOD sets for this detector", "detectors for one OOD set"], horizontal=True, key="curves-mode"
     )
     if mode == "OOD sets for this detector":
-        curves = {name: analysis.curves(scores, detector, name) for name in analysis.ood_datasets_of(scores)}
+        curves = {name: analysis.curves(scores, detector, name) for name in ood_datasets_of(scores)}
         title = f"{detector}: one curve per OOD set"
     else:
-        dataset = st.selectbox("OOD set", analysis.ood_datasets_of(scores), key="curves-dataset")
-        curves = {name: analysis.curves(scores, name, dataset) for name in analysis.detectors_of(scores)}
+        dataset = st.selectbox("OOD set", ood_datasets_of(scores), key="curves-dataset")
+        curves = {name: analysis.curves(scores, name, dataset) for name in detectors_of(scores)}
         colors, title = None, f"{dataset}: one curve per detector"
     c1, c2 = st.columns(2)
     c1.plotly_chart(plots.roc_figure(curves, title=f"ROC — {title}", colors=colors), use_container_width=True)
@@ -122,11 +132,11 @@ def _gallery(images, captions, columns=8) -> None:
         cols[i % columns].image(image, caption=caption, use_container_width=True)
 
 
-def failures_tab(results: analysis.Results, detector: str, colors: dict) -> None:
+def failures_tab(results: Results, detector: str, colors: dict) -> None:
     scores = results.scores
-    threshold = analysis.default_threshold(scores, detector)
+    threshold = default_threshold(scores, detector)
     class_names = results.class_names
-    per_class = analysis.per_class_at_threshold(scores, detector, threshold, class_names)
+    per_class = per_class_at_threshold(scores, detector, threshold, class_names)
     st.caption(
         f"At threshold {threshold:.4g}, which catches 95% of all OOD samples: how often each ID class is wrongly "
         "flagged. Select a row to filter the galleries to that class."
@@ -146,7 +156,7 @@ def failures_tab(results: analysis.Results, detector: str, colors: dict) -> None
     c2.plotly_chart(plots.per_class_bar(per_class), use_container_width=True)
     rows = selection.selection.rows if selection else []
     id_class = int(per_class.iloc[rows[0]]["class"]) if rows else None
-    ood_names = analysis.ood_datasets_of(scores)
+    ood_names = ood_datasets_of(scores)
     ood_filter = st.selectbox("OOD set for the second gallery", ["all OOD sets"] + ood_names, key="gallery-ood")
     id_rows, ood_rows = analysis.failure_cases(
         scores,
@@ -159,17 +169,17 @@ def failures_tab(results: analysis.Results, detector: str, colors: dict) -> None
     which = f"class {id_rows.class_name.iloc[0]}" if id_class is not None and len(id_rows) else "all classes"
     st.markdown(f"**ID images most wrongly flagged as OOD** ({which}; true class → prediction · score)")
     _gallery(
-        analysis.thumbnails(results, id_rows),
+        thumbnails(results, id_rows),
         [f"{r.class_name} → {r.predicted_name} · {r.score:.3g}" for r in id_rows.itertuples()],
     )
     st.markdown("**OOD images most confidently accepted as ID** (OOD set → the class the model gave · score)")
     _gallery(
-        analysis.thumbnails(results, ood_rows),
+        thumbnails(results, ood_rows),
         [f"{r.dataset} → {r.predicted_name} · {r.score:.3g}" for r in ood_rows.itertuples()],
     )
 
 
-def run_details(results: analysis.Results) -> None:
+def run_details(results: Results) -> None:
     meta = results.meta or {}
     st.write({k: meta.get(k) for k in ("device", "device_name", "torch", "oodviz")})
     if meta.get("stages"):
@@ -185,11 +195,12 @@ def run_details(results: analysis.Results) -> None:
 def results_page(run: RunDir) -> None:
     status = run.read_status()
     results = _results(str(run.path), status.get("finished"))
-    if results.metrics is None or results.scores is None:
+    # not written yet, or every detector failed (then metrics.csv holds only its header)
+    if results.metrics is None or results.scores is None or not len(results.metrics):
         st.warning("This run has no results yet.")
         return
-    detectors = analysis.detectors_of(results.scores)
-    colors = plots.color_map(analysis.ood_datasets_of(results.scores))
+    detectors = detectors_of(results.scores)
+    colors = plots.color_map(ood_datasets_of(results.scores))
     tabs = st.tabs(["Metrics", "Score histograms", "ROC / PR", "Failure cases", "Run details"])
     with tabs[0]:
         metrics_tab(results)

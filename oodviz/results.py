@@ -1,0 +1,321 @@
+"""A run's results: the schema of its tables, every table derived from the scores, and loading them.
+
+The worker (:mod:`oodviz.runs.pipeline`), the CLI and the app all build and read the result files
+with this module, so each table is computed in one place. Files in a run directory:
+
+- ``scores.parquet``: one row per sample of every scored split: ``split`` (``id_test`` or
+  ``ood``), ``dataset``, ``index`` (the sample's *source index* in its dataset, as stored by the
+  engine), ``label`` (-1 for OOD), ``prediction``, and one float column per fitted detector;
+- ``metrics.csv`` (:func:`metrics_table`): one row per detector and OOD dataset, then one per
+  detector and near/far group (the mean over that group's datasets, ``ood_dataset`` =
+  ``"near (mean)"``): ``detector, ood_dataset, group, auroc, aupr_in, aupr_out, fpr95,
+  id_accuracy, threshold``;
+- ``per_class.csv`` (:func:`per_class_table`): per detector and ID class, the false alarms at
+  the threshold that flags 95% of all OOD samples pooled: ``detector, class, class_name, n,
+  accuracy, false_alarms, false_alarm_rate, mean_score, threshold``;
+- ``detectors.json``: each detector's parameters, fit time and, when it failed, its error and
+  traceback; ``meta.json``: versions, device, the splits and their stores, wall time and peak
+  memory per stage; plus the run's ``config.json``, ``status.json`` and ``events.jsonl``.
+
+Convention everywhere: **OOD is the positive class; higher score = more OOD.** A sample is
+*flagged* (called OOD) when ``score >= threshold``; a flagged ID sample is a **false alarm**.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from oodviz.metrics import RECALL_LEVEL, ood_metrics, threshold_at_recall
+from oodviz.runs.rundir import RunDir, write_atomic
+
+ID_SPLIT = "id_test"
+OOD_SPLIT = "ood"
+#: columns of ``scores.parquet`` that are not detector scores
+SCORE_META_COLUMNS = ("split", "dataset", "index", "label", "prediction")
+METRIC_NAMES = ("auroc", "aupr_in", "aupr_out", "fpr95")
+METRICS_COLUMNS = ("detector", "ood_dataset", "group", *METRIC_NAMES, "id_accuracy", "threshold")
+PER_CLASS_COLUMNS = ("class", "class_name", "n", "accuracy", "false_alarms", "false_alarm_rate", "mean_score")
+#: ``per_class.csv``: :data:`PER_CLASS_COLUMNS` of every detector, with the threshold they were counted at
+PER_CLASS_FILE_COLUMNS = ("detector", *PER_CLASS_COLUMNS, "threshold")
+GROUP_MEAN_SUFFIX = " (mean)"
+
+
+# -- the scores table -------------------------------------------------------------------------------
+def score_frame(split: str, dataset: str, indices, labels, predictions) -> pd.DataFrame:
+    """The :data:`SCORE_META_COLUMNS` of one scored split (``split``: :data:`ID_SPLIT` or
+    :data:`OOD_SPLIT`); the detectors' score columns are added to it one by one."""
+    if split not in (ID_SPLIT, OOD_SPLIT):
+        raise ValueError(f"split must be {ID_SPLIT!r} or {OOD_SPLIT!r}, got {split!r}")
+    return pd.DataFrame(
+        {
+            "split": split,
+            "dataset": dataset,
+            "index": np.asarray(indices),
+            "label": np.asarray(labels),
+            "prediction": np.asarray(predictions),
+        }
+    )
+
+
+def detectors_of(scores: pd.DataFrame) -> list[str]:
+    """Detector score columns of ``scores``, in table order."""
+    return [c for c in scores.columns if c not in SCORE_META_COLUMNS]
+
+
+def ood_datasets_of(scores: pd.DataFrame) -> list[str]:
+    """OOD datasets of ``scores`` in the order of the run config (order of first appearance)."""
+    return list(pd.unique(scores.loc[scores.split == OOD_SPLIT, "dataset"]))
+
+
+def id_dataset_of(scores: pd.DataFrame) -> str:
+    """The name of the ID test dataset (``"ID"`` when the table has no ID rows)."""
+    names = pd.unique(scores.loc[scores.split == ID_SPLIT, "dataset"])
+    return str(names[0]) if len(names) else "ID"
+
+
+def check_detector(scores: pd.DataFrame, detector: str) -> None:
+    """ValueError naming the run's detectors when ``scores`` has no column for ``detector``."""
+    if detector not in scores.columns or detector in SCORE_META_COLUMNS:
+        known = ", ".join(detectors_of(scores)) or "none"
+        raise ValueError(f"No scores for detector {detector!r}; this run has: {known}")
+
+
+def check_ood_dataset(scores: pd.DataFrame, ood_dataset: str) -> None:
+    """ValueError naming the run's OOD datasets when ``scores`` has no OOD rows of ``ood_dataset``."""
+    if ood_dataset not in ood_datasets_of(scores):
+        raise ValueError(f"No OOD dataset {ood_dataset!r} in this run; it has: {', '.join(ood_datasets_of(scores))}")
+
+
+def score_values(rows: pd.DataFrame, detector: str) -> np.ndarray:
+    """``detector``'s scores of ``rows`` as float64 ``[len(rows)]``."""
+    return rows[detector].to_numpy(dtype=np.float64)
+
+
+def default_threshold(
+    scores: pd.DataFrame, detector: str, ood_dataset: str | None = None, recall: float = RECALL_LEVEL
+) -> float:
+    """The highest threshold that flags at least ``recall`` of the OOD samples (``score >= t``).
+
+    ``ood_dataset=None`` pools every OOD dataset (the threshold of ``per_class.csv``); a name uses
+    that dataset only (the ``threshold`` column of ``metrics.csv``).
+    """
+    check_detector(scores, detector)
+    rows = scores[scores.split == OOD_SPLIT]
+    if ood_dataset is not None:
+        check_ood_dataset(scores, ood_dataset)
+        rows = rows[rows.dataset == ood_dataset]
+    return threshold_at_recall(score_values(rows, detector), recall)
+
+
+# -- metrics.csv ------------------------------------------------------------------------------------
+def group_mean_name(group: str) -> str:
+    """The ``ood_dataset`` of a group's mean row: ``"near (mean)"``."""
+    return f"{group}{GROUP_MEAN_SUFFIX}"
+
+
+def is_group_mean(metrics: pd.DataFrame) -> pd.Series:
+    """Boolean mask of the near/far mean rows of a ``metrics.csv`` table."""
+    return metrics.ood_dataset.str.endswith(GROUP_MEAN_SUFFIX)
+
+
+def metrics_table(scores: pd.DataFrame, groups: dict[str, str]) -> pd.DataFrame:
+    """``metrics.csv``: :func:`oodviz.metrics.ood_metrics` of each detector of ``scores`` for the ID
+    test set against each OOD dataset, then per detector the mean of each metric over each group.
+
+    ``groups``: OOD dataset -> ``"near"`` / ``"far"``. ``id_accuracy`` is the classifier's accuracy
+    on the ID test set (the same on every row); ``threshold`` is the dataset's
+    :func:`default_threshold` (NaN on the mean rows). Columns :data:`METRICS_COLUMNS`; rows by
+    detector in table order, datasets in run order, then the groups in alphabetical order.
+    """
+    id_rows = scores[scores.split == ID_SPLIT]
+    id_accuracy = float((id_rows.label == id_rows.prediction).mean())
+    rows = []
+    for detector in detectors_of(scores):
+        per_dataset = [
+            {
+                "detector": detector,
+                "ood_dataset": dataset,
+                "group": groups[dataset],
+                **ood_metrics(score_values(id_rows, detector), score_values(ood_rows, detector)),
+                "id_accuracy": id_accuracy,
+                "threshold": threshold_at_recall(score_values(ood_rows, detector)),
+            }
+            for dataset, ood_rows in scores[scores.split == OOD_SPLIT].groupby("dataset", sort=False)
+        ]
+        rows += per_dataset
+        for group, members in pd.DataFrame(per_dataset).groupby("group", sort=True):
+            rows.append(
+                {
+                    "detector": detector,
+                    "ood_dataset": group_mean_name(group),
+                    "group": group,
+                    **members[list(METRIC_NAMES)].mean().to_dict(),
+                    "id_accuracy": id_accuracy,
+                    "threshold": np.nan,
+                }
+            )
+    return pd.DataFrame(rows, columns=list(METRICS_COLUMNS))
+
+
+def group_means(metrics: pd.DataFrame, values=METRIC_NAMES) -> pd.DataFrame:
+    """The group mean rows of ``metrics.csv`` side by side: one row per detector (table order), one
+    column per ``(metric, group)`` of ``values``."""
+    wide = metrics[is_group_mean(metrics)].pivot(index="detector", columns="group", values=list(values))
+    return wide.reindex([d for d in metrics.detector.unique() if d in wide.index])
+
+
+def best_detector(metrics: pd.DataFrame) -> dict:
+    """``best_detector`` with the highest AUROC averaged over the OOD datasets (not the group
+    means), its ``best_auroc`` and ``best_fpr95`` (the mean FPR95 over the same datasets)."""
+    means = metrics[~is_group_mean(metrics)].groupby("detector")[["auroc", "fpr95"]].mean()
+    best = means.auroc.idxmax()
+    return {"best_detector": best, "best_auroc": float(means.auroc[best]), "best_fpr95": float(means.fpr95[best])}
+
+
+# -- per_class.csv ----------------------------------------------------------------------------------
+def per_class_at_threshold(
+    scores: pd.DataFrame, detector: str, threshold: float, class_names=None, worst_first: bool = True
+) -> pd.DataFrame:
+    """Per true ID class: how many of its test samples ``detector`` flags as OOD (``score >= threshold``).
+
+    Columns :data:`PER_CLASS_COLUMNS`: ``class, class_name`` (``class_names[class]``, else the
+    number), ``n``, ``accuracy`` (of the classifier), ``false_alarms``, ``false_alarm_rate``
+    (``false_alarms / n``), ``mean_score`` (float64 mean). One row per class present in the ID test
+    set, ``worst_first``: by ``false_alarm_rate``, highest first (ties by class), else by class.
+    """
+    check_detector(scores, detector)
+    class_names = list(class_names or [])
+    rows = []
+    for label, members in scores[scores.split == ID_SPLIT].groupby("label", sort=True):
+        values = score_values(members, detector)
+        flagged = values >= float(threshold)
+        label = int(label)
+        rows.append(
+            {
+                "class": label,
+                "class_name": class_names[label] if 0 <= label < len(class_names) else str(label),
+                "n": int(values.size),
+                "accuracy": float((members.label == members.prediction).mean()),
+                "false_alarms": int(flagged.sum()),
+                "false_alarm_rate": float(flagged.mean()),
+                "mean_score": float(values.mean()),
+            }
+        )
+    table = pd.DataFrame(rows, columns=list(PER_CLASS_COLUMNS))
+    if worst_first:
+        table = table.sort_values(["false_alarm_rate", "class"], ascending=[False, True], kind="stable")
+    return table.reset_index(drop=True)
+
+
+def per_class_table(scores: pd.DataFrame, class_names) -> pd.DataFrame:
+    """``per_class.csv``: :func:`per_class_at_threshold` of every detector of ``scores`` at its
+    pooled :func:`default_threshold`, rows by detector then class; columns :data:`PER_CLASS_FILE_COLUMNS`."""
+    tables = []
+    for detector in detectors_of(scores):
+        threshold = default_threshold(scores, detector)
+        table = per_class_at_threshold(scores, detector, threshold, class_names, worst_first=False)
+        tables.append(table.assign(detector=detector, threshold=threshold))
+    if not tables:
+        return pd.DataFrame(columns=list(PER_CLASS_FILE_COLUMNS))
+    return pd.concat(tables, ignore_index=True)[list(PER_CLASS_FILE_COLUMNS)]
+
+
+def class_names_of(per_class: pd.DataFrame | None) -> list[str]:
+    """Class names (index = label) from a ``per_class`` table; labels it lacks are named by number."""
+    if per_class is None or not len(per_class) or "class" not in per_class:
+        return []
+    names = per_class.drop_duplicates("class").set_index("class")["class_name"]
+    top = int(names.index.max())
+    return [str(names[c]) if c in names.index else str(c) for c in range(top + 1)]
+
+
+# -- files ------------------------------------------------------------------------------------------
+def write_table(path: Path, frame: pd.DataFrame) -> None:
+    """CSV or Parquet by suffix, written atomically."""
+    buffer = io.BytesIO()
+    if Path(path).suffix == ".parquet":
+        frame.to_parquet(buffer, index=False)
+    else:
+        frame.to_csv(buffer, index=False)
+    write_atomic(path, buffer.getvalue())
+
+
+def read_table(path: Path) -> pd.DataFrame | None:
+    """A CSV or Parquet table by suffix; ``None`` when it is missing or cannot be parsed."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+    except Exception:  # an unreadable or empty table is reported as absent, not as a crash of the page
+        return None
+
+
+def read_json(path: Path):
+    """The parsed JSON file; ``None`` when it is missing or cannot be parsed."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError, OSError):
+        return None
+
+
+@dataclass
+class Results:
+    """Everything a run directory holds; a file that does not exist (yet) is ``None``.
+
+    - ``path``: the run directory;
+    - ``config``: ``config.json`` (the RunConfig as a dict; ``{}`` when missing);
+    - ``status``: ``status.json`` (``{"state", "stage", "error", ...}``);
+    - ``metrics``: ``metrics.csv`` (detector x OOD dataset: auroc, aupr_in, aupr_out, fpr95, ...);
+    - ``scores``: ``scores.parquet`` (one row per sample, one column per detector);
+    - ``per_class``: ``per_class.csv`` (detector x ID class false alarms at 95% OOD recall);
+    - ``meta``: ``meta.json``; ``detectors``: ``detectors.json`` (params, fit time, errors);
+    - ``events``: the parsed ``events.jsonl`` (``[]`` when missing).
+    """
+
+    path: Path
+    config: dict = field(default_factory=dict)
+    status: dict = field(default_factory=dict)
+    metrics: pd.DataFrame | None = None
+    scores: pd.DataFrame | None = None
+    per_class: pd.DataFrame | None = None
+    meta: dict | None = None
+    detectors: dict | None = None
+    events: list = field(default_factory=list)
+
+    @property
+    def state(self) -> str | None:
+        return self.status.get("state")
+
+    @property
+    def finished(self) -> bool:
+        """True when the run's results are complete (state ``done`` and the scores written)."""
+        return self.state == "done" and self.scores is not None
+
+    @property
+    def class_names(self) -> list[str]:
+        """ID class names, index = label, as recorded in ``per_class.csv`` (``[]`` when unknown)."""
+        return class_names_of(self.per_class)
+
+
+def load_results(run_dir) -> Results:
+    """Read a run directory, finished or not: each missing or unreadable file gives ``None``."""
+    path = Path(run_dir)
+    run = RunDir(path)
+    return Results(
+        path=path,
+        config=read_json(run.config_path) or {},
+        status=run.read_status(),
+        metrics=read_table(path / "metrics.csv"),
+        scores=read_table(path / "scores.parquet"),
+        per_class=read_table(path / "per_class.csv"),
+        meta=read_json(path / "meta.json"),
+        detectors=read_json(path / "detectors.json"),
+        events=run.read_events(),
+    )
