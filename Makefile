@@ -40,7 +40,7 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 bench: $(STAMP)
-	$(BIN)/python bench/detector_fit.py
+	$(BIN)/python bench/detectors.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -52,15 +52,17 @@ def _ours(problem, name, **params):
     return det, det.score(problem.batches(problem.eval_x)).double().numpy()
 
 
-def _theirs(problem, name, det, **params):
-    """The same method in pytorch-ood 0.4 on the same inputs (pooled features as B x D x 1 x 1 where it wants maps)."""
+def _theirs(problem, name, **params):
+    """The same method in pytorch-ood 0.4, fitted by pytorch-ood on the same data, on the same inputs
+    (pooled features as B x D x 1 x 1 where it wants maps)."""
     linear = _linear(problem)
     ex = problem.eval_x
     maps = ex[:, :, None, None]
     head_of_maps = lambda m: linear(m.flatten(1))  # noqa: E731
     with torch.no_grad():
-        if name == "react":  # the threshold oodviz fitted (checked against np.percentile separately)
-            s = pood.ReAct(None, linear, threshold=det.threshold_).predict_feature_maps(ex)
+        if name == "react":  # np.percentile of the float32 activations (a fraction in pytorch-ood)
+            s = pood.ReAct(None, linear, percentile=params["percentile"] / 100)
+            s = s.fit_feature_maps(problem.fit_x, problem.fit_y).predict_feature_maps(ex)
         elif name == "ash":
             variant, fraction = f"ash-{params['variant']}", params["percentile"] / 100
             s = pood.ASH(None, head_of_maps, variant=variant, percentile=fraction).predict_feature_maps(maps)
@@ -109,8 +111,8 @@ def _case_id(value):
 @pytest.mark.parametrize(("name", "params", "kind"), PARITY, ids=_case_id)
 def test_matches_pytorch_ood(request, name, params, kind):
     problem = request.getfixturevalue(FIXTURE[kind])
-    det, ours = _ours(problem, name, **params)
-    theirs = _theirs(problem, name, det, **params)
+    _, ours = _ours(problem, name, **params)
+    theirs = _theirs(problem, name, **params)
     assert_same_ranking(ours, theirs, n_id=len(problem.test_x))
 
 
@@ -371,6 +373,7 @@ def test_ash_and_scale_only_store_the_head_and_read_one_batch(relu_problem):
 
         det = create(name).fit(stream(), head=relu_problem.head)
         assert len(read) == 1
+        assert torch.equal(det.head_weight_, relu_problem.weight) and torch.equal(det.head_bias_, relu_problem.bias)
         assert {k for k in vars(det) if k.endswith("_")} == {
             "head_weight_",
             "head_bias_",

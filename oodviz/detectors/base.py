@@ -148,7 +148,15 @@ class FitData:
     Batches come out on ``device`` with OOD rows (label ``-1``) removed. With ``device=None``
     the device is that of the first batch, known once the first pass has started (the head is
     moved there then). Shapes are checked against each other and against the head; labels
-    against ``0..C-1`` where ``C`` is known.
+    against ``0..C-1`` where ``C`` is known; values for NaN and infinity.
+
+    The checks that read the values (labels in range, finiteness) run on the first full pass
+    only. A multi-pass fit (tempscale reads the data once per Newton step, up to 50 times) would
+    otherwise re-read every batch for them on every pass. That is sound because the batches must
+    be a re-iterable that yields the same data on every pass (a list, a store reader), and a stream
+    that changed is caught by the row count each later pass must repeat. Widths (free: shapes
+    only) are checked on every pass. A pass stopped early (a fit that reads one batch) leaves the
+    next pass validating again.
     """
 
     def __init__(self, batches, device: torch.device | None, detector: Detector, head: Head | None):
@@ -191,6 +199,7 @@ class FitData:
 
     def __iter__(self) -> Iterator[Batch]:
         detector = self._detector
+        validate = self._rows_per_pass is None  # no full pass yet: this one checks the values
         rows = 0
         for index, batch in enumerate(_iter_batches(self._batches)):
             if not len(batch):
@@ -198,17 +207,19 @@ class FitData:
             if self.device is None:
                 self.device = batch.device
             batch = batch.to(self.device)
-            self._shapes.check_widths(batch, index, detector.fields_of(batch))
+            fields = detector.fields_of(batch)
+            self._shapes.check_widths(batch, index, fields)
             if batch.labels is None and detector.needs_labels:
                 raise ValueError(
                     f"{detector.name} fits on class labels but batch {index} has none; "
                     "pass Batch(labels=...) with the in-distribution class of each sample."
                 )
             if batch.labels is not None:
-                batch = self._keep_in_distribution(batch, index)
+                batch = self._keep_in_distribution(batch, index, check_labels=validate)
             if not len(batch):
                 continue
-            self._shapes.check_finite(batch, index, detector.fields_of(batch))
+            if validate:
+                self._shapes.check_finite(batch, index, fields)
             rows += len(batch)
             yield batch
         if rows == 0:
@@ -217,14 +228,23 @@ class FitData:
             )
         if self._rows_per_pass is not None and rows != self._rows_per_pass:
             raise ValueError(
-                f"{detector.name}.fit reads the batches {detector.fit_passes} times, but the second pass gave {rows} "
+                f"{detector.name}.fit reads the batches {detector.fit_passes} times, but a later pass gave {rows} "
                 f"samples instead of {self._rows_per_pass}; pass a list or an iterable whose __iter__ restarts "
                 "the same data."
             )
         self._rows_per_pass = rows
 
-    def _keep_in_distribution(self, batch: Batch, index: int) -> Batch:
+    def _keep_in_distribution(self, batch: Batch, index: int, check_labels: bool) -> Batch:
         labels = batch.labels
+        if check_labels:
+            self._check_labels(labels, index)
+        known = labels != OOD_LABEL
+        if bool(known.all()):
+            return batch
+        keep = lambda t: None if t is None else t[known]  # noqa: E731
+        return Batch(keep(batch.features), keep(batch.logits), labels[known], keep(batch.inputs))
+
+    def _check_labels(self, labels: Tensor, index: int) -> None:
         if (labels < OOD_LABEL).any():
             raise ValueError(
                 f"batch {index} has labels below -1 (min {int(labels.min())}); labels are class indices 0..C-1, "
@@ -236,11 +256,6 @@ class FitData:
                 f"batch {index} has label {int(labels.max())} but the model has C={n_classes} classes; "
                 f"labels must be 0..{n_classes - 1} (or -1 for OOD)."
             )
-        known = labels != OOD_LABEL
-        if bool(known.all()):
-            return batch
-        keep = lambda t: None if t is None else t[known]  # noqa: E731
-        return Batch(keep(batch.features), keep(batch.logits), labels[known], keep(batch.inputs))
 
 
 class Detector:

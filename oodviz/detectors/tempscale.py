@@ -12,6 +12,12 @@ iteration on ``beta`` with one streaming pass over the logits per step (float64)
 the optimum exactly in a handful of passes without holding the logits in memory. pytorch-ood
 runs 50 L-BFGS steps on all logits at once and stops near the optimum.
 
+Why passes and not one pass into a summary: ``logsumexp(beta z_i)`` depends on every logit of
+every row in a way no fixed-size statistic captures exactly (the linear term ``sum_i z_{i, y_i}``
+is the only part that reduces), so an exact fit either keeps the ``N x C`` logits or reads them
+again per step. oodviz reads them again; :class:`FitData` validates them (labels, finiteness) on
+the first pass only, so a later pass costs the arithmetic alone.
+
 Score:
 
     score(x) = -max_k softmax(z(x) / T)_k
