@@ -8,6 +8,7 @@ import streamlit as st
 from oodviz import analysis, plots
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.summary import best_detector
+from oodviz.ui.access import show_server_details
 
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
@@ -177,8 +178,9 @@ def run_details(results: analysis.Results) -> None:
     errors = {k: v for k, v in (results.detectors or {}).items() if "error" in v}
     for name, info in errors.items():
         st.error(f"{name} failed: {info['error']}")
-        with st.expander(f"{name}: details"):
-            st.code(info.get("traceback", ""))
+        if show_server_details():
+            with st.expander(f"{name}: details"):
+                st.code(info.get("traceback", ""))
     st.json(results.config, expanded=False)
 
 
