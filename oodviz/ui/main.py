@@ -106,6 +106,10 @@ def handle_form(values: FormValues, action: str | None) -> None:
 def runs_table() -> pd.DataFrame:
     rows = []
     for run in list_runs(runs_root()):
+        try:
+            run_path(runs_root(), run.run_id)
+        except PathRefused:  # a link leading out of the runs root: not a run of this app, never refreshed
+            continue
         refresh(run)
         s = summarise(run)
         rows.append(
