@@ -3,6 +3,7 @@ and the memory estimate's user code kept out of the app's process. The server it
 
 import json
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -286,3 +287,42 @@ def test_the_probe_reports_a_crash(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     with pytest.raises(ProbeError, match=r"ended without an answer \(exit code -9; crashed\?\)"):
         estimate_in_subprocess(json.dumps(RunConfig().to_dict()))
+
+
+# --- what `oodviz app` serves with ------------------------------------------------------------------------
+
+
+def app_policy(argv, monkeypatch, token_env=None):
+    """The policy ``oodviz app ARGV`` would serve with (everything up to its exec into Streamlit)."""
+    from oodviz import cli
+
+    captured = {}
+    if token_env is None:
+        monkeypatch.delenv("OODVIZ_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("OODVIZ_TOKEN", token_env)
+    monkeypatch.setattr(cli, "cmd_app", lambda args: captured.setdefault("policy", cli.access_policy(args)))
+    cli.main(["app", *argv])
+    return captured["policy"]
+
+
+def test_oodviz_app_policies(monkeypatch, tmp_path):
+    loopback = app_policy([], monkeypatch)
+    assert (loopback.token, loopback.serve_others, loopback.data_dirs) == (None, False, None)
+    assert set(loopback.allowed_hosts) == {"localhost", "127.0.0.1", "::1"}
+    others = app_policy(
+        ["--host", "0.0.0.0", "--data-dir", str(tmp_path), "--allowed-host", "OOD.example"], monkeypatch
+    )
+    assert others.serve_others and len(others.token) >= 32 and others.data_dirs == (tmp_path.resolve(),)
+    assert {"127.0.0.1", "ood.example", socket.gethostname().lower()} <= set(others.allowed_hosts)
+    assert app_policy(["--host", "0.0.0.0"], monkeypatch, token_env="from-env").token == "from-env"
+    assert app_policy(["--host", "0.0.0.0", "--token", "given"], monkeypatch, token_env="env").token == "given"
+    assert app_policy(["--data-dir", str(tmp_path)], monkeypatch).data_dirs == (tmp_path.resolve(),)  # opt-in
+    with pytest.raises(SystemExit, match="--data-dir .*missing is not a directory"):
+        app_policy(["--host", "0.0.0.0", "--data-dir", str(tmp_path / "missing")], monkeypatch)
+    round_trip = AccessPolicy.from_env(others.to_env())
+    assert (round_trip.token, round_trip.serve_others, round_trip.data_dirs) == (
+        others.token,
+        True,
+        others.data_dirs,
+    )
