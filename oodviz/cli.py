@@ -151,14 +151,21 @@ def cmd_app(args) -> NoReturn:
     It listens on ``--host`` (127.0.0.1 by default); the access policy travels in the environment.
     No usage statistics, no first-run e-mail prompt.
     """
-    from oodviz.ui import APP_SCRIPT
+    from oodviz.ui import APP_SCRIPT, streamlit_has_option
 
     policy = access_policy(args)
     command = [sys.executable, "-m", "streamlit", "run", str(APP_SCRIPT)]
     command += ["--browser.gatherUsageStats", "false", "--server.showEmailPrompt", "false"]
     command += ["--server.address", args.host, "--server.enableCORS", "true", "--server.enableXsrfProtection", "true"]
-    for host in policy.allowed_hosts:  # Streamlit refuses a websocket whose Host is not one of these
-        command += ["--server.allowedHosts", host]
+    if streamlit_has_option("server.allowedHosts"):
+        for host in policy.allowed_hosts:  # Streamlit refuses a websocket whose Host is not one of these
+            command += ["--server.allowedHosts", host]
+    else:
+        print(
+            "oodviz app: WARNING this Streamlit cannot check Host headers (no server.allowedHosts): a web page "
+            "could reach the app by DNS rebinding; upgrade Streamlit (pip install -U streamlit)",
+            file=sys.stderr,
+        )
     if policy.serve_others:
         command += ["--client.showErrorDetails", "none", "--client.toolbarMode", "viewer"]
     if args.port:

@@ -326,3 +326,15 @@ def test_oodviz_app_policies(monkeypatch, tmp_path):
         True,
         others.data_dirs,
     )
+
+
+def test_streamlit_options_are_looked_up_in_the_installed_streamlit():
+    from oodviz.ui import streamlit_has_option
+
+    assert streamlit_has_option("server.address") and not streamlit_has_option("server.noSuchOption")
+
+
+def test_an_empty_path_is_not_taken_for_the_data_dir(tmp_path):
+    """Nothing typed stays nothing (the folder dataset says it needs a path), not the whole data directory."""
+    policy = AccessPolicy(serve_others=True, token=TOKEN, data_dirs=(tmp_path.resolve(),))
+    assert policy.confine_config(folder_config(" ")).id_fit.params["path"] == " "

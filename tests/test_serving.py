@@ -102,7 +102,8 @@ def test_serving_others_needs_the_printed_token(serve, page):
 
     page.goto(f"http://127.0.0.1:{port}/")
     page.get_by_text("needs its access token").wait_for(timeout=60_000)
-    assert page.get_by_label("Access token").count() == 1
+    page.get_by_label("Access token").wait_for(timeout=30_000)
+    page.get_by_role("button", name="Open the app").wait_for(timeout=30_000)  # the script has run to its end
     assert page.get_by_role("button", name="Run the default").count() == 0
     assert page.get_by_text("Past runs").count() == 0
     page.goto(f"http://127.0.0.1:{port}/?token=wrong")

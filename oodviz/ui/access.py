@@ -103,14 +103,14 @@ class AccessPolicy:
         """The path a browser user typed as the server will use it: unchanged without confinement, else
         resolved (links followed) and required to lie under a data directory. A relative path is taken
         under the first data directory where it exists (else the first one). Raises :class:`PathRefused`."""
-        if self.data_dirs is None:
+        if self.data_dirs is None or not typed.strip():  # nothing typed: the config's own checks say so
             return typed
         path = Path(os.path.expanduser(typed.strip()))
         if not path.is_absolute():
             candidates = [d / path for d in self.data_dirs]
             path = next((c for c in candidates if c.exists()), candidates[0] if candidates else path)
         resolved = path.resolve()
-        if not any(resolved == d or resolved.is_relative_to(d) for d in self.data_dirs):
+        if not any(resolved.is_relative_to(d) for d in self.data_dirs):
             raise PathRefused(NOT_ALLOWED)
         return str(resolved)
 
