@@ -338,3 +338,21 @@ def test_an_empty_path_is_not_taken_for_the_data_dir(tmp_path):
     """Nothing typed stays nothing (the folder dataset says it needs a path), not the whole data directory."""
     policy = AccessPolicy(serve_others=True, token=TOKEN, data_dirs=(tmp_path.resolve(),))
     assert policy.confine_config(folder_config(" ")).id_fit.params["path"] == " "
+
+
+def test_a_failing_estimate_is_a_clear_message_in_the_page(runs_root, tmp_path):
+    import streamlit as st
+
+    st.cache_data.clear()
+    app = AppTest.from_file(APP, default_timeout=120).run()
+    [preset_box] = [s for s in app.sidebar.selectbox if s.label == "In-distribution"]
+    preset_box.select("image folders (your own)")
+    for label in ("ID fit folder (image folders only)", "ID test folder (image folders only)"):
+        [box] = [t for t in app.sidebar.text_input if t.label == label]
+        box.input(str(tmp_path / "no-such-folder"))
+    [estimate] = [b for b in app.button if b.label == "Estimate memory"]
+    estimate.click().run()
+    assert not app.exception
+    assert [e.value for e in app.error] == [
+        f"Could not estimate the run's size: ValueError: Image folder {tmp_path / 'no-such-folder'} does not exist"
+    ]
