@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 app: $(STAMP) fashion-mnist
-	$(BIN)/oodviz app --headless
+	$(BIN)/oodviz app --headless --host 127.0.0.1
 
 # The browser tests drive Debian's Chromium; install it where we may (root with apt), else they skip.
 browser:

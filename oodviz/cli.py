@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shutil
+import socket
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from oodviz.models import format_bytes
+
+if TYPE_CHECKING:
+    from oodviz.ui.access import AccessPolicy
 
 DEFAULT_RUNS_ROOT = Path("runs")
 
@@ -114,22 +119,65 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def access_policy(args) -> AccessPolicy:
+    """The access rules ``oodviz app`` serves with (see :mod:`oodviz.ui.access`): loopback needs nothing; any
+    other ``--host`` needs a token (``--token``, ``$OODVIZ_TOKEN``, else a new random one) and confines typed
+    paths to the ``--data-dir`` directories (none: only the bundled data)."""
+    from oodviz.ui.access import LOOPBACK_HOSTS, AccessPolicy, is_loopback, machine_host_names
+
+    serve_others = not is_loopback(args.host)
+    token = args.token or os.environ.get("OODVIZ_TOKEN") or (secrets.token_urlsafe(24) if serve_others else None)
+    dirs = [Path(d).expanduser().resolve() for d in args.data_dir]
+    for directory in dirs:
+        if not directory.is_dir():
+            raise SystemExit(f"oodviz app: --data-dir {directory} is not a directory")
+    hosts = machine_host_names() if serve_others else list(LOOPBACK_HOSTS)
+    hosts += [h.lower() for h in args.allowed_host] + ([args.host.lower()] if args.host != "0.0.0.0" else [])
+    return AccessPolicy(
+        token=token,
+        serve_others=serve_others,
+        data_dirs=tuple(dirs) if (serve_others or dirs) else None,
+        allowed_hosts=tuple(dict.fromkeys(hosts)),
+    )
+
+
 def cmd_app(args) -> NoReturn:
     """Serve the app with Streamlit: the entry script inside the installed package, from any directory.
 
     The process becomes Streamlit's server (exec), so a signal sent to ``oodviz app`` reaches the server.
+    It listens on ``--host`` (127.0.0.1 by default); the access policy travels in the environment.
     No usage statistics, no first-run e-mail prompt.
     """
-    from oodviz.ui import APP_SCRIPT
+    from oodviz.ui import APP_SCRIPT, streamlit_has_option
 
+    policy = access_policy(args)
     command = [sys.executable, "-m", "streamlit", "run", str(APP_SCRIPT)]
     command += ["--browser.gatherUsageStats", "false", "--server.showEmailPrompt", "false"]
+    command += ["--server.address", args.host, "--server.enableCORS", "true", "--server.enableXsrfProtection", "true"]
+    if streamlit_has_option("server.allowedHosts"):
+        for host in policy.allowed_hosts:  # Streamlit refuses a websocket whose Host is not one of these
+            command += ["--server.allowedHosts", host]
+    else:
+        print(
+            "oodviz app: WARNING this Streamlit cannot check Host headers (no server.allowedHosts): a web page "
+            "could reach the app by DNS rebinding; upgrade Streamlit (pip install -U streamlit)",
+            file=sys.stderr,
+        )
+    if policy.serve_others:
+        command += ["--client.showErrorDetails", "none", "--client.toolbarMode", "viewer"]
     if args.port:
         command += ["--server.port", str(args.port)]
     if args.headless:
         command += ["--server.headless", "true"]
+    if policy.token:
+        port = args.port or 8501
+        shown = socket.gethostname() if args.host == "0.0.0.0" else args.host
+        print(f"oodviz app: open http://{shown}:{port}/?token={policy.token}", flush=True)
+    if policy.data_dirs is not None:
+        named = ", ".join(str(d) for d in policy.data_dirs) or "none (only the bundled data)"
+        print(f"oodviz app: paths typed in the page must lie under: {named}", flush=True)
     sys.stdout.flush()
-    os.execv(sys.executable, command)
+    os.execve(sys.executable, command, {**os.environ, **policy.to_env()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +202,29 @@ def main(argv: list[str] | None = None) -> int:
     app = commands.add_parser("app", help="start the Streamlit app")
     app.add_argument("--port", type=int, help="the port to serve on (default: Streamlit's, 8501)")
     app.add_argument("--headless", action="store_true", help="do not open a browser (a server, CI)")
+    app.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address to listen on (default 127.0.0.1: this machine only); any other, e.g. 0.0.0.0, "
+        "serves others: it needs the access token and confines paths to --data-dir",
+    )
+    app.add_argument("--token", help="the access token (default: $OODVIZ_TOKEN, else a new one printed at start)")
+    app.add_argument(
+        "--data-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory whose folders, checkpoints and data root the page may use (repeatable); serving "
+        "others without any allows only the bundled data",
+    )
+    app.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another host name browsers reach the app by (a DNS name, a proxy's); the machine's own names "
+        "and addresses are allowed already (repeatable)",
+    )
     app.set_defaults(func=cmd_app)
     args = parser.parse_args(argv)
     return args.func(args)

@@ -33,12 +33,38 @@ def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def _images_under(directory: str) -> list[str]:
-    """Image files under ``directory`` (recursively, following links), sorted, hidden ones skipped."""
+def _directory_key(path: str) -> tuple[int, int]:
+    status = os.stat(path)  # follows links: the directory a link leads to
+    return status.st_dev, status.st_ino
+
+
+def _images_under(directory: str, visited: set[tuple[int, int]]) -> list[str]:
+    """Image files under ``directory`` (recursively, following links), sorted, hidden ones skipped.
+
+    A directory already in ``visited`` (by device and inode, links resolved) is not walked again, so a
+    link loop ends and a linked folder is read once; ``visited`` gains every directory walked. A
+    subfolder that cannot be read is an error (its images would be missing silently otherwise)."""
+    unreadable = []
     found = []
-    for parent, dirs, files in os.walk(directory, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+    visited.add(_directory_key(directory))
+    for parent, dirs, files in os.walk(directory, followlinks=True, onerror=unreadable.append):
+        kept = []
+        for name in sorted(d for d in dirs if not d.startswith(".")):
+            try:
+                key = _directory_key(os.path.join(parent, name))
+            except OSError as error:  # a dangling link, or one we may not follow
+                unreadable.append(error)
+                continue
+            if key not in visited:
+                visited.add(key)
+                kept.append(name)
+        dirs[:] = kept
         found.extend(os.path.join(parent, f) for f in sorted(files) if _is_image(f))
+    if unreadable:
+        raise ValueError(
+            f"{len(unreadable)} folder(s) under {directory} cannot be read ({unreadable[0].strerror}); "
+            "give the app read access to them or remove them"
+        )
     return found
 
 
@@ -68,20 +94,26 @@ class FolderSource(Source):
         if path is None or str(path) == "":
             raise ValueError('The "folder" dataset needs path=<a directory of images>')
         path = os.path.abspath(os.path.expanduser(str(path)))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"Image folder {path} is a file, not a directory; give the folder that holds the images")
         if not os.path.isdir(path):
-            raise ValueError(f"Image folder {path} does not exist or is not a directory")
+            raise ValueError(f"Image folder {path} does not exist")
         self.path = path
         self.mode = mode
         extensions = ", ".join(IMAGE_EXTENSIONS)
-        with os.scandir(path) as entries:
-            entries = sorted(entries, key=lambda e: e.name)
-            subdirs = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
-            loose = [e.name for e in entries if e.is_file() and _is_image(e.name)]
+        try:
+            with os.scandir(path) as entries:
+                entries = sorted(entries, key=lambda e: e.name)
+                subdirs = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+                loose = [e.name for e in entries if e.is_file() and _is_image(e.name)]
+        except OSError as error:
+            raise ValueError(f"Image folder {path} cannot be read ({error.strerror})") from error
+        visited = {_directory_key(path)}  # directories walked, shared by all classes: none is read twice
         if layout == "auto":
             layout = "classes" if subdirs else "flat"
         self.layout = layout
         if layout == "flat":
-            self.files = _images_under(path)
+            self.files = _images_under(path, visited)
             self._labels = np.full(len(self.files), -1, dtype=np.int64)
             self.classes = []
             if not self.files:
@@ -92,22 +124,23 @@ class FolderSource(Source):
                 f"layout='classes' needs one subfolder per class in {path} (path/<class>/<image>), found none; "
                 "use layout='flat' for a folder of unlabelled images"
             )
+        # The errors below give counts, never the folder's contents: the path may be any directory of the server.
         if loose:
             raise ValueError(
-                f"{path} has class subfolders ({', '.join(subdirs[:5])}) and also {len(loose)} image(s) directly in it "
-                f"(e.g. {loose[0]}); move them into a class folder, or pass layout='flat' to use every image unlabelled"
+                f"{path} has {len(subdirs)} class subfolder(s) and also {len(loose)} image(s) directly in it; "
+                "move them into a class folder, or pass layout='flat' to use every image unlabelled"
             )
-        files, labels, empty = [], [], []
+        files, labels, empty = [], [], 0
         for label, name in enumerate(subdirs):
-            found = _images_under(os.path.join(path, name))
-            if not found:
-                empty.append(name)
+            found = _images_under(os.path.join(path, name), visited)
+            empty += not found
             files.extend(found)
             labels.extend([label] * len(found))
         if empty:
             raise ValueError(
-                f"Class folder(s) {', '.join(empty[:10])} under {path} contain no images (extensions {extensions}); "
-                "add images, remove the folders, or pass layout='flat'"
+                f"{empty} of the {len(subdirs)} subfolder(s) of {path} hold no images (extensions {extensions}), or "
+                "only links to folders already read; expected one subfolder of images per class "
+                "(path/<class>/<image>): add images, remove the empty folders, or pass layout='flat'"
             )
         self.files = files
         self._labels = np.asarray(labels, dtype=np.int64)

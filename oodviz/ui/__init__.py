@@ -4,3 +4,14 @@ wheel can serve it: ``oodviz app``, ``make app`` and the repository's ``app.py``
 from pathlib import Path
 
 APP_SCRIPT = Path(__file__).resolve().parent / "app.py"
+
+
+def streamlit_has_option(name: str) -> bool:
+    """Whether the installed Streamlit knows config option ``name`` (e.g. ``server.allowedHosts``, recent)."""
+    from streamlit import config
+
+    try:
+        config.get_option(name)
+    except RuntimeError:  # Streamlit's "Config key ... not defined"
+        return False
+    return True

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import pandas as pd
@@ -18,6 +20,7 @@ from oodviz.runs.config import ConfigError, RunConfig, preset
 from oodviz.runs.jobs import delete_run, list_runs, refresh, submit
 from oodviz.runs.rundir import FINAL_STATES, RunDir
 from oodviz.runs.summary import summarise
+from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
 from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
 from oodviz.ui.sidebar import memory_estimate, render_form
 
@@ -35,19 +38,35 @@ def open_run(run_id: str | None) -> None:
 
 
 def url_run_path() -> Path | None:
-    """The directory of the run named in the URL (it may not exist), or None."""
+    """The directory of the run named in the URL (it may not exist), or None. Raises PathRefused for a
+    name that is not a direct child of the runs root (``..``, a path, a link leading outside)."""
     run_id = st.query_params.get("run")
-    return runs_root() / run_id if run_id else None
+    return run_path(runs_root(), run_id) if run_id else None
 
 
 def current_run() -> RunDir | None:
-    path = url_run_path()
+    try:
+        path = url_run_path()
+    except PathRefused as refusal:
+        st.error(f"The run in the URL cannot be opened: {refusal}.")
+        return None
     if path is None:
         return None
     if not (path / "config.json").exists():
-        st.error(f"There is no run {path.name!r} under {runs_root().resolve()}; it may have been deleted.")
+        where = f" under {runs_root().resolve()}" if show_server_details() else ""
+        st.error(f"There is no run {path.name!r}{where}; it may have been deleted.")
         return None
     return RunDir(path)
+
+
+def confined_config(config: RunConfig) -> RunConfig | None:
+    """``config`` with its typed paths confined to the allowed data directories, or None after saying
+    in the sidebar which were refused (see :meth:`AccessPolicy.confine_config`)."""
+    try:
+        return AccessPolicy.from_env().confine_config(config)
+    except PathRefused as refusal:
+        st.sidebar.error(f"Not allowed on this server: {refusal}")
+        return None
 
 
 def show_estimate(config) -> None:
@@ -66,7 +85,9 @@ def show_estimate(config) -> None:
 def handle_form(values: FormValues, action: str | None) -> None:
     if action is None:
         return
-    config = config_from_form(values)
+    config = confined_config(config_from_form(values))
+    if config is None:
+        return
     problems = config.problems()
     if problems:
         st.sidebar.error("Fix these first:\n\n" + "\n".join(f"- {p}" for p in problems))
@@ -85,6 +106,10 @@ def handle_form(values: FormValues, action: str | None) -> None:
 def runs_table() -> pd.DataFrame:
     rows = []
     for run in list_runs(runs_root()):
+        try:
+            run_path(runs_root(), run.run_id)
+        except PathRefused:  # a link leading out of the runs root: not a run of this app, never refreshed
+            continue
         refresh(run)
         s = summarise(run)
         rows.append(
@@ -156,6 +181,9 @@ def landing(values: FormValues) -> None:
     if fashion.button("Run Fashion-MNIST"):
         config = preset("fashion-mnist")
         config.data_root, config.download = values.data_root.strip() or "data", bool(values.download)
+        config = confined_config(config)
+        if config is None:
+            return
         run = submit(config, runs_root())
         open_run(run.run_id)
         st.rerun()
@@ -167,14 +195,15 @@ def run_page(run: RunDir) -> None:
 
     status = refresh(run)
     state = status.get("state")
+    where = f" · {run.path.resolve()}" if show_server_details() else ""
     if state not in FINAL_STATES:
-        st.caption(f"Run directory: {run.path.resolve()}")
+        st.caption(f"Run `{run.run_id}`{where}")
         job_panel(run)  # it shows the live state itself
         return
-    st.caption(f"Run `{run.run_id}` · {state} · {run.path.resolve()}")
+    st.caption(f"Run `{run.run_id}` · {state}{where}")
     if state == "failed":
         st.error(f"The run failed: {status.get('error')}")
-        if status.get("detail"):
+        if status.get("detail") and show_server_details():
             with st.expander("Details"):
                 st.code(status["detail"])
     elif state == "cancelled":
@@ -182,11 +211,42 @@ def run_page(run: RunDir) -> None:
     results_page(run)
 
 
+TOKEN_KEY = "access-token"
+
+
+def access_granted(policy: AccessPolicy) -> bool:
+    """Whether this browser session may use the app: always without a token; else once it has given the
+    token, in the URL (``?token=``) or in the prompt drawn here (kept in the session)."""
+    if policy.token_ok(st.session_state.get(TOKEN_KEY)):
+        return True
+    given = st.query_params.get("token")
+    if given is not None and policy.token_ok(given):
+        st.session_state[TOKEN_KEY] = given
+        return True
+    st.title("oodviz")
+    st.info("This oodviz server needs its access token: the one printed where `oodviz app` was started.")
+    with st.form("access-token-form"):
+        typed = st.text_input("Access token", type="password")
+        entered = st.form_submit_button("Open the app")
+    if entered and policy.token_ok(typed):
+        st.session_state[TOKEN_KEY] = typed
+        st.rerun()
+    if entered or given is not None:
+        st.error("That is not this server's access token.")
+    return False
+
+
 def main() -> None:
     st.set_page_config(page_title="oodviz", page_icon="🔍", layout="wide")
+    if not access_granted(AccessPolicy.from_env()):
+        return
     try:
         page()
     except Exception as error:  # st.rerun/st.stop are BaseExceptions and pass through
+        if not show_server_details():  # the details go to the server's log, not to another person's page
+            traceback.print_exc(file=sys.stderr)
+            st.error("Something went wrong. The app is still running; finished runs are kept.")
+            return
         st.error(
             f"Something went wrong: {type(error).__name__}: {error}. The app is still running; finished runs are kept."
         )
@@ -196,7 +256,10 @@ def main() -> None:
 
 def form_defaults() -> FormValues:
     """The sidebar's starting values: those of the run in the URL (to rerun it with changes), else the default."""
-    path = url_run_path()
+    try:
+        path = url_run_path()
+    except PathRefused:  # the run page says so
+        path = None
     if path is not None and (path / "config.json").exists():
         try:
             return form_values_from_config(RunConfig.load(path / "config.json"))

@@ -20,6 +20,7 @@ from oodviz.results import (
 )
 from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import thumbnails
+from oodviz.ui.access import show_server_details
 
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
@@ -187,8 +188,9 @@ def run_details(results: Results) -> None:
     errors = {k: v for k, v in (results.detectors or {}).items() if "error" in v}
     for name, info in errors.items():
         st.error(f"{name} failed: {info['error']}")
-        with st.expander(f"{name}: details"):
-            st.code(info.get("traceback", ""))
+        if show_server_details():
+            with st.expander(f"{name}: details"):
+                st.code(info.get("traceback", ""))
     st.json(results.config, expanded=False)
 
 

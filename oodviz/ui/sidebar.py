@@ -6,8 +6,8 @@ import streamlit as st
 
 from oodviz.detectors import available, create, detector_class
 from oodviz.engine import PRECISIONS
-from oodviz.models import POOLINGS, available_backbones, estimate_memory, format_bytes
-from oodviz.runs.config import RunConfig
+from oodviz.models import POOLINGS, available_backbones, format_bytes
+from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
 from oodviz.ui.form import FOLDER_PRESET, ID_PRESETS, OOD_CHOICES, FormValues, config_from_form, ood_label
 
@@ -152,24 +152,10 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
 
 @st.cache_data(show_spinner="Estimating feature sizes…", max_entries=32)
 def memory_estimate(config_json: str) -> tuple[dict, str, str | None]:
-    """(estimate, description, warning) for a config: loads the model and counts each split's samples."""
-    import json
-
-    from oodviz.models import load_backbone
-    from oodviz.runs.pipeline import load_split
-
-    config = RunConfig.from_dict(json.loads(config_json))
-    backbone = load_backbone(
-        config.backbone,
-        weights=config.weights,
-        checkpoint=config.checkpoint,
-        layer=config.layer,
-        pooling=config.pooling,
-    )
-    splits = {"id_fit": load_split(config, config.id_fit, False), "id_test": load_split(config, config.id_test, False)}
-    splits.update({f"ood:{c.name}": load_split(config, c, True) for c in config.ood})
-    estimate = estimate_memory(backbone, {name: len(ds) for name, ds in splits.items()})
-    return dict(estimate), estimate.describe(), estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
+    """(estimate, description, warning) for a config. It loads the model and runs one batch through it
+    (the checkpoint's own code), so it runs in a subprocess with a timeout, never in the server's process;
+    raises ProbeError when that fails."""
+    return estimate_in_subprocess(config_json)
 
 
 __all__ = ["config_from_form", "memory_estimate", "render_form"]

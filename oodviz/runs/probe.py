@@ -1,0 +1,85 @@
+"""The memory estimate, in a process of its own: ``python -m oodviz.runs.probe`` reads a run config (JSON)
+on stdin and prints one JSON line, ``{"estimate": {...}, "description": "...", "warning": ...}`` or
+``{"error": "..."}`` (exit 1).
+
+The estimate loads the backbone and runs one batch through it (``feature_shape``), i.e. the checkpoint's
+own code (a TorchScript ``forward``), and walks the image folders. The app asks for it with
+:func:`estimate_in_subprocess`, under a timeout, so that no user code runs in the server's process and a
+stuck model or folder cannot hang the page.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from oodviz.runs.config import RunConfig
+
+TIMEOUT_S = 120.0
+
+
+class ProbeError(RuntimeError):
+    """The estimate's process failed, crashed or ran out of time; the message says which."""
+
+
+def estimate_for_config(config: RunConfig) -> tuple[dict, str, str | None]:
+    """(estimate, description, warning) for ``config``, in this process: loads the model and counts each
+    split's samples; the warning says when the feature store would exceed ``memory_budget_gb``."""
+    from oodviz.models import estimate_memory, load_backbone
+    from oodviz.runs.pipeline import load_split
+
+    backbone = load_backbone(
+        config.backbone,
+        weights=config.weights,
+        checkpoint=config.checkpoint,
+        layer=config.layer,
+        pooling=config.pooling,
+    )
+    splits = {"id_fit": load_split(config, config.id_fit, False), "id_test": load_split(config, config.id_test, False)}
+    splits.update({f"ood:{c.name}": load_split(config, c, True) for c in config.ood})
+    estimate = estimate_memory(backbone, {name: len(ds) for name, ds in splits.items()})
+    return dict(estimate), estimate.describe(), estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
+
+
+def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S) -> tuple[dict, str, str | None]:
+    """:func:`estimate_for_config` run by ``python -m oodviz.runs.probe``; raises :class:`ProbeError`
+    with the child's message, or on a timeout or crash."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "oodviz.runs.probe"],
+            input=config_json,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise ProbeError(
+            f"the estimate took longer than {timeout_s:.0f} s and was stopped (a slow model, or a very large "
+            "image folder?)"
+        ) from None
+    lines = done.stdout.strip().splitlines()
+    try:
+        answer = json.loads(lines[-1]) if lines else None
+    except json.JSONDecodeError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise ProbeError(f"the estimate's process ended without an answer (exit code {done.returncode}; crashed?)")
+    if "error" in answer:
+        raise ProbeError(answer["error"])
+    return answer["estimate"], answer["description"], answer["warning"]
+
+
+def main() -> int:
+    try:
+        config = RunConfig.from_dict(json.loads(sys.stdin.read()))
+        estimate, description, warning = estimate_for_config(config)
+    except Exception as error:  # the caller shows it: one line, no traceback
+        print(json.dumps({"error": f"{type(error).__name__}: {error}"}))
+        return 1
+    print(json.dumps({"estimate": estimate, "description": description, "warning": warning}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""``oodviz app`` as a server: it listens on 127.0.0.1 only by default; ``--host 0.0.0.0`` shows a real
+browser only the token prompt until it gives the printed token; a websocket whose Host header is not the
+server's (DNS rebinding) is refused."""
+
+import base64
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from conftest import chromium, free_port
+
+
+def non_loopback_ipv4() -> str | None:
+    for addresses in psutil.net_if_addrs().values():
+        for a in addresses:
+            if a.family == socket.AF_INET and not a.address.startswith("127."):
+                return a.address
+    return None
+
+
+def reachable(address: str, port: int) -> bool:
+    try:
+        socket.create_connection((address, port), timeout=2).close()
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def serve(tmp_path):
+    """Start ``oodviz app --headless --port P <args>``; returns (port, its first line of output)."""
+    servers = []
+
+    def start(*args):
+        port = free_port()
+        env = dict(os.environ, OODVIZ_RUNS_ROOT=str(tmp_path / "runs"))
+        env.pop("OODVIZ_TOKEN", None)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "oodviz.cli", "app", "--headless", "--port", str(port), *args],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        servers.append(server)
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not reachable("127.0.0.1", port):
+            assert server.poll() is None, server.stdout.read()
+            time.sleep(0.3)
+        return port, server.stdout.readline()
+
+    yield start
+    for server in servers:
+        server.terminate()
+        server.wait(timeout=20)
+
+
+def websocket_handshake(port: int, host: str) -> str:
+    """The status line the server answers a browser-like websocket upgrade with ``Host: host``."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+        key = base64.b64encode(os.urandom(16)).decode()
+        connection.sendall(
+            (
+                f"GET /_stcore/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nOrigin: http://{host}\r\n"
+                "Sec-WebSocket-Protocol: streamlit\r\n\r\n"
+            ).encode()
+        )
+        return connection.recv(4096).decode(errors="replace").split("\r\n")[0]
+
+
+def test_by_default_the_app_answers_on_loopback_only_and_to_its_own_host_names(serve):
+    port, _ = serve()
+    assert reachable("127.0.0.1", port)
+    address = non_loopback_ipv4()
+    if address is not None:  # the machine has another address: nobody may connect through it
+        assert not reachable(address, port)
+    assert websocket_handshake(port, f"127.0.0.1:{port}").endswith("101 Switching Protocols")
+    assert websocket_handshake(port, f"localhost:{port}").endswith("101 Switching Protocols")
+    # DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1
+    assert websocket_handshake(port, f"attacker.example:{port}").endswith("403 Forbidden")
+
+
+@chromium
+def test_serving_others_needs_the_printed_token(serve, page):
+    port, announced = serve("--host", "0.0.0.0")
+    found = re.fullmatch(rf"oodviz app: open http://\S+:{port}/\?token=([\w-]+)\n", announced)
+    assert found, announced
+    token = found.group(1)
+    assert len(token) >= 32
+    address = non_loopback_ipv4()
+    if address is not None:
+        assert reachable(address, port)
+        assert websocket_handshake(port, f"{address}:{port}").endswith("101 Switching Protocols")
+    assert websocket_handshake(port, f"attacker.example:{port}").endswith("403 Forbidden")
+
+    page.goto(f"http://127.0.0.1:{port}/")
+    page.get_by_text("needs its access token").wait_for(timeout=60_000)
+    page.get_by_label("Access token").wait_for(timeout=30_000)
+    page.get_by_role("button", name="Open the app").wait_for(timeout=30_000)  # the script has run to its end
+    assert page.get_by_role("button", name="Run the default").count() == 0
+    assert page.get_by_text("Past runs").count() == 0
+    page.goto(f"http://127.0.0.1:{port}/?token=wrong")
+    page.get_by_text("That is not this server's access token.").wait_for(timeout=60_000)
+    assert page.get_by_role("button", name="Run the default").count() == 0
+    page.goto(f"http://127.0.0.1:{port}/?token={token}")
+    page.get_by_role("button", name="Run the default").wait_for(timeout=60_000)
+    assert page.get_by_label("Access token").count() == 0
