@@ -28,6 +28,7 @@ outputs of batch ``k - 1`` are copied back on another stream and written to disk
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
@@ -53,6 +54,7 @@ from oodviz.engine.store import (
     remove_store,
     store_key,
 )
+from oodviz.engine.store.integrity import verify_store
 from oodviz.models.placement import parse_device
 
 logger = logging.getLogger("oodviz.engine")
@@ -321,14 +323,17 @@ def _trusted_store(store_root, key: str, verify: str) -> tuple[FeatureStore | No
     path = Path(store_root) / key
     if not path.is_dir():
         return None, None
+    # Checksums first: a damaged file is named as such, before memory-mapping it can fail.
     try:
-        store = FeatureStore(path)
-        problems = store.verify(full=verify == "full")
-    except StoreError as err:
-        problems = [str(err)]
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = None
+    problems = verify_store(path, meta, full=verify == "full") if isinstance(meta, dict) else []
     if not problems:
-        return store, None
-    store = None  # drop its memory maps before the files go
+        try:
+            return FeatureStore(path), None
+        except StoreError as err:
+            problems = [str(err)]
     try:
         remove_store(store_root, key)
     except FileNotFoundError:  # a concurrent run removed or replaced it first

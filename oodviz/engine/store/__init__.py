@@ -50,6 +50,7 @@ from oodviz.engine.store.keys import (
 )
 from oodviz.engine.store.manage import (
     STORES_DIRNAME,
+    check_stores,
     clean_stale_tmp,
     remove_store,
     run_store_keys,
@@ -77,6 +78,7 @@ __all__ = [
     "canonical_json",
     "check_feature_dtype",
     "check_free_space",
+    "check_stores",
     "clean_stale_tmp",
     "describe_transform",
     "find_store",

@@ -24,7 +24,8 @@ from pathlib import Path
 
 import psutil
 
-from oodviz.engine.store.keys import OLD_MARK, TMP_MARK, check_key
+from oodviz.engine.store.keys import OLD_MARK, STORE_FORMAT, TMP_MARK, StoreError, check_key
+from oodviz.engine.store.reader import FeatureStore
 
 logger = logging.getLogger("oodviz.engine")
 
@@ -144,6 +145,40 @@ def remove_store(root, key: str) -> Path:
     shutil.rmtree(aside, ignore_errors=True)
     logger.info("removed feature store %s", path)
     return path
+
+
+def check_stores(root, full: bool = True) -> list[dict]:
+    """Every directory under the store ``root``, checked: ``[{"name", "state", "problems", "store"}]`` by name.
+
+    ``state`` is ``"ok"`` (``store`` is the opened :class:`FeatureStore`), ``"damaged"`` (files that
+    differ from their checksums, or that cannot be opened; ``problems`` says which and how),
+    ``"outdated"`` (another store format: never reused, safe to remove) or ``"unfinished"``
+    (a ``.tmp-`` / ``.old-`` directory; ``problems`` says whether its writer is still running).
+    ``full`` rehashes every file; otherwise files whose size and mtime match are trusted.
+    """
+    root = Path(root)
+    found = []
+    for entry in sorted(root.iterdir()) if root.is_dir() else ():
+        if not entry.is_dir():
+            continue
+        name = entry.name
+        if TMP_MARK in name or OLD_MARK in name:
+            owner = "its writer is still running" if owner_alive(name) else "its writer is gone (stale)"
+            found.append({"name": name, "state": "unfinished", "problems": [owner], "store": None})
+            continue
+        meta = _read_json(entry / "meta.json")
+        if isinstance(meta, dict) and meta.get("format") != STORE_FORMAT:
+            problem = f"store format {meta.get('format')!r}, this oodviz writes {STORE_FORMAT}; never reused"
+            found.append({"name": name, "state": "outdated", "problems": [problem], "store": None})
+            continue
+        try:
+            store = FeatureStore(entry)
+            problems = store.verify(full=full)
+        except StoreError as err:
+            store, problems = None, [str(err)]
+        state = "damaged" if problems else "ok"
+        found.append({"name": name, "state": state, "problems": problems, "store": store if state == "ok" else None})
+    return found
 
 
 def _read_json(path: Path):
