@@ -143,8 +143,9 @@ def _store_root(args) -> Path:
 
 def cmd_store(args) -> int:
     """``store verify``: rehash every store under the root, exit 1 when one is damaged (each named with
-    its files and what is wrong). ``store list``: the stores, their size and the runs that use them."""
-    from oodviz.engine import check_stores, store_users
+    its files and what is wrong); ``--remove`` removes damaged, outdated and stale unfinished ones.
+    ``store list``: the stores, their size and the runs that use them."""
+    from oodviz.engine import check_stores, clean_stale_tmp, remove_store, store_users
 
     root = _store_root(args)
     checked = check_stores(root, full=args.store_command == "verify")
@@ -175,10 +176,16 @@ def cmd_store(args) -> int:
             print(f"{entry['state']:<8} {entry['name']}" + (f": {entry['problems'][0]}" if entry["problems"] else ""))
     ok = sum(entry["state"] == "ok" for entry in checked)
     print(f"{ok} intact, {len(damaged)} damaged of {len(checked)} under {root}", file=sys.stderr)
-    if damaged:
+    if args.remove:
+        for entry in checked:
+            if entry["state"] in ("damaged", "outdated"):
+                print(f"removed  {remove_store(root, entry['name'])}")
+        for path in clean_stale_tmp(root, min_age_s=0):
+            print(f"removed  {path}")
+    elif damaged:
         print(
             "damaged stores are never reused: the next run that needs one extracts it again "
-            "(or remove them with oodviz.engine.remove_store)",
+            "(remove them now with oodviz store verify --remove)",
             file=sys.stderr,
         )
     return 1 if damaged else 0
@@ -216,7 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         sub = store_commands.add_parser(name, help=text)
         sub.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT), help="where runs live (default: ./runs)")
         sub.add_argument("--store-root", help="the store directory (default: RUNS_ROOT/.features)")
-        sub.set_defaults(func=cmd_store)
+        sub.set_defaults(func=cmd_store, remove=False)
+    store_commands.choices["verify"].add_argument(
+        "--remove",
+        action="store_true",
+        help="remove damaged and outdated stores and unfinished ones whose writer is gone",
+    )
     args = parser.parse_args(argv)
     return args.func(args)
 

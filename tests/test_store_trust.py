@@ -128,6 +128,14 @@ def test_same_size_same_mtime_corruption_is_caught_by_store_verify_and_full_reus
     ]
     assert f"ok       {intact.key}" in out
 
+    # --remove takes the damaged store away (and only it); the next run extracts it again either way.
+    aside = store_root.parent / "damaged-copy"
+    shutil.copytree(first.path, aside, copy_function=shutil.copy2)
+    assert main(["store", "verify", "--runs-root", str(runs_root), "--remove"]) == 1
+    assert f"removed  {first.path}" in capsys.readouterr().out
+    assert sorted(p.name for p in store_root.iterdir()) == [intact.key]
+    shutil.copytree(aside, first.path, copy_function=shutil.copy2)  # back, damaged, mtimes kept
+
     calls = backbone.calls
     store = extract_or_reuse(backbone, dataset, store_root, batch_size=4, verify="full")
     assert backbone.calls == calls + 3 and store.reused is False
