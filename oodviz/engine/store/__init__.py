@@ -9,7 +9,8 @@ Layout of a split, ``<root>/<key>/``::
     indices.npy       [N]     int64                   source index of each row in the dataset
     head_weight.npy   [C, D]  float32  (optional)     final linear layer, when the backbone has one
     head_bias.npy     [C]     float32  (optional)
-    meta.json                                         what, how, how many, how long (see below)
+    meta.json                                         what, how, how many, how long; "files": the
+                                                      checksum, size and mtime of every .npy above
 
 One module per concern:
 
