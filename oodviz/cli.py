@@ -1,4 +1,4 @@
-"""The ``oodviz`` command: ``run`` a job in the foreground, list ``runs``, start the ``app``."""
+"""The ``oodviz`` command: ``run`` a job in the foreground, list ``runs``, start the ``app``, check the feature ``store``."""
 
 from __future__ import annotations
 
@@ -180,6 +180,62 @@ def cmd_app(args) -> NoReturn:
     os.execve(sys.executable, command, {**os.environ, **policy.to_env()})
 
 
+def _store_root(args) -> Path:
+    from oodviz.engine import STORES_DIRNAME
+
+    return Path(args.store_root) if args.store_root else Path(args.runs_root) / STORES_DIRNAME
+
+
+def cmd_store(args) -> int:
+    """``store verify``: rehash every store under the root, exit 1 when one is damaged (each named with
+    its files and what is wrong); ``--remove`` removes damaged, outdated and stale unfinished ones.
+    ``store list``: the stores, their size and the runs that use them."""
+    from oodviz.engine import check_stores, clean_stale_tmp, remove_store, store_users
+
+    root = _store_root(args)
+    checked = check_stores(root, full=args.store_command == "verify")
+    if not checked:
+        print(f"no feature stores under {root}")
+        return 0
+    if args.store_command == "list":
+        users = store_users(args.runs_root)
+        for entry in checked:
+            store = entry["store"]
+            if store is None:
+                print(f"{entry['name']}  {entry['state']}: {'; '.join(entry['problems'])}")
+                continue
+            size = sum(p.stat().st_size for p in store.path.iterdir())
+            runs = users.get(entry["name"], [])
+            print(
+                f"{entry['name']}  {store.meta.get('backbone', {}).get('name', '?')} on "
+                f"{store.meta.get('dataset', {}).get('name', '?')}: {store.n:,} x {store.feature_dim} "
+                f"{store.feature_dtype}, {format_bytes(size)}, used by {len(runs)} run(s)"
+            )
+        return 0
+    damaged = [entry for entry in checked if entry["state"] == "damaged"]
+    for entry in checked:
+        if entry["state"] == "damaged":
+            for problem in entry["problems"]:
+                print(f"DAMAGED  {entry['name']}: {problem}")
+        else:
+            print(f"{entry['state']:<8} {entry['name']}" + (f": {entry['problems'][0]}" if entry["problems"] else ""))
+    ok = sum(entry["state"] == "ok" for entry in checked)
+    print(f"{ok} intact, {len(damaged)} damaged of {len(checked)} under {root}", file=sys.stderr)
+    if args.remove:
+        for entry in checked:
+            if entry["state"] in ("damaged", "outdated"):
+                print(f"removed  {remove_store(root, entry['name'])}")
+        for path in clean_stale_tmp(root, min_age_s=0):
+            print(f"removed  {path}")
+    elif damaged:
+        print(
+            "damaged stores are never reused: the next run that needs one extracts it again "
+            "(remove them now with oodviz store verify --remove)",
+            file=sys.stderr,
+        )
+    return 1 if damaged else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from oodviz.runs.config import PRESETS
 
@@ -226,6 +282,21 @@ def main(argv: list[str] | None = None) -> int:
         "and addresses are allowed already (repeatable)",
     )
     app.set_defaults(func=cmd_app)
+    store = commands.add_parser("store", help="check or list the feature stores the runs share")
+    store_commands = store.add_subparsers(dest="store_command", required=True)
+    for name, text in (
+        ("verify", "rehash every store against its checksums; exit 1 when one is damaged"),
+        ("list", "the stores, their size and how many runs use each"),
+    ):
+        sub = store_commands.add_parser(name, help=text)
+        sub.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT), help="where runs live (default: ./runs)")
+        sub.add_argument("--store-root", help="the store directory (default: RUNS_ROOT/.features)")
+        sub.set_defaults(func=cmd_store, remove=False)
+    store_commands.choices["verify"].add_argument(
+        "--remove",
+        action="store_true",
+        help="remove damaged and outdated stores and unfinished ones whose writer is gone",
+    )
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -6,6 +6,8 @@
 - :class:`FeatureStore` / :func:`open_store`: one split on disk, ``store.batches()`` streams it as
   :class:`oodviz.Batch` chunks for ``detector.fit`` / ``score`` (:mod:`oodviz.engine.store`).
 - :func:`store_key` / :func:`key_spec`: the content key of a split.
+- Trust and housekeeping: :meth:`FeatureStore.verify` (checksums), :func:`check_free_space` /
+  :class:`DiskFullError`, :func:`clean_stale_tmp`, :func:`remove_store`, :func:`stores_used_only_by`.
 - :func:`score_inputs`: for detectors that run the model again (odin, mcd), the dataset's model
   inputs streamed through a scoring function on the device, in store order (:mod:`oodviz.engine.inputs`).
 - :class:`BatchedPass`: what both share, one batched pass of a dataset through the model on a
@@ -19,32 +21,45 @@ from oodviz.engine.inputs import InputScores, score_inputs
 from oodviz.engine.store import (
     FEATURE_DTYPES,
     STORE_FORMAT,
+    STORES_DIRNAME,
+    VERIFY_LEVELS,
     DeviceSplit,
+    DiskFullError,
     FeatureStore,
     StoreBatches,
     StoreError,
     StoreWriter,
+    check_free_space,
+    check_stores,
     clean_stale_tmp,
     describe_transform,
     find_store,
     key_spec,
     list_stores,
     open_store,
+    remove_store,
     store_key,
+    store_users,
+    stores_used_only_by,
 )
 
 __all__ = [
     "FEATURE_DTYPES",
     "PRECISIONS",
+    "STORES_DIRNAME",
     "STORE_FORMAT",
+    "VERIFY_LEVELS",
     "BatchedPass",
     "Cancelled",
     "DeviceSplit",
+    "DiskFullError",
     "FeatureStore",
     "InputScores",
     "StoreBatches",
     "StoreError",
     "StoreWriter",
+    "check_free_space",
+    "check_stores",
     "clean_stale_tmp",
     "describe_transform",
     "extract",
@@ -54,6 +69,9 @@ __all__ = [
     "key_spec",
     "list_stores",
     "open_store",
+    "remove_store",
     "score_inputs",
     "store_key",
+    "store_users",
+    "stores_used_only_by",
 ]

@@ -28,12 +28,14 @@ outputs of batch ``k - 1`` are copied back on another stream and written to disk
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,14 +44,17 @@ from torch import Tensor, nn
 import oodviz
 from oodviz.engine.batched import PRECISIONS, BatchedPass, Progress, check_pass_options
 from oodviz.engine.store import (
+    VERIFY_LEVELS,
     FeatureStore,
+    StoreError,
     StoreWriter,
     check_feature_dtype,
     clean_stale_tmp,
-    find_store,
     key_spec,
+    remove_store,
     store_key,
 )
+from oodviz.engine.store.integrity import verify_store
 from oodviz.models.placement import parse_device
 
 logger = logging.getLogger("oodviz.engine")
@@ -230,7 +235,7 @@ def extract(
     total = batched.total
     spec = key_spec(backbone, dataset, key_params, feature_dtype=feature_dtype, precision=precision)
     key = store_key(backbone, dataset, key_params, feature_dtype=feature_dtype, precision=precision)
-    clean_stale_tmp(store_root, key=key)
+    clean_stale_tmp(store_root)
 
     try:
         with batched:
@@ -306,6 +311,36 @@ def extract(
             writer.abort()  # no-op after a commit
 
 
+def check_verify(verify: str) -> str:
+    """``verify`` when it is one of :data:`VERIFY_LEVELS`, else a ValueError naming them."""
+    if verify not in VERIFY_LEVELS:
+        raise ValueError(f"verify must be one of {VERIFY_LEVELS}, got {verify!r}")
+    return verify
+
+
+def _trusted_store(store_root, key: str, verify: str) -> tuple[FeatureStore | None, str | None]:
+    """The store ``<store_root>/<key>`` if it passes verification, else ``(None, why it was removed)``."""
+    path = Path(store_root) / key
+    if not path.is_dir():
+        return None, None
+    # Checksums first: a damaged file is named as such, before memory-mapping it can fail.
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        meta = None
+    problems = verify_store(path, meta, full=verify == "full") if isinstance(meta, dict) else []
+    if not problems:
+        try:
+            return FeatureStore(path), None
+        except StoreError as err:
+            problems = [str(err)]
+    try:
+        remove_store(store_root, key)
+    except FileNotFoundError:  # a concurrent run removed or replaced it first
+        pass
+    return None, f"feature store {key} was damaged and has been extracted again ({'; '.join(problems)})"
+
+
 def extract_or_reuse(
     backbone,
     dataset,
@@ -321,18 +356,26 @@ def extract_or_reuse(
     progress: Progress | None = None,
     should_cancel: Callable[[], bool] | None = None,
     sync: bool = True,
+    verify: str = "cheap",
 ) -> FeatureStore:
     """The store of this (backbone, dataset, key_params, precision, feature_dtype) if one exists, else :func:`extract` it.
 
     Reuse runs no forward pass; it is reported as ``progress(n, n, {"stage": "reused", ...})`` and
-    logged, and the returned store has ``reused = True``. Arguments as for :func:`extract`.
+    logged, and the returned store has ``reused = True``. Before reuse the store's files are checked
+    against the checksums taken when they were written: ``verify="cheap"`` trusts a file whose size
+    and mtime match its record and rehashes the others, ``"full"`` rehashes every file. A store
+    that fails (or cannot be opened) is removed and the split extracted again; the new store's
+    ``reuse_warning`` then says what was wrong (logged too). Other arguments as for :func:`extract`.
     """
     check_pass_options(batch_size, num_workers, precision)
     check_feature_dtype(feature_dtype)
+    check_verify(verify)
     key = store_key(backbone, dataset, key_params, feature_dtype=feature_dtype, precision=precision)
-    store = find_store(store_root, key)
+    store, warning = _trusted_store(store_root, key, verify)
     if store is None:
-        return extract(
+        if warning:
+            logger.warning(warning)
+        store = extract(
             backbone,
             dataset,
             store_root,
@@ -347,6 +390,8 @@ def extract_or_reuse(
             should_cancel=should_cancel,
             sync=sync,
         )
+        store.reuse_warning = warning
+        return store
     store.reused = True
     logger.info("reusing feature store %s (%s on %s, %d rows)", store.path, backbone.name, dataset.name, store.n)
     if progress is not None:

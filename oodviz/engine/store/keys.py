@@ -19,12 +19,17 @@ import numpy as np
 import torch
 
 #: Bumped when the layout changes; part of every key, so old stores are never misread.
-STORE_FORMAT = 1
+#: 2: ``meta.json["files"]`` holds a checksum of every array file (stores of format 1 had none and
+#: are extracted again rather than trusted unverified).
+STORE_FORMAT = 2
 #: Hex digits of sha256 kept in a key (80 bits).
 KEY_LENGTH = 20
 #: What ``features.npy`` can hold (logits are always float32).
 FEATURE_DTYPES = ("float32", "float16")
-#: Marks the directory of a split being written (``<key>.tmp-<pid>-<random>``) and of one being replaced.
+#: The arrays of a split, one ``<name>.npy`` each, ``N`` rows.
+ARRAYS = ("features", "logits", "labels", "predictions", "indices")
+#: Marks the directory of a split being written (``<key>.tmp-<pid>-<start>-<random>``) and of one being
+#: replaced or removed (``<key>.old-...``); ``<start>`` is the writer process's start time in ms.
 TMP_MARK = ".tmp-"
 OLD_MARK = ".old-"
 

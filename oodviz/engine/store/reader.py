@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from oodviz.engine.store.batches import BATCH_FIELDS, DeviceSplit, StoreBatches, check_include
+from oodviz.engine.store.integrity import verify_store
 from oodviz.engine.store.keys import OLD_MARK, STORE_FORMAT, TMP_MARK, StoreError, check_key
 
 logger = logging.getLogger("oodviz.engine")
@@ -47,17 +48,25 @@ class FeatureStore:
             self.meta = json.loads(meta_path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as err:
             raise StoreError(f"{meta_path} cannot be read ({err}); delete {self.path} and extract again") from None
+        if not isinstance(self.meta, dict):
+            raise StoreError(f"{meta_path} is not a JSON object; delete {self.path} and extract again")
         if not self.meta.get("complete") or self.meta.get("format") != STORE_FORMAT:
             raise StoreError(
                 f"{self.path} is incomplete or in store format {self.meta.get('format')!r} (this oodviz reads "
                 f"{STORE_FORMAT}); delete it and extract again"
             )
-        self.n = int(self.meta["n"])
-        self.feature_dim = int(self.meta["feature_dim"])
-        self.num_classes = int(self.meta["num_classes"])
-        self.feature_dtype = str(self.meta["feature_dtype"])
+        try:
+            self.n = int(self.meta["n"])
+            self.feature_dim = int(self.meta["feature_dim"])
+            self.num_classes = int(self.meta["num_classes"])
+            self.feature_dtype = str(self.meta["feature_dtype"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise StoreError(f"{meta_path} lacks a valid {err}; delete {self.path} and extract again") from None
         #: True when :func:`oodviz.engine.extract_or_reuse` returned this store without extracting
         self.reused = False
+        #: Set by :func:`oodviz.engine.extract_or_reuse` when it found this split's store damaged and
+        #: extracted it again: what was wrong (a message for the run's events), else ``None``
+        self.reuse_warning: str | None = None
         self._arrays: dict[str, np.ndarray] = {}
         expected = {
             "features": (self.n, self.feature_dim),
@@ -121,6 +130,14 @@ class FeatureStore:
             torch.from_numpy(np.load(self.path / "head_weight.npy")),
             torch.from_numpy(np.load(self.path / "head_bias.npy")),
         )
+
+    def verify(self, full: bool = False) -> list[str]:
+        """What is wrong with the files against the checksums taken when they were written; empty when intact.
+
+        Cheap unless ``full``: a file whose size and mtime match its record is trusted unread, any
+        other is rehashed (:mod:`oodviz.engine.store.integrity`). ``full`` rehashes every file.
+        """
+        return verify_store(self.path, self.meta, full=full)
 
     def nbytes(self, include: Sequence[str] = BATCH_FIELDS, dtype: torch.dtype = torch.float32) -> int:
         """Bytes the ``include`` fields take as tensors of ``dtype`` (labels as int64)."""

@@ -1,10 +1,13 @@
-"""Writing a split: rows appended block by block, then the directory renamed into place.
+"""Writing a split: rows appended block by block, checksummed as they go, then the directory renamed into place.
 
-A split is written under ``<key>.tmp-<pid>-<random>`` and renamed to ``<key>`` only when every
-row and ``meta.json`` (with ``"complete": true``) are on disk, so a killed extraction never leaves
-a directory a later run would trust; leftovers are removed by :func:`clean_stale_tmp`. Memory
+A split is written under ``<key>.tmp-<pid>-<start>-<random>`` and renamed to ``<key>`` only when
+every row and ``meta.json`` (with ``"complete": true`` and the files' checksums, see
+:mod:`~oodviz.engine.store.integrity`) are on disk, so a killed extraction never leaves a
+directory a later run would trust; leftovers are removed by :func:`clean_stale_tmp`. Memory
 stays bounded by one batch while writing: rows go to preallocated ``.npy`` files with plain file
-writes (no growing arrays, no memory maps held).
+writes (no growing arrays, no memory maps held). A full disk (checked before the first row, and
+``ENOSPC`` / ``EDQUOT`` on any write) removes the temporary directory and raises
+:class:`~oodviz.engine.store.space.DiskFullError`; any other I/O error removes it too.
 """
 
 from __future__ import annotations
@@ -13,31 +16,30 @@ import errno
 import json
 import logging
 import os
-import re
-import secrets
 import shutil
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from oodviz.engine.store.keys import OLD_MARK, STORE_FORMAT, TMP_MARK, StoreError, check_feature_dtype, check_key
+from oodviz.engine.store.integrity import file_record, new_digest
+from oodviz.engine.store.keys import (
+    ARRAYS,
+    OLD_MARK,
+    STORE_FORMAT,
+    TMP_MARK,
+    StoreError,
+    check_feature_dtype,
+    check_key,
+)
+from oodviz.engine.store.manage import forget_active, mark_active, scratch_name
 from oodviz.engine.store.reader import FeatureStore
+from oodviz.engine.store.space import DiskFullError, check_free_space, disk_full_message, is_disk_full
 
 logger = logging.getLogger("oodviz.engine")
 
-#: The arrays of a split, one ``<name>.npy`` each, ``N`` rows.
-ARRAYS = ("features", "logits", "labels", "predictions", "indices")
-
-_TMP_NAME = re.compile(r"^(?P<key>.+)\.tmp-(?P<pid>\d+)-(?P<token>[0-9a-f]+)$")
-
-# Temporary directories being written by this process (never cleaned as stale, even by a
-# thread of the same process running another extraction).
-_ACTIVE_TMP: set[str] = set()
-_ACTIVE_LOCK = threading.Lock()
+__all__ = ["ARRAYS", "StoreWriter"]
 
 
 def _write_header_in_place(f, rows: int) -> None:
@@ -62,7 +64,11 @@ def _write_header_in_place(f, rows: int) -> None:
 
 
 class _NpyFile:
-    """A preallocated ``.npy`` file of ``capacity`` rows, filled front to back by appends."""
+    """A preallocated ``.npy`` file of ``capacity`` rows, filled front to back by appends.
+
+    The data bytes are hashed as they are written (:func:`~oodviz.engine.store.integrity.new_digest`);
+    :meth:`finish` returns the file's checksum record.
+    """
 
     def __init__(self, path: Path, dtype, row_shape: tuple[int, ...], capacity: int):
         self.path = path
@@ -75,7 +81,13 @@ class _NpyFile:
         del mm
         self.file = open(path, "r+b")
         self.file.seek(self.offset)
+        self.digest = new_digest()
         self.rows = 0
+
+    @property
+    def nbytes(self) -> int:
+        """The file's size when every row is written."""
+        return self.offset + max(self.capacity, 1) * self.dtype.itemsize * int(np.prod(self.row_shape, dtype=np.int64))
 
     def append(self, array: np.ndarray) -> None:
         array = np.ascontiguousarray(array, dtype=self.dtype)
@@ -83,10 +95,13 @@ class _NpyFile:
             raise ValueError(f"{self.path.name}: rows of shape {array.shape[1:]} given, the store has {self.row_shape}")
         if self.rows + len(array) > self.capacity:
             raise ValueError(f"{self.path.name}: {self.rows + len(array)} rows exceed the capacity of {self.capacity}")
-        self.file.write(memoryview(array).cast("B"))
+        data = memoryview(array).cast("B")
+        self.file.write(data)
+        self.digest.update(data)
         self.rows += len(array)
 
-    def finish(self, sync: bool) -> None:
+    def finish(self, sync: bool) -> dict:
+        """Shrink the file to the rows written, close it and return its checksum record."""
         if self.rows != max(self.capacity, 1):
             self.file.flush()
             _write_header_in_place(self.file, self.rows)
@@ -94,10 +109,14 @@ class _NpyFile:
         if sync:
             os.fsync(self.file.fileno())
         self.file.close()
+        return file_record(self.path, self.offset, self.digest)
 
     def close(self) -> None:
         if not self.file.closed:
-            self.file.close()
+            try:
+                self.file.close()
+            except OSError:  # flushing the buffer failed (full disk): the file is being discarded anyway
+                pass
 
 
 def _fsync_dir(path: Path) -> None:
@@ -116,14 +135,16 @@ def _fsync_dir(path: Path) -> None:
 class StoreWriter:
     """Write one split row block by row block, then :meth:`commit` it under its key.
 
-    Rows go to a temporary directory ``<root>/<key>.tmp-<pid>-<random>``; :meth:`commit`
-    shrinks the arrays to the rows actually written, writes ``meta.json`` and renames the
-    directory to ``<root>/<key>`` (replacing an existing store of that key). :meth:`abort`, or
-    leaving a ``with`` block by an exception, removes the temporary directory.
+    Rows go to a temporary directory ``<root>/<key>.tmp-<pid>-<start>-<random>``; :meth:`commit`
+    shrinks the arrays to the rows actually written, writes ``meta.json`` (with every file's
+    checksum in ``"files"``) and renames the directory to ``<root>/<key>`` (replacing an existing
+    store of that key). :meth:`abort`, leaving a ``with`` block by an exception, or an I/O error
+    in :meth:`append` / :meth:`commit` removes the temporary directory.
 
     :param capacity: the most rows that will be appended (the dataset length)
     :param feature_dim: ``D``; :param num_classes: ``C``
     :param feature_dtype: ``"float32"`` or ``"float16"`` for ``features.npy`` (logits stay float32)
+    :raises DiskFullError: when the files at ``capacity`` rows do not fit in the free space
     """
 
     def __init__(
@@ -138,11 +159,20 @@ class StoreWriter:
         self.feature_dim = int(feature_dim)
         self.num_classes = int(num_classes)
         self.feature_dtype = feature_dtype
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.tmp_path = self.root / f"{self.key}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-        self.tmp_path.mkdir()
-        with _ACTIVE_LOCK:
-            _ACTIVE_TMP.add(str(self.tmp_path))
+        item = np.dtype(feature_dtype).itemsize
+        #: bytes of the arrays at ``capacity`` rows (headers and the head left out)
+        self.nbytes = self.capacity * (self.feature_dim * item + self.num_classes * 4 + 3 * 8)
+        self._done = True  # nothing to abort until the directory exists
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            message = check_free_space(self.root, self.nbytes, margin_bytes=0)
+            if message:
+                raise DiskFullError(message)
+            self.tmp_path = self.root / scratch_name(self.key, TMP_MARK)
+            self.tmp_path.mkdir()
+        except OSError as err:
+            raise self._io_error(err) from err
+        mark_active(self.tmp_path)
         self._done = False
         self._files: dict[str, _NpyFile] = {}
         try:
@@ -155,9 +185,17 @@ class StoreWriter:
             }
             for name, (dtype, row_shape) in layout.items():
                 self._files[name] = _NpyFile(self.tmp_path / f"{name}.npy", dtype, row_shape, self.capacity)
-        except BaseException:
+        except BaseException as err:
             self.abort()
+            if isinstance(err, OSError):
+                raise self._io_error(err) from err
             raise
+
+    def _io_error(self, err: OSError) -> OSError:
+        """The error to raise for ``err``: a :class:`DiskFullError` with the sizes for a full disk, else ``err``."""
+        if isinstance(err, DiskFullError) or not is_disk_full(err):
+            return err
+        return DiskFullError(disk_full_message(self.root, self.nbytes))
 
     @property
     def rows(self) -> int:
@@ -168,7 +206,10 @@ class StoreWriter:
         """Append ``B`` rows: features ``[B, D]``, logits ``[B, C]``, labels ``[B]``, source indices ``[B]``.
 
         ``predictions`` ``[B]`` defaults to ``argmax(logits, axis=1)``. Arrays or CPU tensors.
+        An I/O error aborts the writer (a :class:`DiskFullError` for a full disk).
         """
+        if self._done:
+            raise ValueError("this StoreWriter was already committed or aborted; make a new one")
         arrays = {
             "features": _as_numpy(features),
             "logits": _as_numpy(logits),
@@ -183,8 +224,12 @@ class StoreWriter:
         sizes = {name: len(a) for name, a in arrays.items()}
         if len(set(sizes.values())) != 1:
             raise ValueError(f"append got arrays with different numbers of rows: {sizes}")
-        for name in ARRAYS:
-            self._files[name].append(arrays[name])
+        try:
+            for name in ARRAYS:
+                self._files[name].append(arrays[name])
+        except OSError as err:
+            self.abort()
+            raise self._io_error(err) from err
 
     def commit(self, meta: dict | None = None, head: tuple | None = None, sync: bool = True) -> FeatureStore:
         """Finish the arrays, write ``meta.json`` and move the split into place; returns it opened.
@@ -199,8 +244,7 @@ class StoreWriter:
             n = self.rows
             if n == 0:
                 raise ValueError("no rows were appended; a feature store needs at least one row")
-            for f in self._files.values():
-                f.finish(sync)
+            records = {name: f.finish(sync) for name, f in self._files.items()}
             has_head = False
             if head is not None:
                 weight, bias = (_as_numpy(t).astype(np.float32) for t in head)
@@ -213,8 +257,12 @@ class StoreWriter:
                         self.feature_dim,
                     )
                 else:
-                    np.save(self.tmp_path / "head_weight.npy", weight)
-                    np.save(self.tmp_path / "head_bias.npy", bias)
+                    for name, array in (("head_weight", weight), ("head_bias", bias)):
+                        self._files[name] = _NpyFile(
+                            self.tmp_path / f"{name}.npy", "float32", array.shape[1:], len(array)
+                        )
+                        self._files[name].append(array)
+                        records[name] = self._files[name].finish(sync)
                     has_head = True
             full_meta = dict(meta or {})
             full_meta.update(
@@ -227,6 +275,7 @@ class StoreWriter:
                     "num_classes": self.num_classes,
                     "feature_dtype": self.feature_dtype,
                     "has_head": has_head,
+                    "files": records,
                 }
             )
             text = json.dumps(full_meta, indent=2, sort_keys=True, default=_json_default)
@@ -241,11 +290,13 @@ class StoreWriter:
             self._move_into_place(final)
             if sync:
                 _fsync_dir(self.root)
-        except BaseException:
+        except BaseException as err:
             self.abort()
+            if isinstance(err, OSError):
+                raise self._io_error(err) from err
             raise
         self._done = True
-        self._forget()
+        forget_active(self.tmp_path)
         return FeatureStore(final)
 
     def _move_into_place(self, final: Path) -> None:
@@ -257,7 +308,7 @@ class StoreWriter:
                 raise
         # A store of this key exists (an earlier or concurrent extraction): replace it. Readers
         # holding its memory maps keep reading the old, unlinked files.
-        old = self.root / f"{self.key}{OLD_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        old = self.root / scratch_name(self.key, OLD_MARK)
         os.rename(final, old)
         os.rename(self.tmp_path, final)
         shutil.rmtree(old, ignore_errors=True)
@@ -270,11 +321,7 @@ class StoreWriter:
         for f in self._files.values():
             f.close()
         shutil.rmtree(self.tmp_path, ignore_errors=True)
-        self._forget()
-
-    def _forget(self) -> None:
-        with _ACTIVE_LOCK:
-            _ACTIVE_TMP.discard(str(self.tmp_path))
+        forget_active(self.tmp_path)
 
     def __enter__(self) -> StoreWriter:
         return self
@@ -302,45 +349,3 @@ def _json_default(value):
     raise TypeError(
         f"meta value of type {type(value).__name__} is not JSON-serialisable; pass str, numbers, lists or dicts"
     )
-
-
-def clean_stale_tmp(root, key: str | None = None, min_age_s: float = 60.0, max_age_s: float = 6 * 3600.0) -> list[Path]:
-    """Remove unfinished store directories (``<key>.tmp-<pid>-<random>``, ``<key>.old-...``) under ``root``.
-
-    A temporary directory is stale when its writer is gone: its process id is not running on this
-    machine and nothing in it changed for ``min_age_s`` seconds, or nothing in it changed for
-    ``max_age_s`` seconds whatever the process id says (another machine sharing the disk, a
-    reused pid). Directories being written by this process are never removed. ``key`` limits
-    the clean-up to that key. Returns the removed paths. Such directories are never opened as
-    stores either way; this only frees their disk space.
-    """
-    import psutil
-
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    removed = []
-    now = time.time()
-    for entry in root.iterdir():
-        name = entry.name
-        if not entry.is_dir() or (TMP_MARK not in name and OLD_MARK not in name):
-            continue
-        if key is not None and not name.startswith(f"{key}."):
-            continue
-        with _ACTIVE_LOCK:
-            if str(entry) in _ACTIVE_TMP:
-                continue
-        match = _TMP_NAME.match(name) or re.match(r"^(?P<key>.+)\.old-(?P<pid>\d+)-(?P<token>[0-9a-f]+)$", name)
-        pid = int(match.group("pid")) if match else -1
-        try:
-            newest = max([entry.stat().st_mtime] + [p.stat().st_mtime for p in entry.iterdir()])
-        except OSError:
-            continue
-        age = now - newest
-        alive = pid > 0 and psutil.pid_exists(pid)
-        if (not alive and age >= min_age_s) or age >= max_age_s:
-            shutil.rmtree(entry, ignore_errors=True)
-            if not entry.exists():
-                logger.info("removed stale unfinished store %s", entry)
-                removed.append(entry)
-    return removed
