@@ -363,3 +363,193 @@ def test_vim_fit_makes_no_host_sync_per_batch():
     few, many = vim_fit_syncs(3), vim_fit_syncs(9)
     assert many == few
     assert few <= 2
+
+
+# ----------------------------------------------------------------------------- out of memory, sticky errors, restore
+
+#: messages as torch and the CUDA libraries word them, and what oodviz must do with each
+CUDA_MESSAGES = [
+    (
+        "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity; 77.10 GiB already allocated)",
+        "out_of_memory",
+    ),
+    (
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call",
+        "out_of_memory",
+    ),
+    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "out_of_memory"),
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "out_of_memory"),
+    ("cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(handle)`", "out_of_memory"),
+    ("cuFFT error: CUFFT_ALLOC_FAILED", "out_of_memory"),
+    (
+        "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported at "
+        "some other API call, so the stacktrace below might be incorrect.",
+        "sticky",
+    ),
+    (
+        "CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
+        "sticky",
+    ),
+    ("CUDA error: unspecified launch failure", "sticky"),
+    ("CUDA error: misaligned address", "sticky"),
+    ("CUDA error: an illegal instruction was encountered", "sticky"),
+    ("CUDA error: the launch timed out and was terminated", "sticky"),
+    ("CUDA error: uncorrectable ECC error encountered", "sticky"),
+    ("CUDA error: invalid device ordinal", "other"),
+    (
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+        "other",
+    ),
+    ("mat1 and mat2 shapes cannot be multiplied (8x512 and 256x10)", "other"),
+]
+
+
+@pytest.mark.parametrize(("message", "kind"), CUDA_MESSAGES)
+def test_cuda_errors_are_told_apart_by_their_message(message, kind):
+    from oodviz.engine.batched import cuda_error_kind, is_out_of_memory
+
+    assert cuda_error_kind(RuntimeError(message)) == kind
+    assert is_out_of_memory(RuntimeError(message)) == (kind == "out_of_memory")
+    assert cuda_error_kind(ValueError(message)) == "other"  # only RuntimeErrors come from CUDA
+    assert cuda_error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory.")) == "out_of_memory"
+
+
+def failing_submit(message: str, fails_above: int):
+    """``submit(start, stop)`` that raises RuntimeError(message) for more than ``fails_above`` rows; records calls."""
+    calls = []
+
+    def submit(start, stop):
+        calls.append((start, stop))
+        if stop - start > fails_above:
+            raise RuntimeError(message)
+        return stop - start
+
+    return submit, calls
+
+
+@pytest.mark.parametrize("message", [m for m, kind in CUDA_MESSAGES if kind == "out_of_memory"])
+def test_backoff_retries_every_allocation_failure_in_halves(message):
+    from oodviz.engine.batched import Backoff
+
+    backoff = Backoff(8, CPU, "testing")
+    submit, calls = failing_submit(message, fails_above=2)
+    assert [(a, b) for a, b, _ in backoff.chunks(8, submit)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert calls[:3] == [(0, 8), (0, 4), (0, 2)]
+    assert backoff.in_force == 2 and backoff.backoffs == 2
+
+
+@pytest.mark.parametrize("message", [m for m, kind in CUDA_MESSAGES if kind == "sticky"])
+def test_backoff_never_retries_a_sticky_cuda_error(message):
+    from oodviz.engine.batched import Backoff, CudaContextLost
+
+    backoff = Backoff(8, CPU, "extracting features")
+    submit, calls = failing_submit(message, fails_above=0)
+    with pytest.raises(CudaContextLost, match="unusable while extracting features.*Restart the run") as raised:
+        list(backoff.chunks(8, submit))
+    assert calls == [(0, 8)]
+    assert isinstance(raised.value.__cause__, RuntimeError) and str(raised.value.__cause__) == message
+    assert message in str(raised.value)
+    assert backoff.in_force == 8 and backoff.backoffs == 0
+
+
+def test_backoff_passes_other_errors_through_untouched():
+    from oodviz.engine.batched import Backoff
+
+    error = ValueError("bad input")
+
+    def submit(start, stop):
+        raise error
+
+    with pytest.raises(ValueError) as raised:
+        list(Backoff(8, CPU, "testing").chunks(8, submit))
+    assert raised.value is error
+
+
+def test_a_failed_restore_does_not_hide_the_error_of_the_block(monkeypatch):
+    from oodviz.models import placement
+
+    model = nn.Linear(2, 2).train()
+    original = RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def restore(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (while restoring)")
+
+    monkeypatch.setattr(placement._ModelState, "restore", restore)
+    with pytest.raises(RuntimeError) as raised, placement.model_on_device(model, CPU):
+        raise original
+    assert raised.value is original
+    assert any("could not put the model back" in note and "while restoring" in note for note in raised.value.__notes__)
+
+
+def test_a_block_that_succeeds_still_restores_and_a_failed_restore_then_raises(monkeypatch):
+    from oodviz.models import placement
+
+    model = nn.Linear(2, 2).train()
+    with placement.model_on_device(model, CPU):
+        assert not model.training
+    assert model.training  # put back
+
+    def restore(self):
+        raise RuntimeError("restore failed")
+
+    monkeypatch.setattr(placement._ModelState, "restore", restore)
+    with pytest.raises(RuntimeError, match="restore failed"), placement.model_on_device(model, CPU):
+        pass
+
+
+# ----------------------------------------------------------------------------- shared memory for the data loader
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("free_mib", "workers", "batch_mib", "factor", "note"),
+    [
+        (None, 8, 150, 4, None),  # no /dev/shm (not Linux): DataLoader's own limits
+        (64_000, 8, 150, 4, None),  # a host's /dev/shm: 8 x 4 x 150 MiB = 4.7 GiB fits in half of it
+        (2048, 2, 150, 3, "reading 3 batch(es) ahead per worker instead of 4"),  # 1024 // 300 = 3
+        (64, 8, 150, 1, "too little for 8 workers x 150 MiB per batch"),  # Docker's default: even 1 does not fit
+    ],
+)
+def test_prefetch_fits_in_the_free_shared_memory(free_mib, workers, batch_mib, factor, note):
+    from oodviz.engine.batched import prefetch_factor
+
+    free = None if free_mib is None else free_mib * MIB
+    got, message = prefetch_factor(batch_mib * MIB, workers, free)
+    assert got == factor
+    assert (message is None) == (note is None)
+    if note is not None:
+        assert note in message and "--shm-size" in message
+
+
+class Images:
+    """A dataset of ``n`` float32 [3, 32, 32] images (12 KiB each)."""
+
+    name = "images"
+
+    def __init__(self, n=64):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((3, 32, 32), float(i)), i % 3, i
+
+
+def test_make_loader_sizes_prefetch_from_statvfs(monkeypatch, caplog):
+    from oodviz.engine import batched
+
+    block = 4096
+    # 16 rows x 12 KiB = 192 KiB a batch, 2 workers: half of 1 MiB holds 2 batches in all -> 1 per worker
+    monkeypatch.setattr(batched.os, "statvfs", lambda path: SimpleNamespace(f_bavail=MIB // block, f_frsize=block))
+    with caplog.at_level("WARNING", logger="oodviz.engine"):
+        loader, note = batched.make_loader(Images(), None, 16, 2, CPU)
+    assert loader.prefetch_factor == 1
+    assert "1 MiB free: reading 1 batch(es) ahead per worker instead of 4 (2 workers x 192 KiB per batch)" in note
+    assert note in caplog.text
+    monkeypatch.setattr(batched.os, "statvfs", lambda path: SimpleNamespace(f_bavail=2**30 // block, f_frsize=block))
+    loader, note = batched.make_loader(Images(), None, 16, 2, CPU)
+    assert loader.prefetch_factor == 4 and note is None
+    loader, note = batched.make_loader(Images(), None, 16, 0, CPU)  # no workers: nothing in shared memory
+    assert loader.prefetch_factor is None and note is None
