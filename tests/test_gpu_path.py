@@ -553,3 +553,83 @@ def test_make_loader_sizes_prefetch_from_statvfs(monkeypatch, caplog):
     assert loader.prefetch_factor == 4 and note is None
     loader, note = batched.make_loader(Images(), None, 16, 0, CPU)  # no workers: nothing in shared memory
     assert loader.prefetch_factor is None and note is None
+
+
+def fit_data_syncs(n_batches: int, passes: int) -> list[int]:
+    """Host syncs made by base.py (FitData) on each of ``passes`` passes over ``n_batches`` clean batches."""
+    from oodviz.detectors.base import FitData
+
+    problem = make_problem(n_fit=100 * n_batches)
+    data = FitData(problem.fit_batches(size=100), None, create("tempscale"), problem.head)
+    counts = []
+    for _ in range(passes):
+        with SyncCounter("oodviz/detectors/base.py") as counter:
+            rows = sum(len(batch) for batch in data)
+        assert rows == 100 * n_batches
+        counts.append(counter.count)
+    return counts
+
+
+def test_fit_data_reads_the_device_once_per_batch_on_the_first_pass_and_never_later():
+    """Budget (FitData's docstring): 1 sync per batch on the validating pass (labels, OOD rows, finiteness of
+    every field the detector reads: one flag vector read at once), 0 on later passes. The old code made 3-5 a batch
+    on the first pass and 1 a batch on every later one."""
+    assert fit_data_syncs(3, passes=3) == [3, 0, 0]
+    assert fit_data_syncs(7, passes=2) == [7, 0]
+
+
+def test_fit_data_drops_ood_rows_on_every_pass_from_what_the_first_pass_found():
+    from oodviz.detectors.base import FitData
+
+    problem = make_problem(n_fit=300)
+    labels = problem.fit_y.clone()
+    labels[250:] = -1  # the last batch is all OOD, the middle one part OOD, the first clean
+    logits = problem.logits(problem.fit_x)
+    batches = [Batch(problem.fit_x[i : i + 100], logits[i : i + 100], labels[i : i + 100]) for i in (0, 100, 200)]
+    data = FitData(batches, None, create("tempscale"), problem.head)
+    for _ in range(3):
+        kept = list(data)
+        assert [len(b) for b in kept] == [100, 100, 50]
+        assert torch.equal(torch.cat([b.labels for b in kept]), labels[:250])
+        assert torch.equal(torch.cat([b.features for b in kept]), problem.fit_x[:250])
+
+
+def test_fit_data_still_catches_bad_values_with_its_one_read():
+    from oodviz.detectors.base import FitData
+
+    problem = make_problem(n_fit=200)
+    logits = problem.logits(problem.fit_x)
+    ood_nan = problem.fit_x.clone()
+    ood_nan[5, 3] = float("nan")  # in an OOD row: dropped, so fine
+    labels = problem.fit_y.clone()
+    labels[5] = -1
+    data = FitData([Batch(ood_nan, logits, labels)], None, create("knn"), problem.head)
+    assert sum(len(b) for b in data) == 199
+    huge = torch.full_like(problem.fit_x, 3e38)  # finite, but every row sum overflows: the closer look passes it
+    assert sum(len(b) for b in FitData([Batch(huge, logits, problem.fit_y)], None, create("knn"), problem.head)) == 200
+    in_distribution_nan = ood_nan.clone()
+    in_distribution_nan[7, 0] = float("inf")
+    with pytest.raises(ValueError, match="batch 0 has 1 sample"):
+        list(FitData([Batch(in_distribution_nan, logits, labels)], None, create("knn"), problem.head))
+    too_big = problem.fit_y.clone()
+    too_big[3] = 6
+    with pytest.raises(ValueError, match="has label 6 but the model has C=6 classes"):
+        list(FitData([Batch(problem.fit_x, logits, too_big)], None, create("knn"), problem.head))
+    too_small = problem.fit_y.clone()
+    too_small[3] = -2
+    with pytest.raises(ValueError, match=r"labels below -1 \(min -2\)"):
+        list(FitData([Batch(problem.fit_x, logits, too_small)], None, create("knn"), problem.head))
+
+
+def test_tempscale_reads_its_sums_once_per_pass():
+    """Budget: 1 sync per pass in tempscale.py (the three float64 sums, accumulated on the device, read together),
+    whatever the number of batches; the old code read 3 per batch."""
+    problem = make_problem(n_fit=1200)
+    counts = {}
+    for size in (400, 100):
+        detector = create("tempscale")
+        with SyncCounter("oodviz/detectors/tempscale.py") as counter:
+            detector.fit(problem.fit_batches(size=size))
+        counts[size] = counter.count
+    assert counts[100] == counts[400]
+    assert 2 <= counts[100] <= 1 + 2 * detector.max_steps  # one per pass: the first, then 1-2 per Newton step
