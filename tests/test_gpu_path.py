@@ -7,13 +7,14 @@ Tensors on the ``meta`` device stand in for a GPU's (no data, any device type bu
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_problem
+from conftest import cuda, make_problem
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
@@ -633,3 +634,23 @@ def test_tempscale_reads_its_sums_once_per_pass():
         counts[size] = counter.count
     assert counts[100] == counts[400]
     assert 2 <= counts[100] <= 1 + 2 * detector.max_steps  # one per pass: the first, then 1-2 per Newton step
+
+
+@cuda  # marked cuda by conftest's hook: selected by -m cuda
+def test_a_cuda_stage_lasts_until_its_kernels_end(tmp_path):
+    from oodviz.runs.config import RunConfig
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda._sleep(1000)  # warm up (context, kernel load)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s at 2 GHz: how long this GPU takes is measured, not assumed
+    torch.cuda.synchronize(device)
+    kernel_s = time.perf_counter() - start
+    reporter = Reporter(RunDir.create(tmp_path, RunConfig().to_dict()))
+    reporter.device = device
+    with reporter.stage("sleep"):
+        torch.cuda._sleep(200_000_000)  # queued: returns at once
+    assert reporter.stage_summary()["sleep"]["wall_s"] >= 0.8 * kernel_s
