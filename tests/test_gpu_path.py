@@ -556,6 +556,30 @@ def test_make_loader_sizes_prefetch_from_statvfs(monkeypatch, caplog):
     assert loader.prefetch_factor is None and note is None
 
 
+def test_a_pass_short_of_shared_memory_says_so_in_every_progress_report(monkeypatch):
+    from oodviz.engine import batched
+
+    block = 4096
+    monkeypatch.setattr(batched.os, "statvfs", lambda path: SimpleNamespace(f_bavail=MIB // block, f_frsize=block))
+    reports, rows = [], []
+    backbone = SimpleNamespace(model=None, transform=None)
+    with batched.BatchedPass(
+        backbone,
+        Images(48),
+        device=CPU,
+        batch_size=16,
+        num_workers=1,
+        precision="fp32",
+        activity="testing",
+        stage="extract",
+        progress=lambda done, total, info: reports.append(info),
+    ) as run:
+        run.run(lambda x, labels, indices: indices, rows.append)
+    assert torch.equal(torch.cat(rows), torch.arange(48))
+    assert len(reports) == 3
+    assert all("reading 2 batch(es) ahead per worker" in info["note"] for info in reports)  # 512 KiB / 192 KiB
+
+
 def fit_data_syncs(n_batches: int, passes: int) -> list[int]:
     """Host syncs made by base.py (FitData) on each of ``passes`` passes over ``n_batches`` clean batches."""
     from oodviz.detectors.base import FitData
