@@ -476,6 +476,41 @@ def test_rows_with_non_finite_features_or_logits_are_counted(tmp_path, bad_featu
     assert (meta["nonfinite_rows"], meta["nonfinite_feature_rows"], meta["nonfinite_logit_rows"]) == counts
 
 
+def test_a_sticky_cuda_error_is_not_retried_and_says_to_restart(tmp_path):
+    from oodviz.engine import CudaContextLost
+
+    message = "CUDA error: an illegal memory access was encountered"
+    backbone = TinyBackbone(oom_above=1, oom_message=message)
+    with pytest.raises(CudaContextLost, match="unusable while extracting tiny features.*Restart the run"):
+        extract(backbone, ListDataset(n=4), tmp_path, batch_size=4)
+    assert backbone.batch_sizes == [4]  # no smaller retry
+    assert backbone.model.conv.weight.device.type == "cpu" and list(tmp_path.iterdir()) == []
+
+
+def test_a_sticky_cuda_error_after_submit_says_to_restart_too():
+    """Asynchronous errors surface at the next sync, e.g. when the caller collects a result."""
+    from types import SimpleNamespace
+
+    from oodviz.engine import BatchedPass, CudaContextLost
+
+    def collect(result):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    run = BatchedPass(
+        SimpleNamespace(model=None, transform=to_tensor),
+        ListDataset(n=4),
+        device=torch.device("cpu"),
+        batch_size=2,
+        num_workers=0,
+        precision="fp32",
+        activity="scoring with odin",
+        stage="score",
+    )
+    with pytest.raises(CudaContextLost, match="unusable while scoring with odin") as raised, run:
+        run.run(lambda x, labels, indices: len(x), collect)
+    assert "device-side assert" in str(raised.value.__cause__)
+
+
 # ----------------------------------------------------------------------------- device hygiene
 
 

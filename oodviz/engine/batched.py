@@ -421,6 +421,7 @@ class BatchedPass:
         :raises Cancelled: when ``should_cancel()`` returns True (asked before every batch)
         :raises ValueError: when no item of the dataset was readable
         :raises torch.cuda.OutOfMemoryError: when even one row does not fit on the device
+        :raises CudaContextLost: after a sticky CUDA error (in ``submit`` or ``collect``): the run must restart
         """
         autocast_dtype = PRECISIONS[self.precision]
         autocast = (
@@ -448,6 +449,10 @@ class BatchedPass:
                     if self.first_batch_s is None:
                         self.first_batch_s = time.perf_counter() - self.started
                     self.report(self.stage)
+        except RuntimeError as err:  # a sticky error often surfaces at a later sync, outside submit (in collect)
+            if cuda_error_kind(err) == "sticky" and not isinstance(err, CudaContextLost):
+                raise context_lost(err, self.device, self.activity) from err
+            raise
         finally:
             _shut_down(iterator)
         if self.done == self.skipped:
