@@ -192,13 +192,13 @@ def prefetch_factor(batch_bytes: int, num_workers: int, free_bytes: int | None) 
     need = f"{num_workers} workers x {format_bytes(batch_bytes)} per batch"
     if fits < 1:
         return factor, (
-            f"shared memory ({SHARED_MEMORY}) has {format_bytes(free_bytes)} free, too little for {need}: the data loader may "
-            "crash with 'Bus error'. Use fewer workers or a smaller batch, or give the container more shared memory "
-            "(docker run --shm-size=2g)."
+            f"shared memory ({SHARED_MEMORY}) has {format_bytes(free_bytes)} free, too little for {need}: the data "
+            "loader may crash with 'Bus error'. Use fewer workers or a smaller batch, or give the container more "
+            "shared memory (docker run --shm-size=2g)."
         )
     return factor, (
-        f"shared memory ({SHARED_MEMORY}) has {format_bytes(free_bytes)} free: reading {factor} batch(es) ahead per worker "
-        f"instead of {PREFETCH} ({need}); give the container more shared memory (docker run --shm-size=2g) for more."
+        f"shared memory ({SHARED_MEMORY}) has {format_bytes(free_bytes)} free: reading {factor} batch(es) ahead per "
+        f"worker instead of {PREFETCH} ({need}); give the container more shared memory (docker run --shm-size=2g)."
     )
 
 
