@@ -75,7 +75,17 @@ def problem() -> Problem:
     return make_problem()
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+NEEDS_CUDA = "needs a CUDA device"
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+def pytest_collection_modifyitems(items):
+    """Every test that skips without a GPU (a ``skipif`` whose reason is :data:`NEEDS_CUDA`, such as ``cuda``)
+    is also marked ``cuda``, so ``pytest -m cuda`` selects all of them."""
+    for item in items:
+        if any(mark.kwargs.get("reason") == NEEDS_CUDA for mark in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.cuda)
 
 
 def synthetic_scores(seed=0) -> pd.DataFrame:

@@ -174,7 +174,14 @@ def test_store_round_trip_equals_in_memory_forward(tmp_path):
     )
     meta = json.loads((store.path / "meta.json").read_text())
     assert meta["complete"] is True and meta["n"] == 10 and meta["skipped"] == 0
-    assert meta["counts"] == {"requested": 10, "written": 10, "skipped": 0, "nonfinite_rows": 0}
+    assert meta["counts"] == {
+        "requested": 10,
+        "written": 10,
+        "skipped": 0,
+        "nonfinite_rows": 0,
+        "nonfinite_feature_rows": 0,
+        "nonfinite_logit_rows": 0,
+    }
     assert meta["backbone"]["name"] == "tiny" and meta["backbone"]["weights_id"] == "tiny-seed0"
     assert meta["dataset"]["name"] == "toy" and meta["params"] == {"split": "val"}
     assert meta["batch_size_in_force"] == 4 and meta["device"] == "cpu" and meta["feature_dtype"] == "float32"
@@ -430,6 +437,80 @@ def test_other_errors_are_not_retried(tmp_path):
     assert backbone.batch_sizes == [4]
 
 
+class PoisonedBackbone(TinyBackbone):
+    """TinyBackbone whose features are NaN in the rows of source items ``bad_features`` and whose logits are
+    infinite in the rows of ``bad_logits`` (row = position in the dataset: every item is readable)."""
+
+    def __init__(self, bad_features=(), bad_logits=()):
+        super().__init__()
+        self.bad_features, self.bad_logits = set(bad_features), set(bad_logits)
+        self.offset = 0
+
+    def features_and_logits(self, x):
+        features, logits = super().features_and_logits(x)
+        rows = range(self.offset, self.offset + len(x))
+        self.offset += len(x)
+        features = features.clone()
+        logits = logits.clone()
+        features[[i - rows.start for i in rows if i in self.bad_features]] = float("nan")
+        logits[[i - rows.start for i in rows if i in self.bad_logits], 1] = float("inf")
+        return features, logits
+
+
+@pytest.mark.parametrize(
+    ("bad_features", "bad_logits", "counts"),
+    [
+        ((), (2, 9), (2, 0, 2)),  # logits only: counted too (the features are fine)
+        ((1, 5), (), (2, 2, 0)),
+        ((1, 5), (5, 6), (3, 2, 2)),  # row 5 is bad in both: one row
+    ],
+)
+def test_rows_with_non_finite_features_or_logits_are_counted(tmp_path, bad_features, bad_logits, counts):
+    backbone = PoisonedBackbone(bad_features, bad_logits)
+    store = extract(backbone, ListDataset(n=10), tmp_path, batch_size=4)
+    logits = np.asarray(store.logits)
+    features = np.asarray(store.features)
+    either = ~np.isfinite(features).all(axis=1) | ~np.isfinite(logits).all(axis=1)
+    assert np.flatnonzero(either).tolist() == sorted(set(bad_features) | set(bad_logits))
+    meta = store.meta["counts"]
+    assert (meta["nonfinite_rows"], meta["nonfinite_feature_rows"], meta["nonfinite_logit_rows"]) == counts
+
+
+def test_a_sticky_cuda_error_is_not_retried_and_says_to_restart(tmp_path):
+    from oodviz.engine import CudaContextLost
+
+    message = "CUDA error: an illegal memory access was encountered"
+    backbone = TinyBackbone(oom_above=1, oom_message=message)
+    with pytest.raises(CudaContextLost, match="unusable while extracting tiny features.*Restart the run"):
+        extract(backbone, ListDataset(n=4), tmp_path, batch_size=4)
+    assert backbone.batch_sizes == [4]  # no smaller retry
+    assert backbone.model.conv.weight.device.type == "cpu" and list(tmp_path.iterdir()) == []
+
+
+def test_a_sticky_cuda_error_after_submit_says_to_restart_too():
+    """Asynchronous errors surface at the next sync, e.g. when the caller collects a result."""
+    from types import SimpleNamespace
+
+    from oodviz.engine import BatchedPass, CudaContextLost
+
+    def collect(result):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+    run = BatchedPass(
+        SimpleNamespace(model=None, transform=to_tensor),
+        ListDataset(n=4),
+        device=torch.device("cpu"),
+        batch_size=2,
+        num_workers=0,
+        precision="fp32",
+        activity="scoring with odin",
+        stage="score",
+    )
+    with pytest.raises(CudaContextLost, match="unusable while scoring with odin") as raised, run:
+        run.run(lambda x, labels, indices: len(x), collect)
+    assert "device-side assert" in str(raised.value.__cause__)
+
+
 # ----------------------------------------------------------------------------- device hygiene
 
 
@@ -497,7 +578,14 @@ def test_corrupt_items_are_skipped_and_counted(tmp_path):
     seen = []
     store = extract(backbone, dataset, tmp_path, batch_size=2, progress=lambda *a: seen.append(a))
     assert store.n == 6 and store.meta["skipped"] == 4
-    assert store.meta["counts"] == {"requested": 10, "written": 6, "skipped": 4, "nonfinite_rows": 0}
+    assert store.meta["counts"] == {
+        "requested": 10,
+        "written": 6,
+        "skipped": 4,
+        "nonfinite_rows": 0,
+        "nonfinite_feature_rows": 0,
+        "nonfinite_logit_rows": 0,
+    }
     np.testing.assert_array_equal(store.indices, [101, 104, 105, 106, 107, 108])
     assert_store_equals(store, *reference(backbone, dataset))
     assert [s[0] for s in seen] == [2, 4, 6, 8, 10, 10] and seen[-1][2]["skipped"] == 4
@@ -710,6 +798,44 @@ def test_cuda_batches_and_device_split_fit_like_cpu(tmp_path):
     split = store.to_device("cuda")
     resident = create("mahalanobis").fit(split.batches(batch_size=7))
     torch.testing.assert_close(resident.score(split.batches()), cpu.score(store.batches()), rtol=1e-3, atol=1e-3)
+
+
+def test_free_gpu_memory_counts_what_the_caching_allocator_holds_unused():
+    from oodviz.engine.store.batches import available_bytes
+
+    gib = 2**30
+    # 10 GiB free for the driver; PyTorch reserved 30 GiB of which 12 GiB hold tensors: 18 GiB more can be had
+    assert available_bytes(10 * gib, 30 * gib, 12 * gib) == 28 * gib
+    assert available_bytes(10 * gib, 0, 0) == 10 * gib  # nothing cached
+    assert available_bytes(10 * gib, 12 * gib, 12 * gib) == 10 * gib  # the cache is all in use
+
+
+def synthetic_store(root, n=5000, d=64, c=5, seed=0):
+    """A store of ``n`` random rows written directly (no model): features [n, d], logits [n, c]."""
+    rng = np.random.default_rng(seed)
+    f = rng.standard_normal((n, d)).astype(np.float32)
+    z = rng.standard_normal((n, c)).astype(np.float32)
+    with StoreWriter(root, "synthetic", capacity=n, feature_dim=d, num_classes=c) as writer:
+        writer.append(f, z, np.arange(n) % c, np.arange(n))
+        return writer.commit({}), f
+
+
+@pytest.mark.cuda
+@cuda
+def test_cuda_store_batches_stay_correct_for_a_slow_consumer_on_its_own_stream(tmp_path):
+    """The copies run on the store's copy stream while the consumer (here on a stream of its own, slowed down by
+    a sleep kernel before each use) still works on earlier batches: the consumer must wait for each copy, and no
+    batch's memory may be reused (by a later copy) before the consumer is done with it."""
+    store, f = synthetic_store(tmp_path)
+    consumer = torch.cuda.Stream()
+    sums = []
+    with torch.cuda.stream(consumer):
+        for batch in store.batches(batch_size=256, device="cuda", prefetch=2):
+            torch.cuda._sleep(5_000_000)  # a few ms of GPU time: later copies run meanwhile
+            sums.append(batch.features.double().sum(dim=1))
+            del batch  # freed at once on the host side: only record_stream keeps its memory from the next copy
+    torch.cuda.synchronize()
+    np.testing.assert_allclose(torch.cat(sums).cpu().numpy(), f.astype(np.float64).sum(axis=1), rtol=1e-12)
 
 
 @pytest.mark.cuda

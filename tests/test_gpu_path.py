@@ -7,13 +7,14 @@ Tensors on the ``meta`` device stand in for a GPU's (no data, any device type bu
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import make_problem
+from conftest import cuda, make_problem
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
@@ -363,3 +364,317 @@ def test_vim_fit_makes_no_host_sync_per_batch():
     few, many = vim_fit_syncs(3), vim_fit_syncs(9)
     assert many == few
     assert few <= 2
+
+
+# ----------------------------------------------------------------------------- out of memory, sticky errors, restore
+
+#: messages as torch and the CUDA libraries word them, and what oodviz must do with each
+CUDA_MESSAGES = [
+    (
+        "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity; 77.10 GiB already allocated)",
+        "out_of_memory",
+    ),
+    (
+        "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported at some other API call",
+        "out_of_memory",
+    ),
+    ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`", "out_of_memory"),
+    ("cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "out_of_memory"),
+    ("cusolver error: CUSOLVER_STATUS_ALLOC_FAILED, when calling `cusolverDnCreate(handle)`", "out_of_memory"),
+    ("cuFFT error: CUFFT_ALLOC_FAILED", "out_of_memory"),
+    (
+        "CUDA error: an illegal memory access was encountered\nCUDA kernel errors might be asynchronously reported at "
+        "some other API call, so the stacktrace below might be incorrect.",
+        "sticky",
+    ),
+    (
+        "CUDA error: device-side assert triggered\nCompile with `TORCH_USE_CUDA_DSA` to enable device-side assertions.",
+        "sticky",
+    ),
+    ("CUDA error: unspecified launch failure", "sticky"),
+    ("CUDA error: misaligned address", "sticky"),
+    ("CUDA error: an illegal instruction was encountered", "sticky"),
+    ("CUDA error: the launch timed out and was terminated", "sticky"),
+    ("CUDA error: uncorrectable ECC error encountered", "sticky"),
+    ("CUDA error: invalid device ordinal", "other"),
+    (
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.",
+        "other",
+    ),
+    ("mat1 and mat2 shapes cannot be multiplied (8x512 and 256x10)", "other"),
+]
+
+
+@pytest.mark.parametrize(("message", "kind"), CUDA_MESSAGES)
+def test_cuda_errors_are_told_apart_by_their_message(message, kind):
+    from oodviz.engine.batched import cuda_error_kind, is_out_of_memory
+
+    assert cuda_error_kind(RuntimeError(message)) == kind
+    assert is_out_of_memory(RuntimeError(message)) == (kind == "out_of_memory")
+    assert cuda_error_kind(ValueError(message)) == "other"  # only RuntimeErrors come from CUDA
+    assert cuda_error_kind(torch.cuda.OutOfMemoryError("CUDA out of memory.")) == "out_of_memory"
+
+
+def failing_submit(message: str, fails_above: int):
+    """``submit(start, stop)`` that raises RuntimeError(message) for more than ``fails_above`` rows; records calls."""
+    calls = []
+
+    def submit(start, stop):
+        calls.append((start, stop))
+        if stop - start > fails_above:
+            raise RuntimeError(message)
+        return stop - start
+
+    return submit, calls
+
+
+@pytest.mark.parametrize("message", [m for m, kind in CUDA_MESSAGES if kind == "out_of_memory"])
+def test_backoff_retries_every_allocation_failure_in_halves(message):
+    from oodviz.engine.batched import Backoff
+
+    backoff = Backoff(8, CPU, "testing")
+    submit, calls = failing_submit(message, fails_above=2)
+    assert [(a, b) for a, b, _ in backoff.chunks(8, submit)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert calls[:3] == [(0, 8), (0, 4), (0, 2)]
+    assert backoff.in_force == 2 and backoff.backoffs == 2
+
+
+@pytest.mark.parametrize("message", [m for m, kind in CUDA_MESSAGES if kind == "sticky"])
+def test_backoff_never_retries_a_sticky_cuda_error(message):
+    from oodviz.engine.batched import Backoff, CudaContextLost
+
+    backoff = Backoff(8, CPU, "extracting features")
+    submit, calls = failing_submit(message, fails_above=0)
+    with pytest.raises(CudaContextLost, match="unusable while extracting features.*Restart the run") as raised:
+        list(backoff.chunks(8, submit))
+    assert calls == [(0, 8)]
+    assert isinstance(raised.value.__cause__, RuntimeError) and str(raised.value.__cause__) == message
+    assert message in str(raised.value)
+    assert backoff.in_force == 8 and backoff.backoffs == 0
+
+
+def test_backoff_passes_other_errors_through_untouched():
+    from oodviz.engine.batched import Backoff
+
+    error = ValueError("bad input")
+
+    def submit(start, stop):
+        raise error
+
+    with pytest.raises(ValueError) as raised:
+        list(Backoff(8, CPU, "testing").chunks(8, submit))
+    assert raised.value is error
+
+
+def test_a_failed_restore_does_not_hide_the_error_of_the_block(monkeypatch):
+    from oodviz.models import placement
+
+    model = nn.Linear(2, 2).train()
+    original = RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    def restore(self):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered (while restoring)")
+
+    monkeypatch.setattr(placement._ModelState, "restore", restore)
+    with pytest.raises(RuntimeError) as raised, placement.model_on_device(model, CPU):
+        raise original
+    assert raised.value is original
+    assert any("could not put the model back" in note and "while restoring" in note for note in raised.value.__notes__)
+
+
+def test_a_block_that_succeeds_still_restores_and_a_failed_restore_then_raises(monkeypatch):
+    from oodviz.models import placement
+
+    model = nn.Linear(2, 2).train()
+    with placement.model_on_device(model, CPU):
+        assert not model.training
+    assert model.training  # put back
+
+    def restore(self):
+        raise RuntimeError("restore failed")
+
+    monkeypatch.setattr(placement._ModelState, "restore", restore)
+    with pytest.raises(RuntimeError, match="restore failed"), placement.model_on_device(model, CPU):
+        pass
+
+
+# ----------------------------------------------------------------------------- shared memory for the data loader
+
+MIB = 2**20
+
+
+@pytest.mark.parametrize(
+    ("free_mib", "workers", "batch_mib", "factor", "note"),
+    [
+        (None, 8, 150, 4, None),  # no /dev/shm (not Linux): DataLoader's own limits
+        (64_000, 8, 150, 4, None),  # a host's /dev/shm: 8 x 4 x 150 MiB = 4.7 GiB fits in half of it
+        (2048, 2, 150, 3, "reading 3 batch(es) ahead per worker instead of 4"),  # 1024 // 300 = 3
+        (64, 8, 150, 1, "too little for 8 workers x 150 MiB per batch"),  # Docker's default: even 1 does not fit
+    ],
+)
+def test_prefetch_fits_in_the_free_shared_memory(free_mib, workers, batch_mib, factor, note):
+    from oodviz.engine.batched import prefetch_factor
+
+    free = None if free_mib is None else free_mib * MIB
+    got, message = prefetch_factor(batch_mib * MIB, workers, free)
+    assert got == factor
+    assert (message is None) == (note is None)
+    if note is not None:
+        assert note in message and "--shm-size" in message
+
+
+class Images:
+    """A dataset of ``n`` float32 [3, 32, 32] images (12 KiB each)."""
+
+    name = "images"
+
+    def __init__(self, n=64):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((3, 32, 32), float(i)), i % 3, i
+
+
+def test_make_loader_sizes_prefetch_from_statvfs(monkeypatch, caplog):
+    from oodviz.engine import batched
+
+    block = 4096
+    # 16 rows x 12 KiB = 192 KiB a batch, 2 workers: half of 1 MiB holds 2 batches in all -> 1 per worker
+    monkeypatch.setattr(batched.os, "statvfs", lambda path: SimpleNamespace(f_bavail=MIB // block, f_frsize=block))
+    with caplog.at_level("WARNING", logger="oodviz.engine"):
+        loader, note = batched.make_loader(Images(), None, 16, 2, CPU)
+    assert loader.prefetch_factor == 1
+    assert "1 MiB free: reading 1 batch(es) ahead per worker instead of 4 (2 workers x 192 KiB per batch)" in note
+    assert note in caplog.text
+    monkeypatch.setattr(batched.os, "statvfs", lambda path: SimpleNamespace(f_bavail=2**30 // block, f_frsize=block))
+    loader, note = batched.make_loader(Images(), None, 16, 2, CPU)
+    assert loader.prefetch_factor == 4 and note is None
+    loader, note = batched.make_loader(Images(), None, 16, 0, CPU)  # no workers: nothing in shared memory
+    assert loader.prefetch_factor is None and note is None
+
+
+def test_a_pass_short_of_shared_memory_says_so_in_every_progress_report(monkeypatch):
+    from oodviz.engine import batched
+
+    block = 4096
+    monkeypatch.setattr(batched.os, "statvfs", lambda path: SimpleNamespace(f_bavail=MIB // block, f_frsize=block))
+    reports, rows = [], []
+    backbone = SimpleNamespace(model=None, transform=None)
+    with batched.BatchedPass(
+        backbone,
+        Images(48),
+        device=CPU,
+        batch_size=16,
+        num_workers=1,
+        precision="fp32",
+        activity="testing",
+        stage="extract",
+        progress=lambda done, total, info: reports.append(info),
+    ) as run:
+        run.run(lambda x, labels, indices: indices, rows.append)
+    assert torch.equal(torch.cat(rows), torch.arange(48))
+    assert len(reports) == 3
+    assert all("reading 2 batch(es) ahead per worker" in info["note"] for info in reports)  # 512 KiB / 192 KiB
+
+
+def fit_data_syncs(n_batches: int, passes: int) -> list[int]:
+    """Host syncs made by base.py (FitData) on each of ``passes`` passes over ``n_batches`` clean batches."""
+    from oodviz.detectors.base import FitData
+
+    problem = make_problem(n_fit=100 * n_batches)
+    data = FitData(problem.fit_batches(size=100), None, create("tempscale"), problem.head)
+    counts = []
+    for _ in range(passes):
+        with SyncCounter("oodviz/detectors/base.py") as counter:
+            rows = sum(len(batch) for batch in data)
+        assert rows == 100 * n_batches
+        counts.append(counter.count)
+    return counts
+
+
+def test_fit_data_reads_the_device_once_per_batch_on_the_first_pass_and_never_later():
+    """Budget (FitData's docstring): 1 sync per batch on the validating pass (labels, OOD rows, finiteness of
+    every field the detector reads: one flag vector read at once), 0 on later passes. The old code made 3-5 a batch
+    on the first pass and 1 a batch on every later one."""
+    assert fit_data_syncs(3, passes=3) == [3, 0, 0]
+    assert fit_data_syncs(7, passes=2) == [7, 0]
+
+
+def test_fit_data_drops_ood_rows_on_every_pass_from_what_the_first_pass_found():
+    from oodviz.detectors.base import FitData
+
+    problem = make_problem(n_fit=300)
+    labels = problem.fit_y.clone()
+    labels[250:] = -1  # the last batch is all OOD, the middle one part OOD, the first clean
+    logits = problem.logits(problem.fit_x)
+    batches = [Batch(problem.fit_x[i : i + 100], logits[i : i + 100], labels[i : i + 100]) for i in (0, 100, 200)]
+    data = FitData(batches, None, create("tempscale"), problem.head)
+    for _ in range(3):
+        kept = list(data)
+        assert [len(b) for b in kept] == [100, 100, 50]
+        assert torch.equal(torch.cat([b.labels for b in kept]), labels[:250])
+        assert torch.equal(torch.cat([b.features for b in kept]), problem.fit_x[:250])
+
+
+def test_fit_data_still_catches_bad_values_with_its_one_read():
+    from oodviz.detectors.base import FitData
+
+    problem = make_problem(n_fit=200)
+    logits = problem.logits(problem.fit_x)
+    ood_nan = problem.fit_x.clone()
+    ood_nan[5, 3] = float("nan")  # in an OOD row: dropped, so fine
+    labels = problem.fit_y.clone()
+    labels[5] = -1
+    data = FitData([Batch(ood_nan, logits, labels)], None, create("knn"), problem.head)
+    assert sum(len(b) for b in data) == 199
+    huge = torch.full_like(problem.fit_x, 3e38)  # finite, but every row sum overflows: the closer look passes it
+    assert sum(len(b) for b in FitData([Batch(huge, logits, problem.fit_y)], None, create("knn"), problem.head)) == 200
+    in_distribution_nan = ood_nan.clone()
+    in_distribution_nan[7, 0] = float("inf")
+    with pytest.raises(ValueError, match="batch 0 has 1 sample"):
+        list(FitData([Batch(in_distribution_nan, logits, labels)], None, create("knn"), problem.head))
+    too_big = problem.fit_y.clone()
+    too_big[3] = 6
+    with pytest.raises(ValueError, match="has label 6 but the model has C=6 classes"):
+        list(FitData([Batch(problem.fit_x, logits, too_big)], None, create("knn"), problem.head))
+    too_small = problem.fit_y.clone()
+    too_small[3] = -2
+    with pytest.raises(ValueError, match=r"labels below -1 \(min -2\)"):
+        list(FitData([Batch(problem.fit_x, logits, too_small)], None, create("knn"), problem.head))
+
+
+def test_tempscale_reads_its_sums_once_per_pass():
+    """Budget: 1 sync per pass in tempscale.py (the three float64 sums, accumulated on the device, read together),
+    whatever the number of batches; the old code read 3 per batch."""
+    problem = make_problem(n_fit=1200)
+    counts = {}
+    for size in (400, 100):
+        detector = create("tempscale")
+        with SyncCounter("oodviz/detectors/tempscale.py") as counter:
+            detector.fit(problem.fit_batches(size=size))
+        counts[size] = counter.count
+    assert counts[100] == counts[400]
+    assert 2 <= counts[100] <= 1 + 2 * detector.max_steps  # one per pass: the first, then 1-2 per Newton step
+
+
+@cuda  # marked cuda by conftest's hook: selected by -m cuda
+def test_a_cuda_stage_lasts_until_its_kernels_end(tmp_path):
+    from oodviz.runs.config import RunConfig
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda._sleep(1000)  # warm up (context, kernel load)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s at 2 GHz: how long this GPU takes is measured, not assumed
+    torch.cuda.synchronize(device)
+    kernel_s = time.perf_counter() - start
+    reporter = Reporter(RunDir.create(tmp_path, RunConfig().to_dict()))
+    reporter.device = device
+    with reporter.stage("sleep"):
+        torch.cuda._sleep(200_000_000)  # queued: returns at once
+    assert reporter.stage_summary()["sleep"]["wall_s"] >= 0.8 * kernel_s

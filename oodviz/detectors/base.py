@@ -29,7 +29,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from oodviz.batch import OOD_LABEL, Batch
+from oodviz.batch import FIELDS, OOD_LABEL, Batch
 from oodviz.detectors.stats import row_blocks
 from oodviz.models.placement import model_on_device
 
@@ -102,6 +102,11 @@ def all_finite(t: Tensor) -> bool:
     return all(bool(torch.isfinite(rows[block]).all()) for block in row_blocks(len(rows), rows.shape[1]))
 
 
+def _in_distribution(batch: Batch, known: Tensor) -> Batch:
+    """The rows of ``batch`` where ``known`` [B] is True: a host sync (the row count depends on the data)."""
+    return Batch(*(None if (t := getattr(batch, field)) is None else t[known] for field in FIELDS))
+
+
 class _Shapes:
     """D and C seen so far; every later batch (and the head) must agree."""
 
@@ -156,7 +161,9 @@ class FitData:
     be a re-iterable that yields the same data on every pass (a list, a store reader), and a stream
     that changed is caught by the row count each later pass must repeat. Widths (free: shapes
     only) are checked on every pass. A pass stopped early (a fit that reads one batch) leaves the
-    next pass validating again.
+    next pass validating again. Host syncs (budget held by ``tests/test_gpu_path.py``): one per batch on
+    the validating pass (the checks' device-side flags read at once), none later; a batch with OOD rows
+    costs one more on every pass (dropping them gives a data-dependent row count).
     """
 
     def __init__(self, batches, device: torch.device | None, detector: Detector, head: Head | None):
@@ -170,6 +177,7 @@ class FitData:
             n_classes=None if head is None else head[0].shape[0],
         )
         self._rows_per_pass: int | None = None
+        self._seen: dict[int, tuple[int, bool]] = {}  # batch index -> (rows, has OOD rows), from the validating pass
 
     @property
     def head(self) -> Head | None:
@@ -200,7 +208,7 @@ class FitData:
     def __iter__(self) -> Iterator[Batch]:
         detector = self._detector
         validate = self._rows_per_pass is None  # no full pass yet: this one checks the values
-        rows = 0
+        rows, seen = 0, {}  # batch index -> (rows, has OOD rows), of this pass
         for index, batch in enumerate(_iter_batches(self._batches)):
             if not len(batch):
                 continue
@@ -214,12 +222,17 @@ class FitData:
                     f"{detector.name} fits on class labels but batch {index} has none; "
                     "pass Batch(labels=...) with the in-distribution class of each sample."
                 )
-            if batch.labels is not None:
-                batch = self._keep_in_distribution(batch, index, check_labels=validate)
+            known = None if batch.labels is None else batch.labels != OOD_LABEL
+            if validate:
+                has_ood = self._validate(batch, known, index, fields)
+            else:  # as the validating pass found (no host sync), unless it saw another batch here
+                found = self._seen.get(index)
+                same = found is not None and found[0] == len(batch)
+                has_ood = known is not None and (found[1] if same else not bool(known.all()))
+            seen[index] = (len(batch), has_ood)
+            batch = _in_distribution(batch, known) if has_ood else batch
             if not len(batch):
                 continue
-            if validate:
-                self._shapes.check_finite(batch, index, fields)
             rows += len(batch)
             yield batch
         if rows == 0:
@@ -232,30 +245,40 @@ class FitData:
                 f"samples instead of {self._rows_per_pass}; pass a list or an iterable whose __iter__ restarts "
                 "the same data."
             )
-        self._rows_per_pass = rows
+        self._rows_per_pass, self._seen = rows, seen
 
-    def _keep_in_distribution(self, batch: Batch, index: int, check_labels: bool) -> Batch:
-        labels = batch.labels
-        if check_labels:
-            self._check_labels(labels, index)
-        known = labels != OOD_LABEL
-        if bool(known.all()):
-            return batch
-        keep = lambda t: None if t is None else t[known]  # noqa: E731
-        return Batch(keep(batch.features), keep(batch.logits), labels[known], keep(batch.inputs))
-
-    def _check_labels(self, labels: Tensor, index: int) -> None:
-        if (labels < OOD_LABEL).any():
+    def _validate(self, batch: Batch, known: Tensor | None, index: int, fields: tuple[str, ...]) -> bool:
+        """Labels and finiteness as device-side flags read at once; a raised one costs a closer look (for the
+        message). Returns whether the batch has OOD rows."""
+        flags = []
+        labels, n_classes = batch.labels, self.n_classes
+        if labels is not None:
+            flags += [(labels < OOD_LABEL).any(), ~known.all()]
+            if n_classes is not None:
+                flags.append((labels >= n_classes).any())
+        checked = [v for field in fields if (v := getattr(batch, field)).is_floating_point() and v.numel()]
+        for value in checked:
+            # A row whose sum is finite has only finite values; float16 sums overflow at 65504.
+            sums = value.reshape(len(value), -1).sum(dim=1, dtype=torch.float32 if value.element_size() < 4 else None)
+            flags.append((~torch.isfinite(sums) if known is None else ~torch.isfinite(sums) & known).any())
+        if not flags:
+            return False
+        read = torch.stack(flags).tolist()  # the one host sync of the batch
+        if labels is not None and read[0]:
             raise ValueError(
                 f"batch {index} has labels below -1 (min {int(labels.min())}); labels are class indices 0..C-1, "
                 "or -1 for OOD samples."
             )
-        n_classes = self.n_classes
-        if n_classes is not None and (labels >= n_classes).any():
+        if labels is not None and n_classes is not None and read[2]:
             raise ValueError(
                 f"batch {index} has label {int(labels.max())} but the model has C={n_classes} classes; "
                 f"labels must be 0..{n_classes - 1} (or -1 for OOD)."
             )
+        has_ood = labels is not None and read[1]
+        if any(read[len(read) - len(checked) :]):  # non-finite, or a sum that overflowed: look closer
+            kept = _in_distribution(batch, known) if has_ood else batch
+            self._shapes.check_finite(kept, index, fields)
+        return has_ood
 
 
 class Detector:

@@ -39,8 +39,12 @@ _BETA_MIN, _BETA_MAX = 1e-3, 1e3  # T in [1e-3, 1e3]
 
 
 def _nll_derivatives(data: FitData, beta: float) -> tuple[float, float, float, int]:
-    """NLL(beta) summed over the fit data, its first and second derivative, and the sample count."""
-    nll = grad = curv = 0.0
+    """NLL(beta) summed over the fit data, its first and second derivative, and the sample count.
+
+    The three sums accumulate on the device in float64 (batch by batch, in order, as Python floats
+    would) and are read once per pass: one host sync a pass, none a batch.
+    """
+    sums = None  # [NLL, NLL', NLL''] float64 on the data's device
     n = 0
     for batch in data:
         z = batch.logits.to(ACCUMULATE)
@@ -50,10 +54,16 @@ def _nll_derivatives(data: FitData, beta: float) -> tuple[float, float, float, i
         p = torch.exp(scaled - log_norm[:, None])
         mean_z = (p * z).sum(dim=1)
         z_true = z.gather(1, y[:, None]).squeeze(1)
-        nll += float((log_norm - beta * z_true).sum())
-        grad += float((mean_z - z_true).sum())
-        curv += float(((p * z * z).sum(dim=1) - mean_z**2).clamp(min=0).sum())
+        batch_sums = torch.stack(
+            [
+                (log_norm - beta * z_true).sum(),
+                (mean_z - z_true).sum(),
+                ((p * z * z).sum(dim=1) - mean_z**2).clamp(min=0).sum(),
+            ]
+        )
+        sums = batch_sums if sums is None else sums + batch_sums
         n += len(y)
+    nll, grad, curv = sums.tolist()  # the pass's one host sync
     return nll, grad, curv, n
 
 

@@ -15,7 +15,7 @@
   (:mod:`oodviz.engine.batched`).
 """
 
-from oodviz.engine.batched import PRECISIONS, BatchedPass, Cancelled, is_out_of_memory
+from oodviz.engine.batched import PRECISIONS, BatchedPass, Cancelled, CudaContextLost, is_out_of_memory
 from oodviz.engine.extract import extract, extract_or_reuse
 from oodviz.engine.inputs import InputScores, score_inputs
 from oodviz.engine.store import (
@@ -51,6 +51,7 @@ __all__ = [
     "VERIFY_LEVELS",
     "BatchedPass",
     "Cancelled",
+    "CudaContextLost",
     "DeviceSplit",
     "DiskFullError",
     "FeatureStore",

@@ -17,7 +17,8 @@
   autocast follows ``precision`` (:data:`PRECISIONS`) around ``submit``.
 - **Out-of-memory back-off.** A CUDA out-of-memory error in ``submit`` halves the batch and retries
   the same rows; the smaller size stays in force (:class:`Backoff`), so the results are those of
-  that batch size from the start.
+  that batch size from the start. cuBLAS/cuDNN allocation failures count as out of memory; a
+  sticky CUDA error (illegal address, device-side assert) is never retried (:func:`cuda_error_kind`).
 - **Cancel and progress.** ``should_cancel()`` is asked before every batch (True raises
   :class:`Cancelled`); ``progress(done, total, info)`` is called after every batch
   (:func:`progress_info`).
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +41,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from oodviz.models.memory import format_bytes
 from oodviz.models.placement import model_on_device
 
 logger = logging.getLogger("oodviz.engine")
@@ -55,10 +58,62 @@ class Cancelled(Exception):
     """The work stopped because ``should_cancel()`` returned True; nothing was stored."""
 
 
+#: lower-case fragments of the messages of allocation failures: the caching allocator's ("CUDA out of memory.
+#: Tried to allocate ..."), the runtime's ("CUDA error: out of memory") and the libraries' own, which reach
+#: Python as RuntimeErrors ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+#: "cuDNN error: CUDNN_STATUS_ALLOC_FAILED", cuSOLVER's and cuFFT's likewise)
+OUT_OF_MEMORY_MARKERS = (
+    "out of memory",
+    "cublas_status_alloc_failed",
+    "cudnn_status_alloc_failed",
+    "cusolver_status_alloc_failed",
+    "cufft_alloc_failed",
+)
+
+#: lower-case fragments of the CUDA errors that leave the process's CUDA context unusable ("sticky": every later
+#: CUDA call fails with the same error), e.g. "CUDA error: an illegal memory access was encountered"
+STICKY_CUDA_MARKERS = (
+    "illegal memory access",
+    "device-side assert triggered",
+    "unspecified launch failure",
+    "misaligned address",
+    "an illegal instruction was encountered",
+    "invalid program counter",
+    "hardware stack error",
+    "the launch timed out and was terminated",
+    "uncorrectable ecc error",
+)
+
+
+class CudaContextLost(RuntimeError):
+    """A sticky CUDA error: the device cannot be used again by this process; the run must restart."""
+
+
+def cuda_error_kind(err: BaseException) -> str:
+    """``"sticky"`` (:data:`STICKY_CUDA_MARKERS`, never retried), ``"out_of_memory"``
+    (``torch.cuda.OutOfMemoryError`` or a RuntimeError with one of :data:`OUT_OF_MEMORY_MARKERS`:
+    retried smaller) or ``"other"``. Sticky wins: an error that mentions both is not retried."""
+    if isinstance(err, CudaContextLost):
+        return "sticky"
+    message = str(err).lower() if isinstance(err, RuntimeError) else ""
+    if any(marker in message for marker in STICKY_CUDA_MARKERS):
+        return "sticky"
+    if isinstance(err, torch.cuda.OutOfMemoryError) or any(marker in message for marker in OUT_OF_MEMORY_MARKERS):
+        return "out_of_memory"
+    return "other"
+
+
 def is_out_of_memory(err: BaseException) -> bool:
-    """True for ``torch.cuda.OutOfMemoryError`` and any RuntimeError saying "out of memory"."""
-    return isinstance(err, torch.cuda.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and "out of memory" in str(err).lower()
+    """True for an allocation failure that a smaller batch may avoid (:func:`cuda_error_kind`)."""
+    return cuda_error_kind(err) == "out_of_memory"
+
+
+def context_lost(err: BaseException, device: torch.device, what: str) -> CudaContextLost:
+    """The error to raise, from ``err``, after a sticky CUDA error while ``what``."""
+    return CudaContextLost(
+        f"a CUDA error left the CUDA context on {device} unusable while {what}: every later CUDA call in this "
+        f"process fails, so it is not retried. Restart the run (a new process); if it happens again, run with "
+        f"CUDA_LAUNCH_BLOCKING=1 to find the kernel. Original error: {type(err).__name__}: {err}"
     )
 
 
@@ -114,22 +169,84 @@ def _collate(items):
     return x, labels, indices, dropped
 
 
-def make_loader(dataset, transform, batch_size: int, num_workers: int, device: torch.device) -> DataLoader:
-    """The dataset in order as ``(x [b, ...], labels [b], source_indices [b], n_dropped)`` batches.
+#: where DataLoader workers put the batches they hand over (Linux shared memory; Docker gives 64 MB by default)
+SHARED_MEMORY = "/dev/shm"
+#: batches read ahead per worker when shared memory allows; fraction of the free shared memory they may fill
+PREFETCH, SHARED_MEMORY_SHARE = 4, 0.5
+
+
+def prefetch_factor(batch_bytes: int, num_workers: int, free_bytes: int | None) -> tuple[int, str | None]:
+    """``(batches read ahead per worker, note or None)`` so that the batches in flight fit in shared memory.
+
+    ``num_workers x factor`` batches of ``batch_bytes`` wait in shared memory at once; the factor is
+    :data:`PREFETCH`, lowered (to at least 1) so that they fill at most :data:`SHARED_MEMORY_SHARE` of
+    ``free_bytes`` (None = unknown: no limit). The note says when the factor was lowered or when even one
+    batch per worker does not fit (the workers would crash with "Bus error").
+    """
+    if free_bytes is None or batch_bytes <= 0:
+        return PREFETCH, None
+    fits = int(SHARED_MEMORY_SHARE * free_bytes) // (num_workers * batch_bytes)
+    factor = max(1, min(PREFETCH, fits))
+    if factor == PREFETCH:
+        return factor, None
+    need = f"{num_workers} workers x {format_bytes(batch_bytes)} per batch"
+    if fits < 1:
+        return factor, (
+            f"shared memory ({SHARED_MEMORY}) has {format_bytes(free_bytes)} free, too little for {need}: the data "
+            "loader may crash with 'Bus error'. Use fewer workers or a smaller batch, or give the container more "
+            "shared memory (docker run --shm-size=2g)."
+        )
+    return factor, (
+        f"shared memory ({SHARED_MEMORY}) has {format_bytes(free_bytes)} free: reading {factor} batch(es) ahead per "
+        f"worker instead of {PREFETCH} ({need}); give the container more shared memory (docker run --shm-size=2g)."
+    )
+
+
+def free_shared_memory() -> int | None:
+    """Free bytes in :data:`SHARED_MEMORY`, or None where there is no such file system (not Linux)."""
+    try:
+        stats = os.statvfs(SHARED_MEMORY)
+    except (OSError, AttributeError):
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def _batch_bytes(items: Dataset, batch_size: int) -> int:
+    """Bytes of one batch of ``items``, from the first readable of its first few items (0 when none is)."""
+    for i in range(min(len(items), 8)):
+        item = items[i]
+        if item is not None:
+            return item[0].numel() * item[0].element_size() * batch_size
+    return 0
+
+
+def make_loader(
+    dataset, transform, batch_size: int, num_workers: int, device: torch.device
+) -> tuple[DataLoader, str | None]:
+    """``(loader, note)``: the dataset in order as ``(x [b, ...], labels [b], source_indices [b], n_dropped)``
+    batches, and a note when shared memory is short (:func:`prefetch_factor`, also logged as a warning).
 
     ``transform`` turns each image into a tensor; unreadable items (``None``) are dropped and
     counted, so every pass over the same dataset gives the same rows in the same order. On CUDA
-    the batches come in pinned memory (asynchronous copies to the device).
+    the batches come in pinned memory (asynchronous copies to the device). Worker processes read
+    ahead as many batches as fit in the free shared memory (one item is read here to size a batch).
     """
-    return DataLoader(
-        _Items(dataset, transform),
+    items = _Items(dataset, transform)
+    factor, note = None, None
+    if num_workers > 0:
+        factor, note = prefetch_factor(_batch_bytes(items, batch_size), num_workers, free_shared_memory())
+        if note is not None:
+            logger.warning("%s", note)
+    loader = DataLoader(
+        items,
         batch_size=batch_size,
         shuffle=False,
         num_workers=num_workers,
         collate_fn=_collate,
         pin_memory=device.type == "cuda",
-        prefetch_factor=4 if num_workers > 0 else None,
+        prefetch_factor=factor,
     )
+    return loader, note
 
 
 def _shut_down(iterator) -> None:
@@ -148,8 +265,9 @@ class Backoff:
     ``chunks(n, submit)`` calls ``submit(start, stop)`` for consecutive row ranges and yields
     ``(start, stop, result)``. When ``submit`` runs out of memory, the same rows are retried in
     two halves and the smaller size stays in force for later batches, so the results are those of
-    a smaller batch size; at one row it gives up with a message that says what to try. Other
-    errors are not retried.
+    a smaller batch size; at one row it gives up with a message that says what to try. A sticky
+    CUDA error (:func:`cuda_error_kind`) raises :class:`CudaContextLost` at once; other errors are
+    not retried.
     """
 
     def __init__(self, batch_size: int, device: torch.device, what: str):
@@ -172,7 +290,10 @@ class Backoff:
             try:
                 result = submit(start, stop)
             except Exception as err:
-                if not is_out_of_memory(err):
+                kind = cuda_error_kind(err)
+                if kind == "sticky" and not isinstance(err, CudaContextLost):
+                    raise context_lost(err, self.device, self.what) from err
+                if kind != "out_of_memory":
                     raise
                 oom = f"{type(err).__name__}: {err}"
             if oom is None:
@@ -229,7 +350,8 @@ class BatchedPass:
     :param info: extra fields for every progress report (called at report time)
 
     Counters, readable at any time: ``total``, ``done`` (items read, unreadable ones included),
-    ``skipped`` (unreadable), ``first_batch_s``, ``backoff`` (batch size in force, back-offs), ``started``.
+    ``skipped`` (unreadable), ``first_batch_s``, ``backoff`` (batch size in force, back-offs), ``started``,
+    ``note`` (the data loader's when shared memory is short; also in every progress ``info``).
     """
 
     def __init__(
@@ -262,6 +384,7 @@ class BatchedPass:
         self.started = time.perf_counter()
         self.first_batch_s: float | None = None
         self.done = self.skipped = 0
+        self.note: str | None = None  # the data loader's, when shared memory is short (:func:`make_loader`)
         self._held = contextlib.ExitStack()
 
     def __enter__(self) -> BatchedPass:
@@ -279,6 +402,8 @@ class BatchedPass:
         """``progress(done, total, info)`` now, with ``stage`` and the extra ``info``."""
         if self.progress is not None:
             extra = self.info() if self.info is not None else {}
+            if self.note is not None:
+                extra = {"note": self.note, **extra}
             self.progress(
                 self.done,
                 self.total,
@@ -296,6 +421,7 @@ class BatchedPass:
         :raises Cancelled: when ``should_cancel()`` returns True (asked before every batch)
         :raises ValueError: when no item of the dataset was readable
         :raises torch.cuda.OutOfMemoryError: when even one row does not fit on the device
+        :raises CudaContextLost: after a sticky CUDA error (in ``submit`` or ``collect``): the run must restart
         """
         autocast_dtype = PRECISIONS[self.precision]
         autocast = (
@@ -304,7 +430,7 @@ class BatchedPass:
             else contextlib.nullcontext()
         )
         transform = getattr(self.backbone, "transform", None)
-        loader = make_loader(self.dataset, transform, self.batch_size, self.num_workers, self.device)
+        loader, self.note = make_loader(self.dataset, transform, self.batch_size, self.num_workers, self.device)
         iterator = iter(loader)
         try:
             with autocast:
@@ -323,6 +449,10 @@ class BatchedPass:
                     if self.first_batch_s is None:
                         self.first_batch_s = time.perf_counter() - self.started
                     self.report(self.stage)
+        except RuntimeError as err:  # a sticky error often surfaces at a later sync, outside submit (in collect)
+            if cuda_error_kind(err) == "sticky" and not isinstance(err, CudaContextLost):
+                raise context_lost(err, self.device, self.activity) from err
+            raise
         finally:
             _shut_down(iterator)
         if self.done == self.skipped:

@@ -70,7 +70,7 @@ class _Outputs:
     features: Tensor
     logits: Tensor
     predictions: Tensor
-    nonfinite: Tensor
+    nonfinite: Tensor  # [3] rows with NaN/inf features or logits, features, logits (_Extraction._forward)
     labels: Tensor
     indices: Tensor
     ready: torch.cuda.Event | None = None
@@ -127,7 +127,9 @@ class _Extraction:
         features = features.detach().to(self.feature_dtype)
         logits = logits.detach().float()
         predictions = logits.argmax(dim=1)
-        nonfinite = (~torch.isfinite(features).all(dim=1)).sum()
+        bad_features, bad_logits = ~torch.isfinite(features).all(dim=1), ~torch.isfinite(logits).all(dim=1)
+        # rows with NaN/inf features or logits, with features, with logits: [3], read when the chunk is written
+        nonfinite = torch.stack([(bad_features | bad_logits).sum(), bad_features.sum(), bad_logits.sum()])
         return features, logits, predictions, nonfinite
 
     def submit(self, x: Tensor, labels: Tensor, indices: Tensor) -> _Outputs:
@@ -213,7 +215,7 @@ def extract(
     device = parse_device(device)
     check_feature_dtype(feature_dtype)
     writer: StoreWriter | None = None
-    nonfinite = 0
+    nonfinite = torch.zeros(3, dtype=torch.long)  # rows with NaN/inf features or logits, features, logits
 
     def written() -> dict:
         return {"written": 0 if writer is None else writer.rows, "key": key}
@@ -251,7 +253,7 @@ def extract(
                 if writer is None:
                     writer = StoreWriter(store_root, key, total, run.feature_dim, run.num_classes, feature_dtype)
                 writer.append(outputs.features, outputs.logits, outputs.labels, outputs.indices, outputs.predictions)
-                nonfinite += int(outputs.nonfinite)
+                nonfinite += outputs.nonfinite
 
             def collect(outputs: _Outputs) -> None:
                 pending.append(outputs)
@@ -264,8 +266,16 @@ def extract(
                     finish(pending.popleft())
 
         elapsed = time.perf_counter() - batched.started
-        if nonfinite:
-            logger.warning("%d of %d rows have NaN or infinite features (%s)", nonfinite, writer.rows, backbone.name)
+        nonfinite_rows, nonfinite_features, nonfinite_logits = nonfinite.tolist()
+        if nonfinite_rows:
+            logger.warning(
+                "%d of %d rows have NaN or infinite values (%d in features, %d in logits; %s)",
+                nonfinite_rows,
+                writer.rows,
+                nonfinite_features,
+                nonfinite_logits,
+                backbone.name,
+            )
         meta = {
             "key_spec": spec,
             "backbone": {
@@ -281,7 +291,9 @@ def extract(
                 "requested": total,
                 "written": writer.rows,
                 "skipped": batched.skipped,
-                "nonfinite_rows": nonfinite,
+                "nonfinite_rows": nonfinite_rows,
+                "nonfinite_feature_rows": nonfinite_features,
+                "nonfinite_logit_rows": nonfinite_logits,
             },
             "skipped": batched.skipped,
             "device": str(device),

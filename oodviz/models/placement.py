@@ -125,5 +125,14 @@ def model_on_device(model, device, channels_last: bool = False):
             model.to(memory_format=torch.channels_last)
         model.eval()
         yield model
-    finally:
-        state.restore()
+    except BaseException as err:
+        # After a sticky CUDA error the restore's own copies fail too: the block's error is the one to raise.
+        try:
+            state.restore()
+        except Exception as restore_err:
+            err.add_note(
+                f"oodviz could not put the model back where it was afterwards ({type(restore_err).__name__}: "
+                f"{restore_err}); the model may be left on {device}"
+            )
+        raise
+    state.restore()

@@ -90,6 +90,8 @@ class Reporter:
         self.run.write_status(stage=name)
         self.emit(stage, {"event": "start"})
         yield stage
+        if cuda:  # the stage's kernels may still be running: its time ends when they do
+            torch.cuda.synchronize(self.device)
         summary = {"wall_s": time.monotonic() - stage.started, "peak_cpu_rss": stage.peak_cpu_rss}
         if cuda:
             summary["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(self.device)

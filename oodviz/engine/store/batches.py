@@ -120,9 +120,11 @@ class StoreBatches:
             for f in files.values():
                 f.close()
 
-    # CUDA path: pinned staging slots reused round-robin, each guarded by the event of its last copy.
+    # CUDA path: pinned staging slots reused round-robin, each guarded by the event of its last copy. The copies
+    # run on a stream of their own, so the next batch's copy overlaps the consumer's work on the last one.
     def _iter_cuda(self, ranges) -> Iterator[Batch]:
         device = self.device
+        copy_stream = torch.cuda.Stream(device)
         n_slots = self.prefetch + 2
         rows = min(self.batch_size, self.n)
         files = self._open()
@@ -148,10 +150,16 @@ class StoreBatches:
         try:
             for slot_index, m in chunks:
                 slot = staging[slot_index]
-                tensors = {f: slot[f][:m].to(device, non_blocking=True) for f in self.include}
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                events[slot_index] = event
+                consumer = torch.cuda.current_stream(device)
+                with torch.cuda.stream(copy_stream):
+                    tensors = {f: slot[f][:m].to(device, non_blocking=True) for f in self.include}
+                    event = torch.cuda.Event()
+                    event.record(copy_stream)
+                events[slot_index] = event  # the reader waits on it before refilling the slot
+                consumer.wait_event(event)  # the consumer's work on the batch starts after its copy
+                for tensor in tensors.values():
+                    # made on the copy stream, used on the consumer's: its memory is not reused before that use ends
+                    tensor.record_stream(consumer)
                 for field in ("features", "logits"):
                     if field in tensors and tensors[field].dtype != self.dtype:
                         tensors[field] = tensors[field].to(self.dtype)
@@ -250,6 +258,12 @@ def _prefetched(ranges, read, prefetch: int, slots: int | None):
         thread.join()
 
 
+def available_bytes(free: int, reserved: int, allocated: int) -> int:
+    """Bytes this process can still allocate on a GPU: the driver's ``free`` (``torch.cuda.mem_get_info``) plus
+    what PyTorch's caching allocator holds but does not use (``reserved - allocated``, given back on demand)."""
+    return free + max(0, reserved - allocated)
+
+
 class DeviceSplit:
     """A whole split held on one device, with the same ``batches()`` as :class:`FeatureStore`.
 
@@ -265,7 +279,11 @@ class DeviceSplit:
         self.include = check_include(include)
         need = store.nbytes(self.include, dtype)
         if self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
+            free = available_bytes(
+                torch.cuda.mem_get_info(self.device)[0],
+                torch.cuda.memory_reserved(self.device),
+                torch.cuda.memory_allocated(self.device),
+            )
             if need > max_fraction * free:
                 raise ValueError(
                     f"the split needs {need / 2**30:.2f} GiB on {self.device}, more than {max_fraction:.0%} of the "
