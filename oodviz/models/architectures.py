@@ -296,3 +296,12 @@ def _calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None
     for m, momentum in zip(norms, momenta):
         m.momentum = momentum
     model.eval()
+
+
+def architecture_layer_names(name: str) -> list[str]:
+    """The names ``layer=`` accepts for registry backbone ``name`` (``model.named_modules()``, the root
+    excluded), read from the architecture built on the meta device: no weights read, no memory used."""
+    arch = architecture(name)
+    with torch.device("meta"):
+        model = arch.build(arch.default_classes)
+    return [n for n, _ in model.named_modules() if n]
