@@ -172,7 +172,7 @@ class RunConfig:
         found = []
         if "weights" not in wrong and self.weights not in ("default", "random"):
             found.append(f"weights must be 'default' or 'random', got {self.weights!r}")
-        if "checkpoint" not in wrong and self.checkpoint is not None and not Path(self.checkpoint).is_file():
+        if "checkpoint" not in wrong and self.checkpoint is not None and not _is_file(self.checkpoint):
             found.append(f"checkpoint file {self.checkpoint} does not exist")
         if "backbone" in wrong:
             return found
@@ -362,3 +362,10 @@ def preset(name: str) -> RunConfig:
     if name not in PRESETS:
         raise ConfigError([f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}"])
     return PRESETS[name]()
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name the OS cannot take (a NUL byte, too long)
+        return False
