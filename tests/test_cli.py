@@ -95,6 +95,7 @@ CASES = {
         ["num_workers must be at most", "(the CPU cores this process may use), got 10000"],
     ),
     "invalid JSON": ('{"batch_size": 3,}', ["is not valid JSON"]),
+    "an integer of 5000 digits": ('{"batch_size": 1' + "0" * 5000 + "}", ["is not valid JSON", "Exceeds the limit"]),
 }
 
 

@@ -97,7 +97,7 @@ def read_config_file(path: Path) -> dict:
     too_deep = f"{path} nests tables or lists more than {MAX_DEPTH} levels deep"
     try:
         data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
+    except ValueError as error:  # the decode errors, and integers of more than 4300 digits
         raise ConfigError([f"{path} is not valid {kind}: {error}"]) from None
     except RecursionError:  # the parsers recurse once per level: far deeper than MAX_DEPTH
         raise ConfigError([too_deep]) from None
