@@ -120,13 +120,13 @@ class RunConfig:
     def problems(self) -> list[str]:
         """Every problem with this config (empty when it is valid), checked against this machine's devices
         and the model's layer names and classes; no data is loaded, no weights are read."""
-        found = _type_problems(self, _FIELD_TYPES, "")
-        wrong = {problem.split(" ", 1)[0] for problem in found}
+        wrong = _type_problems(self, _FIELD_TYPES, "")
+        found = list(wrong.values())
         model_found = self._model_problems(wrong)
         found += model_found
         named = [("id_fit", self.id_fit), ("id_test", self.id_test)]
         named += [(f"ood[{i}]", d) for i, d in enumerate(self.ood)] if "ood" not in wrong else []
-        model_known = not ({"backbone", "weights", "checkpoint"} & wrong) and not model_found
+        model_known = not ({"backbone", "weights", "checkpoint"} & set(wrong)) and not model_found
         for where, choice in named:
             found += _dataset_problems(choice, where, self if model_known else None)
         if "ood" not in wrong:
@@ -164,7 +164,7 @@ class RunConfig:
             found.append(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}")
         return found
 
-    def _model_problems(self, wrong: set[str]) -> list[str]:
+    def _model_problems(self, wrong: dict[str, str]) -> list[str]:
         """The backbone, its weights, checkpoint file and layer."""
         from oodviz.models import architecture_layer_names, available_backbones
         from oodviz.models.registry import USER_MODEL_NAMES
@@ -233,22 +233,22 @@ _DATASET_TYPES = {"name": str, "params": dict, "subsample": int | None, "subsamp
 _DETECTOR_TYPES = {"name": str, "params": dict}
 
 
-def _type_problems(obj, types: dict, where: str) -> list[str]:
-    """One problem per attribute of ``obj`` named in ``types`` whose value has another type (or is not
-    finite); each message starts with the attribute's name, prefixed by ``where``."""
-    found = []
+def _type_problems(obj, types: dict, where: str) -> dict[str, str]:
+    """Attribute name -> its problem, for each attribute of ``obj`` named in ``types`` whose value has
+    another type or is not finite; messages name the attribute prefixed by ``where``."""
+    found = {}
     for key, annotation in types.items():
         value = getattr(obj, key)
         name = f"{where}{key}"
         if annotation in (list, dict):
             if not isinstance(value, annotation):
-                found.append(f"{name} must be a {'list' if annotation is list else 'table'}, got {shown(value)}")
+                found[key] = f"{name} must be a {'list' if annotation is list else 'table'}, got {shown(value)}"
         elif value is None and not matches(None, annotation):
-            found.append(f"{name} needs a value ({describe(annotation)}), got null")
+            found[key] = f"{name} needs a value ({describe(annotation)}), got null"
         elif not matches(value, annotation):
-            found.append(f"{name} must be {describe(annotation)}, got {shown(value)}")
-        else:
-            found += non_finite(value, name)
+            found[key] = f"{name} must be {describe(annotation)}, got {shown(value)}"
+        elif non_finite(value, name):
+            found[key] = non_finite(value, name)[0]
     return found
 
 
@@ -260,8 +260,8 @@ def _dataset_problems(choice: DatasetChoice, where: str, config: RunConfig | Non
 
     if not isinstance(choice, DatasetChoice):
         return [f"{where} must be a DatasetChoice, got {choice!r}"]
-    found = _type_problems(choice, _DATASET_TYPES, f"{where}.")
-    wrong = {problem.split(" ", 1)[0].removeprefix(f"{where}.") for problem in found}
+    wrong = _type_problems(choice, _DATASET_TYPES, f"{where}.")
+    found = list(wrong.values())
     datasets = available_datasets()
     if "name" not in wrong:
         if choice.name not in datasets:
@@ -290,7 +290,7 @@ def _detector_problems(choice: DetectorChoice, where: str) -> list[str]:
 
     if not isinstance(choice, DetectorChoice):
         return [f"{where} must be a DetectorChoice, got {choice!r}"]
-    found = _type_problems(choice, _DETECTOR_TYPES, f"{where}.")
+    found = list(_type_problems(choice, _DETECTOR_TYPES, f"{where}.").values())
     if found:
         return found
     if choice.name not in available():
