@@ -90,9 +90,12 @@ def _signature(function: Callable) -> inspect.Signature:
         return inspect.signature(function)
 
 
-def param_problems(function: Callable, params: Mapping, where: str, skip: tuple[str, ...] = ()) -> list[str]:
+def param_problems(
+    function: Callable, params: Mapping, where: str, skip: tuple[str, ...] = (), signs: bool = True
+) -> list[str]:
     """Every problem with calling ``function(**params)`` that its signature shows; ``where`` prefixes
-    each message, ``skip`` names parameters the caller supplies itself (``root``, ``self``)."""
+    each message, ``skip`` names parameters the caller supplies itself (``root``, ``self``), ``signs=False``
+    leaves the signs of integers to ``function`` (a constructor that checks its values itself)."""
     if not isinstance(params, Mapping):
         return [f"{where}: params must be a table of name = value, got {shown(params)}"]
     accepted = {
@@ -114,7 +117,7 @@ def param_problems(function: Callable, params: Mapping, where: str, skip: tuple[
             found.extend(f"{where}: {problem}" for problem in non_finite(value, name))
         elif annotation is not parameter.empty and not matches(value, annotation):
             found.append(f"{where}: {name} must be {describe(annotation)}, got {shown(value)}")
-        elif matches(value, int) and matches(default, int) and value < min(default, 1):
+        elif signs and matches(value, int) and matches(default, int) and value < min(default, 1):
             minimum = min(default, 1)
             found.append(f"{where}: {name} must be {'positive' if minimum else '>= 0'}, got {value}")
     return found

@@ -124,7 +124,7 @@ def test_every_problem_is_listed_at_once(tmp_path, capsys):
         "download",
         "colour",
         "n must be positive",
-        "(knn): k must be positive, got 0",
+        "knn: k must be a positive integer, got 0",
         "'nope'",
     ):
         assert text in err, (text, err)

@@ -140,9 +140,9 @@ class RunConfig:
                 found.append("choose at least one detector")
             for i, choice in enumerate(self.detectors):
                 found += _detector_problems(choice, f"detectors[{i}]")
-        if "device" not in wrong:
-            problem = device_problem(self.device) or device_problem_here(self.device)
-            found += [problem] if problem else []
+        # device_problem checks the type too, with the message that lists the accepted names
+        if problem := device_problem(self.device) or device_problem_here(self.device):
+            found.append(problem)
         limits = {"batch_size": (1, MAX_BATCH_SIZE), "num_workers": (0, cpu_count()), "seed": (0, None)}
         for key, (low, high) in limits.items():
             value = getattr(self, key)
@@ -219,7 +219,6 @@ _FIELD_TYPES = {
     "pooling": str,
     "ood": list,
     "detectors": list,
-    "device": str,
     "batch_size": int,
     "precision": str,
     "num_workers": int,
@@ -295,7 +294,10 @@ def _detector_problems(choice: DetectorChoice, where: str) -> list[str]:
         return found
     if choice.name not in available():
         return [f"{where}: detector {choice.name!r} is unknown; choose one of: {', '.join(available())}"]
-    found = param_problems(detector_class(choice.name), choice.params, f"{where} ({choice.name})", skip=("model",))
+    # the detectors check their values themselves, with messages that say more (mcd's samples >= 2 for "var")
+    found = param_problems(
+        detector_class(choice.name), choice.params, f"{where} ({choice.name})", skip=("model",), signs=False
+    )
     if found:
         return found
     try:
