@@ -16,6 +16,7 @@ from oodviz.data.registry import (
     DatasetInfo,
     available_datasets,
     dataset_info,
+    dataset_param_problems,
     dataset_params,
     load_dataset,
     register_dataset,
@@ -24,11 +25,13 @@ from oodviz.data.registry import (
 # Importing a source module registers its datasets (in this order in available_datasets()).
 from oodviz.data import bundled, noise, torchvision_sets, fashion, folders  # noqa: F401  isort: skip
 from oodviz.data.bundled import DIGITS_HELD_OUT, DIGITS_ID_CLASSES, digits_split
+from oodviz.data.class_map import CLASS_MAPS, class_mismatch
 from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_CLASSES, FASHION_ID_NAMES, fashion_split
 from oodviz.data.folders import IMAGE_EXTENSIONS
 from oodviz.data.torchvision_sets import DatasetNotFoundError
 
 __all__ = [
+    "CLASS_MAPS",
     "DIGITS_HELD_OUT",
     "DIGITS_ID_CLASSES",
     "FASHION_HELD_OUT",
@@ -41,7 +44,9 @@ __all__ = [
     "Source",
     "UnreadableImageError",
     "available_datasets",
+    "class_mismatch",
     "dataset_info",
+    "dataset_param_problems",
     "dataset_params",
     "digits_split",
     "fashion_split",

@@ -22,6 +22,7 @@ import numpy as np
 from PIL import Image
 
 from oodviz.data.base import Source, UnreadableImageError
+from oodviz.data.class_map import CLASS_MAPS, ModelClassSource
 from oodviz.data.registry import DatasetInfo, register_dataset
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
@@ -164,8 +165,25 @@ class FolderSource(Source):
         return f"folder:{os.path.basename(self.path)}"
 
 
-def load_folder(root: str, download: bool, path: str | None = None, layout: str = "auto", mode: str | None = "RGB"):
-    return FolderSource(path, layout=layout, mode=mode)
+def load_folder(
+    root: str,
+    download: bool,
+    path: str | None = None,
+    layout: str = "auto",
+    mode: str | None = "RGB",
+    class_map: str | None = None,
+    model_classes: list[str] | None = None,
+):
+    """``class_map="model"``: label each image with its folder's index among ``model_classes`` (see
+    :mod:`oodviz.data.class_map`) instead of the folder's position in sorted order."""
+    if class_map not in CLASS_MAPS:
+        raise ValueError(f'class_map must be "model" or unset, got {class_map!r}')
+    source = FolderSource(path, layout=layout, mode=mode)
+    if class_map is None:
+        return source
+    if source.layout != "classes":
+        raise ValueError(f'class_map="model" needs class subfolders (path/<class>/<image>); {source.path} has none')
+    return ModelClassSource(source, model_classes)
 
 
 register_dataset(

@@ -1,8 +1,11 @@
 """The dataset registry: name -> (:class:`DatasetInfo`, loader).
 
 A loader is ``loader(root: str, download: bool, **params) -> Source``; its keyword parameters
-(with defaults) are the dataset's own parameters, checked by :func:`load_dataset`. Adding a
-source is one :func:`register_dataset` call in a module imported by ``oodviz/data/__init__.py``.
+(with defaults) are the dataset's own parameters, checked against its signature (names, annotated
+types, signs: :func:`oodviz.params.param_problems`) by :func:`dataset_param_problems` and
+:func:`load_dataset`. A loader that also takes ``model_classes`` gets the class names of the model
+the data is for (``load_dataset(..., model_classes=...)``). Adding a source is one
+:func:`register_dataset` call in a module imported by ``oodviz/data/__init__.py``.
 """
 
 from __future__ import annotations
@@ -13,9 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from oodviz.data.base import ImageDataset, Source, subsample_indices
+from oodviz.params import param_problems
 
 KINDS = ("id", "ood")
 GROUPS = ("near", "far", None)
+#: Loader parameters the caller supplies, not the dataset's user.
+CONTEXT_PARAMS = ("root", "download", "model_classes")
 
 
 @dataclass(frozen=True)
@@ -80,13 +86,20 @@ def dataset_info(name: str) -> DatasetInfo:
 
 
 def dataset_params(name: str) -> dict[str, object]:
-    """The dataset's own parameters (beyond root/download) and their defaults."""
+    """The dataset's own parameters (beyond root, download and model_classes) and their defaults."""
     loader = _entry(name)[1]
     return {
         p.name: (None if p.default is inspect.Parameter.empty else p.default)
         for p in inspect.signature(loader).parameters.values()
-        if p.name not in ("root", "download")
+        if p.name not in CONTEXT_PARAMS
     }
+
+
+def dataset_param_problems(name: str, params: dict, where: str | None = None) -> list[str]:
+    """Every problem with ``params`` for dataset ``name`` that shows without loading anything: unknown
+    names, values of the wrong type (by the loader's annotations), non-finite numbers, negative counts
+    and sizes. ``where`` starts each message (default ``Dataset 'name'``)."""
+    return param_problems(_entry(name)[1], params, where or f"Dataset {name!r}", skip=CONTEXT_PARAMS)
 
 
 def load_dataset(
@@ -98,6 +111,7 @@ def load_dataset(
     seed: int = 0,
     as_ood: bool | None = None,
     transform=None,
+    model_classes: list[str] | None = None,
     **params,
 ) -> ImageDataset:
     """Load dataset ``name``: ``ds[i] -> (PIL image, label, source_index)`` or ``None`` (unreadable file).
@@ -110,17 +124,21 @@ def load_dataset(
     :param as_ood: ``True`` sets every label to ``-1`` and ``classes`` to ``[]``; ``False`` keeps the
         source's labels where it has them; ``None`` (default) follows the dataset's ``kind``
     :param transform: optional callable applied to each PIL image in ``__getitem__``
+    :param model_classes: class names of the model the data is for (index = logit), passed to loaders
+        that take them (the ``folder`` dataset's ``class_map="model"``); ignored by the others
     :param params: the dataset's own parameters, see :func:`dataset_params`
     """
     info, loader = _entry(name)
-    allowed = dataset_params(name)
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        valid = ", ".join(allowed) or "none"
-        raise ValueError(f"Dataset {name!r} has no parameter(s) {', '.join(unknown)}; its parameters: {valid}")
+    problems = dataset_param_problems(name, params)
+    if problems:
+        raise ValueError("; ".join(problems))
+    if not isinstance(download, bool):
+        raise ValueError(f"download must be True or False, got {download!r}")
     # Validate subsampling before touching any file.
     subsample_indices(1, subsample, subsample_mode, seed)
-    source = loader(root=str(root), download=bool(download), **params)
+    if "model_classes" in inspect.signature(loader).parameters:
+        params = {**params, "model_classes": model_classes}
+    source = loader(root=str(root), download=download, **params)
     indices = subsample_indices(len(source), subsample, subsample_mode, seed)
     ood = info.kind == "ood" if as_ood is None else bool(as_ood)
     display = getattr(source, "display_name", None) or name

@@ -20,6 +20,7 @@ See :mod:`oodviz.models.registry` (the loaders: names, weights, checkpoints, mod
 
 from oodviz.models.architectures import (
     RGBTransform,
+    architecture_layer_names,
     available_backbones,
     backbone_info,
     default_weights_dir,
@@ -30,7 +31,7 @@ from oodviz.models.digits import DigitsCNN, DigitsTransform, digits_arrays
 from oodviz.models.fashion import FashionCNN, FashionTransform
 from oodviz.models.memory import MemoryEstimate, describe_memory, estimate_memory, format_bytes, warn_if_over
 from oodviz.models.placement import DEVICE_CHOICES, device_problem, model_on_device, parse_device
-from oodviz.models.registry import load_backbone, load_scripted, wrap_model
+from oodviz.models.registry import backbone_classes, load_backbone, load_scripted, wrap_model
 
 
 def feature_shape(backbone: Backbone, sample_input=None) -> FeatureShape:
@@ -51,6 +52,8 @@ __all__ = [
     "MemoryEstimate",
     "RGBTransform",
     "available_backbones",
+    "architecture_layer_names",
+    "backbone_classes",
     "backbone_info",
     "default_weights_dir",
     "describe_memory",

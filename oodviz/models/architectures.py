@@ -11,6 +11,7 @@ output channels-last maps. :data:`BUNDLED` says where the bundled models' weight
 from __future__ import annotations
 
 import difflib
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -296,3 +297,17 @@ def _calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None
     for m, momentum in zip(norms, momenta):
         m.momentum = momentum
     model.eval()
+
+
+def architecture_layer_names(name: str) -> list[str]:
+    """The names ``layer=`` accepts for registry backbone ``name`` (``model.named_modules()``, the root
+    excluded), read from the architecture built on the meta device: no weights read, no memory used."""
+    return list(_layer_names(architecture(name).name))
+
+
+@functools.cache  # the app checks its config on every rerun
+def _layer_names(name: str) -> tuple[str, ...]:
+    arch = ARCHITECTURES[name]
+    with torch.device("meta"):
+        model = arch.build(arch.default_classes)
+    return tuple(n for n, _ in model.named_modules() if n)

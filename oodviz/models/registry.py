@@ -315,3 +315,16 @@ def wrap_model(
         backbone.feature_shape()
     _check_classes(backbone, classes)
     return backbone
+
+
+def backbone_classes(name: str, weights: str | None = "default", checkpoint=None) -> list[str] | None:
+    """The class names ``load_backbone(name, weights, checkpoint)`` gives the backbone, without loading it:
+    the bundled models' classes, the torchvision weights' categories (also for ``"random"``), ``None`` for a
+    checkpoint (its classes are not recorded in the file) or a model file."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key in USER_MODEL_NAMES or checkpoint is not None:
+        return None
+    arch = architecture(name)
+    if weights in (None, "random", "default") or not arch.torchvision:
+        return architecture_classes(arch)
+    return list(weights_enum(arch.name, weights).meta["categories"])

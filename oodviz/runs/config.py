@@ -10,16 +10,17 @@ and ``"fashion-mnist"`` (``fashion-cnn`` on the real Fashion-MNIST, :func:`fashi
 
 from __future__ import annotations
 
-import json
-import tomllib
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from oodviz.data.base import SUBSAMPLE_MODES
 from oodviz.data.registry import GROUPS
 from oodviz.engine import FEATURE_DTYPES, PRECISIONS
 from oodviz.models import POOLINGS, device_problem
+from oodviz.params import describe, matches, non_finite, param_problems, shown
+from oodviz.runs.validation import MAX_BATCH_SIZE, ConfigError, cpu_count, device_problem_here, read_config_file
 
 DEFAULT_OOD = (
     "digits-heldout",
@@ -29,14 +30,6 @@ DEFAULT_OOD = (
     "noise-gaussian",
     "noise-uniform",
 )
-
-
-class ConfigError(ValueError):
-    """An invalid RunConfig; ``problems`` lists every one found."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("Invalid run config:\n" + "\n".join(f"- {p}" for p in problems))
 
 
 @dataclass
@@ -91,23 +84,26 @@ class RunConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> RunConfig:
-        """Build a config from plain data; unknown keys are a ConfigError listing them all."""
+    def from_dict(cls, data: Mapping) -> RunConfig:
+        """Build a config from plain data. Unknown keys, and datasets or detectors that are neither a name nor
+        a table with a ``name``, are a ConfigError listing them all; the values are checked by :meth:`problems`."""
+        if not isinstance(data, Mapping):
+            raise ConfigError([f"a run config is a table of settings, got {shown(data)}"])
         data = dict(data)
-        problems = [f"unknown setting {key!r}" for key in sorted(set(data) - set(cls.__dataclass_fields__))]
-        sets = {}
+        problems = [f"unknown setting {key!r}" for key in sorted(set(data) - set(cls.__dataclass_fields__), key=str)]
         for key in ("id_fit", "id_test"):
             if key in data:
-                sets[key] = _dataset_choice(data.pop(key), key, problems)
-        if "ood" in data:
-            sets["ood"] = [_dataset_choice(d, f"ood[{i}]", problems) for i, d in enumerate(data.pop("ood") or [])]
-        if "detectors" in data:
-            sets["detectors"] = [
-                _detector_choice(d, f"detectors[{i}]", problems) for i, d in enumerate(data.pop("detectors") or [])
-            ]
+                data[key] = _choice(DatasetChoice, data[key], key, problems)
+        for key, kind in (("ood", DatasetChoice), ("detectors", DetectorChoice)):
+            if key not in data:
+                continue
+            if isinstance(data[key], list):
+                data[key] = [_choice(kind, item, f"{key}[{i}]", problems) for i, item in enumerate(data[key])]
+            else:
+                problems.append(f"{key} must be a list of names or tables, got {shown(data[key])}")
         if problems:
             raise ConfigError(problems)
-        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__}, **sets)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
     def save(self, path: Path) -> None:
         from oodviz.runs.rundir import write_json
@@ -116,83 +112,94 @@ class RunConfig:
 
     @classmethod
     def load(cls, path: Path) -> RunConfig:
-        """Read a ``.json`` or ``.toml`` file."""
-        path = Path(path)
-        text = path.read_text()
-        try:
-            data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-        except (tomllib.TOMLDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError([f"{path} is not valid {path.suffix.lstrip('.').upper() or 'JSON'}: {error}"]) from None
-        return cls.from_dict(data)
+        """Read a ``.json`` or ``.toml`` file (:func:`oodviz.runs.validation.read_config_file`); a
+        ConfigError with one message for a file that cannot be read as a table of settings."""
+        return cls.from_dict(read_config_file(Path(path)))
 
     # -- validation -------------------------------------------------------------------------
     def problems(self) -> list[str]:
-        """Every problem with this config (empty when it is valid); no data is loaded."""
-        from oodviz.data import available_datasets
-        from oodviz.detectors import available, create
-        from oodviz.models import available_backbones
+        """Every problem with this config (empty when it is valid), checked against this machine's devices
+        and the model's layer names and classes; no data is loaded, no weights are read."""
+        wrong = _type_problems(self, _FIELD_TYPES, "")
+        found = list(wrong.values())
+        model_found = self._model_problems(wrong)
+        found += model_found
+        named = [("id_fit", self.id_fit), ("id_test", self.id_test)]
+        named += [(f"ood[{i}]", d) for i, d in enumerate(self.ood)] if "ood" not in wrong else []
+        model_known = not ({"backbone", "weights", "checkpoint"} & set(wrong)) and not model_found
+        for where, choice in named:
+            found += _dataset_problems(choice, where, self if model_known else None)
+        if "ood" not in wrong:
+            if not self.ood:
+                found.append("choose at least one OOD dataset")
+            ood_names = [d.name for d in self.ood if isinstance(d, DatasetChoice) and isinstance(d.name, str)]
+            for name in sorted({n for n in ood_names if ood_names.count(n) > 1}):
+                found.append(f"OOD dataset {name!r} is listed twice")
+        if "detectors" not in wrong:
+            if not self.detectors:
+                found.append("choose at least one detector")
+            for i, choice in enumerate(self.detectors):
+                found += _detector_problems(choice, f"detectors[{i}]")
+        # device_problem checks the type too, with the message that lists the accepted names
+        if problem := device_problem(self.device) or device_problem_here(self.device):
+            found.append(problem)
+        limits = {"batch_size": (1, MAX_BATCH_SIZE), "num_workers": (0, cpu_count()), "seed": (0, None)}
+        for key, (low, high) in limits.items():
+            value = getattr(self, key)
+            if key in wrong:
+                continue
+            if value < low:
+                found.append(f"{key} must be an integer >= {low}, got {value!r}")
+            elif high is not None and value > high:
+                why = "the largest batch oodviz takes" if key == "batch_size" else "the CPU cores this process may use"
+                found.append(f"{key} must be at most {high} ({why}), got {value!r}")
+        for key, allowed in (
+            ("precision", tuple(PRECISIONS)),
+            ("feature_dtype", FEATURE_DTYPES),
+            ("pooling", POOLINGS),
+        ):
+            if key not in wrong and getattr(self, key) not in allowed:
+                found.append(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        if "memory_budget_gb" not in wrong and self.memory_budget_gb <= 0:
+            found.append(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}")
+        return found
+
+    def _model_problems(self, wrong: dict[str, str]) -> list[str]:
+        """The backbone, its weights, checkpoint file and layer."""
+        from oodviz.models import architecture_layer_names, available_backbones
         from oodviz.models.registry import USER_MODEL_NAMES
 
         found = []
+        if "weights" not in wrong and self.weights not in ("default", "random"):
+            found.append(f"weights must be 'default' or 'random', got {self.weights!r}")
+        if "checkpoint" not in wrong and self.checkpoint is not None and not _is_file(self.checkpoint):
+            found.append(f"checkpoint file {self.checkpoint} does not exist")
+        if "backbone" in wrong:
+            return found
         backbones = available_backbones()
         if self.backbone in USER_MODEL_NAMES:
             if self.checkpoint is None:
                 found.append(f"backbone {self.backbone!r} needs checkpoint: the path of your model file")
+            if self.layer is not None:
+                found.append(
+                    f"layer={self.layer!r} is not supported for {self.backbone} models (hooks cannot be attached "
+                    "to them); leave layer unset, or load a state dict of a built-in architecture"
+                )
         elif self.backbone not in backbones:
             found.append(
                 f"backbone {self.backbone!r} is unknown; choose one of: {', '.join(backbones)} "
                 f"(or {' / '.join(USER_MODEL_NAMES)} with a checkpoint file)"
             )
-        if self.weights not in ("default", "random"):
-            found.append(f"weights must be 'default' or 'random', got {self.weights!r}")
-        if self.checkpoint is not None and not Path(self.checkpoint).is_file():
-            found.append(f"checkpoint file {self.checkpoint} does not exist")
-        if self.pooling not in POOLINGS:
-            found.append(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
-        datasets = available_datasets()
-        named = [("id_fit", self.id_fit), ("id_test", self.id_test)] + [
-            (f"ood[{i}] ", d) for i, d in enumerate(self.ood)
-        ]
-        for where, choice in named:
-            where = where.strip()
-            if choice.name not in datasets:
-                found.append(f"{where}: dataset {choice.name!r} is unknown; choose one of: {', '.join(datasets)}")
-            if choice.subsample is not None and (not isinstance(choice.subsample, int) or choice.subsample <= 0):
-                found.append(f"{where}: subsample must be a positive number of samples, got {choice.subsample!r}")
-            if choice.subsample_mode not in SUBSAMPLE_MODES:
-                found.append(f"{where}: subsample_mode must be one of {SUBSAMPLE_MODES}, got {choice.subsample_mode!r}")
-            if choice.group not in GROUPS:
-                found.append(f"{where}: group must be 'near', 'far' or unset, got {choice.group!r}")
-        if not self.ood:
-            found.append("choose at least one OOD dataset")
-        ood_names = [d.name for d in self.ood]
-        for name in sorted({n for n in ood_names if ood_names.count(n) > 1}):
-            found.append(f"OOD dataset {name!r} is listed twice")
-        if not self.detectors:
-            found.append("choose at least one detector")
-        for i, choice in enumerate(self.detectors):
-            if choice.name not in available():
+        elif "layer" not in wrong and self.layer is not None:
+            names = architecture_layer_names(self.backbone)
+            if self.layer not in names:
+                close = difflib.get_close_matches(self.layer, names, n=5, cutoff=0.5)
+                top = [n for n in names if "." not in n]
                 found.append(
-                    f"detectors[{i}]: detector {choice.name!r} is unknown; choose one of: {', '.join(available())}"
+                    f"{self.backbone} has no layer {self.layer!r}"
+                    + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
+                    + f" Its top-level layers: {', '.join(top)}"
                 )
-                continue
-            try:
-                create(choice.name, **choice.params)
-            except (ValueError, TypeError) as error:
-                found.append(f"detectors[{i}] ({choice.name}): {error}")
-        if (problem := device_problem(self.device)) is not None:
-            found.append(problem)
-        for key in ("batch_size", "seed", "num_workers"):
-            value = getattr(self, key)
-            minimum = 1 if key == "batch_size" else 0
-            if not isinstance(value, int) or value < minimum:
-                found.append(f"{key} must be an integer >= {minimum}, got {value!r}")
-        if self.precision not in PRECISIONS:
-            found.append(f"precision must be one of {tuple(PRECISIONS)}, got {self.precision!r}")
-        if self.feature_dtype not in FEATURE_DTYPES:
-            found.append(f"feature_dtype must be one of {FEATURE_DTYPES}, got {self.feature_dtype!r}")
-        if not isinstance(self.memory_budget_gb, (int, float)) or self.memory_budget_gb <= 0:
-            found.append(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}")
         return found
 
     def validate(self) -> RunConfig:
@@ -203,26 +210,114 @@ class RunConfig:
         return self
 
 
-def _dataset_choice(value, where: str, problems: list[str]) -> DatasetChoice | None:
-    if isinstance(value, str):
-        return DatasetChoice(value)
-    if not isinstance(value, dict) or "name" not in value:
-        problems.append(f"{where} must be a dataset name or a table with a 'name', got {value!r}")
-        return None
-    unknown = sorted(set(value) - set(DatasetChoice.__dataclass_fields__))
-    problems.extend(f"{where}: unknown setting {key!r}" for key in unknown)
-    return DatasetChoice(**{k: v for k, v in value.items() if k in DatasetChoice.__dataclass_fields__})
+#: The type of every RunConfig setting that holds a value (the datasets and detectors are checked apart).
+_FIELD_TYPES = {
+    "backbone": str,
+    "weights": str,
+    "checkpoint": str | None,
+    "layer": str | None,
+    "pooling": str,
+    "ood": list,
+    "detectors": list,
+    "batch_size": int,
+    "precision": str,
+    "num_workers": int,
+    "seed": int,
+    "data_root": str,
+    "download": bool,
+    "feature_dtype": str,
+    "memory_budget_gb": float,
+}
+_DATASET_TYPES = {"name": str, "params": dict, "subsample": int | None, "subsample_mode": str, "group": str | None}
+_DETECTOR_TYPES = {"name": str, "params": dict}
 
 
-def _detector_choice(value, where: str, problems: list[str]) -> DetectorChoice | None:
+def _type_problems(obj, types: dict, where: str) -> dict[str, str]:
+    """Attribute name -> its problem, for each attribute of ``obj`` named in ``types`` whose value has
+    another type or is not finite; messages name the attribute prefixed by ``where``."""
+    found = {}
+    for key, annotation in types.items():
+        value = getattr(obj, key)
+        name = f"{where}{key}"
+        if annotation in (list, dict):
+            if not isinstance(value, annotation):
+                found[key] = f"{name} must be a {'list' if annotation is list else 'table'}, got {shown(value)}"
+        elif value is None and not matches(None, annotation):
+            found[key] = f"{name} needs a value ({describe(annotation)}), got null"
+        elif not matches(value, annotation):
+            found[key] = f"{name} must be {describe(annotation)}, got {shown(value)}"
+        elif non_finite(value, name):
+            found[key] = non_finite(value, name)[0]
+    return found
+
+
+def _dataset_problems(choice: DatasetChoice, where: str, config: RunConfig | None) -> list[str]:
+    """What is wrong with one dataset choice; ``config`` (None when its model is wrong) gives the model's
+    classes for ``class_map="model"``."""
+    from oodviz.data import available_datasets, dataset_param_problems
+    from oodviz.models import backbone_classes
+
+    if not isinstance(choice, DatasetChoice):
+        return [f"{where} must be a DatasetChoice, got {choice!r}"]
+    wrong = _type_problems(choice, _DATASET_TYPES, f"{where}.")
+    found = list(wrong.values())
+    datasets = available_datasets()
+    if "name" not in wrong:
+        if choice.name not in datasets:
+            found.append(f"{where}: dataset {choice.name!r} is unknown; choose one of: {', '.join(datasets)}")
+        elif "params" not in wrong:
+            found += dataset_param_problems(choice.name, choice.params, f"{where} ({choice.name})")
+            if not found and choice.params.get("class_map") == "model" and config is not None:
+                classes = backbone_classes(config.backbone, config.weights, config.checkpoint)
+                if not classes:
+                    found.append(
+                        f'{where}: class_map="model" needs a model with class names; {config.backbone} '
+                        f"{'with a checkpoint ' if config.checkpoint else ''}has none, so leave class_map unset"
+                    )
+    if "subsample" not in wrong and choice.subsample is not None and choice.subsample <= 0:
+        found.append(f"{where}: subsample must be a positive number of samples, got {choice.subsample!r}")
+    if "subsample_mode" not in wrong and choice.subsample_mode not in SUBSAMPLE_MODES:
+        found.append(f"{where}: subsample_mode must be one of {SUBSAMPLE_MODES}, got {choice.subsample_mode!r}")
+    if "group" not in wrong and choice.group not in GROUPS:
+        found.append(f"{where}: group must be 'near', 'far' or unset, got {choice.group!r}")
+    return found
+
+
+def _detector_problems(choice: DetectorChoice, where: str) -> list[str]:
+    """What is wrong with one detector choice: its name, its parameters' names, types and values."""
+    from oodviz.detectors import available, create, detector_class
+
+    if not isinstance(choice, DetectorChoice):
+        return [f"{where} must be a DetectorChoice, got {choice!r}"]
+    found = list(_type_problems(choice, _DETECTOR_TYPES, f"{where}.").values())
+    if found:
+        return found
+    if choice.name not in available():
+        return [f"{where}: detector {choice.name!r} is unknown; choose one of: {', '.join(available())}"]
+    # the detectors check their values themselves, with messages that say more (mcd's samples >= 2 for "var")
+    found = param_problems(
+        detector_class(choice.name), choice.params, f"{where} ({choice.name})", skip=("model",), signs=False
+    )
+    if found:
+        return found
+    try:
+        create(choice.name, **choice.params)
+    except (ValueError, TypeError) as error:
+        found.append(f"{where} ({choice.name}): {error}")
+    return found
+
+
+def _choice(kind: type, value, where: str, problems: list[str]):
+    """A DatasetChoice or DetectorChoice from a name or a table (unknown keys are problems)."""
     if isinstance(value, str):
-        return DetectorChoice(value)
-    if not isinstance(value, dict) or "name" not in value:
-        problems.append(f"{where} must be a detector name or a table with a 'name', got {value!r}")
+        return kind(value)
+    if not isinstance(value, Mapping) or "name" not in value:
+        what = "dataset" if kind is DatasetChoice else "detector"
+        problems.append(f"{where} must be a {what} name or a table with a 'name', got {shown(value)}")
         return None
-    unknown = sorted(set(value) - {"name", "params"})
-    problems.extend(f"{where}: unknown setting {key!r}" for key in unknown)
-    return DetectorChoice(value["name"], dict(value.get("params") or {}))
+    known = {f.name for f in fields(kind)}
+    problems.extend(f"{where}: unknown setting {key!r}" for key in sorted(set(value) - known, key=str))
+    return kind(**{k: v for k, v in value.items() if k in known})
 
 
 # -- presets ------------------------------------------------------------------------------------
@@ -269,3 +364,10 @@ def preset(name: str) -> RunConfig:
     if name not in PRESETS:
         raise ConfigError([f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}"])
     return PRESETS[name]()
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name the OS cannot take (a NUL byte, too long)
+        return False

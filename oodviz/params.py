@@ -1,0 +1,123 @@
+"""Keyword parameters checked against the signature of the function that takes them, before it runs.
+
+:func:`param_problems` is how a run config's dataset and detector parameters are checked before any
+work: unknown names, values of the wrong type, numbers that are not finite, negative counts. A
+parameter's type is its annotation (``k: int = 50``, ``path: str | None = None``,
+``size: int | tuple[int, int]``), else nothing is assumed; an integer parameter whose default is
+positive takes positive values, one whose default is 0 takes values >= 0 (counts, sizes, seeds).
+``bool`` is not an integer here, an ``int`` is accepted where a ``float`` is asked for, and a JSON
+list where a ``tuple`` is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import types
+import typing
+from collections.abc import Callable, Mapping
+
+_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+
+
+def shown(value) -> str:
+    """``value`` as a config file spells it (``true``, ``null``, ``"text"``, ``Infinity``), else its repr."""
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def non_finite(value, where: str) -> list[str]:
+    """One problem per number inside ``value`` (nested lists and tables too) that is NaN or infinite."""
+    found, pending = [], [(where, value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            found.append(f"{path} must be a finite number, got {shown(item)}")
+        elif isinstance(item, Mapping):
+            pending.extend((f"{path}.{key}", v) for key, v in reversed(list(item.items())))
+        elif isinstance(item, (list, tuple)):
+            pending.extend((f"{path}[{i}]", v) for i, v in reversed(list(enumerate(item))))
+    return found
+
+
+def matches(value, annotation) -> bool:
+    """Whether ``value`` fits ``annotation`` (a type, a union, ``tuple[...]``, ``list[...]``); unknown
+    annotations (a class of the library, ``typing.Any``) accept anything."""
+    if annotation is None or annotation is type(None):
+        return value is None
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(matches(value, option) for option in typing.get_args(annotation))
+    if origin in (tuple, list):
+        args = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)):
+            return False
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return len(value) == len(args) and all(matches(v, a) for v, a in zip(value, args))
+        return not args or all(matches(v, args[0]) for v in value)
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    return True
+
+
+def describe(annotation) -> str:
+    """``int | None`` -> ``"an integer or null"``; ``tuple[int, int]`` -> ``"a list of 2 integers"``."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(describe(option) for option in typing.get_args(annotation))
+    if origin in (tuple, list):
+        args = typing.get_args(annotation)
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            return f"a list of {len(args)} {describe(args[0]).removeprefix('an ').removeprefix('a ')}s"
+        return "a list"
+    return _NAMES.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _signature(function: Callable) -> inspect.Signature:
+    try:
+        return inspect.signature(function, eval_str=True)
+    except (NameError, TypeError, SyntaxError):  # an annotation naming what is not importable here
+        return inspect.signature(function)
+
+
+def param_problems(
+    function: Callable, params: Mapping, where: str, skip: tuple[str, ...] = (), signs: bool = True
+) -> list[str]:
+    """Every problem with calling ``function(**params)`` that its signature shows; ``where`` prefixes
+    each message, ``skip`` names parameters the caller supplies itself (``root``, ``self``), ``signs=False``
+    leaves the signs of integers to ``function`` (a constructor that checks its values itself)."""
+    if not isinstance(params, Mapping):
+        return [f"{where}: params must be a table of name = value, got {shown(params)}"]
+    accepted = {
+        name: p
+        for name, p in _signature(function).parameters.items()
+        if name not in skip and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    unknown = [str(name) for name in params if name not in accepted]
+    found = []
+    if unknown:
+        valid = ", ".join(accepted) or "none"
+        found.append(f"{where} has no parameter(s) {', '.join(sorted(unknown))}; its parameters: {valid}")
+    for name, value in params.items():
+        if name not in accepted:
+            continue
+        parameter = accepted[name]
+        annotation, default = parameter.annotation, parameter.default
+        if non_finite(value, name):
+            found.extend(f"{where}: {problem}" for problem in non_finite(value, name))
+        elif annotation is not parameter.empty and not matches(value, annotation):
+            found.append(f"{where}: {name} must be {describe(annotation)}, got {shown(value)}")
+        elif signs and matches(value, int) and matches(default, int) and value < min(default, 1):
+            minimum = min(default, 1)
+            found.append(f"{where}: {name} must be {'positive' if minimum else '>= 0'}, got {value}")
+    return found
