@@ -83,14 +83,17 @@ def handle_form(values: FormValues, action: str | None) -> None:
 
 
 def runs_table() -> pd.DataFrame:
+    """One row per run, read-only (:func:`oodviz.runs.summary.summarise`): a damaged run's state says what is wrong."""
     rows = []
     for run in list_runs(runs_root()):
-        refresh(run)
         s = summarise(run)
+        state = s["error"] if s["state"] == "damaged" else str(s["state"])
+        if s["failed_detectors"]:
+            state += f" ({len(s['failed_detectors'])} detector(s) failed)"
         rows.append(
             {
                 "run": s["run_id"],
-                "state": s["state"],
+                "state": state,
                 "what": s["title"],
                 "best detector": s["best_detector"],
                 "mean AUROC": s["best_auroc"],
@@ -167,6 +170,9 @@ def run_page(run: RunDir) -> None:
 
     status = refresh(run)
     state = status.get("state")
+    if state == "damaged":
+        st.error(f"This run cannot be shown: {status.get('error')}. Delete it from Past runs (All runs).")
+        return
     if state not in FINAL_STATES:
         st.caption(f"Run directory: {run.path.resolve()}")
         job_panel(run)  # it shows the live state itself
