@@ -20,6 +20,7 @@ from oodviz.runs.jobs import MAX_QUEUED, QueueFull, delete_run, list_runs, refre
 from oodviz.runs.rundir import RunDir, process_alive, process_started, write_atomic
 from oodviz.runs.summary import summarise
 
+APP = Path(__file__).resolve().parents[1] / "app.py"
 MSP = DetectorChoice("msp")
 KNN_TOO_LARGE = DetectorChoice("knn", {"k": 10**6})
 
@@ -155,7 +156,7 @@ def test_the_app_lists_damaged_runs_and_can_delete_them(damaged_root, tmp_path, 
     root = tmp_path / "runs"
     shutil.copytree(damaged_root, root)
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(root))
-    app = AppTest.from_function(lambda: __import__("oodviz.ui.main", fromlist=["main"]).main(), default_timeout=120)
+    app = AppTest.from_file(str(APP), default_timeout=120)
     app.run()
     assert not app.exception and not [e.value for e in app.error], [e.value for e in app.error]
     table = app.dataframe[0].value
@@ -170,7 +171,7 @@ def test_opening_a_damaged_run_says_so(damaged_root, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(damaged_root))
-    app = AppTest.from_function(lambda: __import__("oodviz.ui.main", fromlist=["main"]).main(), default_timeout=120)
+    app = AppTest.from_file(str(APP), default_timeout=120)
     app.query_params["run"] = "status-list"
     app.run()
     assert not app.exception
@@ -292,12 +293,13 @@ def test_a_full_disk_fails_the_run_with_the_cause_and_leaves_no_temporary_file(s
     config = small_config(ood=[DatasetChoice("noise-uniform", params={"n": 200})], detectors=[MSP])
     config.save(small_disk.parent / "run.json")
     filler = small_disk / "filler"
-    with open(filler, "wb") as f:  # leave ~1.5 MiB: the status fits, the feature stores do not
-        f.write(b"\0" * (psutil.disk_usage(str(small_disk)).free - 1_500_000))
+    with open(filler, "wb") as f:  # leave ~200 KB: the run's files fit, the 500 KiB of feature stores do not
+        f.write(b"\0" * (psutil.disk_usage(str(small_disk)).free - 200_000))
     result = oodviz_cli("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs")
     assert result.returncode == 1, result.stderr[-2000:]
     (run,) = list_runs(small_disk / "runs")
     status = run.read_status()
-    assert status["state"] == "failed" and status["error"].startswith("disk full: writing "), status["error"]
-    assert " MiB free on " in status["error"]
+    assert status["state"] == "failed", status
+    assert status["error"].startswith("disk full during extract id_fit") and " MiB free on " in status["error"]
+    assert "error: disk full during extract id_fit" in result.stderr
     assert not [p for p in run.path.iterdir() if p.name.endswith(".tmp")]

@@ -18,6 +18,7 @@ last line that is still being written.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -223,7 +224,15 @@ class RunDir:
             if only_if is not None and not only_if(status):
                 return status
             status.update(changes)
-            write_json(self.status_path, status)
+            try:
+                write_json(self.status_path, status)
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                # a full disk has no room for a second copy: rewrite the file in place, so that the run's
+                # end is still recorded (a reader may see it damaged for that instant); no traceback
+                with open(self.status_path, "w") as f:
+                    f.write(json.dumps({k: v for k, v in status.items() if k != "detail"}, default=str))
             return status
 
     def read_config(self) -> dict:

@@ -29,7 +29,9 @@ def describe_error(error: Exception, run: RunDir) -> str:
             free = f"{shutil.disk_usage(run.path.parent).free / 2**20:.1f} MiB free"
         except OSError:
             free = "free space unknown"
-        return f"disk full: writing {error.filename or 'a result file'} failed ({free} on {run.path.parent})"
+        stage = run.read_status().get("stage") or "the run"
+        written = f" writing {error.filename}" if error.filename else ""
+        return f"disk full during {stage}{written}: {free} on {run.path.parent}; free some space and run again"
     return f"{type(error).__name__}: {error}"
 
 
@@ -59,7 +61,10 @@ def execute(run: RunDir, echo: Callable[[dict], None] | None = None) -> str:
         detail = traceback.format_exc()
         message = describe_error(error, run)
         run.write_status(state="failed", finished=time.time(), error=message, detail=detail)
-        reporter.emit(None, {"event": "failed", "message": message, "detail": detail})
+        try:
+            reporter.emit(None, {"event": "failed", "message": message, "detail": detail})
+        except OSError:  # a full disk: the status says why
+            pass
         return "failed"
     finally:
         run.remove_scratch()
