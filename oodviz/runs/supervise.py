@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from oodviz.runs.jobs import CANCEL_GRACE_S, queue_ahead, start_worker
-from oodviz.runs.rundir import FINAL_STATES, RunDir, process_started
+from oodviz.runs.rundir import FINAL_STATES, RunDir, process_alive, process_started
 
 POLL_S = 0.2
 
@@ -50,7 +50,9 @@ def stop_on_sigterm(run: RunDir, worker) -> None:
 
     def stop(number, frame):
         worker.kill()
-        worker.wait()
+        deadline = time.monotonic() + 5.0
+        while process_alive(worker.pid, None) and time.monotonic() < deadline:  # not worker.wait(): the
+            time.sleep(0.05)  # handler may interrupt Popen.poll while it holds the lock wait() needs
         run.remove_scratch()
         reason = "the supervisor was stopped (SIGTERM); its worker was killed"
         try:
