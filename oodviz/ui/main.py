@@ -16,7 +16,7 @@ import streamlit as st
 
 from oodviz.runs.config import ConfigError, RunConfig, preset
 from oodviz.runs.jobs import delete_run, list_runs, refresh, submit
-from oodviz.runs.rundir import FINAL_STATES, RunDir
+from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
 from oodviz.runs.summary import summarise
 from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
 from oodviz.ui.sidebar import memory_estimate, render_form
@@ -170,8 +170,10 @@ def run_page(run: RunDir) -> None:
 
     status = refresh(run)
     state = status.get("state")
-    if state == "damaged":
-        st.error(f"This run cannot be shown: {status.get('error')}. Delete it from Past runs (All runs).")
+    _, config_problem = read_json_object(run.config_path)
+    if state == "damaged" or config_problem:
+        damage = status.get("error") if state == "damaged" else f"damaged: {config_problem}"
+        st.error(f"This run cannot be shown: {damage}. Delete it from Past runs (All runs).")
         return
     if state not in FINAL_STATES:
         st.caption(f"Run directory: {run.path.resolve()}")
