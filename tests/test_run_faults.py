@@ -78,6 +78,21 @@ def test_a_failing_detector_leaves_the_others_results_and_exits_3(runs_root):
     assert summarise(run)["failed_detectors"] == ["knn"]
 
 
+def test_the_run_page_shows_a_failed_detectors_error_next_to_the_others_results(runs_root, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    if not (runs_root / "knn-and-msp" / "metrics.csv").exists():
+        cli_run(runs_root, [KNN_TOO_LARGE, MSP], "knn-and-msp")
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(runs_root))
+    app = AppTest.from_file(str(APP), default_timeout=120)
+    app.query_params["run"] = "knn-and-msp"
+    app.run()
+    assert not app.exception
+    errors = [e.value for e in app.error]
+    assert len(errors) == 1 and errors[0].startswith("knn failed: ValueError: knn: k=1000000 exceeds the 1081")
+    assert "msp" in app.dataframe[0].value.to_string()
+
+
 def test_non_finite_scores_fail_only_their_detector(runs_root):
     result, run = cli_run(runs_root, [DetectorChoice("energy", {"temperature": 1e-300}), MSP], "energy-tiny-t")
     assert result.returncode == 3, result.stderr[-2000:]
