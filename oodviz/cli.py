@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from oodviz.ui.access import AccessPolicy
 
 DEFAULT_RUNS_ROOT = Path("runs")
+EXIT_DONE_WITH_FAILURES = 3
+#: ``oodviz run``'s exit status by final state (done with failed detectors: :data:`EXIT_DONE_WITH_FAILURES`)
+EXIT_CODES = {"done": 0, "failed": 1, "cancelled": 130}
+RUN_EXIT_CODES = """exit status:
+  0    done: every detector scored, results written
+  1    failed: nothing usable (the error says why; every detector failed, a disk full, ...)
+  2    bad config or run directory: nothing was started
+  3    done with failures: some detectors failed (see detectors.json), the others' results are written
+  130  cancelled (Ctrl-C or a cancel request): finished parts are kept"""
 
 
 def _progress_line(event: dict) -> str:
@@ -89,22 +98,34 @@ def cmd_run(args) -> int:
     except FileExistsError as error:
         print(error, file=sys.stderr)
         return 2
-    print(f"run {run.path}", file=sys.stderr)
+    print(
+        f"run {run.path} (in the foreground, alongside queued app runs: it does not wait in their queue)",
+        file=sys.stderr,
+    )
     started = time.monotonic()
     state = execute(run, echo=TerminalProgress())
+    status = run.read_status()
     print(f"{state} in {time.monotonic() - started:.1f}s: {run.path}", file=sys.stderr)
-    if state == "done":
-        from oodviz.results import group_means, read_table
+    if state == "failed":
+        print(f"error: {status.get('error')}", file=sys.stderr)
+    if state != "done":
+        return EXIT_CODES.get(state, 1)
+    from oodviz.results import group_means, read_result_table
 
-        table = group_means(read_table(run.path / "metrics.csv"), values=("auroc", "fpr95"))
-        print("\nMean AUROC / FPR95 per near/far group (OOD is positive; FPR95 = ID flagged at 95% OOD recall):")
-        print(table.round(3).to_string())
-        print(f"\nFull table: {run.path / 'metrics.csv'}")
-    return {"done": 0, "cancelled": 130}.get(state, 1)
+    table = group_means(read_result_table(run.path, "metrics.csv"), values=("auroc", "fpr95"))
+    print("\nMean AUROC / FPR95 per near/far group (OOD is positive; FPR95 = ID flagged at 95% OOD recall):")
+    print(table.round(3).to_string())
+    print(f"\nFull table: {run.path / 'metrics.csv'}")
+    failed = status.get("failed_detectors") or []
+    if failed:
+        print(f"\n{len(failed)} detector(s) failed: {', '.join(failed)} (errors in {run.path / 'detectors.json'})")
+        return EXIT_DONE_WITH_FAILURES
+    return 0
 
 
 def cmd_runs(args) -> int:
-    from oodviz.runs.jobs import list_runs, refresh
+    """List the runs, read-only: a damaged run is listed as ``damaged: <what>``, a dead job as failed."""
+    from oodviz.runs.jobs import list_runs
     from oodviz.runs.summary import summarise
 
     runs = list_runs(Path(args.runs_root))
@@ -112,10 +133,14 @@ def cmd_runs(args) -> int:
         print(f"no runs under {args.runs_root}")
         return 0
     for run in runs:
-        refresh(run)
         s = summarise(run)
-        best = f"best AUROC {s['best_auroc']:.3f} ({s['best_detector']})" if s.get("best_auroc") is not None else ""
-        print(f"{run.run_id}  {s['state']:<9}  {s['title']:<40}  {best}")
+        if s["best_auroc"] is not None:
+            outcome = f"best AUROC {s['best_auroc']:.3f} ({s['best_detector']})"
+            if s["failed_detectors"]:
+                outcome += f"; failed: {', '.join(map(str, s['failed_detectors']))}"
+        else:
+            outcome = s["error"] or ""
+        print(f"{run.run_id}  {s['state']!s:<9}  {s['title']:<40}  {outcome}")
     return 0
 
 
@@ -241,7 +266,13 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="oodviz", description="Out-of-distribution detection you can see.")
     commands = parser.add_subparsers(dest="command", required=True)
-    run = commands.add_parser("run", help="run a job in the foreground (no CONFIG: the bundled offline default)")
+    run = commands.add_parser(
+        "run",
+        help="run a job in the foreground (no CONFIG: the bundled offline default)",
+        description="Run a job in the foreground, alongside any queued app runs (it does not wait in their queue).",
+        epilog=RUN_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     chosen = run.add_mutually_exclusive_group()
     chosen.add_argument("config", nargs="?", help="a run config, .json or .toml (see examples/)")
     chosen.add_argument(

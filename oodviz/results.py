@@ -24,7 +24,6 @@ Convention everywhere: **OOD is the positive class; higher score = more OOD.** A
 from __future__ import annotations
 
 import io
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from oodviz.metrics import RECALL_LEVEL, ood_metrics, threshold_at_recall
-from oodviz.runs.rundir import RunDir, write_atomic
+from oodviz.runs.rundir import RunDir, read_json_object, write_atomic
 
 ID_SPLIT = "id_test"
 OOD_SPLIT = "ood"
@@ -44,6 +43,12 @@ PER_CLASS_COLUMNS = ("class", "class_name", "n", "accuracy", "false_alarms", "fa
 #: ``per_class.csv``: :data:`PER_CLASS_COLUMNS` of every detector, with the threshold they were counted at
 PER_CLASS_FILE_COLUMNS = ("detector", *PER_CLASS_COLUMNS, "threshold")
 GROUP_MEAN_SUFFIX = " (mean)"
+#: the columns a result file must have to be read (:func:`read_table`)
+TABLE_COLUMNS = {
+    "metrics.csv": METRICS_COLUMNS,
+    "per_class.csv": PER_CLASS_FILE_COLUMNS,
+    "scores.parquet": SCORE_META_COLUMNS,
+}
 
 
 # -- the scores table -------------------------------------------------------------------------------
@@ -246,23 +251,29 @@ def write_table(path: Path, frame: pd.DataFrame) -> None:
     write_atomic(path, buffer.getvalue())
 
 
-def read_table(path: Path) -> pd.DataFrame | None:
-    """A CSV or Parquet table by suffix; ``None`` when it is missing or cannot be parsed."""
+def read_table(path: Path, columns=()) -> pd.DataFrame | None:
+    """A CSV or Parquet table by suffix; ``None`` when it is missing, cannot be parsed or lacks one of
+    ``columns`` (a result file's: :data:`TABLE_COLUMNS`)."""
     path = Path(path)
     if not path.exists():
         return None
     try:
-        return pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
+        table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
     except Exception:  # an unreadable or empty table is reported as absent, not as a crash of the page
         return None
+    return table if set(columns) <= set(table.columns) else None
 
 
-def read_json(path: Path):
-    """The parsed JSON file; ``None`` when it is missing or cannot be parsed."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (FileNotFoundError, json.JSONDecodeError, OSError):
-        return None
+def read_result_table(run_dir: Path, name: str) -> pd.DataFrame | None:
+    """The result table ``name`` of a run (``metrics.csv``, ``per_class.csv``, ``scores.parquet``), or
+    ``None`` when it is missing or damaged (not parsed, or without the schema's columns)."""
+    return read_table(Path(run_dir) / name, TABLE_COLUMNS[name])
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``; ``None`` when it is missing, cannot be parsed or is not an object."""
+    value, problem = read_json_object(path)
+    return None if problem else value
 
 
 @dataclass
@@ -305,16 +316,17 @@ class Results:
 
 
 def load_results(run_dir) -> Results:
-    """Read a run directory, finished or not: each missing or unreadable file gives ``None``."""
+    """Read a run directory, finished or not, never raising: each missing or unreadable file gives ``None``
+    (``config``: ``{}``; ``status``: state ``damaged`` with the reason, :meth:`RunDir.read_status`)."""
     path = Path(run_dir)
     run = RunDir(path)
     return Results(
         path=path,
         config=read_json(run.config_path) or {},
         status=run.read_status(),
-        metrics=read_table(path / "metrics.csv"),
-        scores=read_table(path / "scores.parquet"),
-        per_class=read_table(path / "per_class.csv"),
+        metrics=read_result_table(path, "metrics.csv"),
+        scores=read_result_table(path, "scores.parquet"),
+        per_class=read_result_table(path, "per_class.csv"),
         meta=read_json(path / "meta.json"),
         detectors=read_json(path / "detectors.json"),
         events=run.read_events(),

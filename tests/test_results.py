@@ -216,7 +216,8 @@ def test_load_results_of_an_unfinished_run_gives_none_for_missing_files(tmp_path
     assert r.events == [{"time": 1.0, "event": "start", "cpu_rss": 1048576}]  # half-written last line skipped
     assert r.class_names == []
     empty = R.load_results(tmp_path / "nothing")
-    assert empty.config == {} and empty.state == "failed" and empty.events == []
+    assert empty.config == {} and empty.state == "damaged" and empty.events == []
+    assert empty.status["error"] == "damaged: status.json is missing"
 
 
 def test_written_tables_read_back_unchanged(tmp_path, scores):

@@ -18,39 +18,23 @@ import sys
 import time
 from pathlib import Path
 
-from oodviz.runs.config import RunConfig
-from oodviz.runs.rundir import FINAL_STATES, RunDir
-from oodviz.runs.telemetry import job_environment
+from oodviz.runs.rundir import FINAL_STATES, RunDir, process_alive
+
+# Nothing here imports torch at module level: the supervisor imports this module and waits its turn
+# as a small process (the config, the telemetry's environment and the worker come in lazily).
 
 CANCEL_GRACE_S = 10.0  # after a cancel request, a worker that has not stopped by then is killed
+MAX_QUEUED = 20  # runs waiting in one runs root; each holds a small supervisor process
+STOP_WAIT_S = 10.0  # how long deleting a run waits for its processes to exit
 
 
-def pid_alive(pid: int | None, run: RunDir | None = None) -> bool:
-    """Whether process ``pid`` exists (and, given ``run``, was started for that run directory)."""
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    if run is not None:
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            return True  # no /proc (not Linux): trust the pid
-        if str(run.path.resolve()).encode() not in cmdline:
-            return False  # the pid was reused by another process
-        try:  # a zombie has exited; its parent has just not collected it yet
-            if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-                return False
-        except OSError:
-            pass
-    return True
+class QueueFull(ValueError):
+    """``submit`` when :data:`MAX_QUEUED` runs are already waiting."""
 
 
 def _spawn(module: str, run: RunDir, new_session: bool) -> subprocess.Popen:
+    from oodviz.runs.telemetry import job_environment
+
     log = open(run.log_path, "ab")
     env = job_environment(dict(os.environ, PYTHONUNBUFFERED="1"))  # cuda:N as the app lists it
     return subprocess.Popen(
@@ -63,9 +47,17 @@ def _spawn(module: str, run: RunDir, new_session: bool) -> subprocess.Popen:
     )
 
 
-def submit(config: RunConfig, runs_root: Path) -> RunDir:
-    """Validate ``config``, create its run directory and start it in the background."""
+def submit(config, runs_root: Path) -> RunDir:
+    """Validate ``config`` (a RunConfig), create its run directory and start it in the background.
+
+    :class:`QueueFull` when :data:`MAX_QUEUED` runs under ``runs_root`` are already waiting."""
     config.validate()
+    queued = [run for run in list_runs(runs_root) if refresh(run).get("state") == "queued"]
+    if len(queued) >= MAX_QUEUED:
+        raise QueueFull(
+            f"{len(queued)} runs are already queued under {runs_root} (the limit is {MAX_QUEUED}); "
+            "wait for some to finish or cancel some"
+        )
     run = RunDir.create(Path(runs_root), config.to_dict())
     # The supervisor forks and its first process exits at once, after recording the pid of the
     # second: waiting for it here leaves no zombie in a long-lived caller such as the app.
@@ -78,27 +70,49 @@ def start_worker(run: RunDir) -> subprocess.Popen:
     return _spawn("oodviz.runs.worker", run, new_session=False)
 
 
-def refresh(run: RunDir) -> dict:
-    """The run's status, after checking that an unfinished run still has a live supervisor.
+#: each process of a job, as ``status.json`` records it: (pid key, start time key)
+JOB_PROCESSES = (("supervisor_pid", "supervisor_started"), ("worker_pid", "worker_started"), ("pid", "pid_started"))
 
-    A run whose supervisor is gone (killed, or the machine restarted) is marked failed.
-    """
+
+def live_processes(status: dict) -> list[int]:
+    """The pids recorded in ``status`` whose process still runs (same pid and start time)."""
+    return [status[pid] for pid, started in JOB_PROCESSES if process_alive(status.get(pid), status.get(started))]
+
+
+def gone_reason(status: dict) -> str:
+    if "supervisor_pid" in status:
+        return "the supervisor was killed (or the machine restarted) before the run finished; its worker is gone too"
+    return "the job's processes are gone (killed, or the machine restarted) before it finished"
+
+
+def refresh(run: RunDir) -> dict:
+    """The run's status as it stands, read-only: an unfinished run none of whose processes is alive
+    (pid and start time, :func:`oodviz.runs.rundir.process_alive`) is reported ``failed``, with why.
+
+    Listing never writes (a full disk, a read-only copy of the runs, a damaged run cannot make it fail);
+    the supervisor records a dead job of its queue for good with :func:`settle`. Never raises."""
     status = run.read_status()
-    if status.get("state") in FINAL_STATES:
+    if status.get("state") in (*FINAL_STATES, "damaged") or not any(pid in status for pid, _ in JOB_PROCESSES):
+        return status  # finished, unreadable, or created and not started yet
+    if live_processes(status):
         return status
-    if "supervisor_pid" in status:  # a background job
-        alive = pid_alive(status["supervisor_pid"], run)
-    elif "pid" in status:  # `oodviz run` in the foreground
-        alive = pid_alive(status["pid"])
-    else:
-        return status  # created, not started yet
-    if not alive:
-        return run.write_status(
-            state="failed",
-            error="the job's processes are gone (killed, or the machine restarted) before it finished",
-            finished=time.time(),
-        )
-    return status
+    return {**status, "state": "failed", "error": gone_reason(status)}
+
+
+def settle(run: RunDir) -> dict:
+    """:func:`refresh`, and a dead job's ``failed`` written into its ``status.json`` (under the run's lock,
+    rechecked there); a write that fails (a deleted run, a full disk) leaves the file as it was."""
+    status = refresh(run)
+    if status.get("state") != "failed" or run.read_status().get("state") == "failed":
+        return status
+
+    def still_dead(current: dict) -> bool:
+        return current.get("state") in ("queued", "running") and not live_processes(current)
+
+    try:
+        return run.write_status(only_if=still_dead, state="failed", error=status["error"], finished=time.time())
+    except OSError:  # TimeoutError included
+        return status
 
 
 def cancel(run: RunDir) -> None:
@@ -110,24 +124,45 @@ def cancel(run: RunDir) -> None:
 
 
 def list_runs(runs_root: Path) -> list[RunDir]:
-    """Every run under ``runs_root``, newest first."""
+    """Every run under ``runs_root``, newest first: each directory (not hidden, such as the feature
+    stores' ``.features``) that holds a ``config.json``, ``status.json`` or ``events.jsonl``. Never raises."""
     root = Path(runs_root)
-    if not root.is_dir():
+    try:
+        entries = list(root.iterdir())
+    except OSError:
         return []
-    runs = [RunDir(p) for p in root.iterdir() if p.is_dir() and (p / "config.json").exists()]
+    marks = ("config.json", "status.json", "events.jsonl")
+    runs = []
+    for path in entries:
+        try:
+            if not path.name.startswith(".") and path.is_dir() and any((path / m).exists() for m in marks):
+                runs.append(RunDir(path))
+        except OSError:
+            continue
     return sorted(runs, key=lambda r: r.run_id, reverse=True)
 
 
+def stop_processes(status: dict) -> None:
+    """Kill the job's processes (the supervisor's process group holds its worker) and wait until they are gone."""
+    for pid in live_processes(status):
+        try:
+            if pid == status.get("supervisor_pid"):
+                os.killpg(os.getpgid(pid), signal.SIGKILL)  # the supervisor's session: it and its worker
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + STOP_WAIT_S
+    while live_processes(status) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def delete_run(run: RunDir) -> None:
-    """Remove a finished run; an unfinished one is cancelled and killed first."""
-    status = refresh(run)
+    """Remove a run, whatever its state or damage: its processes are killed first and waited for, so
+    that none can write into (and re-create) the directory afterwards."""
+    status = run.read_status()
     if status.get("state") not in FINAL_STATES:
-        pid = status.get("supervisor_pid")
-        if pid_alive(pid, run):
-            try:
-                os.killpg(os.getpgid(pid), signal.SIGKILL)  # the supervisor and its worker
-            except (ProcessLookupError, PermissionError):
-                pass
+        stop_processes(status)
     shutil.rmtree(run.path, ignore_errors=True)
 
 
@@ -137,6 +172,6 @@ def queue_ahead(run: RunDir) -> list[RunDir]:
     for other in list_runs(run.path.parent):
         if other.run_id >= run.run_id:
             continue
-        if refresh(other).get("state") in ("queued", "running"):
+        if settle(other).get("state") in ("queued", "running"):
             ahead.append(other)
     return ahead

@@ -10,9 +10,10 @@ belong to :mod:`oodviz.results` (``scores.parquet``, ``metrics.csv``, ``per_clas
 ``detectors.json``, ``meta.json``). ``scratch/`` holds detectors' working files (knn's bank) while
 the job runs; the worker removes it when it ends and the supervisor when the worker was killed.
 
-A detector that fails to fit or to score does not stop the others: :meth:`Job.detector_may_fail`
-records it in ``detectors.json`` (error and traceback), emits a warning, marks the stage failed
-and drops the detector (a score column it had for some splits is not written). Cancellation is
+A detector that fails to fit or to score, or gives a NaN or infinite score (:func:`finite_scores`),
+does not stop the others: :meth:`Job.detector_may_fail` records it in ``detectors.json`` (error and
+traceback), emits a warning, marks the stage failed and drops the detector (a score column it had
+for some splits is not written). When no detector is left the run fails (:func:`require_a_detector`). Cancellation is
 :class:`oodviz.engine.Cancelled`, raised at the next batch or stage and never recorded as a
 detector's failure.
 
@@ -280,6 +281,7 @@ def fit_detectors(job: Job) -> None:
                 "params": _logged_params(detector, choice),
                 "fit_s": time.perf_counter() - started,
             }
+    require_a_detector(job)
 
 
 def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
@@ -314,7 +316,7 @@ def score_with_models(job: Job, split: str) -> dict[str, np.ndarray]:
             job.detector_may_fail(name, f"score {split}", stage),
         ):
             started = time.perf_counter()
-            model_scores[name] = score_with_model(job, detector, split, stage)
+            model_scores[name] = finite_scores(detector, name, split, score_with_model(job, detector, split, stage))
             log = job.detector_log[name]
             log["score_s"] = log.get("score_s", 0.0) + time.perf_counter() - started
     return model_scores
@@ -333,9 +335,33 @@ def split_scores(job: Job, split: str, kind: str, dataset: str, model_scores: di
             else:
                 with job.detector_may_fail(name, f"score {split}", stage):
                     batches = store.batches(SCORE_BATCH, device=job.device)
-                    frame[name] = job.fitted[name].score(batches, device=job.device).numpy()
+                    values = job.fitted[name].score(batches, device=job.device).numpy()
+                    frame[name] = finite_scores(job.fitted[name], name, split, values)
             stage.progress(done, len(names), {})
     return frame
+
+
+def finite_scores(detector, name: str, split: str, values: np.ndarray) -> np.ndarray:
+    """``values`` when every score is finite; else ValueError naming how many are NaN or infinite and
+    what to change (a detector's metrics and tables are meaningless with them)."""
+    bad = int(values.size - np.isfinite(values).sum())
+    if bad:
+        tunable = [k for k in detector.get_params() if k not in ("model", "bank_dir")]
+        fix = "try another temperature" if "temperature" in tunable else f"try other parameters ({', '.join(tunable)})"
+        raise ValueError(f"{name} gave {bad} non-finite scores on {split} (of {values.size}); {fix}")
+    return values
+
+
+def require_a_detector(job: Job) -> None:
+    """RuntimeError naming each failed detector and why when none is left: the run has no results."""
+    if not job.fitted:
+        reasons = "; ".join(f"{name}: {entry['error']}" for name, entry in job.detector_log.items() if "error" in entry)
+        raise RuntimeError(f"every detector failed ({reasons})")
+
+
+def failed_detectors(job: Job) -> list[str]:
+    """Detectors of the config that failed to fit or to score, in config order."""
+    return [c.name for c in job.config.detectors if "error" in job.detector_log.get(c.name, {})]
 
 
 def score_with_model(job: Job, detector, split: str, stage: Stage) -> np.ndarray:
@@ -362,6 +388,7 @@ def score_with_model(job: Job, detector, split: str, stage: Stage) -> np.ndarray
 
 def write_scores(job: Job) -> None:
     """``scores.parquet`` (only the detectors that scored every split) and ``detectors.json``."""
+    require_a_detector(job)
     scores = pd.concat(job.frames, ignore_index=True)
     partial = [name for name in detectors_of(scores) if name not in job.fitted]
     job.scores = scores.drop(columns=partial)  # scored some splits, then failed: keep no partial column
@@ -387,8 +414,10 @@ def write_meta(job: Job) -> None:
 STAGES = (load_model, load_data, extract_splits, fit_detectors, score_splits, write_scores, write_metrics, write_meta)
 
 
-def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> None:
-    """Run every stage of :data:`STAGES` on ``config``'s job, writing its results into ``run``."""
+def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> list[str]:
+    """Run every stage of :data:`STAGES` on ``config``'s job, writing its results into ``run``; returns
+    the detectors that failed (:func:`failed_detectors`). RuntimeError when every detector failed."""
     job = start_job(config, run, reporter)
     for stage in STAGES:
         stage(job)
+    return failed_detectors(job)

@@ -3,7 +3,9 @@
 Layout of ``<runs root>/<run id>/``::
 
     config.json      the RunConfig, written once when the run is created
-    status.json      {"state", "stage", "error", "pid", "created", "started", "finished", "exit_code"}
+    status.json      {"state", "stage", "error", "created", "started", "finished", "exit_code", "failed_detectors",
+                      "supervisor_pid"/"worker_pid"/"pid" each with its process start time "..._started"}
+    .lock            the lock held while status.json is read, changed and written
     events.jsonl     one JSON event per line, appended by the worker (progress, memory, warnings)
     cancel           present = the user asked the run to stop
     worker.log       the worker's stdout and stderr
@@ -16,26 +18,37 @@ last line that is still being written.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import secrets
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+import psutil
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 STATES = ("queued", "running", "done", "failed", "cancelled")
 FINAL_STATES = ("done", "failed", "cancelled")
+#: what readers show for a run whose files cannot be read (never written: a reader's verdict)
+DAMAGED = "damaged"
+LOCK_TIMEOUT_S = 30.0
+START_TIME_TOLERANCE_S = 0.05  # psutil derives start times from clock ticks since boot
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` so that readers see the old or the new file, never a part."""
+    """Write ``data`` to ``path`` (its directory must exist) so that readers see the old or the new file,
+    never a part; on any error (a full disk) the temporary file is removed and the error raised."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # no mkdir: a write into a run directory that was deleted meanwhile must fail, not re-create it
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; results are ordinary files
@@ -47,6 +60,49 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_json_object(path: Path) -> tuple[dict, str | None]:
+    """``(the JSON object in path, None)``, or ``({}, what is wrong)`` when the file is missing, unreadable,
+    not UTF-8 JSON or not an object. Never raises."""
+    name = Path(path).name
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except FileNotFoundError:
+        return {}, f"{name} is missing"
+    except OSError as error:
+        return {}, f"{name} cannot be read ({error.strerror})"
+    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, nesting too deep
+        return {}, f"{name} is not valid JSON"
+    if not isinstance(value, dict):
+        return {}, f"{name} holds a {type(value).__name__}, not an object"
+    return value, None
+
+
+def process_started(pid: int) -> float | None:
+    """When process ``pid`` started (``psutil.Process(pid).create_time()``), None when there is no such process.
+
+    Recorded next to a pid in ``status.json``: a process with that pid but another start time is not ours."""
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def process_alive(pid: int | None, started: float | None) -> bool:
+    """Whether ``pid`` is a running (not zombie) process that started at ``started`` (as recorded by
+    :func:`process_started`; None: any start time, for records older than this check)."""
+    if not pid:
+        return False
+    try:
+        process = psutil.Process(pid)
+        if process.status() == psutil.STATUS_ZOMBIE:  # it has exited; its parent has not collected it yet
+            return False
+        return started is None or abs(process.create_time() - started) < START_TIME_TOLERANCE_S
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.AccessDenied:
+        return True
 
 
 def write_json(path: Path, value) -> None:
@@ -125,21 +181,66 @@ class RunDir:
         run.write_status(state="queued", created=time.time())
         return run
 
+    @property
+    def lock_path(self) -> Path:
+        return self.path / ".lock"
+
+    @contextmanager
+    def locked(self, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+        """Hold the run's lock (``flock`` on ``.lock``; TimeoutError after ``timeout_s``). Not
+        ``filelock``: it creates missing directories, and a run deleted meanwhile must stay deleted
+        (FileNotFoundError here). The lock is released when the holder exits, however it exits."""
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666 & ~_UMASK)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"{self.lock_path} is held by another process for over {timeout_s:.0f}s"
+                        ) from None
+                    time.sleep(0.01)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the lock
+
     # -- status ------------------------------------------------------------------------------
     def read_status(self) -> dict:
-        try:
-            return json.loads(self.status_path.read_text())
-        except FileNotFoundError:
-            return {"state": "failed", "error": "the run directory has no status.json (not an oodviz run?)"}
+        """``status.json``; never raises: a missing or unreadable one gives state ``damaged`` and says why."""
+        status, problem = read_json_object(self.status_path)
+        return status if problem is None else {"state": DAMAGED, "error": f"damaged: {problem}"}
 
-    def write_status(self, **changes) -> dict:
-        status = self.read_status() if self.status_path.exists() else {}
-        status.update(changes)
-        write_json(self.status_path, status)
-        return status
+    def write_status(self, only_if: Callable[[dict], bool] | None = None, **changes) -> dict:
+        """Apply ``changes`` to ``status.json`` under the run's lock (``.lock``), so that two processes
+        (supervisor, worker, the queue settling a dead job) never lose each other's changes; a damaged
+        status is replaced. ``only_if(status)`` false: nothing is written. Returns the status in force.
+        Raises OSError (FileNotFoundError when the run was deleted)."""
+        with self.locked():
+            status, problem = read_json_object(self.status_path)
+            status = {} if problem else status
+            if only_if is not None and not only_if(status):
+                return status
+            status.update(changes)
+            try:
+                write_json(self.status_path, status)
+            except OSError as error:
+                if error.errno != errno.ENOSPC:
+                    raise
+                # a full disk has no room for a second copy: rewrite the file in place, so that the run's
+                # end is still recorded (a reader may see it damaged for that instant); no traceback
+                with open(self.status_path, "w") as f:
+                    f.write(json.dumps({k: v for k, v in status.items() if k != "detail"}, default=str))
+            return status
 
     def read_config(self) -> dict:
-        return json.loads(self.config_path.read_text())
+        """``config.json`` as a dict; ValueError saying what is wrong with it."""
+        config, problem = read_json_object(self.config_path)
+        if problem is not None:
+            raise ValueError(problem)
+        return config
 
     # -- events ------------------------------------------------------------------------------
     def append_event(self, event: dict) -> None:
@@ -149,16 +250,20 @@ class RunDir:
             f.flush()
 
     def read_events(self) -> list[dict]:
+        """The events (JSON objects) of ``events.jsonl``; a line that is not one (mid-write, damaged, not
+        UTF-8) is skipped; ``[]`` when the file cannot be read."""
         try:
-            text = self.events_path.read_text()
-        except FileNotFoundError:
+            lines = self.events_path.read_bytes().splitlines()
+        except OSError:
             return []
         events = []
-        for line in text.splitlines():
+        for line in lines:
             try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # the last line may be mid-write
+                event = json.loads(line)
+            except ValueError:  # the last line may be mid-write; bytes that are not UTF-8
+                continue
+            if isinstance(event, dict):
+                events.append(event)
         return events
 
     # -- cancel ------------------------------------------------------------------------------

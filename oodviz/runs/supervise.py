@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from oodviz.runs.jobs import CANCEL_GRACE_S, queue_ahead, start_worker
-from oodviz.runs.rundir import FINAL_STATES, RunDir
+from oodviz.runs.rundir import FINAL_STATES, RunDir, process_alive, process_started
 
 POLL_S = 0.2
 
@@ -22,7 +22,7 @@ def _wait_for_turn(run: RunDir) -> bool:
     """Block until no earlier unfinished run is left; False if the run was cancelled meanwhile."""
     announced = None
     while True:
-        if run.cancel_requested():
+        if run.cancel_requested() or not run.path.is_dir():
             return False
         ahead = queue_ahead(run)
         if not ahead:
@@ -44,12 +44,37 @@ def _describe_exit(code: int) -> str:
     return f"worker exited with code {code} without finishing the run"
 
 
+def stop_on_sigterm(run: RunDir, worker) -> None:
+    """On SIGTERM, kill the worker, record why the run ended and exit (a SIGKILL of the supervisor
+    cannot be caught: the worker notices its parent is gone, :func:`oodviz.runs.worker.exit_with_parent`)."""
+
+    def stop(number, frame):
+        worker.kill()
+        deadline = time.monotonic() + 5.0
+        while process_alive(worker.pid, None) and time.monotonic() < deadline:  # not worker.wait(): the
+            time.sleep(0.05)  # handler may interrupt Popen.poll while it holds the lock wait() needs
+        run.remove_scratch()
+        reason = "the supervisor was stopped (SIGTERM); its worker was killed"
+        try:
+            run.write_status(only_if=lambda s: s.get("state") not in FINAL_STATES, state="failed", error=reason)
+            run.append_event({"stage": "failed", "message": reason})
+        except OSError:
+            pass  # the run was deleted
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def supervise(run: RunDir) -> int:
     if not _wait_for_turn(run):
-        run.write_status(state="cancelled", finished=time.time(), error="cancelled while queued")
+        if run.path.is_dir():  # else the run was deleted while it waited
+            run.write_status(state="cancelled", finished=time.time(), error="cancelled while queued")
         return 0
     worker = start_worker(run)
-    run.write_status(state="running", worker_pid=worker.pid, started=time.time())
+    stop_on_sigterm(run, worker)
+    run.write_status(
+        state="running", worker_pid=worker.pid, worker_started=process_started(worker.pid), started=time.time()
+    )
     cancel_seen = None
     while worker.poll() is None:
         if run.cancel_requested():
@@ -78,9 +103,13 @@ def main(run: RunDir) -> int:
     if os.fork():  # the process `submit` waits for: it exits once the supervisor has recorded itself
         os.read(recorded, 1)
         os._exit(0)
-    run.write_status(supervisor_pid=os.getpid())  # before anything else writes the status
+    # before anything else writes the status
+    run.write_status(supervisor_pid=os.getpid(), supervisor_started=process_started(os.getpid()))
     os.write(done, b"1")
-    return supervise(run)
+    try:
+        return supervise(run)
+    except FileNotFoundError:  # the run was deleted (its deleter killed the worker): nothing left to record
+        return 0
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ in the foreground instead.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -16,17 +19,38 @@ from pathlib import Path
 from oodviz.engine import Cancelled
 from oodviz.runs.config import RunConfig
 from oodviz.runs.reporter import Reporter
-from oodviz.runs.rundir import RunDir
+from oodviz.runs.rundir import RunDir, process_started
+
+
+def describe_error(error: Exception, run: RunDir) -> str:
+    """``"<Type>: <message>"``; a full disk says so with the free space where the run writes."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        try:
+            free = f"{shutil.disk_usage(run.path.parent).free / 2**20:.1f} MiB free"
+        except OSError:
+            free = "free space unknown"
+        stage = run.read_status().get("stage") or "the run"
+        written = f" writing {error.filename}" if error.filename else ""
+        return f"disk full during {stage}{written}: {free} on {run.path.parent}; free some space and run again"
+    return f"{type(error).__name__}: {error}"
 
 
 def execute(run: RunDir, echo: Callable[[dict], None] | None = None) -> str:
-    """Run ``run``'s config; returns and records the final state (done, cancelled or failed)."""
+    """Run ``run``'s config; returns and records the final state (done, cancelled or failed).
+
+    A run where some detectors failed ends ``done`` with ``failed_detectors`` in its status and a
+    warning event naming them; one where every detector failed ends ``failed``."""
     from oodviz.runs.pipeline import run_pipeline
 
     reporter = Reporter(run, echo=echo)
-    run.write_status(state="running", pid=os.getpid(), started=run.read_status().get("started") or time.time())
+    run.write_status(
+        state="running",
+        pid=os.getpid(),
+        pid_started=process_started(os.getpid()),
+        started=run.read_status().get("started") or time.time(),
+    )
     try:
-        run_pipeline(RunConfig.from_dict(run.read_config()), run, reporter)
+        failed = run_pipeline(RunConfig.from_dict(run.read_config()), run, reporter)
     except Cancelled:
         run.write_status(
             state="cancelled", finished=time.time(), error="cancelled by the user; finished parts are kept"
@@ -35,16 +59,38 @@ def execute(run: RunDir, echo: Callable[[dict], None] | None = None) -> str:
         return "cancelled"
     except Exception as error:
         detail = traceback.format_exc()
-        run.write_status(state="failed", finished=time.time(), error=f"{type(error).__name__}: {error}", detail=detail)
-        reporter.emit(None, {"event": "failed", "message": str(error), "detail": detail})
+        message = describe_error(error, run)
+        run.write_status(state="failed", finished=time.time(), error=message, detail=detail)
+        try:
+            reporter.emit(None, {"event": "failed", "message": message, "detail": detail})
+        except OSError:  # a full disk: the status says why
+            pass
         return "failed"
     finally:
         run.remove_scratch()
-    run.write_status(state="done", finished=time.time(), stage=None)
+    if failed:
+        reporter.warn(f"done, but {len(failed)} detector(s) failed: {', '.join(failed)} (see detectors.json)")
+    run.write_status(state="done", finished=time.time(), stage=None, failed_detectors=failed)
     reporter.emit(None, {"event": "done"})
     return "done"
 
 
+def exit_with_parent(run: RunDir, poll_s: float = 0.5) -> None:
+    """Exit as soon as the process that started this worker (the supervisor) is gone, killed by SIGKILL
+    included: a thread polls ``os.getppid()``. The next reader reports the run failed
+    (:func:`oodviz.runs.jobs.refresh`); the queue's next run does not start alongside this one."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        run.remove_scratch()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 if __name__ == "__main__":
+    exit_with_parent(RunDir(Path(sys.argv[1])))
     state = execute(RunDir(Path(sys.argv[1])))
     sys.exit(0 if state in ("done", "cancelled") else 1)

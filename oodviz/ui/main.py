@@ -18,7 +18,7 @@ import streamlit as st
 
 from oodviz.runs.config import ConfigError, RunConfig, preset
 from oodviz.runs.jobs import delete_run, list_runs, refresh, submit
-from oodviz.runs.rundir import FINAL_STATES, RunDir
+from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
 from oodviz.runs.summary import summarise
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
 from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
@@ -104,18 +104,21 @@ def handle_form(values: FormValues, action: str | None) -> None:
 
 
 def runs_table() -> pd.DataFrame:
+    """One row per run, read-only (:func:`oodviz.runs.summary.summarise`): a damaged run's state says what is wrong."""
     rows = []
     for run in list_runs(runs_root()):
         try:
             run_path(runs_root(), run.run_id)
-        except PathRefused:  # a link leading out of the runs root: not a run of this app, never refreshed
+        except PathRefused:  # a link leading out of the runs root: not a run of this app, never read
             continue
-        refresh(run)
         s = summarise(run)
+        state = s["error"] if s["state"] == "damaged" else str(s["state"])
+        if s["failed_detectors"]:
+            state += f" ({len(s['failed_detectors'])} detector(s) failed)"
         rows.append(
             {
                 "run": s["run_id"],
-                "state": s["state"],
+                "state": state,
                 "what": s["title"],
                 "best detector": s["best_detector"],
                 "mean AUROC": s["best_auroc"],
@@ -196,6 +199,11 @@ def run_page(run: RunDir) -> None:
     status = refresh(run)
     state = status.get("state")
     where = f" · {run.path.resolve()}" if show_server_details() else ""
+    _, config_problem = read_json_object(run.config_path)
+    if state == "damaged" or config_problem:
+        damage = status.get("error") if state == "damaged" else f"damaged: {config_problem}"
+        st.error(f"This run cannot be shown: {damage}. Delete it from Past runs (All runs).")
+        return
     if state not in FINAL_STATES:
         st.caption(f"Run `{run.run_id}`{where}")
         job_panel(run)  # it shows the live state itself

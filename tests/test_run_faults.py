@@ -1,0 +1,320 @@
+"""Faults of the runs layer: failing detectors, damaged run directories, killed processes, reused pids,
+deleted runs, a full queue, a full disk. Each runs the real processes and files a user would meet."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import psutil
+import pytest
+from test_runs import extraction_started, slow_config, small_config, wait_for
+
+from oodviz.runs.config import DatasetChoice, DetectorChoice
+from oodviz.runs.jobs import MAX_QUEUED, QueueFull, delete_run, list_runs, refresh, submit
+from oodviz.runs.rundir import RunDir, process_alive, process_started, write_atomic
+from oodviz.runs.summary import summarise
+
+APP = Path(__file__).resolve().parents[1] / "app.py"
+MSP = DetectorChoice("msp")
+KNN_TOO_LARGE = DetectorChoice("knn", {"k": 10**6})
+
+
+def oodviz_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
+
+
+@pytest.fixture(scope="module")
+def runs_root(tmp_path_factory) -> Path:
+    """One runs root for the CLI runs of this module: they share the feature stores (extracted once)."""
+    return tmp_path_factory.mktemp("fault-runs")
+
+
+def cli_run(runs_root: Path, detectors, name: str) -> tuple[subprocess.CompletedProcess, RunDir]:
+    config = small_config(ood=[DatasetChoice("digits-heldout")], detectors=detectors)
+    config.save(runs_root.parent / f"{runs_root.name}-{name}.json")
+    result = oodviz_cli("run", runs_root.parent / f"{runs_root.name}-{name}.json", "--out", runs_root / name)
+    return result, RunDir(runs_root / name)
+
+
+# ---- per-detector isolation ------------------------------------------------------------------
+
+
+def test_a_run_whose_only_detector_fails_ends_failed_exit_1_and_the_list_still_works(runs_root):
+    result, run = cli_run(runs_root, [KNN_TOO_LARGE], "knn-alone")
+    assert result.returncode == 1, result.stderr[-2000:]
+    status = run.read_status()
+    assert status["state"] == "failed"
+    assert status["error"].startswith("RuntimeError: every detector failed (knn: ValueError: knn: k=1000000 exceeds")
+    assert not (run.path / "metrics.csv").exists() and not (run.path / "scores.parquet").exists()
+    assert "error: RuntimeError: every detector failed" in result.stderr
+    listing = oodviz_cli("runs", "--runs-root", runs_root)
+    assert listing.returncode == 0, listing.stderr
+    line = next(line for line in listing.stdout.splitlines() if line.startswith("knn-alone"))
+    assert line.split()[1] == "failed" and "every detector failed" in line
+    assert summarise(run)["state"] == "failed"
+
+
+def test_a_failing_detector_leaves_the_others_results_and_exits_3(runs_root):
+    result, run = cli_run(runs_root, [KNN_TOO_LARGE, MSP], "knn-and-msp")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "1 detector(s) failed: knn" in result.stdout
+    status = run.read_status()
+    assert status["state"] == "done" and status["failed_detectors"] == ["knn"]
+    log = json.loads((run.path / "detectors.json").read_text())
+    assert log["knn"]["error"].startswith("ValueError: knn: k=1000000 exceeds the 1081 in-distribution samples")
+    metrics = pd.read_csv(run.path / "metrics.csv")
+    assert set(metrics.detector) == {"msp"} and metrics.auroc.between(0.5, 1).all()
+    assert list(pd.read_parquet(run.path / "scores.parquet").columns[5:]) == ["msp"]
+    warnings = [e["message"] for e in run.read_events() if e.get("event") == "warning"]
+    assert warnings[-1] == "done, but 1 detector(s) failed: knn (see detectors.json)"
+    assert summarise(run)["failed_detectors"] == ["knn"]
+
+
+def test_the_run_page_shows_a_failed_detectors_error_next_to_the_others_results(runs_root, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    if not (runs_root / "knn-and-msp" / "metrics.csv").exists():
+        cli_run(runs_root, [KNN_TOO_LARGE, MSP], "knn-and-msp")
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(runs_root))
+    app = AppTest.from_file(str(APP), default_timeout=120)
+    app.query_params["run"] = "knn-and-msp"
+    app.run()
+    assert not app.exception
+    errors = [e.value for e in app.error]
+    assert len(errors) == 1 and errors[0].startswith("knn failed: ValueError: knn: k=1000000 exceeds the 1081")
+    assert "msp" in app.dataframe[0].value.to_string()
+
+
+def test_non_finite_scores_fail_only_their_detector(runs_root):
+    result, run = cli_run(runs_root, [DetectorChoice("energy", {"temperature": 1e-300}), MSP], "energy-tiny-t")
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert run.read_status()["failed_detectors"] == ["energy"]
+    error = json.loads((run.path / "detectors.json").read_text())["energy"]["error"]
+    assert error.startswith("ValueError: energy gave ") and " non-finite scores on id_test (of 362)" in error
+    assert error.endswith("try another temperature")
+    assert set(pd.read_csv(run.path / "metrics.csv").detector) == {"msp"}
+
+
+# ---- damaged run directories -------------------------------------------------------------------
+
+DAMAGES = {
+    "status-truncated": ("status.json", b'{"state": "do'),
+    "status-list": ("status.json", b"[]"),
+    "status-missing": ("status.json", None),
+    "status-bad-state": ("status.json", b'{"state": ["done"]}'),
+    "metrics-garbage": ("metrics.csv", b"\x00\xffnot,a\ntable"),
+    "metrics-one-byte": ("metrics.csv", b"\n"),
+    "config-list": ("config.json", b"[1, 2]"),
+    "config-missing": ("config.json", None),
+    "config-not-utf8": ("config.json", b'{"backbone": "\xff\xfe"}'),
+}
+EXPECTED = {
+    "status-truncated": "damaged: status.json is not valid JSON",
+    "status-list": "damaged: status.json holds a list, not an object",
+    "status-missing": "damaged: status.json is missing",
+    "status-bad-state": "damaged: status.json has no known state",
+    "metrics-garbage": "damaged: metrics.csv is missing or not a metrics table",
+    "metrics-one-byte": "damaged: metrics.csv is missing or not a metrics table",
+    "config-list": "damaged: config.json holds a list, not an object",
+    "config-missing": "damaged: config.json is missing",
+    "config-not-utf8": "damaged: config.json is not valid JSON",
+}
+
+
+@pytest.fixture(scope="module")
+def damaged_root(default_run, tmp_path_factory) -> Path:
+    """Copies of the default run, each with one file damaged, plus one with bytes that are not UTF-8
+    in events.jsonl (its events are skipped, the run itself is fine)."""
+    root = tmp_path_factory.mktemp("damaged")
+    for name, (file, content) in {**DAMAGES, "events-not-utf8": ("events.jsonl", None)}.items():
+        shutil.copytree(default_run.path, root / name)
+        target = root / name / file
+        if name == "events-not-utf8":
+            target.write_bytes(target.read_bytes() + b'{"event": "\xff\xfe"}\n\xc3\x28\n')
+        elif content is None:
+            target.unlink()
+        else:
+            target.write_bytes(content)
+    return root
+
+
+def test_damaged_runs_are_listed_as_damaged_by_the_cli_and_summarise(damaged_root):
+    listing = oodviz_cli("runs", "--runs-root", damaged_root)
+    assert listing.returncode == 0, listing.stderr
+    lines = {line.split()[0]: line for line in listing.stdout.splitlines()}
+    assert set(lines) == {*DAMAGES, "events-not-utf8"}
+    for name, what in EXPECTED.items():
+        assert lines[name].split()[1] == "damaged" and lines[name].endswith(what), lines[name]
+        assert summarise(RunDir(damaged_root / name))["error"] == what
+    assert lines["events-not-utf8"].split()[1] == "done" and "best AUROC" in lines["events-not-utf8"]
+    events = RunDir(damaged_root / "events-not-utf8").read_events()
+    assert events[-1]["event"] == "done"  # the lines that are not UTF-8 JSON are skipped
+
+
+def test_listing_never_writes(damaged_root):
+    before = {p: p.stat().st_mtime_ns for p in damaged_root.rglob("*")}
+    assert oodviz_cli("runs", "--runs-root", damaged_root).returncode == 0
+    assert {p: p.stat().st_mtime_ns for p in damaged_root.rglob("*")} == before
+
+
+def test_the_app_lists_damaged_runs_and_can_delete_them(damaged_root, tmp_path, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    root = tmp_path / "runs"
+    shutil.copytree(damaged_root, root)
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(root))
+    app = AppTest.from_file(str(APP), default_timeout=120)
+    app.run()
+    assert not app.exception and not [e.value for e in app.error], [e.value for e in app.error]
+    table = app.dataframe[0].value
+    states = dict(zip(table.run, table.state))
+    assert {name: states[name] for name in EXPECTED} == EXPECTED
+    for run in list_runs(root):  # what the Delete button does with the selected rows
+        delete_run(run)
+    assert list(root.iterdir()) == []
+
+
+def test_opening_a_damaged_run_says_so(damaged_root, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(damaged_root))
+    app = AppTest.from_file(str(APP), default_timeout=120)
+    app.query_params["run"] = "status-list"
+    app.run()
+    assert not app.exception
+    assert [e.value for e in app.error] == [
+        "This run cannot be shown: damaged: status.json holds a list, not an object. "
+        "Delete it from Past runs (All runs)."
+    ]
+
+
+# ---- processes: liveness, kills, delete ---------------------------------------------------------
+
+
+def test_a_reused_pid_is_not_taken_for_the_job(tmp_path):
+    """A process with the recorded pid and even the run's path on its command line, started at another
+    time than the one recorded, is not the job: the run reads failed and does not block the queue."""
+    run = RunDir.create(tmp_path, small_config().to_dict())
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", str(run.path.resolve())])
+    try:
+        started = wait_for(lambda: process_started(stranger.pid))
+        run.write_status(state="running", supervisor_pid=stranger.pid, supervisor_started=started - 100.0)
+        status = refresh(run)
+        assert status["state"] == "failed" and "supervisor was killed" in status["error"]
+        assert json.loads(run.status_path.read_text())["state"] == "running"  # refresh only reads
+        run.write_status(supervisor_started=started)
+        assert refresh(run)["state"] == "running"  # the same pid and start time: alive
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert not process_alive(stranger.pid, started)
+
+
+def test_kill_9_of_the_supervisor_stops_its_worker_and_fails_the_run(tmp_path):
+    run = submit(slow_config(), tmp_path)
+    wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
+    status = run.read_status()
+    os.kill(status["supervisor_pid"], signal.SIGKILL)
+    wait_for(lambda: not process_alive(status["worker_pid"], status["worker_started"]), timeout=5)
+    status = refresh(run)
+    assert status["state"] == "failed" and status["error"].startswith("the supervisor was killed")
+    assert not run.scratch_path.exists()
+
+
+def test_sigterm_of_the_supervisor_kills_the_worker_and_records_why(tmp_path):
+    run = submit(slow_config(), tmp_path)
+    wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
+    status = run.read_status()
+    os.kill(status["supervisor_pid"], signal.SIGTERM)
+    wait_for(lambda: not process_alive(status["worker_pid"], status["worker_started"]), timeout=5)
+    recorded = wait_for(lambda: (s := run.read_status())["state"] == "failed" and s, timeout=5)
+    assert recorded["error"] == "the supervisor was stopped (SIGTERM); its worker was killed"
+
+
+def test_deleting_a_running_run_stops_its_processes_and_it_never_reappears(tmp_path):
+    run = submit(slow_config(), tmp_path)
+    wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
+    status = run.read_status()
+    delete_run(run)
+    for pid, started in ((status["supervisor_pid"], status["supervisor_started"]), (status["worker_pid"], None)):
+        assert not process_alive(pid, started)
+    time.sleep(2)  # the worker reported progress every 0.5 s
+    assert not run.path.exists() and list_runs(tmp_path) == []
+
+
+def test_a_write_into_a_deleted_run_fails_instead_of_recreating_it(tmp_path):
+    run = RunDir.create(tmp_path, small_config().to_dict())
+    shutil.rmtree(run.path)
+    with pytest.raises(FileNotFoundError):
+        run.write_status(state="running")
+    with pytest.raises(FileNotFoundError):
+        write_atomic(run.path / "metrics.csv", "detector\n")
+    assert not run.path.exists()
+
+
+def test_concurrent_status_changes_are_not_lost(tmp_path):
+    """Two processes each record 40 keys in status.json: the run's lock keeps all 80."""
+    run = RunDir.create(tmp_path, small_config().to_dict())
+    code = (
+        "import sys; from pathlib import Path; from oodviz.runs.rundir import RunDir\n"
+        "run = RunDir(Path(sys.argv[1]))\n"
+        "for i in range(40): run.write_status(**{f'{sys.argv[2]}{i}': i})\n"
+    )
+    writers = [subprocess.Popen([sys.executable, "-c", code, str(run.path), tag]) for tag in ("a", "b")]
+    assert [w.wait(timeout=60) for w in writers] == [0, 0]
+    status = run.read_status()
+    assert {f"{tag}{i}" for tag in "ab" for i in range(40)} <= set(status) and status["state"] == "queued"
+
+
+def test_the_supervisor_does_not_import_torch():
+    code = (
+        "import sys, oodviz.runs.supervise; print(sorted(m for m in ('torch', 'numpy', 'pandas') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_queue_refuses_a_run_beyond_its_limit(tmp_path):
+    for _ in range(MAX_QUEUED):
+        RunDir.create(tmp_path, small_config().to_dict())  # queued, waiting for their supervisor
+    with pytest.raises(QueueFull, match=f"20 runs are already queued under .* \\(the limit is {MAX_QUEUED}\\)"):
+        submit(small_config(), tmp_path)
+    assert len(list_runs(tmp_path)) == MAX_QUEUED
+
+
+# ---- a full disk -----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs (root only: mount)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("needs root and tmpfs to fill a disk")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_fails_the_run_with_the_cause_and_leaves_no_temporary_file(small_disk):
+    config = small_config(ood=[DatasetChoice("noise-uniform", params={"n": 200})], detectors=[MSP])
+    config.save(small_disk.parent / "run.json")
+    filler = small_disk / "filler"
+    with open(filler, "wb") as f:  # leave ~200 KB: the run's files fit, the 500 KiB of feature stores do not
+        f.write(b"\0" * (psutil.disk_usage(str(small_disk)).free - 200_000))
+    result = oodviz_cli("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs")
+    assert result.returncode == 1, result.stderr[-2000:]
+    (run,) = list_runs(small_disk / "runs")
+    status = run.read_status()
+    assert status["state"] == "failed", status
+    assert status["error"].startswith("disk full during extract id_fit") and " MiB free on " in status["error"]
+    assert "error: disk full during extract id_fit" in result.stderr
+    assert not [p for p in run.path.iterdir() if p.name.endswith(".tmp")]
