@@ -22,7 +22,9 @@ from oodviz.runs.summary import summarise
 
 APP = Path(__file__).resolve().parents[1] / "app.py"
 MSP = DetectorChoice("msp")
-KNN_TOO_LARGE = DetectorChoice("knn", {"k": 10**6})
+#: fails to fit on digits-cnn, which has no dropout layers (a data-dependent knn k is refused before extraction)
+MCD_NO_DROPOUT = DetectorChoice("mcd")
+MCD_ERROR = "ValueError: mcd needs dropout layers to sample from, but the model (DigitsCNN) has no nn.Dropout"
 
 
 def oodviz_cli(*args, cwd=None) -> subprocess.CompletedProcess:
@@ -48,49 +50,58 @@ def cli_run(runs_root: Path, detectors, name: str) -> tuple[subprocess.Completed
 
 
 def test_a_run_whose_only_detector_fails_ends_failed_exit_1_and_the_list_still_works(runs_root):
-    result, run = cli_run(runs_root, [KNN_TOO_LARGE], "knn-alone")
+    result, run = cli_run(runs_root, [MCD_NO_DROPOUT], "mcd-alone")
     assert result.returncode == 1, result.stderr[-2000:]
     status = run.read_status()
     assert status["state"] == "failed"
-    assert status["error"].startswith("RuntimeError: every detector failed (knn: ValueError: knn: k=1000000 exceeds")
+    assert status["error"].startswith(f"RuntimeError: every detector failed (mcd: {MCD_ERROR}")
     assert not (run.path / "metrics.csv").exists() and not (run.path / "scores.parquet").exists()
     assert "error: RuntimeError: every detector failed" in result.stderr
     listing = oodviz_cli("runs", "--runs-root", runs_root)
     assert listing.returncode == 0, listing.stderr
-    line = next(line for line in listing.stdout.splitlines() if line.startswith("knn-alone"))
+    line = next(line for line in listing.stdout.splitlines() if line.startswith("mcd-alone"))
     assert line.split()[1] == "failed" and "every detector failed" in line
     assert summarise(run)["state"] == "failed"
 
 
 def test_a_failing_detector_leaves_the_others_results_and_exits_3(runs_root):
-    result, run = cli_run(runs_root, [KNN_TOO_LARGE, MSP], "knn-and-msp")
+    result, run = cli_run(runs_root, [MCD_NO_DROPOUT, MSP], "mcd-and-msp")
     assert result.returncode == 3, result.stderr[-2000:]
-    assert "1 detector(s) failed: knn" in result.stdout
+    assert "1 detector(s) failed: mcd" in result.stdout
     status = run.read_status()
-    assert status["state"] == "done" and status["failed_detectors"] == ["knn"]
+    assert status["state"] == "done" and status["failed_detectors"] == ["mcd"]
     log = json.loads((run.path / "detectors.json").read_text())
-    assert log["knn"]["error"].startswith("ValueError: knn: k=1000000 exceeds the 1081 in-distribution samples")
+    assert log["mcd"]["error"].startswith(MCD_ERROR)
     metrics = pd.read_csv(run.path / "metrics.csv")
     assert set(metrics.detector) == {"msp"} and metrics.auroc.between(0.5, 1).all()
     assert list(pd.read_parquet(run.path / "scores.parquet").columns[5:]) == ["msp"]
     warnings = [e["message"] for e in run.read_events() if e.get("event") == "warning"]
-    assert warnings[-1] == "done, but 1 detector(s) failed: knn (see detectors.json)"
-    assert summarise(run)["failed_detectors"] == ["knn"]
+    assert warnings[-1] == "done, but 1 detector(s) failed: mcd (see detectors.json)"
+    assert summarise(run)["failed_detectors"] == ["mcd"]
 
 
 def test_the_run_page_shows_a_failed_detectors_error_next_to_the_others_results(runs_root, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
-    if not (runs_root / "knn-and-msp" / "metrics.csv").exists():
-        cli_run(runs_root, [KNN_TOO_LARGE, MSP], "knn-and-msp")
+    if not (runs_root / "mcd-and-msp" / "metrics.csv").exists():
+        cli_run(runs_root, [MCD_NO_DROPOUT, MSP], "mcd-and-msp")
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(runs_root))
     app = AppTest.from_file(str(APP), default_timeout=120)
-    app.query_params["run"] = "knn-and-msp"
+    app.query_params["run"] = "mcd-and-msp"
     app.run()
     assert not app.exception
     errors = [e.value for e in app.error]
-    assert len(errors) == 1 and errors[0].startswith("knn failed: ValueError: knn: k=1000000 exceeds the 1081")
+    assert len(errors) == 1 and errors[0].startswith(f"mcd failed: {MCD_ERROR}")
     assert "msp" in app.dataframe[0].value.to_string()
+
+
+def test_a_knn_k_beyond_the_fit_rows_is_refused_before_any_extraction(runs_root):
+    result, run = cli_run(runs_root, [DetectorChoice("knn", {"k": 10**6}), MSP], "knn-too-large")
+    assert result.returncode == 1, result.stderr[-2000:]
+    status = run.read_status()
+    assert status["state"] == "failed" and status["stage"] == "load data"
+    assert "detectors[0] (knn): k=1000000 is more than the 1081 rows of the ID fit set" in status["error"]
+    assert not any((e.get("stage") or "").startswith("extract") for e in run.read_events())
 
 
 def test_non_finite_scores_fail_only_their_detector(runs_root):
@@ -315,6 +326,9 @@ def test_a_full_disk_fails_the_run_with_the_cause_and_leaves_no_temporary_file(s
     (run,) = list_runs(small_disk / "runs")
     status = run.read_status()
     assert status["state"] == "failed", status
-    assert status["error"].startswith("disk full during extract id_fit") and " MiB free on " in status["error"]
-    assert "error: disk full during extract id_fit" in result.stderr
+    # the pre-flight check refuses before any extraction, with what the stores need and what is free
+    assert status["error"].startswith("disk full during load data: needed ~"), status["error"]
+    assert " free under " in status["error"]
+    assert "error: disk full during load data" in result.stderr
+    assert not (small_disk / "runs" / ".features").exists() or not any((small_disk / "runs" / ".features").iterdir())
     assert not [p for p in run.path.iterdir() if p.name.endswith(".tmp")]

@@ -244,17 +244,17 @@ def test_a_run_on_device_cuda_matches_the_same_run_on_the_cpu(tmp_path):
 
 
 def test_a_failing_detector_is_recorded_and_the_others_go_on(tmp_path):
-    config = small_config(detectors=[DetectorChoice("knn", {"k": 5000}), DetectorChoice("msp")])
+    config = small_config(detectors=[DetectorChoice("mcd"), DetectorChoice("msp")])  # digits-cnn has no dropout
     run = submit(config, tmp_path)
     assert wait_final(run)["state"] == "done"
     log = json.loads((run.path / "detectors.json").read_text())
-    assert "k=5000 exceeds the 1081 in-distribution samples" in log["knn"]["error"]
+    assert "mcd needs dropout layers to sample from" in log["mcd"]["error"]
     assert "error" not in log["msp"]
     assert set(pd.read_csv(run.path / "metrics.csv").detector) == {"msp"}
 
 
 def test_a_detector_failing_to_score_is_recorded_like_one_failing_to_fit(tmp_path):
-    """One failure path: knn cannot fit (k too large) and odin cannot score id_test (its images changed
+    """One failure path: mcd cannot fit (the model has no dropout) and odin cannot score id_test (its images changed
     after extraction); each gets error and traceback in detectors.json, a warning and a failed stage;
     msp goes on, and odin is not scored again."""
     from dataclasses import replace
@@ -262,7 +262,7 @@ def test_a_detector_failing_to_score_is_recorded_like_one_failing_to_fit(tmp_pat
     from oodviz.runs import pipeline
     from oodviz.runs.reporter import Reporter
 
-    config = small_config(detectors=[DetectorChoice("knn", {"k": 5000}), DetectorChoice("msp"), DetectorChoice("odin")])
+    config = small_config(detectors=[DetectorChoice("mcd"), DetectorChoice("msp"), DetectorChoice("odin")])
     run = RunDir.create(tmp_path, config.to_dict())
     job = pipeline.start_job(config, run, Reporter(run))
     for stage in pipeline.STAGES:
@@ -270,17 +270,17 @@ def test_a_detector_failing_to_score_is_recorded_like_one_failing_to_fit(tmp_pat
         if stage is pipeline.fit_detectors:  # odin re-reads the images: 50 of them no longer match the 362 stored
             job.datasets["id_test"] = pipeline.load_split(config, replace(config.id_test, subsample=50), as_ood=False)
     log = json.loads((run.path / "detectors.json").read_text())
-    assert log["knn"]["error"].startswith("ValueError: knn: k=5000 exceeds the 1081 in-distribution samples")
+    assert log["mcd"]["error"].startswith("ValueError: mcd needs dropout layers to sample from")
     assert log["odin"]["error"].startswith("ValueError: the dataset gave other items (50 rows)")
-    for name in ("knn", "odin"):
+    for name in ("mcd", "odin"):
         assert log[name]["traceback"].startswith("Traceback (most recent call last)")
         assert log[name]["traceback"].rstrip().endswith(log[name]["error"])
     assert log["odin"]["fit_s"] >= 0 and "error" not in log["msp"]
     warnings = [e["message"] for e in run.read_events() if e["event"] == "warning"]
     failures = [w for w in warnings if " failed to " in w]
-    assert [w.split(":")[0] for w in failures] == ["knn failed to fit", "odin failed to score id_test"]
+    assert [w.split(":")[0] for w in failures] == ["mcd failed to fit", "odin failed to score id_test"]
     stages = json.loads((run.path / "meta.json").read_text())["stages"]
-    assert (stages["fit knn"]["error"], stages["score id_test with odin"]["error"]) == tuple(failures)
+    assert (stages["fit mcd"]["error"], stages["score id_test with odin"]["error"]) == tuple(failures)
     assert not any("error" in stages[name] for name in ("fit msp", "fit odin", "score id_test", "metrics"))
     assert not any(name.endswith("with odin") for name in stages if name.startswith("score ood:"))
     assert list(pd.read_parquet(run.path / "scores.parquet").columns[5:]) == ["msp"]

@@ -86,7 +86,9 @@ def feature_store_root(run: RunDir) -> Path:
     return run.path.parent / ".features"
 
 
-def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool):
+def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool, model_classes: list[str] | None = None):
+    """The dataset of one split; ``model_classes`` (the backbone's class names) lets an image folder with
+    ``class_map = "model"`` label its subfolders by the model's class indices."""
     from oodviz.data import load_dataset
 
     return load_dataset(
@@ -97,8 +99,14 @@ def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool):
         subsample_mode=choice.subsample_mode,
         seed=config.seed,
         as_ood=as_ood,
+        model_classes=model_classes,
         **choice.params,
     )
+
+
+def store_key_params(config: RunConfig, choice: DatasetChoice) -> dict:
+    """What, besides the backbone and the dataset object, determines a split's feature store."""
+    return {"dataset": asdict(choice), "data_root": str(Path(config.data_root).resolve()), "seed": config.seed}
 
 
 def _group(choice: DatasetChoice) -> str:
@@ -223,17 +231,55 @@ def load_model(job: Job) -> None:
 
 
 def load_data(job: Job) -> None:
-    """Open every split's dataset and warn when the estimated memory exceeds the budget."""
+    """Open every split's dataset, then, before any extraction: refuse detector parameters the data's sizes
+    rule out (knn ``k`` above the fit rows, vim ``dim`` >= D), warn when the ID classes are not the model's,
+    refuse a run whose new feature stores would not fit on the disk, and warn when the estimated memory
+    exceeds the budget."""
+    from oodviz.data import class_mismatch
     from oodviz.models import estimate_memory
+    from oodviz.runs.validation import ConfigError, check_sizes
 
+    config, backbone = job.config, job.backbone
     with job.reporter.stage("load data") as stage:
         for split, choice, as_ood in job.splits:
-            job.datasets[split] = load_split(job.config, choice, as_ood)
-        estimate = estimate_memory(job.backbone, {split: len(ds) for split, ds in job.datasets.items()})
+            job.datasets[split] = load_split(config, choice, as_ood, backbone.classes)
+        problems = check_sizes(config, len(job.datasets["id_fit"]), backbone.feature_dim, backbone.num_classes)
+        if problems:
+            raise ConfigError(problems)
+        mismatch = class_mismatch(job.datasets["id_test"].classes, backbone.classes) or class_mismatch(
+            job.datasets["id_fit"].classes, backbone.classes
+        )
+        if mismatch:
+            job.reporter.warn(mismatch)
+        sizes = {split: len(ds) for split, ds in job.datasets.items()}
+        estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())
-        warning = estimate.warn_if_over(int(job.config.memory_budget_gb * 2**30))
+        check_disk_space(job, estimate)
+        warning = estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
         if warning:
             job.reporter.warn(warning)
+
+
+def check_disk_space(job: Job, estimate) -> None:
+    """Raise :class:`~oodviz.engine.DiskFullError` when the stores still to extract (reused ones cost nothing)
+    would not fit under the feature store root."""
+    from oodviz.engine.store import DiskFullError, check_free_space, find_store, store_key
+
+    root = feature_store_root(job.run)
+    needed = 0
+    for split, choice, _ in job.splits:
+        key = store_key(
+            job.backbone,
+            job.datasets[split],
+            store_key_params(job.config, choice),
+            feature_dtype=job.config.feature_dtype,
+            precision=job.config.precision,
+        )
+        if find_store(root, key) is None:
+            needed += estimate["splits"][split]["total_bytes"]
+    message = check_free_space(root, needed)
+    if message:
+        raise DiskFullError(message)
 
 
 def extract_splits(job: Job) -> None:
@@ -247,15 +293,13 @@ def extract_splits(job: Job) -> None:
                 job.backbone,
                 job.datasets[split],
                 feature_store_root(job.run),
-                key_params={
-                    "dataset": asdict(choice),
-                    "data_root": str(Path(config.data_root).resolve()),
-                    "seed": config.seed,
-                },
+                key_params=store_key_params(config, choice),
                 feature_dtype=config.feature_dtype,
                 **job.model_pass_options(stage),
             )
             job.stores[split] = store
+            if store.reuse_warning:
+                job.reporter.warn(f"{split}: {store.reuse_warning}")
             stage.note(f"{'reused' if store.reused else 'extracted'} store {store.key}: {store.n} samples")
             if store.meta.get("skipped"):
                 job.reporter.warn(f"{split}: {store.meta['skipped']} unreadable image(s) skipped")

@@ -27,10 +27,16 @@ class Stage:
         self.last_emit = 0.0
         self.peak_cpu_rss = 0
         self.error: str | None = None
+        self.notes_seen: set[str] = set()
 
     def progress(self, done: int, total: int, info: dict | None = None) -> None:
-        """Report ``done`` of ``total`` items; ``info`` may carry ``items_per_s``, ``batch_size``, ``stage``."""
+        """Report ``done`` of ``total`` items; ``info`` may carry ``items_per_s``, ``batch_size``, ``stage`` and a
+        ``note`` (e.g. the DataLoader's reduced prefetch), which becomes a warning event once per stage."""
         self.reporter.check_cancel()
+        note = (info or {}).get("note")
+        if note and note not in self.notes_seen:
+            self.notes_seen.add(note)
+            self.reporter.warn(note)
         now = time.monotonic()
         if done < total and now - self.last_emit < self.reporter.interval_s:
             return

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from oodviz.engine import Cancelled
+from oodviz.engine import Cancelled, DiskFullError
 from oodviz.runs.config import RunConfig
 from oodviz.runs.reporter import Reporter
 from oodviz.runs.rundir import RunDir, process_started
@@ -24,6 +24,9 @@ from oodviz.runs.rundir import RunDir, process_started
 
 def describe_error(error: Exception, run: RunDir) -> str:
     """``"<Type>: <message>"``; a full disk says so with the free space where the run writes."""
+    if isinstance(error, DiskFullError):  # the store's own check: it knows what was needed
+        stage = run.read_status().get("stage") or "the run"
+        return f"disk full during {stage}: {str(error).removeprefix('disk full: ')}"
     if isinstance(error, OSError) and error.errno == errno.ENOSPC:
         try:
             free = f"{shutil.disk_usage(run.path.parent).free / 2**20:.1f} MiB free"

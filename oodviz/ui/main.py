@@ -17,7 +17,7 @@ import pandas as pd
 import streamlit as st
 
 from oodviz.runs.config import ConfigError, RunConfig, preset
-from oodviz.runs.jobs import delete_run, list_runs, refresh, submit
+from oodviz.runs.jobs import QueueFull, delete_run, list_runs, refresh, submit
 from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
 from oodviz.runs.summary import summarise
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
@@ -94,13 +94,18 @@ def handle_form(values: FormValues, action: str | None) -> None:
         return
     show_estimate(config)
     if action == "start":
-        try:
-            run = submit(config, runs_root())
-        except ConfigError as error:
-            st.sidebar.error(str(error))
-            return
-        open_run(run.run_id)
-        st.rerun()
+        start_run(config, st.sidebar)
+
+
+def start_run(config: RunConfig, place=st) -> None:
+    """Submit ``config`` and open its page; a refusal (an invalid config, a full queue) is shown in ``place``."""
+    try:
+        run = submit(config, runs_root())
+    except (ConfigError, QueueFull) as error:
+        place.error(str(error))
+        return
+    open_run(run.run_id)
+    st.rerun()
 
 
 def runs_table() -> pd.DataFrame:
@@ -147,10 +152,15 @@ def past_runs() -> None:
     if c1.button("Open", disabled=len(picked) != 1):
         open_run(picked[0])
         st.rerun()
-    if c3.button("Delete", disabled=not picked):
-        for run_id in picked:
-            delete_run(RunDir(runs_root() / run_id))
-        st.rerun()
+    with c3:
+        remove_stores = st.checkbox(
+            "with their feature stores",
+            help="Also remove the extracted features that no other run uses (a later run extracts them again).",
+            key="delete-stores",
+        )
+        if st.button("Delete", disabled=not picked):
+            delete_runs(picked, remove_stores)
+            st.rerun()
     if len(picked) == 2:
         from oodviz.analysis import compare_runs
         from oodviz.results import load_results
@@ -166,6 +176,21 @@ def past_runs() -> None:
         c2.caption("Select two runs to compare them.")
 
 
+def delete_runs(run_ids: list[str], remove_stores: bool) -> None:
+    """Delete runs (their processes first); with ``remove_stores``, also the feature stores no other run uses."""
+    from oodviz.engine.store import remove_store, stores_used_only_by
+
+    for run_id in run_ids:
+        run = RunDir(runs_root() / run_id)
+        unused = stores_used_only_by(run.path, runs_root()) if remove_stores else []  # before the run is gone
+        delete_run(run)
+        for store in unused:
+            try:
+                remove_store(store.parent, store.name)
+            except FileNotFoundError:  # removed meanwhile by another session
+                pass
+
+
 def landing(values: FormValues) -> None:
     st.markdown(
         "Which inputs would your classifier wrongly trust, and which out-of-distribution detector catches them? "
@@ -178,18 +203,14 @@ def landing(values: FormValues) -> None:
     )
     default, fashion, _ = st.columns([1, 1, 3])
     if default.button("Run the default", type="primary"):
-        run = submit(config_from_form(FormValues()), runs_root())
-        open_run(run.run_id)
-        st.rerun()
+        start_run(config_from_form(FormValues()))
     if fashion.button("Run Fashion-MNIST"):
         config = preset("fashion-mnist")
         config.data_root, config.download = values.data_root.strip() or "data", bool(values.download)
         config = confined_config(config)
         if config is None:
             return
-        run = submit(config, runs_root())
-        open_run(run.run_id)
-        st.rerun()
+        start_run(config)
 
 
 def run_page(run: RunDir) -> None:

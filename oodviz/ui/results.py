@@ -185,7 +185,7 @@ def run_details(results: Results) -> None:
     st.write({k: meta.get(k) for k in ("device", "device_name", "torch", "oodviz")})
     if meta.get("stages"):
         st.dataframe(pd.DataFrame(meta["stages"]).T, use_container_width=True)
-    errors = {k: v for k, v in (results.detectors or {}).items() if "error" in v}
+    errors = {k: v for k, v in (results.detectors or {}).items() if isinstance(v, dict) and "error" in v}
     for name, info in errors.items():
         st.error(f"{name} failed: {info['error']}")
         if show_server_details():
