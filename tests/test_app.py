@@ -1,5 +1,6 @@
 """The app's page logic with Streamlit's AppTest: form to config, reattach from the URL, results pages."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -180,3 +181,19 @@ def test_a_failed_run_shows_a_readable_error_with_details_folded(app, runs_root)
     assert any("The run failed: ValueError: vim: dim=64" in e.value for e in app.error)
     assert any(x.label == "Details" for x in app.expander)
     shutil.rmtree(failed)
+
+
+def test_a_finished_runs_warnings_are_shown_above_its_results(app, runs_root):
+    """A class mismatch, a re-extracted store or failed detectors are said on the run's page, once each."""
+    warned = runs_root / "r-warned"
+    shutil.copytree(runs_root / "r1", warned)
+    mismatch = "ID folder classes cat, dog are not the model's classes: accuracy and per-class tables are meaningless"
+    with open(warned / "events.jsonl", "a") as events:
+        for message in (mismatch, "id_fit: store re-extracted", mismatch):
+            events.write(json.dumps({"event": "warning", "message": message}) + "\n")
+    app.query_params["run"] = "r-warned"
+    app.run()
+    assert not app.exception
+    shown = [w.value for w in app.warning]
+    assert shown.count(mismatch) == 1 and "id_fit: store re-extracted" in shown
+    assert [t.label for t in app.tabs][0] == "Metrics"

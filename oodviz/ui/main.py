@@ -213,6 +213,13 @@ def landing(values: FormValues) -> None:
         start_run(config)
 
 
+def run_warnings(run: RunDir, limit: int = 8) -> list[str]:
+    """The run's warning events (a class mismatch, a re-extracted store, failed detectors), each once, the
+    last ``limit`` of them."""
+    messages = [e["message"] for e in run.read_events() if e.get("event") == "warning" and e.get("message")]
+    return list(dict.fromkeys(messages))[-limit:]
+
+
 def run_page(run: RunDir) -> None:
     from oodviz.ui.results import results_page
     from oodviz.ui.watch import job_panel
@@ -230,6 +237,8 @@ def run_page(run: RunDir) -> None:
         job_panel(run)  # it shows the live state itself
         return
     st.caption(f"Run `{run.run_id}` · {state}{where}")
+    for message in run_warnings(run):
+        st.warning(message)
     if state == "failed":
         st.error(f"The run failed: {status.get('error')}")
         if status.get("detail") and show_server_details():
