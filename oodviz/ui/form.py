@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.config import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
 
 #: ID presets: label -> (fit split, test split). Torchvision sets use their train/test splits.
 ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
@@ -30,12 +30,7 @@ TORCHVISION_OOD = ("mnist", "fashion-mnist", "kmnist", "cifar10", "cifar100", "s
 
 #: Datasets offered as OOD sets (the registry's OOD sources plus the ID-capable torchvision sets).
 OOD_CHOICES = (
-    "digits-heldout",
-    "digits-inverted",
-    "digits-rotated",
-    "photo-patches",
-    "noise-gaussian",
-    "noise-uniform",
+    *DEFAULT_OOD,
     "fashion-mnist-heldout",
     "fashion-mnist-inverted",
     "fashion-mnist-rotated",
