@@ -233,10 +233,11 @@ def load_model(job: Job) -> None:
 def load_data(job: Job) -> None:
     """Open every split's dataset, then, before any extraction: refuse detector parameters the data's sizes
     rule out (knn ``k`` above the fit rows, vim ``dim`` >= D), warn when the ID classes are not the model's,
-    refuse a run whose new feature stores would not fit on the disk, and warn when the estimated memory
-    exceeds the budget."""
+    refuse a run whose new feature stores would not fit on the disk, and warn when a need is over the machine's
+    limits (:mod:`oodviz.runs.preflight`; ``oodviz run`` refuses such a run before it starts, unless ``--force``)."""
     from oodviz.data import class_mismatch
     from oodviz.models import estimate_memory
+    from oodviz.runs.preflight import assess, machine_limits
     from oodviz.runs.validation import ConfigError, check_sizes
 
     config, backbone = job.config, job.backbone
@@ -255,9 +256,10 @@ def load_data(job: Job) -> None:
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())
         check_disk_space(job, estimate)
-        warning = estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
-        if warning:
-            job.reporter.warn(warning)
+        cap = None if config.memory_budget_gb is None else int(config.memory_budget_gb * 2**30)
+        report = assess(config, estimate, machine_limits(feature_store_root(job.run), job.device, cap))
+        if not report.fits:  # started anyway (--force, the app's "run anyway"): say what will not fit
+            job.reporter.warn(report.message())
 
 
 def check_disk_space(job: Job, estimate) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from oodviz.runs.config import RunConfig
 
@@ -23,11 +24,14 @@ class ProbeError(RuntimeError):
     """The estimate's process failed, crashed or ran out of time; the message says which."""
 
 
-def estimate_for_config(config: RunConfig) -> tuple[dict, str, str | None]:
+def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str, str | None]:
     """(estimate, description, warning) for ``config``, in this process: loads the model and counts each
-    split's samples; the warning says when the feature store would exceed ``memory_budget_gb``."""
+    split's samples; the warning is the pre-flight refusal (:mod:`oodviz.runs.preflight`: the needs against the
+    machine's disk, RAM and GPU, with the fixes) when the run does not fit, else None."""
+    from oodviz.engine import STORES_DIRNAME
     from oodviz.models import estimate_memory, load_backbone
-    from oodviz.runs.pipeline import load_split
+    from oodviz.runs.pipeline import load_split, resolve_device
+    from oodviz.runs.preflight import assess, machine_limits
 
     backbone = load_backbone(
         config.backbone,
@@ -38,8 +42,12 @@ def estimate_for_config(config: RunConfig) -> tuple[dict, str, str | None]:
     )
     splits = {"id_fit": load_split(config, config.id_fit, False), "id_test": load_split(config, config.id_test, False)}
     splits.update({f"ood:{c.name}": load_split(config, c, True) for c in config.ood})
-    estimate = estimate_memory(backbone, {name: len(ds) for name, ds in splits.items()})
-    return dict(estimate), estimate.describe(), estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
+    estimate = estimate_memory(backbone, {name: len(ds) for name, ds in splits.items()}, config.feature_dtype)
+    cap = None if config.memory_budget_gb is None else int(config.memory_budget_gb * 2**30)
+    report = assess(
+        config, estimate, machine_limits(Path(runs_root) / STORES_DIRNAME, resolve_device(config.device), cap)
+    )
+    return dict(estimate), estimate.describe(), None if report.fits else report.message()
 
 
 def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S) -> tuple[dict, str, str | None]:
