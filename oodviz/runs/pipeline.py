@@ -237,7 +237,7 @@ def load_data(job: Job) -> None:
     limits (:mod:`oodviz.runs.preflight`; ``oodviz run`` refuses such a run before it starts, unless ``--force``)."""
     from oodviz.data import class_mismatch
     from oodviz.models import estimate_memory
-    from oodviz.runs.preflight import assess, machine_limits
+    from oodviz.runs.preflight import assess, disk_cap_bytes, machine_limits
     from oodviz.runs.validation import ConfigError, check_sizes
 
     config, backbone = job.config, job.backbone
@@ -256,8 +256,9 @@ def load_data(job: Job) -> None:
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())
         check_disk_space(job, estimate)
-        cap = None if config.memory_budget_gb is None else int(config.memory_budget_gb * 2**30)
-        report = assess(config, estimate, machine_limits(feature_store_root(job.run), job.device, cap))
+        report = assess(
+            config, estimate, machine_limits(feature_store_root(job.run), job.device, disk_cap_bytes(config))
+        )
         if not report.fits:  # started anyway (--force, the app's "run anyway"): say what will not fit
             job.reporter.warn(report.message())
 

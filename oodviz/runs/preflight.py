@@ -93,13 +93,18 @@ def fit_memory_bytes(name: str, params: dict, n_features: int, n_classes: int, n
     return int(detector_class(name).fit_memory_bytes(n_features, n_classes, n_samples))
 
 
-def machine_limits(store_root, device, disk_cap_bytes: int | None = None) -> dict[str, int]:
-    """``{"disk": free bytes under store_root (at most disk_cap_bytes), "ram": available RAM[, "gpu": free]}``."""
+def disk_cap_bytes(config) -> int | None:
+    """``memory_budget_gb`` in bytes: an extra cap on the disk the new stores may take (None: no cap)."""
+    return None if config.memory_budget_gb is None else int(config.memory_budget_gb * 2**30)
+
+
+def machine_limits(store_root, device, disk_cap: int | None = None) -> dict[str, int]:
+    """``{"disk": free bytes under store_root (at most disk_cap), "ram": available RAM[, "gpu": free]}``."""
     from oodviz.engine.store.space import free_bytes
 
     disk = free_bytes(store_root)
     limits = {
-        "disk": disk if disk_cap_bytes is None else min(disk, disk_cap_bytes),
+        "disk": disk if disk_cap is None else min(disk, disk_cap),
         "ram": psutil.virtual_memory().available,
     }
     if device is not None and device.type == "cuda":
@@ -152,7 +157,7 @@ def fixes(config, estimate: dict, report: Preflight, fits: list[tuple[str, int]]
         found.append("feature_dtype='float16' halves the features on disk")
     too_big = [name for name, needed in fits if needed > min(limits["ram"], limits.get("gpu", limits["ram"]))]
     if too_big:
-        found.append(f"fewer detectors: leave out {', '.join(too_big)} (their fit state does not fit at D={d:,})")
+        found.append(f"fewer detectors: leave out {', '.join(too_big)} (the fit state is over the memory at D={d:,})")
     elif d > WIDE_FEATURES:
         square = [name for name, needed in fits if needed >= 8 * d * d]
         if square:
@@ -195,5 +200,6 @@ def preflight(config, runs_root) -> Preflight:
         )
         is None
     ]
-    cap = None if config.memory_budget_gb is None else int(config.memory_budget_gb * 2**30)
-    return assess(config, estimate, machine_limits(store_root, resolve_device(config.device), cap), new)
+    return assess(
+        config, estimate, machine_limits(store_root, resolve_device(config.device), disk_cap_bytes(config)), new
+    )

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from oodviz.runs.config import RunConfig
 
@@ -28,26 +27,11 @@ def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str,
     """(estimate, description, warning) for ``config``, in this process: loads the model and counts each
     split's samples; the warning is the pre-flight refusal (:mod:`oodviz.runs.preflight`: the needs against the
     machine's disk, RAM and GPU, with the fixes) when the run does not fit, else None."""
-    from oodviz.engine import STORES_DIRNAME
-    from oodviz.models import estimate_memory, load_backbone
-    from oodviz.runs.pipeline import load_split, resolve_device
-    from oodviz.runs.preflight import assess, machine_limits
+    from oodviz.models.memory import describe_memory
+    from oodviz.runs.preflight import preflight
 
-    backbone = load_backbone(
-        config.backbone,
-        weights=config.weights,
-        checkpoint=config.checkpoint,
-        layer=config.layer,
-        pooling=config.pooling,
-    )
-    splits = {"id_fit": load_split(config, config.id_fit, False), "id_test": load_split(config, config.id_test, False)}
-    splits.update({f"ood:{c.name}": load_split(config, c, True) for c in config.ood})
-    estimate = estimate_memory(backbone, {name: len(ds) for name, ds in splits.items()}, config.feature_dtype)
-    cap = None if config.memory_budget_gb is None else int(config.memory_budget_gb * 2**30)
-    report = assess(
-        config, estimate, machine_limits(Path(runs_root) / STORES_DIRNAME, resolve_device(config.device), cap)
-    )
-    return dict(estimate), estimate.describe(), None if report.fits else report.message()
+    report = preflight(config, runs_root)
+    return report.estimate, describe_memory(report.estimate), None if report.fits else report.message()
 
 
 def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S) -> tuple[dict, str, str | None]:
