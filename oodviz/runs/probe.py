@@ -1,4 +1,4 @@
-"""The memory estimate, in a process of its own: ``python -m oodviz.runs.probe`` reads a run config (JSON)
+"""The memory estimate, in a process of its own: ``python -m oodviz.runs.probe [RUNS_ROOT]`` reads a run config (JSON)
 on stdin and prints one JSON line, ``{"estimate": {...}, "description": "...", "warning": ...}`` or
 ``{"error": "..."}`` (exit 1).
 
@@ -34,12 +34,14 @@ def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str,
     return report.estimate, describe_memory(report.estimate), None if report.fits else report.message()
 
 
-def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S) -> tuple[dict, str, str | None]:
-    """:func:`estimate_for_config` run by ``python -m oodviz.runs.probe``; raises :class:`ProbeError`
+def estimate_in_subprocess(
+    config_json: str, timeout_s: float = TIMEOUT_S, runs_root="runs"
+) -> tuple[dict, str, str | None]:
+    """:func:`estimate_for_config` run by ``python -m oodviz.runs.probe RUNS_ROOT``; raises :class:`ProbeError`
     with the child's message, or on a timeout or crash."""
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "oodviz.runs.probe"],
+            [sys.executable, "-m", "oodviz.runs.probe", str(runs_root)],
             input=config_json,
             capture_output=True,
             text=True,
@@ -65,7 +67,7 @@ def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S) -> tu
 def main() -> int:
     try:
         config = RunConfig.from_dict(json.loads(sys.stdin.read()))
-        estimate, description, warning = estimate_for_config(config)
+        estimate, description, warning = estimate_for_config(config, *sys.argv[1:2])
     except Exception as error:  # the caller shows it: one line, no traceback
         print(json.dumps({"error": f"{type(error).__name__}: {error}"}))
         return 1
