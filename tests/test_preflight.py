@@ -149,3 +149,37 @@ def test_force_runs_a_small_run_over_a_tiny_disk_cap_to_the_end(tmp_path, capsys
     assert main(["run", str(path), "--runs-root", str(runs_root), "--force"]) == 0
     (run,) = [p for p in runs_root.iterdir() if not p.name.startswith(".")]  # .features: the shared stores
     assert (run / "metrics.csv").is_file()
+
+
+def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    import oodviz.ui.main
+    from oodviz.runs.jobs import QueueFull
+
+    submitted = []
+
+    def submit(config, root):  # the real run would extract every digit through ViT-B/16: record, refuse
+        submitted.append(config)
+        raise QueueFull("test: recorded, not queued")
+
+    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
+    app = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    app.run()
+    [box for box in app.sidebar.selectbox if box.label == "Backbone"][0].set_value("vit_b_16")
+    [radio for radio in app.sidebar.radio if radio.label == "Weights"][0].set_value("random")
+    [text for text in app.sidebar.text_input if text.label == "Feature layer"][0].set_value(VIT_UNPOOLED["layer"])
+    [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].set_value("none")
+    start = [button for button in app.sidebar.button if button.label == "Start run"][0]
+    start.click().run()
+    assert not app.exception
+    shown = " ".join(w.value for w in app.sidebar.warning)
+    assert "fit mahalanobis (D=151,296" in shown and "pooling='avg' gives D=768 instead of 151,296" in shown
+    assert any("Not started" in e.value for e in app.sidebar.error) and submitted == []
+    [box for box in app.sidebar.checkbox if box.label.startswith("Run anyway")][0].check()
+    [button for button in app.sidebar.button if button.label == "Start run"][0].click().run()
+    assert [c.pooling for c in submitted] == ["none"]
+    assert any("recorded, not queued" in e.value for e in app.sidebar.error)
