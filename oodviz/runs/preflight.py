@@ -165,27 +165,12 @@ def fixes(config, estimate: dict, report: Preflight, fits: list[tuple[str, int]]
     return found
 
 
-def preflight(config, runs_root) -> Preflight:
-    """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
-    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk."""
-    from oodviz.engine import STORES_DIRNAME
+def splits_to_extract(config, backbone, datasets: dict, chosen: list, store_root) -> list[str]:
+    """The splits of ``chosen`` (``(split, dataset choice, as OOD)``) with no finished store under ``store_root``."""
     from oodviz.engine.store import find_store, store_key
-    from oodviz.models import estimate_memory, load_backbone
-    from oodviz.runs.pipeline import load_split, resolve_device, store_key_params
+    from oodviz.runs.pipeline import store_key_params
 
-    backbone = load_backbone(
-        config.backbone,
-        weights=config.weights,
-        checkpoint=config.checkpoint,
-        layer=config.layer,
-        pooling=config.pooling,
-    )
-    chosen = [("id_fit", config.id_fit, False), ("id_test", config.id_test, False)]
-    chosen += [(f"ood:{choice.name}", choice, True) for choice in config.ood]
-    datasets = {split: load_split(config, choice, as_ood, backbone.classes) for split, choice, as_ood in chosen}
-    estimate = estimate_memory(backbone, {s: len(ds) for s, ds in datasets.items()}, feature_dtype=config.feature_dtype)
-    store_root = Path(runs_root) / STORES_DIRNAME
-    new = [
+    return [
         split
         for split, choice, _ in chosen
         if find_store(
@@ -200,6 +185,27 @@ def preflight(config, runs_root) -> Preflight:
         )
         is None
     ]
+
+
+def preflight(config, runs_root) -> Preflight:
+    """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
+    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk."""
+    from oodviz.engine import STORES_DIRNAME
+    from oodviz.models import estimate_memory, load_backbone
+    from oodviz.runs.pipeline import load_split, resolve_device, run_splits
+
+    backbone = load_backbone(
+        config.backbone,
+        weights=config.weights,
+        checkpoint=config.checkpoint,
+        layer=config.layer,
+        pooling=config.pooling,
+    )
+    chosen = run_splits(config)
+    datasets = {split: load_split(config, choice, as_ood, backbone.classes) for split, choice, as_ood in chosen}
+    estimate = estimate_memory(backbone, {s: len(ds) for s, ds in datasets.items()}, feature_dtype=config.feature_dtype)
+    store_root = Path(runs_root) / STORES_DIRNAME
+    new = splits_to_extract(config, backbone, datasets, chosen, store_root)
     return assess(
         config, estimate, machine_limits(store_root, resolve_device(config.device), disk_cap_bytes(config)), new
     )
