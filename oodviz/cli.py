@@ -138,6 +138,8 @@ def refused_by_preflight(config, runs_root: Path, force: bool) -> bool:
         print(f"pre-flight skipped: {type(error).__name__}: {error}", file=sys.stderr)
         return False
     if report.fits:
+        for note in report.fixes:  # wide features that fit: which detectors hold a D x D state
+            print(f"note: {note}", file=sys.stderr)
         return False
     print(report.message(), file=sys.stderr)
     if force:

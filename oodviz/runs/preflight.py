@@ -3,8 +3,8 @@
 Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
 
 - **disk** under the feature store root: the stores still to extract, ``N x (D x b + C x 4 + 24)`` bytes per
-  split (``b`` = 4 for float32 features, 2 for float16; :func:`oodviz.models.estimate_memory`), plus knn's
-  bank when its fit rows are not the whole store, ``N_fit x D x 4``;
+  split (``b`` = 4 for float32 features, 2 for float16; :func:`oodviz.models.estimate_memory`); knn's bank
+  is the id_fit store itself (every row of a run's fit split is in-distribution), no second copy;
 - **RAM** of each detector's fit: :meth:`oodviz.detectors.Detector.fit_memory_bytes` (``8 x 3 x D^2`` for
   mahalanobis, ``8 x 4 x D^2`` for rmd, ...); knn holds one bank chunk, ``chunk_size x D x 4``
   (:func:`knn_fit_memory_bytes`);
@@ -124,24 +124,24 @@ def assess(config, estimate: dict, limits: dict[str, int], new_splits: list[str]
     store_bytes = sum(int(splits[split]["total_bytes"]) for split in new)
     what = f"feature stores ({len(new)} of {len(splits)} splits to extract, {estimate['feature_dtype']})"
     needs = [Need("disk", what, store_bytes, limits["disk"])]
-    if any(choice.name == "knn" for choice in config.detectors):
-        needs[0].needed += n_fit * d * 4  # the bank, when the fit rows are not the whole store
-        needs[0].what += " + knn bank"
     fits = [(choice.name, fit_memory_bytes(choice.name, choice.params, d, c, n_fit)) for choice in config.detectors]
     for resource in [r for r in ("ram", "gpu") if r in limits]:
         for name, needed in fits:
             if needed:
                 needs.append(Need(resource, f"fit {name} (D={d:,}, C={c:,}, N={n_fit:,})", needed, limits[resource]))
     report = Preflight(needs, estimate=dict(estimate))
-    report.fixes = fixes(config, estimate, report, fits, limits)
+    report.fixes = fixes(estimate, report, fits, limits)
     return report
 
 
-def fixes(config, estimate: dict, report: Preflight, fits: list[tuple[str, int]], limits: dict[str, int]) -> list[str]:
-    """What would make an over-the-limit run fit: pool, another layer, subsample, float16, fewer detectors."""
-    if report.fits and estimate["feature_dim"] <= WIDE_FEATURES:
-        return []
+def fixes(estimate: dict, report: Preflight, fits: list[tuple[str, int]], limits: dict[str, int]) -> list[str]:
+    """What would make an over-the-limit run fit: pool, another layer, subsample, float16, fewer detectors; for
+    a run that fits but has ``D > WIDE_FEATURES``, the detectors with a ``D x D`` state (a note)."""
     d, pooled = int(estimate["feature_dim"]), int(estimate.get("pooled_dim") or estimate["feature_dim"])
+    square = [name for name, needed in fits if needed >= 8 * d * d]
+    wide_note = f"at D={d:,} the D x D state of {', '.join(square)} is large: pool or leave them out"
+    if report.fits:
+        return [wide_note] if d > WIDE_FEATURES and square else []
     found = []
     if estimate.get("pooling") == "none" and pooled < d:
         raw = estimate.get("raw_feature_shape")
@@ -158,10 +158,8 @@ def fixes(config, estimate: dict, report: Preflight, fits: list[tuple[str, int]]
     too_big = [name for name, needed in fits if needed > min(limits["ram"], limits.get("gpu", limits["ram"]))]
     if too_big:
         found.append(f"fewer detectors: leave out {', '.join(too_big)} (the fit state is over the memory at D={d:,})")
-    elif d > WIDE_FEATURES:
-        square = [name for name, needed in fits if needed >= 8 * d * d]
-        if square:
-            found.append(f"at D={d:,} the D x D state of {', '.join(square)} is large: pool or leave them out")
+    elif d > WIDE_FEATURES and square:
+        found.append(wide_note)
     return found
 
 
