@@ -24,7 +24,8 @@ EXIT_CODES = {"done": 0, "failed": 1, "cancelled": 130}
 RUN_EXIT_CODES = """exit status:
   0    done: every detector scored, results written
   1    failed: nothing usable (the error says why; every detector failed, a disk full, ...)
-  2    bad config or run directory: nothing was started
+  2    bad config or run directory, or over this machine's limits (the pre-flight table; --force
+       starts anyway): nothing was started
   3    done with failures: some detectors failed (see detectors.json), the others' results are written
   130  cancelled (Ctrl-C or a cancel request): finished parts are kept"""
 
@@ -89,6 +90,8 @@ def cmd_run(args) -> int:
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
+    if refused_by_preflight(config, Path(args.out).parent if args.out else Path(args.runs_root), args.force):
+        return 2
     try:
         if args.out:
             out = Path(args.out)
@@ -121,6 +124,29 @@ def cmd_run(args) -> int:
         print(f"\n{len(failed)} detector(s) failed: {', '.join(failed)} (errors in {run.path / 'detectors.json'})")
         return EXIT_DONE_WITH_FAILURES
     return 0
+
+
+def refused_by_preflight(config, runs_root: Path, force: bool) -> bool:
+    """True (the table and the fixes printed) when the run's needs are over this machine's limits and not
+    ``force``; with ``force`` the table is printed as a warning. A pre-flight that cannot load the model or
+    the data refuses nothing: the run's own stages report that."""
+    from oodviz.runs.preflight import preflight
+
+    try:
+        report = preflight(config, runs_root)
+    except Exception as error:  # the run reports the same problem with its stage and context
+        print(f"pre-flight skipped: {type(error).__name__}: {error}", file=sys.stderr)
+        return False
+    if report.fits:
+        for note in report.fixes:  # wide features that fit: which detectors hold a D x D state
+            print(f"note: {note}", file=sys.stderr)
+        return False
+    print(report.message(), file=sys.stderr)
+    if force:
+        print("--force: running anyway", file=sys.stderr)
+        return False
+    print("nothing was started; run with --force to start anyway", file=sys.stderr)
+    return True
 
 
 def cmd_runs(args) -> int:
@@ -282,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--out", help="the run directory to create (default: a new one under --runs-root)")
     run.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT), help="where runs live (default: ./runs)")
+    run.add_argument(
+        "--force",
+        action="store_true",
+        help="start even when the pre-flight check finds the run over this machine's disk, RAM or GPU memory",
+    )
     run.set_defaults(func=cmd_run)
     runs = commands.add_parser("runs", help="list runs with their status and best AUROC")
     runs.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT))

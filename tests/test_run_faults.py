@@ -321,7 +321,11 @@ def test_a_full_disk_fails_the_run_with_the_cause_and_leaves_no_temporary_file(s
     filler = small_disk / "filler"
     with open(filler, "wb") as f:  # leave ~200 KB: the run's files fit, the 500 KiB of feature stores do not
         f.write(b"\0" * (psutil.disk_usage(str(small_disk)).free - 200_000))
-    result = oodviz_cli("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs")
+    refused = oodviz_cli("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs")
+    assert refused.returncode == 2 and "OVER" in refused.stderr, refused.stderr[-2000:]  # the CLI's pre-flight
+    assert not (small_disk / "runs").exists()
+    # --force skips the CLI's refusal: the run's own check before extraction fails it
+    result = oodviz_cli("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs", "--force")
     assert result.returncode == 1, result.stderr[-2000:]
     (run,) = list_runs(small_disk / "runs")
     status = run.read_status()

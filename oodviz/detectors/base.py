@@ -307,6 +307,16 @@ class Detector:
     #: part of the default detector list of a run (``RunConfig().detectors``)
     in_defaults: ClassVar[bool] = True
 
+    @classmethod
+    def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
+        """Host bytes the fit holds at its peak for ``n_samples`` rows of ``D = n_features``, ``C = n_classes``
+        (the pre-flight check, :mod:`oodviz.runs.preflight`). The default is a state of per-class vectors,
+        ``8 x (C x D + D + C)`` (float64), or 0 for detectors with no fit; detectors with a larger state
+        (a ``D x D`` covariance, a ``C x C`` table) override it."""
+        if not cls.needs_fit:
+            return 0
+        return 8 * (n_classes * n_features + n_features + n_classes)
+
     # -- parameters -------------------------------------------------------------------------
     @classmethod
     def param_names(cls) -> list[str]:

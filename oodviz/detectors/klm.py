@@ -34,6 +34,11 @@ class KLMatching(Detector):
     paper = "https://arxiv.org/abs/1911.11132"
     inputs = ("logits",)
 
+    @classmethod
+    def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
+        """``8 x 2 x C^2``: the per-class sums of the softmax and their means (float64)."""
+        return 8 * 2 * n_classes**2
+
     def _fit(self, data: FitData) -> None:
         sums = None
         for batch in data:

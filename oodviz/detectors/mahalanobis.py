@@ -83,6 +83,14 @@ class Mahalanobis(Detector):
     paper = "https://arxiv.org/abs/1807.03888"
     inputs = ("features",)
     needs_labels = True
+    #: ``D x D`` float64 matrices alive at the fit's peak: the scatter, the eigendecomposition's copy and vectors
+    square_copies = 3
+
+    @classmethod
+    def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
+        """``8 x (square_copies x D^2 + 2 x C x D)``: the covariance and its inverse square root (float64),
+        the class sums and means."""
+        return 8 * (cls.square_copies * n_features**2 + 2 * n_classes * n_features)
 
     def _fit(self, data: FitData) -> None:
         self._fit_gaussians(fit_class_moments(self, data))

@@ -29,6 +29,8 @@ class RelativeMahalanobis(Mahalanobis):
     name = "rmd"
     summary = "Mahalanobis distance minus the distance under one Gaussian over all classes."
     paper = "https://arxiv.org/abs/2106.09022"
+    #: the within-class and the total scatter, and the eigendecomposition's two ``D x D`` matrices
+    square_copies = 4
 
     def _fit_gaussians(self, moments: ClassMoments) -> None:
         # Before the class part, which turns the within-class scatter into Sigma in place.

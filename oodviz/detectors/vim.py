@@ -64,6 +64,11 @@ class ViM(Detector):
     needs_head = True
     fit_passes = 2
 
+    @classmethod
+    def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
+        """``8 x 3 x D^2``: the second moment and the eigendecomposition's two ``D x D`` matrices (float64)."""
+        return 8 * 3 * n_features**2
+
     def __init__(self, dim: int | None = None):
         if dim is not None and (int(dim) != dim or dim < 1):
             raise ValueError(f"vim: dim (principal subspace dimension) must be a positive integer or None, got {dim}")

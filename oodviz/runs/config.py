@@ -77,7 +77,9 @@ class RunConfig:
     data_root: str = "data"
     download: bool = False
     feature_dtype: str = "float32"
-    memory_budget_gb: float = 8.0
+    #: an extra cap (GiB) on the disk the new feature stores may take, below the free disk; None = the disk's own
+    #: free space (the pre-flight check, :mod:`oodviz.runs.preflight`, compares with the machine's real limits)
+    memory_budget_gb: float | None = None
 
     # -- serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -160,7 +162,7 @@ class RunConfig:
         ):
             if key not in wrong and getattr(self, key) not in allowed:
                 found.append(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
-        if "memory_budget_gb" not in wrong and self.memory_budget_gb <= 0:
+        if "memory_budget_gb" not in wrong and self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
             found.append(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}")
         return found
 
@@ -226,7 +228,7 @@ _FIELD_TYPES = {
     "data_root": str,
     "download": bool,
     "feature_dtype": str,
-    "memory_budget_gb": float,
+    "memory_budget_gb": float | None,
 }
 _DATASET_TYPES = {"name": str, "params": dict, "subsample": int | None, "subsample_mode": str, "group": str | None}
 _DETECTOR_TYPES = {"name": str, "params": dict}

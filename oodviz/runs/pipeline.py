@@ -104,6 +104,12 @@ def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool, model_cla
     )
 
 
+def run_splits(config: RunConfig) -> list[tuple[str, DatasetChoice, bool]]:
+    """``(split, dataset choice, loaded as OOD)`` of every split ``config`` extracts: id_fit, id_test, ood:NAME."""
+    ood = [(f"ood:{choice.name}", choice, True) for choice in config.ood]
+    return [("id_fit", config.id_fit, False), ("id_test", config.id_test, False), *ood]
+
+
 def store_key_params(config: RunConfig, choice: DatasetChoice) -> dict:
     """What, besides the backbone and the dataset object, determines a split's feature store."""
     return {"dataset": asdict(choice), "data_root": str(Path(config.data_root).resolve()), "seed": config.seed}
@@ -156,8 +162,7 @@ class Job:
     @property
     def splits(self) -> list[tuple[str, DatasetChoice, bool]]:
         """``(split, dataset choice, loaded as OOD)`` of every split the run extracts."""
-        ood = [(f"ood:{choice.name}", choice, True) for choice in self.config.ood]
-        return [("id_fit", self.config.id_fit, False), ("id_test", self.config.id_test, False), *ood]
+        return run_splits(self.config)
 
     @property
     def scored_splits(self) -> list[tuple[str, str, str]]:
@@ -233,10 +238,11 @@ def load_model(job: Job) -> None:
 def load_data(job: Job) -> None:
     """Open every split's dataset, then, before any extraction: refuse detector parameters the data's sizes
     rule out (knn ``k`` above the fit rows, vim ``dim`` >= D), warn when the ID classes are not the model's,
-    refuse a run whose new feature stores would not fit on the disk, and warn when the estimated memory
-    exceeds the budget."""
+    refuse a run whose new feature stores would not fit on the disk, and warn when a need is over the machine's
+    limits (:mod:`oodviz.runs.preflight`; ``oodviz run`` refuses such a run before it starts, unless ``--force``)."""
     from oodviz.data import class_mismatch
     from oodviz.models import estimate_memory
+    from oodviz.runs.preflight import assess, disk_cap_bytes, machine_limits
     from oodviz.runs.validation import ConfigError, check_sizes
 
     config, backbone = job.config, job.backbone
@@ -254,32 +260,25 @@ def load_data(job: Job) -> None:
         sizes = {split: len(ds) for split, ds in job.datasets.items()}
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())
-        check_disk_space(job, estimate)
-        warning = estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
-        if warning:
-            job.reporter.warn(warning)
+        new = check_disk_space(job, estimate)
+        limits = machine_limits(feature_store_root(job.run), job.device, disk_cap_bytes(config))
+        report = assess(config, estimate, limits, new)
+        if not report.fits:  # started anyway (--force, the app's "run anyway"): say what will not fit
+            job.reporter.warn(report.message())
 
 
-def check_disk_space(job: Job, estimate) -> None:
-    """Raise :class:`~oodviz.engine.DiskFullError` when the stores still to extract (reused ones cost nothing)
-    would not fit under the feature store root."""
-    from oodviz.engine.store import DiskFullError, check_free_space, find_store, store_key
+def check_disk_space(job: Job, estimate) -> list[str]:
+    """The splits whose store is still to extract (reused ones cost nothing); raise
+    :class:`~oodviz.engine.DiskFullError` when their stores would not fit under the feature store root."""
+    from oodviz.engine.store import DiskFullError, check_free_space
+    from oodviz.runs.preflight import splits_to_extract
 
     root = feature_store_root(job.run)
-    needed = 0
-    for split, choice, _ in job.splits:
-        key = store_key(
-            job.backbone,
-            job.datasets[split],
-            store_key_params(job.config, choice),
-            feature_dtype=job.config.feature_dtype,
-            precision=job.config.precision,
-        )
-        if find_store(root, key) is None:
-            needed += estimate["splits"][split]["total_bytes"]
-    message = check_free_space(root, needed)
+    new = splits_to_extract(job.config, job.backbone, job.datasets, job.splits, root)
+    message = check_free_space(root, sum(estimate["splits"][split]["total_bytes"] for split in new))
     if message:
         raise DiskFullError(message)
+    return new
 
 
 def extract_splits(job: Job) -> None:

@@ -1,4 +1,4 @@
-"""The memory estimate, in a process of its own: ``python -m oodviz.runs.probe`` reads a run config (JSON)
+"""The memory estimate, in a process of its own: ``python -m oodviz.runs.probe [RUNS_ROOT]`` reads a run config (JSON)
 on stdin and prints one JSON line, ``{"estimate": {...}, "description": "...", "warning": ...}`` or
 ``{"error": "..."}`` (exit 1).
 
@@ -23,31 +23,25 @@ class ProbeError(RuntimeError):
     """The estimate's process failed, crashed or ran out of time; the message says which."""
 
 
-def estimate_for_config(config: RunConfig) -> tuple[dict, str, str | None]:
+def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str, str | None]:
     """(estimate, description, warning) for ``config``, in this process: loads the model and counts each
-    split's samples; the warning says when the feature store would exceed ``memory_budget_gb``."""
-    from oodviz.models import estimate_memory, load_backbone
-    from oodviz.runs.pipeline import load_split
+    split's samples; the warning is the pre-flight refusal (:mod:`oodviz.runs.preflight`: the needs against the
+    machine's disk, RAM and GPU, with the fixes) when the run does not fit, else None."""
+    from oodviz.models.memory import describe_memory
+    from oodviz.runs.preflight import preflight
 
-    backbone = load_backbone(
-        config.backbone,
-        weights=config.weights,
-        checkpoint=config.checkpoint,
-        layer=config.layer,
-        pooling=config.pooling,
-    )
-    splits = {"id_fit": load_split(config, config.id_fit, False), "id_test": load_split(config, config.id_test, False)}
-    splits.update({f"ood:{c.name}": load_split(config, c, True) for c in config.ood})
-    estimate = estimate_memory(backbone, {name: len(ds) for name, ds in splits.items()})
-    return dict(estimate), estimate.describe(), estimate.warn_if_over(int(config.memory_budget_gb * 2**30))
+    report = preflight(config, runs_root)
+    return report.estimate, describe_memory(report.estimate), None if report.fits else report.message()
 
 
-def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S) -> tuple[dict, str, str | None]:
-    """:func:`estimate_for_config` run by ``python -m oodviz.runs.probe``; raises :class:`ProbeError`
+def estimate_in_subprocess(
+    config_json: str, timeout_s: float = TIMEOUT_S, runs_root="runs"
+) -> tuple[dict, str, str | None]:
+    """:func:`estimate_for_config` run by ``python -m oodviz.runs.probe RUNS_ROOT``; raises :class:`ProbeError`
     with the child's message, or on a timeout or crash."""
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "oodviz.runs.probe"],
+            [sys.executable, "-m", "oodviz.runs.probe", str(runs_root)],
             input=config_json,
             capture_output=True,
             text=True,
@@ -73,7 +67,7 @@ def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S) -> tu
 def main() -> int:
     try:
         config = RunConfig.from_dict(json.loads(sys.stdin.read()))
-        estimate, description, warning = estimate_for_config(config)
+        estimate, description, warning = estimate_for_config(config, *sys.argv[1:2])
     except Exception as error:  # the caller shows it: one line, no traceback
         print(json.dumps({"error": f"{type(error).__name__}: {error}"}))
         return 1

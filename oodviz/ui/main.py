@@ -22,7 +22,7 @@ from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
 from oodviz.runs.summary import summarise
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
 from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
-from oodviz.ui.sidebar import memory_estimate, render_form
+from oodviz.ui.sidebar import RUN_ANYWAY, memory_estimate, render_form
 
 
 def runs_root() -> Path:
@@ -69,17 +69,20 @@ def confined_config(config: RunConfig) -> RunConfig | None:
         return None
 
 
-def show_estimate(config) -> None:
+def show_estimate(config) -> bool:
+    """Show the run's estimate in the sidebar, beside Start; True when it is over the machine's limits
+    (the pre-flight table and the fixes shown as a warning)."""
     try:
-        _, description, warning = memory_estimate(json.dumps(config.to_dict()))
+        _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
     except Exception as error:  # a missing dataset or weight file: say what, keep the app running
         st.error(f"Could not estimate the run's size: {error}")
-        return
+        return False
     with st.sidebar:
         st.markdown("**Estimated feature store**")
         st.code(description, language=None)
-        if warning:
-            st.warning(warning)
+        if refusal:
+            st.warning(refusal)
+    return refusal is not None
 
 
 def handle_form(values: FormValues, action: str | None) -> None:
@@ -92,8 +95,14 @@ def handle_form(values: FormValues, action: str | None) -> None:
     if problems:
         st.sidebar.error("Fix these first:\n\n" + "\n".join(f"- {p}" for p in problems))
         return
-    show_estimate(config)
+    over = show_estimate(config)
     if action == "start":
+        if over and not st.session_state.get(RUN_ANYWAY):
+            st.sidebar.error(
+                "Not started: the run is over this machine's limits (above). Apply a fix, or tick "
+                '"Run anyway, over this machine\'s limits" and start again.'
+            )
+            return
         start_run(config, st.sidebar)
 
 

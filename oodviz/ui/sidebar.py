@@ -12,6 +12,8 @@ from oodviz.runs.telemetry import device_facts
 from oodviz.ui.form import FOLDER_PRESET, ID_PRESETS, OOD_CHOICES, FormValues, config_from_form, ood_label
 
 USER_MODEL = "torchscript"
+#: the session-state key of the form's "run anyway" checkbox
+RUN_ANYWAY = "run-anyway"
 
 
 def _device_label(fact: dict) -> str:
@@ -116,6 +118,12 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             help="bf16/fp16 autocast applies on GPUs only.",
         )
 
+        st.checkbox(
+            "Run anyway, over this machine's limits",
+            key=RUN_ANYWAY,
+            help="Start is refused while the estimate beside it is over the free disk, RAM or GPU memory; "
+            "tick this to start regardless.",
+        )
         b1, b2 = st.columns(2)
         estimate = b1.form_submit_button("Estimate memory", use_container_width=True)
         start = b2.form_submit_button("Start run", type="primary", use_container_width=True)
@@ -150,12 +158,13 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
     return values, "start" if start else "estimate" if estimate else None
 
 
-@st.cache_data(show_spinner="Estimating feature sizes…", max_entries=32)
-def memory_estimate(config_json: str) -> tuple[dict, str, str | None]:
-    """(estimate, description, warning) for a config. It loads the model and runs one batch through it
-    (the checkpoint's own code), so it runs in a subprocess with a timeout, never in the server's process;
-    raises ProbeError when that fails."""
-    return estimate_in_subprocess(config_json)
+@st.cache_data(show_spinner="Estimating the run's needs…", max_entries=32, ttl=30)
+def memory_estimate(config_json: str, runs_root: str) -> tuple[dict, str, str | None]:
+    """(estimate, description, refusal) for a config run under ``runs_root``: the refusal is the pre-flight
+    table and fixes when the run is over the machine's limits (:mod:`oodviz.runs.preflight`), else None. It
+    loads the model and runs one batch through it (the checkpoint's own code), so it runs in a subprocess with
+    a timeout, never in the server's process; raises ProbeError when that fails. Cached 30 s: free memory moves."""
+    return estimate_in_subprocess(config_json, runs_root=runs_root)
 
 
-__all__ = ["config_from_form", "memory_estimate", "render_form"]
+__all__ = ["RUN_ANYWAY", "config_from_form", "memory_estimate", "render_form"]

@@ -1,0 +1,209 @@
+"""Pre-flight: a run's needs against what this machine has, before anything is extracted.
+
+Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
+
+- **disk** under the feature store root: the stores still to extract, ``N x (D x b + C x 4 + 24)`` bytes per
+  split (``b`` = 4 for float32 features, 2 for float16; :func:`oodviz.models.estimate_memory`); knn's bank
+  is the id_fit store itself (every row of a run's fit split is in-distribution), no second copy;
+- **RAM** of each detector's fit: :meth:`oodviz.detectors.Detector.fit_memory_bytes` (``8 x 3 x D^2`` for
+  mahalanobis, ``8 x 4 x D^2`` for rmd, ...); knn holds one bank chunk, ``chunk_size x D x 4``
+  (:func:`knn_fit_memory_bytes`);
+- **GPU** memory of the same fits, only when the run's device is CUDA.
+
+Available: free disk under the runs root (``shutil.disk_usage``, capped by ``memory_budget_gb`` when set),
+``psutil.virtual_memory().available`` and ``torch.cuda.mem_get_info``. Each detector fits on its own, so each
+fit is compared with the whole RAM. :func:`preflight` loads the model and the datasets (their sizes only);
+:func:`assess` does the arithmetic for a loaded backbone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from oodviz.models.memory import format_bytes
+
+#: Features wider than this get the detectors with a ``D x D`` state named even when they fit.
+WIDE_FEATURES = 16_384
+KNN_DEFAULT_CHUNK = 16_384
+
+
+@dataclass
+class Need:
+    """One row of the table: ``what`` needs ``needed`` bytes of ``resource`` (disk, RAM, GPU), ``available``."""
+
+    resource: str
+    what: str
+    needed: int
+    available: int
+
+    @property
+    def over(self) -> bool:
+        return self.needed > self.available
+
+
+@dataclass
+class Preflight:
+    """The needs of a run, the machine's limits, and the fixes when something does not fit."""
+
+    needs: list[Need]
+    fixes: list[str] = field(default_factory=list)
+    estimate: dict = field(default_factory=dict)
+
+    @property
+    def over(self) -> list[Need]:
+        return [need for need in self.needs if need.over]
+
+    @property
+    def fits(self) -> bool:
+        return not self.over
+
+    def table(self) -> str:
+        """One line per need: resource, what, needed, available and ``OVER`` when it does not fit."""
+        width = max((len(need.what) for need in self.needs), default=4)
+        lines = [f"{'':<5} {'need':<{width}}  {'needed':>10}  {'available':>10}"]
+        for need in self.needs:
+            flag = "  OVER" if need.over else ""
+            lines.append(
+                f"{need.resource:<5} {need.what:<{width}}  {format_bytes(need.needed):>10}  "
+                f"{format_bytes(need.available):>10}{flag}"
+            )
+        return "\n".join(lines)
+
+    def message(self) -> str:
+        """The table and the fixes, for a refusal."""
+        text = "This run does not fit on this machine:\n" + self.table()
+        if self.fixes:
+            text += "\nTo make it fit:\n" + "\n".join(f"- {fix}" for fix in self.fixes)
+        return text
+
+
+def knn_fit_memory_bytes(n_features: int, params: dict) -> int:
+    """knn's fit holds one bank chunk in RAM, ``chunk_size x D x 4`` bytes (float32); the bank is on disk."""
+    return int(params.get("chunk_size", KNN_DEFAULT_CHUNK)) * n_features * 4
+
+
+def fit_memory_bytes(name: str, params: dict, n_features: int, n_classes: int, n_samples: int) -> int:
+    from oodviz.detectors import detector_class
+
+    if name == "knn":
+        return knn_fit_memory_bytes(n_features, params)
+    return int(detector_class(name).fit_memory_bytes(n_features, n_classes, n_samples))
+
+
+def disk_cap_bytes(config) -> int | None:
+    """``memory_budget_gb`` in bytes: an extra cap on the disk the new stores may take (None: no cap)."""
+    return None if config.memory_budget_gb is None else int(config.memory_budget_gb * 2**30)
+
+
+def machine_limits(store_root, device, disk_cap: int | None = None) -> dict[str, int]:
+    """``{"disk": free bytes under store_root (at most disk_cap), "ram": available RAM[, "gpu": free]}``."""
+    from oodviz.engine.store.space import free_bytes
+
+    disk = free_bytes(store_root)
+    limits = {
+        "disk": disk if disk_cap is None else min(disk, disk_cap),
+        "ram": psutil.virtual_memory().available,
+    }
+    if device is not None and device.type == "cuda":
+        import torch
+
+        limits["gpu"] = int(torch.cuda.mem_get_info(device)[0])
+    return limits
+
+
+def assess(config, estimate: dict, limits: dict[str, int], new_splits: list[str] | None = None) -> Preflight:
+    """The needs of ``config`` from its store ``estimate`` (:func:`oodviz.models.estimate_memory`) against
+    ``limits`` (:func:`machine_limits`); ``new_splits``: the splits whose store is not there yet (default: all)."""
+    d, c = int(estimate["feature_dim"]), int(estimate["num_classes"])
+    splits = estimate["splits"]
+    new = list(splits) if new_splits is None else new_splits
+    n_fit = int(splits["id_fit"]["n_samples"])
+    store_bytes = sum(int(splits[split]["total_bytes"]) for split in new)
+    what = f"feature stores ({len(new)} of {len(splits)} splits to extract, {estimate['feature_dtype']})"
+    needs = [Need("disk", what, store_bytes, limits["disk"])]
+    fits = [(choice.name, fit_memory_bytes(choice.name, choice.params, d, c, n_fit)) for choice in config.detectors]
+    for resource in [r for r in ("ram", "gpu") if r in limits]:
+        for name, needed in fits:
+            if needed:
+                needs.append(Need(resource, f"fit {name} (D={d:,}, C={c:,}, N={n_fit:,})", needed, limits[resource]))
+    report = Preflight(needs, estimate=dict(estimate))
+    report.fixes = fixes(estimate, report, fits, limits)
+    return report
+
+
+def fixes(estimate: dict, report: Preflight, fits: list[tuple[str, int]], limits: dict[str, int]) -> list[str]:
+    """What would make an over-the-limit run fit: pool, another layer, subsample, float16, fewer detectors; for
+    a run that fits but has ``D > WIDE_FEATURES``, the detectors with a ``D x D`` state (a note)."""
+    d, pooled = int(estimate["feature_dim"]), int(estimate.get("pooled_dim") or estimate["feature_dim"])
+    square = [name for name, needed in fits if needed >= 8 * d * d]
+    wide_note = f"at D={d:,} the D x D state of {', '.join(square)} is large: pool or leave them out"
+    if report.fits:
+        return [wide_note] if d > WIDE_FEATURES and square else []
+    found = []
+    if estimate.get("pooling") == "none" and pooled < d:
+        raw = estimate.get("raw_feature_shape")
+        shape = " x ".join(f"{s:,}" for s in raw) if raw else f"{d:,}"
+        found.append(
+            f"pool the features: pooling='avg' gives D={pooled:,} instead of {d:,} ({shape} per sample, "
+            f"{d // pooled:,}x smaller)"
+        )
+    found.append("choose another layer with a smaller D (an earlier or narrower one, or the penultimate layer)")
+    largest = max(estimate["splits"].items(), key=lambda item: item[1]["total_bytes"])
+    found.append(f"subsample the largest splits ({largest[0]}: {largest[1]['n_samples']:,} samples)")
+    if estimate["feature_dtype"] == "float32":
+        found.append("feature_dtype='float16' halves the features on disk")
+    too_big = [name for name, needed in fits if needed > min(limits["ram"], limits.get("gpu", limits["ram"]))]
+    if too_big:
+        found.append(f"fewer detectors: leave out {', '.join(too_big)} (the fit state is over the memory at D={d:,})")
+    elif d > WIDE_FEATURES and square:
+        found.append(wide_note)
+    return found
+
+
+def splits_to_extract(config, backbone, datasets: dict, chosen: list, store_root) -> list[str]:
+    """The splits of ``chosen`` (``(split, dataset choice, as OOD)``) with no finished store under ``store_root``."""
+    from oodviz.engine.store import find_store, store_key
+    from oodviz.runs.pipeline import store_key_params
+
+    return [
+        split
+        for split, choice, _ in chosen
+        if find_store(
+            store_root,
+            store_key(
+                backbone,
+                datasets[split],
+                store_key_params(config, choice),
+                feature_dtype=config.feature_dtype,
+                precision=config.precision,
+            ),
+        )
+        is None
+    ]
+
+
+def preflight(config, runs_root) -> Preflight:
+    """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
+    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk."""
+    from oodviz.engine import STORES_DIRNAME
+    from oodviz.models import estimate_memory, load_backbone
+    from oodviz.runs.pipeline import load_split, resolve_device, run_splits
+
+    backbone = load_backbone(
+        config.backbone,
+        weights=config.weights,
+        checkpoint=config.checkpoint,
+        layer=config.layer,
+        pooling=config.pooling,
+    )
+    chosen = run_splits(config)
+    datasets = {split: load_split(config, choice, as_ood, backbone.classes) for split, choice, as_ood in chosen}
+    estimate = estimate_memory(backbone, {s: len(ds) for s, ds in datasets.items()}, feature_dtype=config.feature_dtype)
+    store_root = Path(runs_root) / STORES_DIRNAME
+    new = splits_to_extract(config, backbone, datasets, chosen, store_root)
+    return assess(
+        config, estimate, machine_limits(store_root, resolve_device(config.device), disk_cap_bytes(config)), new
+    )

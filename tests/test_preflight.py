@@ -1,0 +1,185 @@
+"""Pre-flight (issue 13.1): a run's needs against the machine's disk, RAM and GPU, before any extraction;
+``oodviz run`` refuses over the limit (exit 2, nothing written) and ``--force`` starts anyway."""
+
+import json
+
+import pytest
+
+import oodviz.runs.worker
+from oodviz.cli import main
+from oodviz.models.memory import format_bytes
+from oodviz.runs.config import DetectorChoice, RunConfig
+from oodviz.runs.preflight import WIDE_FEATURES, assess
+
+GiB = 2**30
+# The issue's case: ViT-B/16's last encoder block unpooled, 197 tokens x 768 = 151,296 features per image.
+VIT_UNPOOLED = {
+    "backbone": "vit_b_16",
+    "weights": "random",
+    "layer": "encoder.layers.encoder_layer_11",
+    "pooling": "none",
+    "device": "cpu",
+    "id_fit": {"name": "noise-uniform", "params": {"n": 50_000, "size": 224}},
+    "id_test": {"name": "noise-uniform", "params": {"n": 1_000, "size": 224}},
+    "ood": [{"name": "noise-gaussian", "params": {"n": 1_000, "size": 224}}],
+    "detectors": ["msp", "mahalanobis", "knn", "klm"],
+}
+
+
+def estimate_of(d: int, c: int, sizes: dict, dtype_bytes: int = 4, pooled: int | None = None) -> dict:
+    """A store estimate written out from the formula: N x (D x b + C x 4 + 3 x 8) bytes per split."""
+    splits = {s: {"n_samples": n, "total_bytes": n * (d * dtype_bytes + c * 4 + 24)} for s, n in sizes.items()}
+    return {
+        "feature_dim": d,
+        "num_classes": c,
+        "pooled_dim": pooled or d,
+        "raw_feature_shape": None if pooled is None else (d // pooled, pooled),
+        "pooling": "none" if pooled else "avg",
+        "feature_dtype": "float32" if dtype_bytes == 4 else "float16",
+        "splits": splits,
+    }
+
+
+def config_with(*detectors, **params) -> RunConfig:
+    return RunConfig(detectors=[DetectorChoice(name, params.get(name, {})) for name in detectors])
+
+
+def test_the_needs_are_the_store_and_each_fit_from_d_c_and_n():
+    d, c, n_fit, n_test = 2048, 100, 10_000, 2_000
+    estimate = estimate_of(d, c, {"id_fit": n_fit, "id_test": n_test})
+    config = config_with("mahalanobis", "rmd", "vim", "klm", "knn", "msp", knn={"chunk_size": 1000})
+    report = assess(config, estimate, {"disk": 10**12, "ram": 10**12, "gpu": 10**12})
+    disk = [need for need in report.needs if need.resource == "disk"]
+    assert [need.needed for need in disk] == [(n_fit + n_test) * (d * 4 + c * 4 + 24)]  # knn's bank: the store
+    for resource in ("ram", "gpu"):
+        fits = {need.what.split()[1]: need.needed for need in report.needs if need.resource == resource}
+        assert fits == {
+            "mahalanobis": 8 * (3 * d * d + 2 * c * d),
+            "rmd": 8 * (4 * d * d + 2 * c * d),
+            "vim": 8 * 3 * d * d,
+            "klm": 8 * 2 * c * c,
+            "knn": 1000 * d * 4,
+        }  # msp has no fit: no row
+    assert report.fits and report.fixes == []
+
+
+def test_over_the_ram_names_the_detectors_and_the_fixes():
+    d, pooled = 197 * 768, 768
+    estimate = estimate_of(d, 1000, {"id_fit": 96, "id_test": 96}, pooled=pooled)
+    config = config_with("mahalanobis", "klm", "energy")
+    ram = 16 * GiB
+    report = assess(config, estimate, {"disk": 10**12, "ram": ram})
+    assert [need.what.split()[1] for need in report.over] == ["mahalanobis"]
+    assert report.over[0].needed == 8 * (3 * d * d + 2 * 1000 * d)
+    text = report.message()
+    assert "pooling='avg' gives D=768 instead of 151,296" in text
+    assert "leave out mahalanobis" in text and "klm" not in text.split("leave out")[1]
+    assert format_bytes(report.over[0].needed) in text and format_bytes(ram) in text and "OVER" in text
+
+
+def test_disk_over_the_free_space_suggests_float16_and_subsampling():
+    estimate = estimate_of(512, 10, {"id_fit": 1_000_000, "id_test": 10_000})
+    report = assess(config_with("msp"), estimate, {"disk": GiB, "ram": 10**12})
+    assert [need.resource for need in report.over] == ["disk"]
+    assert "feature_dtype='float16'" in report.message() and "id_fit: 1,000,000 samples" in report.message()
+    assert "pool the features" not in report.message()  # already pooled
+
+
+def test_wide_features_name_the_square_state_detectors_even_when_they_fit():
+    d = WIDE_FEATURES + 1
+    report = assess(
+        config_with("vim", "msp"), estimate_of(d, 10, {"id_fit": 10, "id_test": 10}), {"disk": 10**15, "ram": 10**15}
+    )
+    assert report.fits
+    assert report.fixes == [f"at D={d:,} the D x D state of vim is large: pool or leave them out"]
+
+
+def test_memory_budget_is_an_optional_cap_none_by_default():
+    assert RunConfig().memory_budget_gb is None
+    assert RunConfig(memory_budget_gb=None).problems() == []
+    assert "memory_budget_gb must be a positive number, got 0" in " ".join(RunConfig(memory_budget_gb=0).problems())
+
+
+@pytest.fixture(scope="module")
+def vit_config(tmp_path_factory):
+    path = tmp_path_factory.mktemp("vit") / "vit.json"
+    path.write_text(json.dumps(VIT_UNPOOLED))
+    return str(path)
+
+
+def test_the_unpooled_vit_run_is_refused_before_anything_is_written(tmp_path, capsys, vit_config):
+    runs_root = tmp_path / "runs"
+    code = main(["run", vit_config, "--runs-root", str(runs_root)])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert not runs_root.exists()
+    d, c = 197 * 768, 1000
+    assert f"fit mahalanobis (D={d:,}, C={c:,}, N=50,000)" in err
+    assert format_bytes(8 * (3 * d * d + 2 * c * d)) in err
+    assert "pooling='avg' gives D=768 instead of 151,296" in err
+    assert "--force" in err
+
+
+def test_force_starts_the_unpooled_vit_run(tmp_path, capsys, vit_config, monkeypatch):
+    started = []
+
+    class Started(Exception):
+        pass
+
+    def execute(run, echo=None):  # the run itself would extract 52,000 ViT images: stop where it starts
+        started.append(run.path)
+        raise Started
+
+    monkeypatch.setattr(oodviz.runs.worker, "execute", execute)
+    runs_root = tmp_path / "runs"
+    with pytest.raises(Started):
+        main(["run", vit_config, "--runs-root", str(runs_root), "--force"])
+    assert "--force: running anyway" in capsys.readouterr().err
+    assert len(started) == 1 and started[0].parent == runs_root
+    assert json.loads((started[0] / "config.json").read_text())["pooling"] == "none"
+
+
+def test_force_runs_a_small_run_over_a_tiny_disk_cap_to_the_end(tmp_path, capsys):
+    config = {"backbone": "digits-cnn", "device": "cpu", "ood": ["digits-heldout"], "detectors": ["msp"]}
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps({**config, "memory_budget_gb": 1e-6}))  # a 1 KiB cap: the stores are over it
+    runs_root = tmp_path / "runs"
+    assert main(["run", str(path), "--runs-root", str(runs_root)]) == 2
+    assert "OVER" in capsys.readouterr().err and not runs_root.exists()
+    assert main(["run", str(path), "--runs-root", str(runs_root), "--force"]) == 0
+    (run,) = [p for p in runs_root.iterdir() if not p.name.startswith(".")]  # .features: the shared stores
+    assert (run / "metrics.csv").is_file()
+
+
+def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    import oodviz.ui.main
+    from oodviz.runs.jobs import QueueFull
+
+    submitted = []
+
+    def submit(config, root):  # the real run would extract every digit through ViT-B/16: record, refuse
+        submitted.append(config)
+        raise QueueFull("test: recorded, not queued")
+
+    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
+    app = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    app.run()
+    [box for box in app.sidebar.selectbox if box.label == "Backbone"][0].set_value("vit_b_16")
+    [radio for radio in app.sidebar.radio if radio.label == "Weights"][0].set_value("random")
+    [text for text in app.sidebar.text_input if text.label == "Feature layer"][0].set_value(VIT_UNPOOLED["layer"])
+    [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].set_value("none")
+    start = [button for button in app.sidebar.button if button.label == "Start run"][0]
+    start.click().run()
+    assert not app.exception
+    shown = " ".join(w.value for w in app.sidebar.warning)
+    assert "fit mahalanobis (D=151,296" in shown and "pooling='avg' gives D=768 instead of 151,296" in shown
+    assert any("Not started" in e.value for e in app.sidebar.error) and submitted == []
+    [box for box in app.sidebar.checkbox if box.label.startswith("Run anyway")][0].check()
+    [button for button in app.sidebar.button if button.label == "Start run"][0].click().run()
+    assert [c.pooling for c in submitted] == ["none"]
+    assert any("recorded, not queued" in e.value for e in app.sidebar.error)
