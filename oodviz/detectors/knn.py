@@ -19,8 +19,9 @@ temporary directory removed with the detector), as are store batches whose split
 (label -1) to leave out.
 
 Scoring reads the bank once per ``score`` call, whatever the number of query batches: the query
-batches are read first, normalised in row blocks and staged in a float32 file beside the bank
-(the host holds one block at a time; the page cache keeps the file in RAM when it fits), then the
+batches are read first, normalised in row blocks and staged in a float32 file (in ``bank_dir``, else
+the system's temporary directory; the host holds one block at a time, the page cache keeps the file
+in RAM when it fits), then the
 bank chunks of ``chunk_size`` rows are the outer loop and query blocks the inner one, with a
 running top-k ``[N_queries, k]`` float32 of cosine similarities for all queries. A store's raw
 features are normalised chunk by chunk in that single pass. Query blocks have
@@ -129,8 +130,8 @@ class KNN(Detector):
     def _staged_queries(self, batches, device):
         """The validated query batches, L2-normalised in row blocks into a float32 file: yields its memory map
         ``[N_q, D]`` and the scoring device; the file is removed afterwards."""
-        directory = os.path.dirname(getattr(self, "bank_path_", "")) or None  # unfitted: validated_batches says so
-        file = tempfile.NamedTemporaryFile(prefix="knn-queries-", suffix=".f32", dir=directory, delete=False)
+        # Beside a bank of our own (bank_dir), never inside a feature store; else the system's temporary directory.
+        file = tempfile.NamedTemporaryFile(prefix="knn-queries-", suffix=".f32", dir=self.bank_dir, delete=False)
         try:
             rows = 0
             with file:
