@@ -148,7 +148,7 @@ class KNN(Detector):
 
     @staticmethod
     def _queries_on(device: torch.device, queries: np.ndarray) -> Tensor | None:
-        """All normalised queries on a CUDA device when they fit in a share of its free memory, else None
+        """All normalised queries on a CUDA device when they fit in half the bank's share of its free memory, else None
         (they are then read block by block from the staging file)."""
         if device.type != "cuda" or queries.nbytes > DEVICE_FRACTION * torch.cuda.mem_get_info(device)[0] / 2:
             return None
@@ -158,7 +158,8 @@ class KNN(Detector):
         """The normalised bank as float32 chunks ``[<= chunk_size, D]`` on ``device``, in bank order."""
         if device.type == "cuda":
             if self.bank_.nbytes <= DEVICE_FRACTION * torch.cuda.mem_get_info(device)[0]:
-                yield self._bank_on_device(device)
+                # Views of chunk_size rows: a [q, N] block would leave q tiny and read the bank N_q / q times.
+                yield from self._bank_on_device(device).split(self.chunk_size)
             else:
                 yield from self._streamed_chunks(device)
             return
