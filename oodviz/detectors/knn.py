@@ -31,6 +31,12 @@ ones. On CUDA the normalised bank is held on the device when it fits in ``DEVICE
 free memory, else streamed in chunks through two pinned host buffers, copied on a side stream and
 event-synchronised with the search (the copy of chunk ``j + 1`` overlaps the search of chunk ``j``).
 The top-k candidates of every query are the same as in a per-batch search, so the scores are too.
+
+``backend="faiss-flat"`` (exact) or ``"faiss-ivf"`` (approximate: an inverted file of
+``n_lists = 4 sqrt(N)`` k-means cells trained on up to ``64 n_lists`` bank rows, of which
+``n_lists / 8`` are searched per query) search with FAISS (``pip install oodviz[faiss]``) on the CPU,
+inner product on the normalised vectors. Its index holds the bank in RAM (``N x D`` float32), built at
+each ``score`` call from the bank chunks; queries are staged and searched in blocks as above.
 """
 
 import contextlib
@@ -50,6 +56,7 @@ from oodviz.detectors.stats import row_blocks
 SIMILARITY_BYTES = 64 * 2**20
 #: share of the free CUDA memory the normalised bank may take to be held on the device whole
 DEVICE_FRACTION = 0.5
+BACKENDS = ("exact", "faiss-flat", "faiss-ivf")
 
 
 def _normalise(x: Tensor) -> Tensor:
@@ -62,10 +69,13 @@ class KNN(Detector):
     paper = "https://arxiv.org/abs/2204.06507"
     inputs = ("features",)
 
-    def __init__(self, k: int = 50, chunk_size: int = 16384, bank_dir: str | None = None):
+    def __init__(self, k: int = 50, chunk_size: int = 16384, bank_dir: str | None = None, backend: str = "exact"):
         for label, value in (("k", k), ("chunk_size", chunk_size)):
             if int(value) != value or value < 1:
                 raise ValueError(f"knn: {label} must be a positive integer, got {value}")
+        if backend not in BACKENDS:
+            raise ValueError(f"knn: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.backend = backend
         self.k = int(k)
         self.chunk_size = int(chunk_size)
         self.bank_dir = bank_dir
@@ -113,6 +123,8 @@ class KNN(Detector):
         One pass over the bank for all the batches (see the module docstring); the batches are read once,
         so a one-shot iterable is fine.
         """
+        if self.backend != "exact":
+            return self._faiss_score(batches)
         with self._staged_queries(batches, device) as (queries, device):
             best = torch.full((len(queries), self.k), -3.0, device=device)  # top-k cosine similarities so far
             held = self._queries_on(device, queries)
@@ -125,6 +137,38 @@ class KNN(Detector):
                     best[rows] = torch.topk(candidates, k=self.k, dim=1).values
             kth_similarity = best[:, -1]
             return (2 - 2 * kth_similarity).clamp(min=0).sqrt().float().cpu()
+
+    def _faiss_score(self, batches) -> Tensor:
+        index = self._faiss_index()
+        with self._staged_queries(batches, torch.device("cpu")) as (queries, _):
+            step = max(1, SIMILARITY_BYTES // (4 * self.chunk_size))
+            kth_similarity = np.concatenate(
+                [index.search(np.array(queries[s : s + step]), self.k)[0][:, -1] for s in range(0, len(queries), step)]
+            )
+        return torch.from_numpy(np.sqrt(np.clip(2 - 2 * kth_similarity, 0, None))).float()
+
+    def _faiss_index(self):
+        """A FAISS inner-product index of the normalised bank (flat, or IVF trained on a sample of it)."""
+        try:
+            import faiss
+        except ImportError:
+            raise ValueError(
+                f"knn: backend={self.backend!r} needs FAISS: pip install 'oodviz[faiss]' (faiss-cpu), "
+                "or use backend='exact'."
+            ) from None
+        n_rows, dim = self.bank_.shape
+        if self.backend == "faiss-flat":
+            index = faiss.IndexFlatIP(dim)
+        else:
+            n_lists = max(1, min(n_rows // 39, round(4 * n_rows**0.5)))  # FAISS wants >= 39 training rows per cell
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, n_lists, faiss.METRIC_INNER_PRODUCT)
+            sample = np.random.default_rng(0).choice(n_rows, size=min(n_rows, 64 * n_lists), replace=False)
+            training = torch.from_numpy(np.array(self.bank_[np.sort(sample)]))
+            index.train(_normalise(training).numpy())
+            index.nprobe = max(1, n_lists // 8)
+        for chunk in self._bank_chunks(torch.device("cpu")):
+            index.add(chunk.numpy())
+        return index
 
     @contextlib.contextmanager
     def _staged_queries(self, batches, device):
