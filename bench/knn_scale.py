@@ -9,6 +9,9 @@ both searches read and normalise it chunk by chunk. Each method runs in a fresh 
 wall time of ``score`` and peak RSS growth during it (VmHWM after ``/proc/self/clear_refs`` minus the RSS
 before), and the bank bytes read. The extrapolation to the ImageNet job (1.28M x 2048 bank, 50k queries)
 scales the measured time by ``N x N_q x D`` (the similarity products dominate) and counts the bank passes.
+With faiss-cpu installed the FAISS backends (flat, IVF) run too. The data are clustered (100 clusters in the
+bank); half the queries come from those clusters (ID), half from 10 others (OOD), and the AUROC of each
+search is reported (IVF is to be within 1e-3 of the exact one).
 
     python bench/knn_scale.py [--bank 100000 --queries 10000 --dim 512 --k 50]
 """
@@ -16,6 +19,7 @@ scales the measured time by ``N x N_q x D`` (the similarity products dominate) a
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -26,8 +30,10 @@ import time
 
 import numpy as np
 import torch
+from sklearn.metrics import roc_auc_score
 
 QUERY_BATCH = 4096  # the run's scoring batch size, that of the per-batch search's figures in issue 13
+METHODS = ("per-batch", "one-pass") + (("faiss-flat", "faiss-ivf") if importlib.util.find_spec("faiss") else ())
 IMAGENET = {"bank": 1_281_167, "queries": 50_000, "dim": 2048}
 
 
@@ -69,7 +75,8 @@ def measure(method: str, directory: str, sizes: dict) -> dict:
     from oodviz import Batch
     from oodviz.detectors import create
 
-    detector = create("knn", k=sizes["k"]).fit(
+    backend = method if method.startswith("faiss") else "exact"
+    detector = create("knn", k=sizes["k"], backend=backend).fit(
         StoreFeatures(os.path.join(directory, "bank.f32"), sizes["bank"], sizes["dim"])
     )
     queries = torch.from_numpy(np.fromfile(os.path.join(directory, "queries.f32"), dtype=np.float32))
@@ -82,25 +89,25 @@ def measure(method: str, directory: str, sizes: dict) -> dict:
     scores = per_batch_search(detector, batches) if method == "per-batch" else detector.score(batches)
     seconds = time.perf_counter() - start
     np.save(os.path.join(directory, f"scores-{method}.npy"), scores.numpy())
-    passes = math.ceil(sizes["queries"] / QUERY_BATCH) if method == "per-batch" else 1
+    passes = math.ceil(sizes["queries"] / QUERY_BATCH) if method == "per-batch" else 1  # FAISS: one, to build
     return {"seconds": seconds, "peak_growth": status("VmHWM:") - before, "bank_passes": passes}
 
 
 def write_data(directory: str, sizes: dict) -> None:
-    """A raw bank (row norms 0.5..3) and queries, half near bank rows, half not; written in blocks."""
+    """A raw clustered bank (row norms 0.5..3), ID queries from its clusters, OOD ones from others; in blocks."""
     rng = np.random.default_rng(0)
+    centres = 0.3 * rng.standard_normal((110, sizes["dim"]), dtype=np.float32)
+
+    def around(first: int, last: int, rows: int) -> np.ndarray:
+        noise = rng.standard_normal((rows, sizes["dim"]), dtype=np.float32)
+        return (centres[rng.integers(first, last, rows)] + noise) * rng.uniform(0.5, 3, (rows, 1)).astype(np.float32)
+
     with open(os.path.join(directory, "bank.f32"), "wb") as file:
         for start in range(0, sizes["bank"], 65536):
-            rows = min(65536, sizes["bank"] - start)
-            block = rng.standard_normal((rows, sizes["dim"]), dtype=np.float32)
-            (block * rng.uniform(0.5, 3, (rows, 1)).astype(np.float32)).tofile(file)
-    bank = np.memmap(os.path.join(directory, "bank.f32"), dtype=np.float32, mode="r")
-    bank = bank.reshape(sizes["bank"], sizes["dim"])
-    near = np.array(bank[: sizes["queries"] // 2]) + 0.5 * rng.standard_normal(
-        (sizes["queries"] // 2, sizes["dim"]), dtype=np.float32
-    )
-    far = rng.standard_normal((sizes["queries"] - len(near), sizes["dim"]), dtype=np.float32)
-    np.concatenate([near, far]).astype(np.float32).tofile(os.path.join(directory, "queries.f32"))
+            around(0, 100, min(65536, sizes["bank"] - start)).tofile(file)
+    half = sizes["queries"] // 2
+    queries = np.concatenate([around(0, 100, half), around(100, 110, sizes["queries"] - half)])
+    queries.tofile(os.path.join(directory, "queries.f32"))
 
 
 def main() -> None:
@@ -124,25 +131,27 @@ def main() -> None:
                     command + ["--child", method, directory], check=True, capture_output=True, text=True
                 ).stdout
             )
-            for method in ("per-batch", "one-pass")
+            for method in METHODS
         }
-        old, new = (np.load(os.path.join(directory, f"scores-{m}.npy")) for m in ("per-batch", "one-pass"))
+        scores = {method: np.load(os.path.join(directory, f"scores-{method}.npy")) for method in results}
+    is_ood = np.arange(args.queries) >= args.queries // 2
     scale = IMAGENET["bank"] * IMAGENET["queries"] * IMAGENET["dim"] / (args.bank * args.queries * args.dim)
     bank_gib = args.bank * args.dim * 4 / 2**30
     imagenet_gib = IMAGENET["bank"] * IMAGENET["dim"] * 4 / 2**30
     print(
         f"bank {args.bank} x {args.dim} ({bank_gib:.2f} GiB), {args.queries} queries, k={args.k}, "
-        f"torch threads {torch.get_num_threads()}; max |score difference| {np.abs(old - new).max():.2e}"
+        f"torch threads {torch.get_num_threads()}; "
+        f"max |one-pass - per-batch| {np.abs(scores['one-pass'] - scores['per-batch']).max():.2e}"
     )
     print(
-        "| search | score s | peak RSS growth MiB | bank passes (GiB read) | ImageNet: bank passes (GiB read), CPU h |"
+        "| search | score s | peak RSS growth MiB | bank passes (GiB read) | AUROC | ImageNet: bank passes (GiB read), CPU h |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for method, r in results.items():
         passes = math.ceil(IMAGENET["queries"] / QUERY_BATCH) if method == "per-batch" else 1
         print(
             f"| {method} | {r['seconds']:.1f} | {r['peak_growth'] / 2**20:.0f} | {r['bank_passes']} "
-            f"({r['bank_passes'] * bank_gib:.1f}) | {passes} ({passes * imagenet_gib:.0f}), "
+            f"({r['bank_passes'] * bank_gib:.1f}) | {roc_auc_score(is_ood, scores[method]):.5f} | {passes} ({passes * imagenet_gib:.0f}), "
             f"{r['seconds'] * scale / 3600:.1f} |"
         )
 

@@ -34,7 +34,7 @@ The top-k candidates of every query are the same as in a per-batch search, so th
 
 ``backend="faiss-flat"`` (exact) or ``"faiss-ivf"`` (approximate: an inverted file of
 ``n_lists = 4 sqrt(N)`` k-means cells trained on up to ``64 n_lists`` bank rows, of which
-``n_lists / 8`` are searched per query) search with FAISS (``pip install oodviz[faiss]``) on the CPU,
+``n_lists / 4`` are searched per query) search with FAISS (``pip install oodviz[faiss]``) on the CPU,
 inner product on the normalised vectors. Its index holds the bank in RAM (``N x D`` float32), built at
 each ``score`` call from the bank chunks; queries are staged and searched in blocks as above.
 """
@@ -165,7 +165,7 @@ class KNN(Detector):
             sample = np.random.default_rng(0).choice(n_rows, size=min(n_rows, 64 * n_lists), replace=False)
             training = torch.from_numpy(np.array(self.bank_[np.sort(sample)]))
             index.train(_normalise(training).numpy())
-            index.nprobe = max(1, n_lists // 8)
+            index.nprobe = max(1, n_lists // 4)
         for chunk in self._bank_chunks(torch.device("cpu")):
             index.add(chunk.numpy())
         return index
