@@ -96,7 +96,7 @@ def measure(method: str, directory: str, sizes: dict) -> dict:
 def write_data(directory: str, sizes: dict) -> None:
     """A raw clustered bank (row norms 0.5..3), ID queries from its clusters, OOD ones from others; in blocks."""
     rng = np.random.default_rng(0)
-    centres = 0.3 * rng.standard_normal((110, sizes["dim"]), dtype=np.float32)
+    centres = 0.5 * rng.standard_normal((110, sizes["dim"]), dtype=np.float32)
 
     def around(first: int, last: int, rows: int) -> np.ndarray:
         noise = rng.standard_normal((rows, sizes["dim"]), dtype=np.float32)

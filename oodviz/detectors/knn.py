@@ -33,7 +33,7 @@ event-synchronised with the search (the copy of chunk ``j + 1`` overlaps the sea
 The top-k candidates of every query are the same as in a per-batch search, so the scores are too.
 
 ``backend="faiss-flat"`` (exact) or ``"faiss-ivf"`` (approximate: an inverted file of
-``n_lists = 4 sqrt(N)`` k-means cells trained on up to ``64 n_lists`` bank rows, of which
+``n_lists = sqrt(N)`` k-means cells trained on up to ``64 n_lists`` bank rows, of which
 ``n_lists / 4`` are searched per query) search with FAISS (``pip install oodviz[faiss]``) on the CPU,
 inner product on the normalised vectors. Its index holds the bank in RAM (``N x D`` float32), built at
 each ``score`` call from the bank chunks; queries are staged and searched in blocks as above.
@@ -160,7 +160,7 @@ class KNN(Detector):
         if self.backend == "faiss-flat":
             index = faiss.IndexFlatIP(dim)
         else:
-            n_lists = max(1, min(n_rows // 39, round(4 * n_rows**0.5)))  # FAISS wants >= 39 training rows per cell
+            n_lists = max(1, min(n_rows // 39, round(n_rows**0.5)))  # FAISS wants >= 39 training rows per cell
             index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, n_lists, faiss.METRIC_INNER_PRODUCT)
             sample = np.random.default_rng(0).choice(n_rows, size=min(n_rows, 64 * n_lists), replace=False)
             training = torch.from_numpy(np.array(self.bank_[np.sort(sample)]))
