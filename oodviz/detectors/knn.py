@@ -19,7 +19,7 @@ temporary directory removed with the detector), as are store batches whose split
 (label -1) to leave out.
 
 Scoring reads the bank once per ``score`` call, whatever the number of query batches: the query
-batches are read first, normalised in row blocks and staged in a float32 file (in ``bank_dir``, else
+batches are read first, normalised in row blocks and staged in a float32 file (beside a bank it wrote, else
 the system's temporary directory; the host holds one block at a time, the page cache keeps the file
 in RAM when it fits), then the
 bank chunks of ``chunk_size`` rows are the outer loop and query blocks the inner one, with a
@@ -174,8 +174,10 @@ class KNN(Detector):
     def _staged_queries(self, batches, device):
         """The validated query batches, L2-normalised in row blocks into a float32 file: yields its memory map
         ``[N_q, D]`` and the scoring device; the file is removed afterwards."""
-        # Beside a bank of our own (bank_dir), never inside a feature store; else the system's temporary directory.
-        file = tempfile.NamedTemporaryFile(prefix="knn-queries-", suffix=".f32", dir=self.bank_dir, delete=False)
+        # Beside a bank this detector wrote, never inside a feature store (then the system's temporary directory).
+        own = getattr(self, "bank_normalised_", False)
+        directory = os.path.dirname(self.bank_path_) if own else None
+        file = tempfile.NamedTemporaryFile(prefix="knn-queries-", suffix=".f32", dir=directory, delete=False)
         try:
             rows = 0
             with file:
