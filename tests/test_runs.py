@@ -125,7 +125,11 @@ def test_cli_default_run_writes_a_complete_self_describing_directory(default_run
             assert abs(float(value) - mean) <= 5e-4
     # knn's bank lived in the run's scratch directory, which is gone now, and is not logged as a parameter
     assert not run.scratch_path.exists()
-    assert json.loads((out / "detectors.json").read_text())["knn"]["params"] == {"k": 50, "chunk_size": 16384}
+    assert json.loads((out / "detectors.json").read_text())["knn"]["params"] == {
+        "k": 50,
+        "chunk_size": 16384,
+        "backend": "exact",
+    }
 
 
 def test_metrics_csv_agrees_with_sklearn_and_a_brute_force_fpr95(default_run):

@@ -368,27 +368,33 @@ class Detector:
     @torch.no_grad()
     def score(self, batches, device=None) -> Tensor:
         """Outlier scores, a CPU float32 tensor ``[N]`` in the order of the batches; higher = more OOD."""
+        scores = [self._score(batch).float().cpu() for batch in self.validated_batches(batches, device)]
+        if not scores:
+            raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
+        return torch.cat(scores)
+
+    def validated_batches(self, batches, device=None) -> Iterator[Batch]:
+        """The non-empty scoring batches on ``device`` (default: that of the first batch), checked for widths
+        and finite values, with the fitted state moved to that device before the first one comes out."""
         if self.needs_fit and not hasattr(self, "n_features_in_"):
             raise NotFittedError(
                 f"This {self.name} detector is not fitted yet: call fit(batches) with in-distribution data before score."
             )
         device = None if device is None else torch.device(device)
         shapes = _Shapes(self.name, getattr(self, "n_features_in_", None), getattr(self, "n_classes_", None))
-        scores = []
+        moved = False
         for index, batch in enumerate(_iter_batches(batches)):
             if not len(batch):
                 continue
             if device is None:
                 device = batch.device
-            if not scores:
+            if not moved:
                 self._move_fitted(device)
+                moved = True
             batch = batch.to(device)
             shapes.check_widths(batch, index, self.fields_of(batch))
             shapes.check_finite(batch, index, self.fields_of(batch))
-            scores.append(self._score(batch).float().cpu())
-        if not scores:
-            raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
-        return torch.cat(scores)
+            yield batch
 
     def _move_fitted(self, device: torch.device) -> None:
         for key, value in vars(self).items():

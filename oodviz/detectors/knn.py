@@ -16,10 +16,30 @@ a feature store (:meth:`oodviz.engine.FeatureStore.batches`, which declare ``fea
 need no copy: the store's own file is the bank, normalised chunk by chunk as it is searched.
 Other batches are normalised and written to disk as they stream in (float32, ``bank_dir`` or a
 temporary directory removed with the detector), as are store batches whose split has OOD rows
-(label -1) to leave out. Scoring walks the bank in chunks of ``chunk_size`` rows through a memory
-map, keeping a running top-k, so neither fit nor score holds ``N x D`` in RAM.
+(label -1) to leave out.
+
+Scoring reads the bank once per ``score`` call, whatever the number of query batches: the query
+batches are read first, normalised in row blocks and staged in a float32 file (beside a bank it wrote, else
+the system's temporary directory; the host holds one block at a time, the page cache keeps the file
+in RAM when it fits), then the
+bank chunks of ``chunk_size`` rows are the outer loop and query blocks the inner one, with a
+running top-k ``[N_queries, k]`` float32 of cosine similarities for all queries. A store's raw
+features are normalised chunk by chunk in that single pass. Query blocks have
+``max(1, SIMILARITY_BYTES // (4 x chunk rows))`` rows, so the ``[q, chunk]`` similarity block stays
+within ``SIMILARITY_BYTES`` (64 MiB) whether the queries come as one 50k-row batch or many small
+ones. On CUDA the normalised bank is held on the device when it fits in ``DEVICE_FRACTION`` of the
+free memory, else streamed in chunks through two pinned host buffers, copied on a side stream and
+event-synchronised with the search (the copy of chunk ``j + 1`` overlaps the search of chunk ``j``).
+The top-k candidates of every query are the same as in a per-batch search, so the scores are too.
+
+``backend="faiss-flat"`` (exact) or ``"faiss-ivf"`` (approximate: an inverted file of
+``n_lists = sqrt(N)`` k-means cells trained on up to ``64 n_lists`` bank rows, of which
+``n_lists / 4`` are searched per query) search with FAISS (``pip install oodviz[faiss]``) on the CPU,
+inner product on the normalised vectors. Its index holds the bank in RAM (``N x D`` float32), built at
+each ``score`` call from the bank chunks; queries are staged and searched in blocks as above.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -29,9 +49,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.stats import row_blocks
+
+#: bytes of one ``[query rows, bank chunk rows]`` float32 similarity block
+SIMILARITY_BYTES = 64 * 2**20
+#: share of the free CUDA memory the normalised bank may take to be held on the device whole
+DEVICE_FRACTION = 0.5
+BACKENDS = ("exact", "faiss-flat", "faiss-ivf")
 
 
 def _normalise(x: Tensor) -> Tensor:
@@ -44,10 +69,13 @@ class KNN(Detector):
     paper = "https://arxiv.org/abs/2204.06507"
     inputs = ("features",)
 
-    def __init__(self, k: int = 50, chunk_size: int = 16384, bank_dir: str | None = None):
+    def __init__(self, k: int = 50, chunk_size: int = 16384, bank_dir: str | None = None, backend: str = "exact"):
         for label, value in (("k", k), ("chunk_size", chunk_size)):
             if int(value) != value or value < 1:
                 raise ValueError(f"knn: {label} must be a positive integer, got {value}")
+        if backend not in BACKENDS:
+            raise ValueError(f"knn: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        self.backend = backend
         self.k = int(k)
         self.chunk_size = int(chunk_size)
         self.bank_dir = bank_dir
@@ -88,14 +116,130 @@ class KNN(Detector):
         self.bank_path_ = str(bank.filename)
         self.bank_normalised_ = normalised  # False: the feature store's raw features, normalised as read
 
-    def _score(self, batch: Batch) -> Tensor:
-        z = _normalise(batch.features)
-        best = torch.full((len(z), 0), -2.0, device=z.device)  # top-k cosine similarities so far
+    @torch.no_grad()
+    def score(self, batches, device=None) -> Tensor:
+        """Outlier scores ``[N]`` (CPU float32, order of the batches): ``|z - z_(k)|``; higher = more OOD.
+
+        One pass over the bank for all the batches (see the module docstring); the batches are read once,
+        so a one-shot iterable is fine.
+        """
+        if self.backend != "exact":
+            return self._faiss_score(batches)
+        with self._staged_queries(batches, device) as (queries, device):
+            best = torch.full((len(queries), self.k), -3.0, device=device)  # top-k cosine similarities so far
+            held = self._queries_on(device, queries)
+            for chunk in self._bank_chunks(device):
+                step = max(1, SIMILARITY_BYTES // (4 * len(chunk)))
+                for start in range(0, len(queries), step):
+                    rows = slice(start, start + step)
+                    z = held[rows] if held is not None else torch.from_numpy(np.array(queries[rows])).to(device)
+                    candidates = torch.cat([best[rows], z @ chunk.T], dim=1)
+                    best[rows] = torch.topk(candidates, k=self.k, dim=1).values
+            kth_similarity = best[:, -1]
+            return (2 - 2 * kth_similarity).clamp(min=0).sqrt().float().cpu()
+
+    def _faiss_score(self, batches) -> Tensor:
+        index = self._faiss_index()
+        with self._staged_queries(batches, torch.device("cpu")) as (queries, _):
+            step = max(1, SIMILARITY_BYTES // (4 * self.chunk_size))
+            kth_similarity = np.concatenate(
+                [index.search(np.array(queries[s : s + step]), self.k)[0][:, -1] for s in range(0, len(queries), step)]
+            )
+        return torch.from_numpy(np.sqrt(np.clip(2 - 2 * kth_similarity, 0, None))).float()
+
+    def _faiss_index(self):
+        """A FAISS inner-product index of the normalised bank (flat, or IVF trained on a sample of it)."""
+        try:
+            import faiss
+        except ImportError:
+            raise ValueError(
+                f"knn: backend={self.backend!r} needs FAISS: pip install 'oodviz[faiss]' (faiss-cpu), "
+                "or use backend='exact'."
+            ) from None
+        n_rows, dim = self.bank_.shape
+        if self.backend == "faiss-flat":
+            index = faiss.IndexFlatIP(dim)
+        else:
+            n_lists = max(1, min(n_rows // 39, round(n_rows**0.5)))  # FAISS wants >= 39 training rows per cell
+            index = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, n_lists, faiss.METRIC_INNER_PRODUCT)
+            sample = np.random.default_rng(0).choice(n_rows, size=min(n_rows, 64 * n_lists), replace=False)
+            training = torch.from_numpy(np.array(self.bank_[np.sort(sample)]))
+            index.train(_normalise(training).numpy())
+            index.nprobe = max(1, n_lists // 4)
+        for chunk in self._bank_chunks(torch.device("cpu")):
+            index.add(chunk.numpy())
+        return index
+
+    @contextlib.contextmanager
+    def _staged_queries(self, batches, device):
+        """The validated query batches, L2-normalised in row blocks into a float32 file: yields its memory map
+        ``[N_q, D]`` and the scoring device; the file is removed afterwards."""
+        # Beside a bank this detector wrote, never inside a feature store (then the system's temporary directory).
+        own = getattr(self, "bank_normalised_", False)
+        directory = os.path.dirname(self.bank_path_) if own else None
+        file = tempfile.NamedTemporaryFile(prefix="knn-queries-", suffix=".f32", dir=directory, delete=False)
+        try:
+            rows = 0
+            with file:
+                for batch in self.validated_batches(batches, device):
+                    device = batch.device
+                    for block in row_blocks(len(batch.features), batch.features.shape[1], itemsize=4):
+                        _normalise(batch.features[block]).cpu().numpy().tofile(file)
+                    rows += len(batch.features)
+            if not rows:
+                raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
+            yield np.memmap(file.name, dtype=np.float32, mode="r", shape=(rows, self.bank_.shape[1])), device
+        finally:
+            os.unlink(file.name)
+
+    @staticmethod
+    def _queries_on(device: torch.device, queries: np.ndarray) -> Tensor | None:
+        """All normalised queries on a CUDA device when they fit in half the bank's share of its free memory, else None
+        (they are then read block by block from the staging file)."""
+        if device.type != "cuda" or queries.nbytes > DEVICE_FRACTION * torch.cuda.mem_get_info(device)[0] / 2:
+            return None
+        return torch.from_numpy(np.array(queries)).to(device)
+
+    def _bank_chunks(self, device: torch.device):
+        """The normalised bank as float32 chunks ``[<= chunk_size, D]`` on ``device``, in bank order."""
+        if device.type == "cuda":
+            if self.bank_.nbytes <= DEVICE_FRACTION * torch.cuda.mem_get_info(device)[0]:
+                # Views of chunk_size rows: a [q, N] block would leave q tiny and read the bank N_q / q times.
+                yield from self._bank_on_device(device).split(self.chunk_size)
+            else:
+                yield from self._streamed_chunks(device)
+            return
         for start in range(0, len(self.bank_), self.chunk_size):
-            chunk = torch.from_numpy(np.array(self.bank_[start : start + self.chunk_size])).to(z.device)
-            if not self.bank_normalised_:
-                chunk = _normalise(chunk)
-            candidates = torch.cat([best, z @ chunk.T], dim=1)
-            best = torch.topk(candidates, k=min(self.k, candidates.shape[1]), dim=1).values
-        kth_similarity = best[:, -1]
-        return (2 - 2 * kth_similarity).clamp(min=0).sqrt()
+            chunk = torch.from_numpy(np.array(self.bank_[start : start + self.chunk_size]))
+            yield chunk if self.bank_normalised_ else _normalise(chunk)
+
+    def _bank_on_device(self, device: torch.device) -> Tensor:
+        """The whole normalised bank ``[N, D]`` on ``device``, copied in chunks (no full host copy)."""
+        bank = torch.empty(self.bank_.shape, dtype=torch.float32, device=device)
+        for start in range(0, len(bank), self.chunk_size):
+            chunk = torch.from_numpy(np.array(self.bank_[start : start + self.chunk_size])).to(device)
+            bank[start : start + len(chunk)] = chunk if self.bank_normalised_ else _normalise(chunk)
+        return bank
+
+    def _streamed_chunks(self, device: torch.device):
+        """Bank chunks through two pinned host buffers: the host fills one while the other's copy (on a side
+        stream) or the search of the chunk it carried runs; events order the copy before the search and the
+        refill of a buffer after its previous copy."""
+        compute, copy = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+        dim = self.bank_.shape[1]
+        buffers = [torch.empty((self.chunk_size, dim), dtype=torch.float32, pin_memory=True) for _ in range(2)]
+        copied: list[torch.cuda.Event | None] = [None, None]
+        for index, start in enumerate(range(0, len(self.bank_), self.chunk_size)):
+            slot = index % 2
+            if copied[slot] is not None:
+                copied[slot].synchronize()  # the buffer's previous copy has left it
+            rows = min(self.chunk_size, len(self.bank_) - start)
+            host = buffers[slot][:rows]
+            host.numpy()[:] = self.bank_[start : start + rows]
+            with torch.cuda.stream(copy):
+                chunk = host.to(device, non_blocking=True)
+                copied[slot] = torch.cuda.Event()
+                copied[slot].record(copy)
+            compute.wait_event(copied[slot])
+            chunk.record_stream(compute)  # allocated on the copy stream, used on the compute stream
+            yield chunk if self.bank_normalised_ else _normalise(chunk)
