@@ -83,7 +83,9 @@ class Watched:
 
 def feature_store_root(run: RunDir) -> Path:
     """Stores are shared by every run under the same runs root, so a repeated split is extracted once."""
-    return run.path.parent / ".features"
+    from oodviz.engine import STORES_DIRNAME
+
+    return run.path.parent / STORES_DIRNAME
 
 
 def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool, model_classes: list[str] | None = None):
