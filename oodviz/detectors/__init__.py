@@ -29,6 +29,7 @@ from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
+from oodviz.detectors.weiper import WeiPer
 
 _REGISTRY: dict[str, type[Detector]] = {
     cls.name: cls
@@ -54,6 +55,8 @@ _REGISTRY: dict[str, type[Detector]] = {
         GradNorm,
         ODIN,
         MCD,
+        # issue 17, part B
+        WeiPer,
     )
 }
 
