@@ -45,6 +45,7 @@ def test_registry_lists_the_issue_detectors():
         "odin",
         "mcd",
         "weiper",
+        "adascale",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -4,14 +4,19 @@ Each is compared with pytorch-ood 0.4 where it implements the method (rankfeat, 
 with a float64 reference written here from the OpenOOD v1.5 code (weiper, adascale).
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
-from scipy.special import softmax
+from scipy.special import logsumexp, softmax
 from scipy.stats import spearmanr
+from torch import nn
 
-from oodviz.detectors import create
+from oodviz import Batch
+from oodviz.detectors import NotFittedError, create
 from oodviz.metrics import ood_metrics
+from oodviz.models import wrap_model
 
 
 def spearman(a, b) -> float:
@@ -116,3 +121,130 @@ def test_weiper_perturbed_rows_have_the_relative_length_and_a_seed(problem):
         create("weiper", variant="react")
     with pytest.raises(ValueError, match="n_bins must be an integer >= 2"):
         create("weiper", n_bins=1)
+
+
+# ---- model-based: a tiny CNN ---------------------------------------------------------------------
+
+
+class WideCNN(nn.Module):
+    """conv - ReLU - conv - ReLU - (feature map ``[B, 32, 8, 8]``) - avg pool - fc; inputs [B, 3, 8, 8], C = 5."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(32, 5)
+        with torch.no_grad():
+            self.fc.weight.mul_(4.0)
+        self.eval()
+
+    def feature_map(self, x):
+        return torch.relu(self.conv2(torch.relu(self.conv1(x))))
+
+    def forward(self, x):
+        return self.fc(self.pool(self.feature_map(x)).flatten(1))
+
+
+def images(n=40, seed=1, spread=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 8, 8, generator=g) * torch.linspace(0.2, spread, n).view(-1, 1, 1, 1)
+
+
+def backbone_of(model):
+    return wrap_model(model, lambda image: image, head="fc", input_shape=(3, 8, 8), name="wide")
+
+
+# ---- adascale --------------------------------------------------------------------------------
+
+
+def openood_adascale(model, fit_x, x, variant, p_min, p_max, k1, k2, lmbda, o):
+    """OpenOOD v1.5's AdaSCALE postprocessor and AdaScaleNet, in float64 on a copy of the model (stable ties)."""
+    net = copy.deepcopy(model).double()
+
+    def features(t):
+        return net.pool(net.feature_map(t)).flatten(1)
+
+    def q_of(t):
+        t = t.double().clone().requires_grad_(True)
+        f = features(t)
+        out = net.fc(f)
+        out[torch.arange(len(t)), out.argmax(1)].backward(torch.ones(len(t), dtype=torch.float64))
+        grad = t.grad.detach().reshape(len(t), -1).numpy()
+        n_pixels = int(grad.shape[1] * o)
+        mask = np.zeros_like(grad)
+        np.put_along_axis(mask, np.argsort(np.abs(grad), axis=1, kind="stable")[:, :n_pixels], 1.0, axis=1)
+        moved = t.detach() + torch.from_numpy(np.sign(grad) * mask * 0.5).view_as(t)
+        with torch.no_grad():
+            f, f_moved = f.detach().numpy(), features(moved).numpy()
+        d = f.shape[1]
+        order = np.argsort(-f, axis=1, kind="stable")
+        top1, top2 = order[:, : int(d * k1 / 100)], order[:, : int(d * k2 / 100)]
+        q = np.take_along_axis(np.maximum(f_moved, 0), top1, 1).sum(1)
+        return q + lmbda * np.take_along_axis(np.abs(f - f_moved), top2, 1).sum(1), f
+
+    fit_q, _ = q_of(fit_x)
+    q, f = q_of(x)
+    ecdf = np.searchsorted(np.sort(fit_q.astype(np.float32)), q.astype(np.float32), side="right") / len(fit_q)
+    p = p_min + (1 - ecdf) * (p_max - p_min)
+    a = np.maximum(f, 0)
+    d = a.shape[1]
+    ks = d - np.round(d * p / 100.0).astype(int)
+    top_sums = np.array([np.sort(row)[::-1][:k].sum() for row, k in zip(a, ks, strict=True)])
+    scale = a.sum(1) / top_sums
+    w, b = net.fc.weight.detach().numpy(), net.fc.bias.detach().numpy()
+    logits = (f * np.exp(scale)[:, None]) @ w.T + b if variant == "a" else (f @ w.T + b) * (scale**2)[:, None]
+    return -logsumexp(logits, axis=1), p
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"k1": 10.0, "k2": 5.0},
+        {"variant": "l", "min_percentile": 60.0, "max_percentile": 90.0, "k1": 20.0, "k2": 10.0, "lmbda": 2.0},
+        {"variant": "a", "min_percentile": 80.0, "max_percentile": 85.0, "k1": 10.0, "k2": 5.0, "o": 0.2},
+    ],
+)
+def test_adascale_equals_the_openood_procedure_in_float64(params):
+    model, fit_x, x = WideCNN(), images(60, seed=2), images(40, seed=3, spread=6.0)
+    full = {"variant": "a", "min_percentile": 75.0, "max_percentile": 85.0, "lmbda": 10.0, "o": 0.05} | params
+    det = create("adascale", model=backbone_of(model), **params).fit(
+        [Batch(inputs=fit_x[:25]), Batch(inputs=fit_x[25:])]
+    )
+    ours = det.score(Batch(inputs=x)).double().numpy()
+    expected, p = openood_adascale(
+        model,
+        fit_x,
+        x,
+        full["variant"],
+        full["min_percentile"],
+        full["max_percentile"],
+        full["k1"],
+        full["k2"],
+        full["lmbda"],
+        full["o"],
+    )
+    assert len(np.unique(p)) > 10  # the percentile does adapt per sample
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5)
+    assert spearman(ours, expected) > 0.9999
+    # a plain module returning (features, logits) with the head given to fit gives the same scores
+    plain = lambda t: (model.pool(model.feature_map(t)).flatten(1), model(t))  # noqa: E731
+    other = create("adascale", model=plain, **params).fit(Batch(inputs=fit_x), head=model.fc)
+    torch.testing.assert_close(other.score(Batch(inputs=x)), det.score(Batch(inputs=x)))
+
+
+def test_adascale_says_what_it_needs():
+    model = WideCNN()
+    with pytest.raises(ValueError, match="needs the classifier's final linear layer"):
+        create("adascale", model=lambda t: (model.pool(model.feature_map(t)).flatten(1), model(t))).fit(
+            Batch(inputs=images(4))
+        )
+    with pytest.raises(ValueError, match=r"k2=1% of D=32 features is no feature; choose k2 >= 3.125"):
+        create("adascale", model=backbone_of(model)).fit(Batch(inputs=images(4)))
+    with pytest.raises(NotFittedError, match="call fit"):
+        create("adascale", model=backbone_of(model), k1=10.0, k2=5.0).score(Batch(inputs=images(4)))
+    with pytest.raises(ValueError, match="min_percentile=90 exceeds max_percentile=80"):
+        create("adascale", min_percentile=90.0, max_percentile=80.0)
+    with pytest.raises(ValueError, match="variant must be 'a'"):
+        create("adascale", variant="b")

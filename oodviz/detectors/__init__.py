@@ -7,6 +7,7 @@ Detectors with ``needs_model`` (``odin``, ``mcd``) run the classifier again: the
 ``create(name, model=...)`` and score ``Batch(inputs=...)``.
 """
 
+from oodviz.detectors.adascale import AdaSCALE
 from oodviz.detectors.ash import ASH
 from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
 from oodviz.detectors.dice import DICE
@@ -57,6 +58,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         MCD,
         # issue 17, part B
         WeiPer,
+        AdaSCALE,
     )
 }
 
