@@ -12,7 +12,7 @@ the head ``(W [C, D], b [C])``) and logits ``g(x) = W z + b``:
    the *smallest* ``|grad|`` (ties: the lower index) move by ``step`` in the direction of the gradient:
    ``x' = x + step * sign(grad) * mask``; ``z' = f(x')`` (a second forward).
 2. **Sensitivity.** With ``T_k(z)`` the indices of the ``k`` largest entries of ``z`` (ties: the lower
-   index), ``k_1 = int(D k1 / 100)``, ``k_2 = int(D k2 / 100)``:
+   index), ``k_1 = max(1, int(D k1 / 100))``, ``k_2 = max(1, int(D k2 / 100))``:
 
        Q(x) = sum_{j in T_k1(z)} relu(z'_j) + lambda * sum_{j in T_k2(z)} |z_j - z'_j|
 
@@ -29,7 +29,8 @@ the head ``(W [C, D], b [C])``) and logits ``g(x) = W z + b``:
    higher = more OOD).
 
 Defaults are OpenOOD's (``percentiles [75, 85], k1 = 5, k2 = 1, lambda = 10, o = 0.05``, step 0.5 in
-model-input units; OpenOOD's ResNet-50 setting is ``[80, 85]``). Deviations: every fit sample enters
+model-input units; OpenOOD's ResNet-50 setting is ``[80, 85]``). Deviations: ``k_1, k_2 >= 1`` (for ``D < 100``
+OpenOOD's ``int(D k2 / 100)`` is 0 at its default ``k2 = 1``, dropping the shift term); every fit sample enters
 the empirical CDF (OpenOOD draws 5,000 of its ID validation set at random); where ``s2 <= 0`` (no
 positive activation) the factor is 1, not ``0 / 0``; ties are broken by index (``torch.topk`` leaves
 them unspecified); the energy is formed in float64. Memory: ``O(N)`` floats for the CDF
@@ -113,14 +114,10 @@ class AdaSCALE(FittedModelDetector):
         """The sorted sensitivities (float32) while they are gathered and sorted."""
         return 3 * 4 * n_samples + 8 * (n_classes * n_features + n_classes)
 
-    def _kept(self, n_features: int, percent: float, label: str) -> int:
-        k = int(n_features * percent / 100)
-        if k < 1:
-            raise ValueError(
-                f"adascale: {label}={percent:g}% of D={n_features} features is no feature; "
-                f"choose {label} >= {100 / n_features:g}"
-            )
-        return k
+    @staticmethod
+    def kept(n_features: int, percent: float) -> int:
+        """``max(1, int(D percent / 100))``: the number of top features a sum of step 2 reads."""
+        return max(1, int(n_features * percent / 100))
 
     def perturbed(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Features of ``x`` and of ``x'`` (step 1), each ``[B, D]`` float32, no graph."""
@@ -144,8 +141,8 @@ class AdaSCALE(FittedModelDetector):
     def sensitivity(self, features: Tensor, moved: Tensor) -> Tensor:
         """``Q`` ``[B]`` (float64) from the features ``z`` and ``z'`` ``[B, D]`` (step 2)."""
         d = features.shape[1]
-        _, top1 = top_k(features, self._kept(d, self.k1, "k1"))
-        _, top2 = top_k(features, self._kept(d, self.k2, "k2"))
+        _, top1 = top_k(features, self.kept(d, self.k1))
+        _, top2 = top_k(features, self.kept(d, self.k2))
         kept = moved.relu().gather(1, top1).double().sum(dim=1)
         shift = (features - moved).abs().gather(1, top2).double().sum(dim=1)
         return kept + self.lmbda * shift
