@@ -46,6 +46,7 @@ def test_registry_lists_the_issue_detectors():
         "mcd",
         "weiper",
         "adascale",
+        "rankfeat",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -9,6 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from pytorch_ood.detector import RankFeat as PoodRankFeat
 from scipy.special import logsumexp, softmax
 from scipy.stats import spearmanr
 from torch import nn
@@ -127,13 +128,12 @@ def test_weiper_perturbed_rows_have_the_relative_length_and_a_seed(problem):
 
 
 class WideCNN(nn.Module):
-    """conv - ReLU - conv - ReLU - (feature map ``[B, 32, 8, 8]``) - avg pool - fc; inputs [B, 3, 8, 8], C = 5."""
+    """body (conv - ReLU - conv - ReLU: a feature map ``[B, 32, 8, 8]``) - avg pool - fc; inputs [B, 3, 8, 8], C = 5."""
 
     def __init__(self, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
-        self.conv2 = nn.Conv2d(16, 32, 3, padding=1)
+        self.body = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU())
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(32, 5)
         with torch.no_grad():
@@ -141,10 +141,13 @@ class WideCNN(nn.Module):
         self.eval()
 
     def feature_map(self, x):
-        return torch.relu(self.conv2(torch.relu(self.conv1(x))))
+        return self.body(x)
+
+    def head(self, maps):
+        return self.fc(self.pool(maps).flatten(1))
 
     def forward(self, x):
-        return self.fc(self.pool(self.feature_map(x)).flatten(1))
+        return self.head(self.body(x))
 
 
 def images(n=40, seed=1, spread=3.0):
@@ -256,3 +259,55 @@ def test_adascale_says_what_it_needs():
         create("adascale", min_percentile=90.0, max_percentile=80.0)
     with pytest.raises(ValueError, match="variant must be 'a'"):
         create("adascale", variant="b")
+
+
+# ---- rankfeat --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layer", [None, "body", "body.2"])
+def test_rankfeat_matches_pytorch_ood(layer):
+    model, x = WideCNN(), images(48, spread=4.0)
+    ours = create("rankfeat", model=model, layer=layer).score(Batch(inputs=x))
+    if layer == "body.2":  # the map before the last ReLU
+        backbone, head = model.body[:3], lambda m: model.head(model.body[3](m))
+    else:
+        backbone, head = model.feature_map, model.head
+    reference = PoodRankFeat(backbone=backbone, head=head).predict(x)
+    assert spearman(ours, reference) > 0.9999
+    assert abs(auroc(ours, 24) - auroc(reference, 24)) < 1e-5
+    torch.testing.assert_close(ours, reference.float(), rtol=1e-4, atol=1e-5)
+    # float64 reference: the rank-1 part from numpy's SVD, the rest of the network in float64
+    net = copy.deepcopy(model).double()
+    split = 3 if layer == "body.2" else 4
+    with torch.no_grad():
+        maps = net.body[:split](x.double())
+        u, s, vh = np.linalg.svd(maps.flatten(2).numpy(), full_matrices=False)
+        removed = maps - torch.from_numpy(s[:, 0, None, None] * u[:, :, :1] @ vh[:, :1, :]).view_as(maps)
+        expected = -torch.logsumexp(net.head(net.body[split:](removed)), dim=1)
+    torch.testing.assert_close(ours.double(), expected, rtol=1e-4, atol=1e-5)
+    plain = model(x).detach()
+    assert not torch.allclose(ours, -torch.logsumexp(plain, dim=1))  # the removal changes the logits
+
+
+def test_rankfeat_removes_exactly_the_top_singular_direction():
+    from oodviz.detectors.rankfeat import without_rank1
+
+    maps = images(6, spread=2.0).abs()  # [6, 3, 8, 8]
+    out = without_rank1(maps).double().flatten(2)
+    before = torch.linalg.svdvals(maps.double().flatten(2))
+    after = torch.linalg.svdvals(out)
+    torch.testing.assert_close(after[:, :2], before[:, 1:], rtol=1e-4, atol=1e-5)
+    assert (after[:, 2] < 1e-4).all()
+
+
+def test_rankfeat_needs_an_unpooled_layer():
+    model, x = WideCNN(), images(4)
+    with pytest.raises(ValueError, match="layer 'fc' gave \\(4, 5\\), not an unpooled feature map"):
+        create("rankfeat", model=model, layer="fc").score(Batch(inputs=x))
+    with pytest.raises(ValueError, match="has no layer 'layer4'; its top-level layers: body, pool, fc"):
+        create("rankfeat", model=model, layer="layer4").score(Batch(inputs=x))
+    mlp = nn.Sequential(nn.Flatten(), nn.Linear(192, 5))
+    with pytest.raises(ValueError, match=r"needs a layer whose output is a feature map \[B, C, H, W\]"):
+        create("rankfeat", model=mlp).score(Batch(inputs=x))
+    with pytest.raises(ValueError, match="needs an nn.Module"):
+        create("rankfeat", model=lambda t: model(t)).score(Batch(inputs=x))
