@@ -16,6 +16,7 @@ from oodviz.detectors.entropy import Entropy
 from oodviz.detectors.fdbd import FDBD
 from oodviz.detectors.gen import GEN
 from oodviz.detectors.gradnorm import GradNorm
+from oodviz.detectors.gram import Gram
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.mahalanobis import Mahalanobis
@@ -61,6 +62,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         WeiPer,
         AdaSCALE,
         RankFeat,
+        Gram,
     )
 }
 

@@ -63,8 +63,8 @@ class FittedModelDetector(ModelDetector):
     def fit(self, batches, head=None, device=None):
         """Fit on in-distribution inputs (``Batch(inputs=..., labels=...)``) and return self."""
         self._check_fit_model(self._require_model())
-        if head is None:
-            head = getattr(self.model, "head", None)
+        if head is None and hasattr(self.model, "features_and_logits"):  # a Backbone: its head, if known
+            head = self.model.head
         if self.fit_passes == 1 and not isinstance(batches, Batch):
             batches = iter(batches)  # one pass: look at the first batch for the device, then put it back
             first = next((b for b in batches if not isinstance(b, Batch) or len(b)), None)
