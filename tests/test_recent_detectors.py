@@ -392,3 +392,46 @@ def test_gram_finds_its_layers_streams_two_passes_and_says_what_is_wrong():
         create("gram", model=model, layers=["layer1"]).fit([Batch(inputs=fit_x, labels=fit_y)])
     with pytest.raises(ValueError, match="holdout is the fraction"):
         create("gram", holdout=1.0)
+
+
+# ---- in a run ----------------------------------------------------------------------------------
+
+
+def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
+    """adascale and gram fit on the ID fit split's images inside the run (the pipeline's own pass), and
+    give what the library gives on the same images."""
+    import json
+
+    import pandas as pd
+
+    from oodviz.models import load_backbone
+    from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+    from oodviz.runs.pipeline import load_split, run_pipeline
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+
+    names = ["msp", "adascale", "gram"]
+    gram_params = {"layers": ["features.3", "features.6"], "poles": 2}
+    config = RunConfig(
+        id_fit=DatasetChoice("digits-test"),  # 362 images, not 1081: the fit passes stay short
+        ood=[DatasetChoice("noise-uniform", params={"n": 100})],
+        detectors=[DetectorChoice(n, gram_params if n == "gram" else {}) for n in names],
+        batch_size=128,
+    ).validate()
+    run = RunDir.create(tmp_path, config.to_dict())
+    run_pipeline(config, run, Reporter(run))
+    log = json.loads((run.path / "detectors.json").read_text())
+    assert not [n for n in names if "error" in log[n]], log
+    scores = pd.read_parquet(run.path / "scores.parquet")
+    assert list(scores.columns[5:]) == names
+    assert set(pd.read_csv(run.path / "metrics.csv").detector) == set(names)
+    bb = load_backbone("digits-cnn")
+    fit_set, test_set = load_split(config, config.id_fit, False), load_split(config, config.id_test, False)
+    fit_x = torch.stack([bb.transform(fit_set[i][0]) for i in range(len(fit_set))])
+    fit_y = torch.tensor([fit_set[i][1] for i in range(len(fit_set))])
+    test_x = torch.stack([bb.transform(test_set[i][0]) for i in range(len(test_set))])
+    id_rows = scores[scores.split == "id_test"]
+    for name, params in (("adascale", {}), ("gram", gram_params)):
+        det = create(name, model=bb, **params).fit([Batch(inputs=fit_x, labels=fit_y)])
+        expected = det.score(Batch(inputs=test_x)).numpy()
+        np.testing.assert_allclose(id_rows[name].to_numpy(), expected, rtol=1e-4, atol=1e-6)
