@@ -9,6 +9,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from conftest import cuda
 from pytorch_ood.detector import Gram as PoodGram
 from pytorch_ood.detector import RankFeat as PoodRankFeat
 from scipy.special import logsumexp, softmax
@@ -435,3 +436,37 @@ def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
         det = create(name, model=bb, **params).fit([Batch(inputs=fit_x, labels=fit_y)])
         expected = det.score(Batch(inputs=test_x)).numpy()
         np.testing.assert_allclose(id_rows[name].to_numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram"])
+def test_model_based_ones_ask_for_the_model_and_keep_it_as_it_was(name):
+    x, y = labelled_images(20)
+    with pytest.raises(ValueError, match=rf"create\('{name}', model=\.\.\.\)"):
+        create(name).score(Batch(inputs=x))
+    with pytest.raises(ValueError, match=rf"create\('{name}', model=\.\.\.\)"):
+        create(name).fit([Batch(inputs=x, labels=y)])
+    model = WideCNN()
+    model.train()
+    model.body[0].eval()
+    before = [m.training for m in model.modules()]
+    params = {"adascale": {"k1": 10.0, "k2": 5.0}, "gram": {"poles": 2}}.get(name, {})
+    det = create(name, model=backbone_of(model), **params).fit([Batch(inputs=x, labels=y)])
+    scores = det.score(Batch(inputs=x))
+    assert scores.shape == (20,) and torch.isfinite(scores).all()
+    assert [m.training for m in model.modules()] == before
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.body[0]._forward_hooks and not model.body._forward_hooks  # hooks removed
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram"])
+def test_model_based_ones_fit_and_score_on_the_gpu_as_on_the_cpu(name):
+    x, y = labelled_images(40)
+    params = {"adascale": {"k1": 10.0, "k2": 5.0}, "gram": {"poles": 2}}.get(name, {})
+    model = WideCNN()
+    on_cpu = create(name, model=model, **params).fit([Batch(inputs=x, labels=y)], head=model.fc)
+    on_gpu = create(name, model=model, **params).fit([Batch(inputs=x, labels=y)], head=model.fc, device="cuda")
+    assert all(p.device.type == "cpu" for p in model.parameters())  # put back
+    expected = on_cpu.score(Batch(inputs=x))
+    torch.testing.assert_close(on_gpu.score(Batch(inputs=x.cuda())), expected, rtol=1e-3, atol=1e-3)

@@ -3,8 +3,9 @@
 Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 ``score(batches, device=None)`` (CPU float tensor ``[N]``, higher = more OOD); see
 :mod:`oodviz.detectors.base`. One module per method, its docstring giving the formula.
-Detectors with ``needs_model`` (``odin``, ``mcd``) run the classifier again: they take it as
-``create(name, model=...)`` and score ``Batch(inputs=...)``.
+Detectors with ``needs_model`` (``odin``, ``mcd``, ``rankfeat``, ``adascale``, ``gram``) run the classifier
+again: they take it as ``create(name, model=...)`` and score ``Batch(inputs=...)``; ``adascale`` and ``gram``
+also fit on in-distribution ``Batch(inputs=..., labels=...)`` (:mod:`oodviz.detectors.model_fit`).
 """
 
 from oodviz.detectors.adascale import AdaSCALE
