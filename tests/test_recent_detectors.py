@@ -306,7 +306,7 @@ def test_rankfeat_needs_an_unpooled_layer():
     model, x = WideCNN(), images(4)
     with pytest.raises(ValueError, match="layer 'fc' gave \\(4, 5\\), not an unpooled feature map"):
         create("rankfeat", model=model, layer="fc").score(Batch(inputs=x))
-    with pytest.raises(ValueError, match="has no layer 'layer4'; its top-level layers: body, pool, fc"):
+    with pytest.raises(ValueError, match=r"has no layer\(s\) 'layer4'; its top-level layers: body, pool, fc"):
         create("rankfeat", model=model, layer="layer4").score(Batch(inputs=x))
     mlp = nn.Sequential(nn.Flatten(), nn.Linear(192, 5))
     with pytest.raises(ValueError, match=r"needs a layer whose output is a feature map \[B, C, H, W\]"):
@@ -389,7 +389,7 @@ def test_gram_finds_its_layers_streams_two_passes_and_says_what_is_wrong():
         create("gram", model=model, poles=2).fit([Batch(inputs=fit_x[keep], labels=fit_y[keep])])
     with pytest.raises(ValueError, match="fits on class labels"):
         create("gram", model=model).fit([Batch(inputs=fit_x)])
-    with pytest.raises(ValueError, match=r"has no layer\(s\) \['layer1'\]"):
+    with pytest.raises(ValueError, match=r"has no layer\(s\) 'layer1'; its top-level layers: body, pool, fc"):
         create("gram", model=model, layers=["layer1"]).fit([Batch(inputs=fit_x, labels=fit_y)])
     with pytest.raises(ValueError, match="holdout is the fraction"):
         create("gram", holdout=1.0)

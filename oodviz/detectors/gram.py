@@ -44,7 +44,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import check_all_classes_seen
-from oodviz.detectors.model_fit import FittedModelDetector
+from oodviz.detectors.model_fit import FittedModelDetector, check_layers, layers_whose_output
 
 
 def gram_rows(maps: Tensor, poles: int) -> Tensor:
@@ -106,29 +106,15 @@ class Gram(FittedModelDetector):
                 f"gram reads the outputs of the model's layers, which needs an nn.Module (or an oodviz Backbone around "
                 f"one); got a {type(model).__name__}"
             )
-        modules = dict(self.module.named_modules())
-        missing = [name for name in self.layers or [] if name not in modules]
-        if missing:
-            top = [name for name in modules if name and "." not in name]
-            raise ValueError(f"gram: the model has no layer(s) {missing}; its top-level layers: {', '.join(top)}")
+        check_layers(self.name, self.module, self.layers or [])
 
     def _auto_layers(self, x: Tensor) -> list[str]:
-        modules = {m: name for name, m in self.module.named_modules() if name and not any(True for _ in m.children())}
-        found: list[str] = []
-        hooks = [
-            m.register_forward_hook(lambda mod, _, out: found.append(modules[mod]) if _is_map(out) else None)
-            for m in modules
-        ]
-        try:
-            self.logits(x[:1])
-        finally:
-            for hook in hooks:
-                hook.remove()
+        found = layers_whose_output(self, x, lambda out: isinstance(out, Tensor) and out.ndim == 4, leaves=True)
         if not found:
             raise ValueError(
                 "gram found no layer with a feature map output [B, C, H, W]; name the layers: create('gram', layers=[...])"
             )
-        return list(dict.fromkeys(found))
+        return found
 
     def statistics(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``g`` of every layer and pole, ``[B, P, sum_l C_l]`` (float64), and the logits ``[B, C]`` of one forward."""
@@ -211,7 +197,3 @@ class Gram(FittedModelDetector):
         predicted = logits.argmax(dim=1)
         per_layer = self._per_layer(deviations(g, self.minimum_[predicted], self.maximum_[predicted]))
         return (per_layer / self.layer_norm_).sum(dim=1)
-
-
-def _is_map(value) -> bool:
-    return isinstance(value, Tensor) and value.ndim == 4

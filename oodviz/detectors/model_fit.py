@@ -21,9 +21,10 @@ gets the ``[N]`` values of the whole pass, in order. The two ways to run it give
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData, ModelDetector
@@ -82,3 +83,36 @@ class FittedModelDetector(ModelDetector):
         self.fit_begin(data.head)
         for pass_index in range(self.fit_passes):
             self.end_pass(pass_index, torch.cat([self.fit_step(batch).float().cpu() for batch in data]))
+
+
+def check_layers(detector_name: str, module: nn.Module, names: list[str]) -> None:
+    """ValueError listing the model's top-level layers when some of ``names`` are not modules of ``module``."""
+    modules = dict(module.named_modules())
+    missing = [name for name in names if name not in modules]
+    if missing:
+        top = [name for name in modules if name and "." not in name]
+        raise ValueError(
+            f"{detector_name}: the model has no layer(s) {', '.join(map(repr, missing))}; its top-level layers: "
+            f"{', '.join(top)} (Backbone.layer_names() lists all)"
+        )
+
+
+def layers_whose_output(
+    detector: ModelDetector, x: Tensor, accept: Callable[[object], bool], leaves: bool
+) -> list[str]:
+    """Names of the modules of ``detector.module`` (only those without children if ``leaves``) whose output passes
+    ``accept``, in the order one forward of ``x[:1]`` finishes them, each once."""
+    candidates = {
+        m: name for name, m in detector.module.named_modules() if name and not (leaves and next(m.children(), None))
+    }
+    found: list[str] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, _, out: found.append(candidates[mod]) if accept(out) else None)
+        for m in candidates
+    ]
+    try:
+        detector.logits(x[:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return list(dict.fromkeys(found))

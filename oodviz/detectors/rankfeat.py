@@ -37,6 +37,7 @@ from torch import Tensor, nn
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import ModelDetector
+from oodviz.detectors.model_fit import check_layers, layers_whose_output
 
 
 def without_rank1(maps: Tensor) -> Tensor:
@@ -72,11 +73,9 @@ class RankFeat(ModelDetector):
                 f"rankfeat replaces a layer's output inside the model, which needs an nn.Module (or an oodviz Backbone "
                 f"around one); got a {type(model).__name__}"
             )
-        modules = dict(self.module.named_modules())
         layer = self.layer or getattr(model, "layer", None)
-        if layer is not None and layer not in modules:
-            top = [name for name in modules if name and "." not in name]
-            raise ValueError(f"rankfeat: the model has no layer {layer!r}; its top-level layers: {', '.join(top)}")
+        if layer is not None:
+            check_layers(self.name, self.module, [layer])
 
     def _scoring(self, device: torch.device):
         self._hooked = None
@@ -84,22 +83,9 @@ class RankFeat(ModelDetector):
 
     def _find_layer(self, x: Tensor) -> tuple[str, nn.Module]:
         """The name and module whose output is replaced (see the module docstring); one extra forward for ``layer=None``."""
-        modules = dict(self.module.named_modules())
         layer = self.layer or getattr(self.model, "layer", None)
         if layer is None:
-            finished: list[str] = []
-            names = {module: name for name, module in modules.items() if name}
-            hooks = [
-                m.register_forward_hook(
-                    lambda mod, _, out: finished.append(names[mod]) if is_feature_map(out) else None
-                )
-                for m in names
-            ]
-            try:
-                self.logits(x[:1])
-            finally:
-                for hook in hooks:
-                    hook.remove()
+            finished = layers_whose_output(self, x, is_feature_map, leaves=False)
             if not finished:
                 raise ValueError(
                     "rankfeat needs a layer whose output is a feature map [B, C, H, W] with H*W > 1, and this model has "
@@ -107,7 +93,7 @@ class RankFeat(ModelDetector):
                     "create('rankfeat', layer=...)"
                 )
             layer = finished[-1]
-        return layer, modules[layer]
+        return layer, self.module.get_submodule(layer)
 
     def _replace(self, module, args, out):
         if not is_feature_map(out):
@@ -121,9 +107,14 @@ class RankFeat(ModelDetector):
     def _score(self, batch: Batch) -> Tensor:
         if self._hooked is None:
             self._hooked = self._find_layer(batch.inputs)
-        hook = self._hooked[1].register_forward_hook(self._replace)
+        replaced = []
+        hook = self._hooked[1].register_forward_hook(lambda *args: replaced.append(1) or self._replace(*args))
         try:
             logits = self.logits(batch.inputs)
         finally:
             hook.remove()
+        if not replaced:
+            raise ValueError(
+                f"rankfeat: layer {self._hooked[0]!r} did not run during forward; choose a layer the model uses"
+            )
         return -torch.logsumexp(logits.double(), dim=1)
