@@ -187,17 +187,14 @@ class WeiPer(Detector):
 
     def _fit(self, data: FitData) -> None:
         weight, bias = data.head
-        self.head_bias_ = bias
         self.perturbed_weight_ = perturbed_head(weight, self.n_repeats, self.perturbation, self.seed)
-        if self.variant == "msp":
-            for _ in data:  # checks D against the head and settles the device
-                break
-            self.perturbed_weight_ = self.perturbed_weight_.to(data.device)
-            return
-        self.perturbed_weight_ = self.perturbed_weight_.to(data.device)
         low = [math.inf, math.inf]
         high = [-math.inf, -math.inf]
         for batch in data:  # pass 1: the range of the activations and of the perturbed logits
+            # the device is known once the first batch is out: the head goes there
+            self.perturbed_weight_, self.head_bias_ = self.perturbed_weight_.to(batch.device), bias.to(batch.device)
+            if self.variant == "msp":  # nothing to learn: one batch checks D against the head
+                return
             values = [(batch.features.float(),), (logits for logits, _ in self._logit_blocks(batch.features))]
             for which, blocks in enumerate(values):
                 for block in blocks:
