@@ -4,7 +4,7 @@ Like ``odin`` they run the classifier again on ``Batch.inputs``; unlike it they 
 in-distribution inputs first. The fit is a fixed number of passes (``fit_passes``) over the inputs,
 each a stream of steps: ``fit_step(batch)`` looks at one batch (inputs ``[b, ...]`` and labels
 ``[b]`` on the model's device) and returns one float32 value per sample, which the detector may
-fold into its running state right away (a min/max, a sum) or keep: ``fit_pass_end(pass, values)``
+fold into its running state right away (a min/max, a sum) or keep: ``end_pass(pass, values)``
 gets the ``[N]`` values of the whole pass, in order. The two ways to run it give the same result:
 
 - ``fit(batches, head=None, device=None)``: batches of ``Batch(inputs=..., labels=...)`` (OOD rows,
@@ -12,10 +12,13 @@ gets the ``[N]`` values of the whole pass, in order. The two ways to run it give
   the fit and put back afterwards;
 - a run (:mod:`oodviz.runs.pipeline`) streams the ID fit split's images with
   :func:`oodviz.engine.score_inputs` (OOM back-off, progress, cancel) once per pass, calling
-  ``fit_begin``, then per pass ``fit_step`` on every batch and ``fit_pass_end``, then nothing else.
+  ``fit_begin(head)``, then per pass ``fit_step`` on every batch and ``end_pass``, then nothing else.
+  A retried batch (out-of-memory back-off) must leave the state as one call would: steps update their
+  state only after the forward passes, with idempotent or once-per-row updates.
 
 ``head`` is the classifier's final layer (default: the Backbone's ``head``); detectors that need it
-(``needs_head``) raise a ValueError naming the fix without one.
+(``needs_head``) raise a ValueError naming the fix without one. Two helpers serve every detector that
+reads a layer inside the model (``rankfeat``, ``gram``): :func:`check_layers` and :func:`layers_whose_output`.
 """
 
 from __future__ import annotations
