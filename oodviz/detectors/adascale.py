@@ -34,7 +34,7 @@ OpenOOD's ``int(D k2 / 100)`` is 0 at its default ``k2 = 1``, dropping the shift
 the empirical CDF (OpenOOD draws 5,000 of its ID validation set at random); where ``s2 <= 0`` (no
 positive activation) the factor is 1, not ``0 / 0``; ties are broken by index (``torch.topk`` leaves
 them unspecified); the energy is formed in float64. Memory: ``O(N)`` floats for the CDF
-(8 bytes a sample), a batch of inputs and its gradient. Shapes: ``inputs`` ``[B, ...]`` -> ``[B]``.
+(4 bytes a sample), a batch of inputs and its gradient. Shapes: ``inputs`` ``[B, ...]`` -> ``[B]``.
 """
 
 from __future__ import annotations
