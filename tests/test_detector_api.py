@@ -44,6 +44,10 @@ def test_registry_lists_the_issue_detectors():
         "gradnorm",
         "odin",
         "mcd",
+        "weiper",
+        "adascale",
+        "rankfeat",
+        "gram",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -3,10 +3,12 @@
 Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 ``score(batches, device=None)`` (CPU float tensor ``[N]``, higher = more OOD); see
 :mod:`oodviz.detectors.base`. One module per method, its docstring giving the formula.
-Detectors with ``needs_model`` (``odin``, ``mcd``) run the classifier again: they take it as
-``create(name, model=...)`` and score ``Batch(inputs=...)``.
+Detectors with ``needs_model`` (``odin``, ``mcd``, ``rankfeat``, ``adascale``, ``gram``) run the classifier
+again: they take it as ``create(name, model=...)`` and score ``Batch(inputs=...)``; ``adascale`` and ``gram``
+also fit on in-distribution ``Batch(inputs=..., labels=...)`` (:mod:`oodviz.detectors.model_fit`).
 """
 
+from oodviz.detectors.adascale import AdaSCALE
 from oodviz.detectors.ash import ASH
 from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
 from oodviz.detectors.dice import DICE
@@ -15,6 +17,7 @@ from oodviz.detectors.entropy import Entropy
 from oodviz.detectors.fdbd import FDBD
 from oodviz.detectors.gen import GEN
 from oodviz.detectors.gradnorm import GradNorm
+from oodviz.detectors.gram import Gram
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.mahalanobis import Mahalanobis
@@ -23,12 +26,14 @@ from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
 from oodviz.detectors.odin import ODIN
+from oodviz.detectors.rankfeat import RankFeat
 from oodviz.detectors.react import ReAct
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
+from oodviz.detectors.weiper import WeiPer
 
 _REGISTRY: dict[str, type[Detector]] = {
     cls.name: cls
@@ -54,6 +59,11 @@ _REGISTRY: dict[str, type[Detector]] = {
         GradNorm,
         ODIN,
         MCD,
+        # issue 17, part B
+        WeiPer,
+        AdaSCALE,
+        RankFeat,
+        Gram,
     )
 }
 

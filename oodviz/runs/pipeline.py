@@ -18,7 +18,8 @@ for some splits is not written). When no detector is left the run fails (:func:`
 detector's failure.
 
 Detectors that run the model again (``needs_model``: odin, mcd) are made with the run's backbone,
-need no fit data, and score each split in a stage of their own (``score <split> with <name>``):
+need no fit data (those that do, adascale and gram, stream the ID fit split's images in their fit
+stage, :func:`fit_on_inputs`), and score each split in a stage of their own (``score <split> with <name>``):
 the split's dataset is streamed through the backbone's transform on the job's device by
 :func:`oodviz.engine.score_inputs` (batching, OOM back-off, progress, cancel), in the row order
 of the split's feature store.
@@ -334,12 +335,33 @@ def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
 
     if detector_class(choice.name).needs_model:
         detector = create(choice.name, **{**choice.params, "model": job.backbone})
-        detector.fit(None)  # nothing to learn: checks that the method works with this model
+        if detector.needs_fit:
+            fit_on_inputs(job, detector, stage)
+        else:
+            detector.fit(None)  # nothing to learn: checks that the method works with this model
         return detector
     detector = create(choice.name, **_with_scratch(choice, job.run))
     batches = Watched(job.stores["id_fit"].batches(SCORE_BATCH, device=job.device), stage)
     detector.fit(batches, head=job.backbone.head, device=job.device)
     return detector
+
+
+def fit_on_inputs(job: Job, detector, stage: Stage) -> None:
+    """Fit a model-based detector that learns from ID inputs (adascale, gram; see
+    :mod:`oodviz.detectors.model_fit`): one batched pass of the ID fit split's images per fit pass."""
+    from oodviz.engine import score_inputs
+
+    head = job.backbone.head
+    detector.fit_begin(None if head is None else tuple(t.detach().float().to(job.device) for t in head))
+    for pass_index in range(detector.fit_passes):
+        result = score_inputs(
+            detector.fit_step,
+            job.backbone,
+            job.datasets["id_fit"],
+            what=f"fitting {detector.name} on",
+            **job.model_pass_options(stage),
+        )
+        detector.end_pass(pass_index, result.scores)
 
 
 def score_splits(job: Job) -> None:
