@@ -26,6 +26,7 @@ Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.w
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 from functools import partial
@@ -75,7 +76,7 @@ class RankFailed(RuntimeError):
 
 class RankRunDir(RunDir):
     """The run directory as rank ``rank`` sees it: scratch under ``scratch/rank-<r>``; ranks other than 0 write no
-    status and tag their events ``{"event": "rank", "rank": r, "kind": ...}`` (rank 0's are the run's own)."""
+    status and tag their events ``{"event": "rank", "rank": r, "pid": ..., "kind": ...}`` (rank 0's are the run's own)."""
 
     def __init__(self, path: Path, rank: int):
         super().__init__(Path(path))
@@ -94,7 +95,8 @@ class RankRunDir(RunDir):
         if self.rank == 0:
             super().append_event(event)
         else:
-            super().append_event({**event, "event": "rank", "rank": self.rank, "kind": event.get("event")})
+            tag = {"event": "rank", "rank": self.rank, "pid": os.getpid(), "kind": event.get("event")}
+            super().append_event({**event, **tag})
 
 
 def rank_failure(run: RunDir) -> str:
@@ -198,6 +200,8 @@ def sharded_split(job: Job, split: str, choice, stage, world: World):
         shutil.rmtree(shard_root, ignore_errors=True)
     store = FeatureStore(Path(root) / key)
     store.reused, store.reuse_warning = reused, warning
+    if reused:
+        stage.progress(store.n, store.n, {"stage": "reused", "batch_size": store.meta.get("batch_size_in_force")})
     return store
 
 
