@@ -14,6 +14,9 @@ torch's elastic launcher sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTE
   concatenated in rank order are exactly the rows, in the order, a single process extracts.
 - :func:`gather_to_root` / :func:`broadcast_from_root`: Python objects (numpy arrays, dicts) to rank 0
   and from it, through ``torch.distributed``'s object collectives.
+- :func:`merge_across_ranks`: the exact merge of a streaming statistic that each rank updated on its own
+  shard (:class:`~oodviz.detectors.stats.ClassMoments`, :class:`~oodviz.detectors.stats.ClassMeans`: float64
+  shifted sums, Chan-style), the same on every rank: the building block of a fit split across processes.
 """
 
 from __future__ import annotations
@@ -172,3 +175,23 @@ def broadcast_from_root(value, world: World):
 def barrier(world: World) -> None:
     if world.distributed:
         dist.barrier()
+
+
+def merge_across_ranks(state, world: World):
+    """Every rank's ``state`` merged, in rank order, on every rank: ``state_0.merge(state_1)...merge(state_{W-1})``.
+
+    ``state`` is a streaming statistic with ``merge(other) -> self`` that this rank updated with its shard
+    (:class:`~oodviz.detectors.stats.ClassMoments` or :class:`~oodviz.detectors.stats.ClassMeans`), its tensors
+    on the CPU. Every rank merges the same gathered states in the same order, so every rank ends with the same
+    float64 statistics, those of one accumulator that saw every shard up to rounding (``ClassMoments`` merges
+    shifted sums, so a large offset does not cancel). One process: ``state`` itself.
+    """
+    if not world.distributed:
+        return state
+    release = getattr(state, "release", None)
+    if release is not None:  # settled, without its scratch buffers: what goes over the wire is the statistic
+        release()
+    merged, *others = all_gather(state, world)
+    for other in others:
+        merged.merge(other)
+    return merged

@@ -232,3 +232,63 @@ def test_cancel_stops_every_rank(tmp_path):
     assert any(e.get("kind") == "cancelled" for e in rank_events(run, 1))
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+# ---- merging statistics across ranks ------------------------------------------------------------------------
+
+MERGE_SCRIPT = """
+import sys
+import numpy as np
+import torch
+from oodviz.detectors.stats import ClassMeans, ClassMoments
+from oodviz.distributed import World, join_world, leave_world, merge_across_ranks, shard_bounds
+
+world = World.from_env()
+data = np.load(sys.argv[1])
+x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
+start, stop = shard_bounds(len(y), world.rank, world.size)
+join_world(world, torch.device("cpu"))
+moments, means = ClassMoments(), ClassMeans()
+for first in range(start, stop, 97):  # batches of 97 rows of this rank's shard
+    rows = slice(first, min(first + 97, stop))
+    moments.update(x[rows], y[rows])
+    means.update(x[rows], y[rows])
+moments, means = merge_across_ranks(moments, world), merge_across_ranks(means, world)
+leave_world()
+np.savez(sys.argv[2], counts=moments.counts.numpy(), means=moments.means.numpy(), within=moments.within.numpy(),
+         sums=means.sums.numpy(), mean_counts=means.counts.numpy())
+"""
+
+
+def test_class_statistics_updated_on_shards_merge_across_ranks_to_the_float64_formula_on_every_rank(tmp_path):
+    rng = np.random.default_rng(0)
+    n, d, c = 1000, 12, 5
+    y = rng.integers(0, c, n)
+    y[:c] = np.arange(c)  # every class present
+    x = (1e3 + rng.normal(size=(n, d)) * np.linspace(0.01, 3, d) + y[:, None]).astype(np.float32)  # a large offset
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    script = tmp_path / "merge.py"
+    script.write_text(MERGE_SCRIPT)
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "data.npz"), str(tmp_path / f"rank{r}.npz")],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in (0, 1)
+    ]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
+    for name in ("counts", "means", "within", "sums"):
+        np.testing.assert_array_equal(results[0][name], results[1][name], err_msg=name)  # every rank the same
+    x64 = x.astype(np.float64)
+    counts = np.bincount(y, minlength=c)
+    means = np.stack([x64[y == k].mean(axis=0) for k in range(c)])
+    centred = x64 - means[y]
+    merged = results[0]
+    np.testing.assert_array_equal(merged["counts"], counts)
+    np.testing.assert_array_equal(merged["mean_counts"], counts)
+    np.testing.assert_allclose(merged["means"], means, rtol=1e-12)
+    np.testing.assert_allclose(merged["sums"], means * counts[:, None], rtol=1e-12)
+    np.testing.assert_allclose(merged["within"], centred.T @ centred, rtol=1e-9, atol=1e-9 * np.abs(centred).max() ** 2)
