@@ -181,7 +181,7 @@ def sharded_split(job: Job, split: str, choice, stage, world: World):
         stage.note(f"rank {world.rank} of {world.size}: rows {start}..{stop - 1} of {len(dataset)}")
         shard_root = job.run.scratch_path / "shards" / key
         shard = None
-        if stop > start:
+        if stop > start or not len(dataset):  # an empty split: extract's own error, on every rank
             shard_params = {**key_params, "shard": [start, stop]}
             options = job.model_pass_options(stage)
             shard = extract(
@@ -190,6 +190,7 @@ def sharded_split(job: Job, split: str, choice, stage, world: World):
                 shard_root,
                 shard_params,
                 feature_dtype=config.feature_dtype,
+                sync=False,  # a shard lives until the merge; the merged store is synced
                 **options,
             )
         paths = gather_to_root(None if shard is None else str(shard.path), world)

@@ -101,12 +101,14 @@ def main(argv: list[str]) -> int:
 
     world = World.from_env()
     if not world.distributed:
-        exit_with_parent(RunDir(Path(argv[0])))
-        return 0 if execute(RunDir(Path(argv[0]))) in ("done", "cancelled") else 1
+        run = RunDir(Path(argv[0]))
+        exit_with_parent(run)
+        return 0 if execute(run) in ("done", "cancelled") else 1
     from oodviz.cli import TerminalProgress
     from oodviz.runs.sharded import RankRunDir, run_rank, stop_on_sigterm
 
     run = RankRunDir(Path(argv[0]), world.rank)
+    exit_with_parent(run)  # the launcher (torchrun's agent) killed: no rank is left behind
     if world.is_root:
         stop_on_sigterm(run)
     echo = TerminalProgress() if world.is_root and "--echo" in argv[1:] else None
