@@ -92,13 +92,30 @@ def cmd_run(args) -> int:
         return 2
     if refused_by_preflight(config, Path(args.out).parent if args.out else Path(args.runs_root), args.force):
         return 2
+    if args.nproc_per_node > 1 or args.nnodes > 1:
+        from oodviz.runs.launch import torchrun_argv
+
+        try:
+            torchrun_argv(Path("."), args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
+        except ValueError as error:
+            print(error, file=sys.stderr)
+            return 2
+    if args.node_rank > 0 and not args.out:
+        print(
+            "a node other than 0 needs --out: the run directory node 0 creates, on a shared filesystem", file=sys.stderr
+        )
+        return 2
     try:
-        if args.out:
+        if args.node_rank > 0:
+            from oodviz.runs.launch import wait_for_run_dir
+
+            run = wait_for_run_dir(Path(args.out))
+        elif args.out:
             out = Path(args.out)
             run = RunDir.create(out.parent, config.to_dict(), name=out.name)
         else:
             run = RunDir.create(Path(args.runs_root), config.to_dict())
-    except FileExistsError as error:
+    except (FileExistsError, TimeoutError) as error:
         print(error, file=sys.stderr)
         return 2
     print(
@@ -106,7 +123,12 @@ def cmd_run(args) -> int:
         file=sys.stderr,
     )
     started = time.monotonic()
-    state = execute(run, echo=TerminalProgress())
+    if args.nproc_per_node > 1 or args.nnodes > 1:
+        from oodviz.runs.launch import launch
+
+        state = launch(run, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
+    else:
+        state = execute(run, echo=TerminalProgress())
     status = run.read_status()
     print(f"{state} in {time.monotonic() - started:.1f}s: {run.path}", file=sys.stderr)
     if state == "failed":
@@ -313,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="start even when the pre-flight check finds the run over this machine's disk, RAM or GPU memory",
     )
+    distributed = run.add_argument_group(
+        "several processes or machines (torch.distributed through torchrun; NCCL on GPUs, gloo on the CPU)"
+    )
+    distributed.add_argument("--nproc-per-node", type=int, default=1, help="processes on this machine (one per GPU)")
+    distributed.add_argument("--nnodes", type=int, default=1, help="machines taking part (each runs this command)")
+    distributed.add_argument("--node-rank", type=int, default=0, help="this machine's rank, 0..NNODES-1")
+    distributed.add_argument("--rdzv-endpoint", help="HOST:PORT of node 0 for the rendezvous (several machines)")
     run.set_defaults(func=cmd_run)
     runs = commands.add_parser("runs", help="list runs with their status and best AUROC")
     runs.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT))

@@ -330,7 +330,7 @@ def check_verify(verify: str) -> str:
     return verify
 
 
-def _trusted_store(store_root, key: str, verify: str) -> tuple[FeatureStore | None, str | None]:
+def trusted_store(store_root, key: str, verify: str) -> tuple[FeatureStore | None, str | None]:
     """The store ``<store_root>/<key>`` if it passes verification, else ``(None, why it was removed)``."""
     path = Path(store_root) / key
     if not path.is_dir():
@@ -383,7 +383,7 @@ def extract_or_reuse(
     check_feature_dtype(feature_dtype)
     check_verify(verify)
     key = store_key(backbone, dataset, key_params, feature_dtype=feature_dtype, precision=precision)
-    store, warning = _trusted_store(store_root, key, verify)
+    store, warning = trusted_store(store_root, key, verify)
     if store is None:
         if warning:
             logger.warning(warning)

@@ -284,21 +284,26 @@ def check_disk_space(job: Job, estimate) -> list[str]:
     return new
 
 
-def extract_splits(job: Job) -> None:
-    """One stage per split: its feature store, extracted or reused; the splits go into ``meta``."""
+def extract_or_reuse_split(job: Job, split: str, choice: DatasetChoice, stage: Stage):
+    """The feature store of one split, extracted by this process or reused (:func:`oodviz.engine.extract_or_reuse`)."""
     from oodviz.engine import extract_or_reuse
 
-    config = job.config
+    return extract_or_reuse(
+        job.backbone,
+        job.datasets[split],
+        feature_store_root(job.run),
+        key_params=store_key_params(job.config, choice),
+        feature_dtype=job.config.feature_dtype,
+        **job.model_pass_options(stage),
+    )
+
+
+def extract_splits(job: Job, open_split=extract_or_reuse_split) -> None:
+    """One stage per split: its feature store, extracted or reused (by ``open_split(job, split, choice, stage)``;
+    a sharded run passes its own, :mod:`oodviz.runs.sharded`); the splits go into ``meta``."""
     for split, choice, _ in job.splits:
         with job.reporter.stage(f"extract {split}") as stage:
-            store = extract_or_reuse(
-                job.backbone,
-                job.datasets[split],
-                feature_store_root(job.run),
-                key_params=store_key_params(config, choice),
-                feature_dtype=config.feature_dtype,
-                **job.model_pass_options(stage),
-            )
+            store = open_split(job, split, choice, stage)
             job.stores[split] = store
             if store.reuse_warning:
                 job.reporter.warn(f"{split}: {store.reuse_warning}")

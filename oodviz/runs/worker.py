@@ -38,11 +38,12 @@ def describe_error(error: Exception, run: RunDir) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def execute(run: RunDir, echo: Callable[[dict], None] | None = None) -> str:
+def execute(run: RunDir, echo: Callable[[dict], None] | None = None, pipeline: Callable | None = None) -> str:
     """Run ``run``'s config; returns and records the final state (done, cancelled or failed).
 
     A run where some detectors failed ends ``done`` with ``failed_detectors`` in its status and a
-    warning event naming them; one where every detector failed ends ``failed``."""
+    warning event naming them; one where every detector failed ends ``failed``. ``pipeline(config, run,
+    reporter)`` defaults to :func:`oodviz.runs.pipeline.run_pipeline` (a rank of a sharded run passes its own)."""
     from oodviz.runs.pipeline import run_pipeline
 
     reporter = Reporter(run, echo=echo)
@@ -53,7 +54,7 @@ def execute(run: RunDir, echo: Callable[[dict], None] | None = None) -> str:
         started=run.read_status().get("started") or time.time(),
     )
     try:
-        failed = run_pipeline(RunConfig.from_dict(run.read_config()), run, reporter)
+        failed = (pipeline or run_pipeline)(RunConfig.from_dict(run.read_config()), run, reporter)
     except Cancelled:
         run.write_status(
             state="cancelled", finished=time.time(), error="cancelled by the user; finished parts are kept"
@@ -93,7 +94,26 @@ def exit_with_parent(run: RunDir, poll_s: float = 0.5) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
+def main(argv: list[str]) -> int:
+    """``RUN_DIR [--echo]``: one process, or one rank of a torchrun launch (``WORLD_SIZE`` > 1,
+    :mod:`oodviz.runs.sharded`); ``--echo`` prints rank 0's progress on stdout (``oodviz run --nproc-per-node``)."""
+    from oodviz.distributed import World
+
+    world = World.from_env()
+    if not world.distributed:
+        run = RunDir(Path(argv[0]))
+        exit_with_parent(run)
+        return 0 if execute(run) in ("done", "cancelled") else 1
+    from oodviz.cli import TerminalProgress
+    from oodviz.runs.sharded import RankRunDir, run_rank, stop_on_sigterm
+
+    run = RankRunDir(Path(argv[0]), world.rank)
+    exit_with_parent(run)  # the launcher (torchrun's agent) killed: no rank is left behind
+    if world.is_root:
+        stop_on_sigterm(run)
+    echo = TerminalProgress() if world.is_root and "--echo" in argv[1:] else None
+    return 0 if execute(run, echo=echo, pipeline=run_rank(world)) in ("done", "cancelled") else 1
+
+
 if __name__ == "__main__":
-    exit_with_parent(RunDir(Path(sys.argv[1])))
-    state = execute(RunDir(Path(sys.argv[1])))
-    sys.exit(0 if state in ("done", "cancelled") else 1)
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,197 @@
+"""torch.distributed for oodviz runs: the process group, contiguous shards and exact merges.
+
+A run on several processes (``oodviz run CONFIG --nproc-per-node N`` or ``torchrun ... -m
+oodviz.runs.worker RUN_DIR``) gets its rank, world size and local rank from the environment that
+torch's elastic launcher sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``).
+
+- :class:`World`: who this process is; :func:`join_world` starts the process group (NCCL when the run's
+  device is a GPU, each local rank on ``cuda:LOCAL_RANK``; gloo on the CPU) with a collective timeout
+  (``OODVIZ_DIST_TIMEOUT_S``, default 1800 s) so that a hang in a collective ends the run instead of
+  blocking it forever.
+- :func:`shard_bounds`: rank ``r`` of ``W`` owns rows ``[start, stop)`` of ``n`` — contiguous, disjoint,
+  covering ``0..n-1`` in rank order, sizes differing by at most one (no padding, no duplicate).
+- :class:`DatasetSlice`: those rows of a dataset, with their source indices kept, so that the shards
+  concatenated in rank order are exactly the rows, in the order, a single process extracts.
+- :func:`gather_to_root` / :func:`broadcast_from_root`: Python objects (numpy arrays, dicts) to rank 0
+  and from it, through ``torch.distributed``'s object collectives.
+- :func:`merge_across_ranks`: the exact merge of a streaming statistic that each rank updated on its own
+  shard (:class:`~oodviz.detectors.stats.ClassMoments`, :class:`~oodviz.detectors.stats.ClassMeans`: float64
+  shifted sums, Chan-style), the same on every rank: the building block of a fit split across processes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 1800.0
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in a run: ``rank`` of ``size`` processes, ``local_rank`` on its machine."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_root(self) -> bool:
+        """Rank 0: owns the run directory, its status and its events log, and writes the results."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    @classmethod
+    def from_env(cls, environ=None) -> World:
+        """The world torchrun describes in ``environ`` (default ``os.environ``); one process when it says nothing.
+
+        ValueError when the variables are not integers or the rank is outside ``0..WORLD_SIZE-1``."""
+        env = os.environ if environ is None else environ
+        try:
+            rank, size = int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1))
+            local_rank = int(env.get("LOCAL_RANK", rank))
+        except ValueError:
+            raise ValueError(
+                "RANK, WORLD_SIZE and LOCAL_RANK must be integers (torchrun sets them); "
+                f"got RANK={env.get('RANK')!r}, WORLD_SIZE={env.get('WORLD_SIZE')!r}, LOCAL_RANK={env.get('LOCAL_RANK')!r}"
+            ) from None
+        if size < 1 or not 0 <= rank < size or local_rank < 0:
+            raise ValueError(f"RANK={rank} must be in 0..WORLD_SIZE-1 with WORLD_SIZE={size} >= 1; start with torchrun")
+        return cls(rank, size, local_rank)
+
+
+def collective_timeout_s(environ=None) -> float:
+    """Seconds a collective may wait for the other ranks (``OODVIZ_DIST_TIMEOUT_S``, default 1800)."""
+    raw = (os.environ if environ is None else environ).get("OODVIZ_DIST_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"OODVIZ_DIST_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def rank_device(device: torch.device, world: World) -> torch.device:
+    """The device of this rank: ``cuda:LOCAL_RANK`` when the run is on a GPU (one GPU per process), else ``device``."""
+    if device.type != "cuda" or not world.distributed:
+        return device
+    if world.local_rank >= torch.cuda.device_count():
+        raise ValueError(
+            f"local rank {world.local_rank} has no GPU: {torch.cuda.device_count()} visible on this machine; "
+            "start at most that many processes per node (--nproc-per-node)"
+        )
+    return torch.device("cuda", world.local_rank)
+
+
+def join_world(world: World, device: torch.device) -> None:
+    """Start the default process group: NCCL for a GPU run, gloo for a CPU one. Nothing for one process."""
+    if not world.distributed or dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        rank=world.rank,
+        world_size=world.size,
+        timeout=timedelta(seconds=collective_timeout_s()),
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+
+
+def leave_world() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of ``n`` that rank ``rank`` of ``size`` owns: the first ``n % size`` ranks get
+    ``n // size + 1`` rows, the others ``n // size``, in rank order (``np.array_split``'s rule)."""
+    if size < 1 or not 0 <= rank < size or n < 0:
+        raise ValueError(f"need n >= 0 and 0 <= rank < size, got n={n}, rank={rank}, size={size}")
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+class DatasetSlice:
+    """Rows ``[start, stop)`` of an oodviz dataset (``dataset[i] -> (image, label, source_index)`` or None),
+    with its ``name`` and ``classes``; ``source_indices`` sliced alike when the dataset has them."""
+
+    def __init__(self, dataset, start: int, stop: int):
+        if not 0 <= start <= stop <= len(dataset):
+            raise ValueError(f"slice [{start}, {stop}) is outside the dataset's {len(dataset)} items")
+        self.dataset, self.start, self.stop = dataset, start, stop
+        self.name = dataset.name
+        self.classes = getattr(dataset, "classes", None)
+        source = getattr(dataset, "source_indices", None)
+        self.source_indices = None if source is None else np.asarray(source)[start:stop]
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, i: int):
+        if not 0 <= i < len(self):
+            raise IndexError(f"index {i} out of range for a slice of {len(self)} items")
+        return self.dataset[self.start + i]
+
+
+def gather_to_root(value, world: World) -> list | None:
+    """Every rank's ``value`` (picklable), in rank order, on rank 0; None on the other ranks."""
+    if not world.distributed:
+        return [value]
+    gathered = [None] * world.size if world.is_root else None
+    dist.gather_object(value, gathered, dst=0)
+    return gathered
+
+
+def all_gather(value, world: World) -> list:
+    """Every rank's ``value`` (picklable), in rank order, on every rank."""
+    if not world.distributed:
+        return [value]
+    gathered = [None] * world.size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def broadcast_from_root(value, world: World):
+    """Rank 0's ``value`` (picklable) on every rank."""
+    if not world.distributed:
+        return value
+    box = [value if world.is_root else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        dist.barrier()
+
+
+def merge_across_ranks(state, world: World):
+    """Every rank's ``state`` merged, in rank order, on every rank: ``state_0.merge(state_1)...merge(state_{W-1})``.
+
+    ``state`` is a streaming statistic with ``merge(other) -> self`` that this rank updated with its shard
+    (:class:`~oodviz.detectors.stats.ClassMoments` or :class:`~oodviz.detectors.stats.ClassMeans`), its tensors
+    on the CPU. Every rank merges the same gathered states in the same order, so every rank ends with the same
+    float64 statistics, those of one accumulator that saw every shard up to rounding (``ClassMoments`` merges
+    shifted sums, so a large offset does not cancel). One process: ``state`` itself.
+    """
+    if not world.distributed:
+        return state
+    release = getattr(state, "release", None)
+    if release is not None:  # settled, without its scratch buffers: what goes over the wire is the statistic
+        release()
+    merged, *others = all_gather(state, world)
+    for other in others:
+        merged.merge(other)
+    return merged

@@ -1,0 +1,98 @@
+"""``oodviz run CONFIG --nproc-per-node N``: the run's worker on N processes through torch's elastic launcher.
+
+This is ``torchrun [options] -m oodviz.runs.worker RUN_DIR --echo`` called in-process
+(:func:`torch.distributed.run.run`), so every torchrun option keeps its meaning: one machine gets
+``--standalone`` (a rendezvous on a free local port); several take ``--nnodes``, ``--node-rank`` and
+``--rdzv-endpoint HOST:PORT`` (node 0's address), with the run directory on a filesystem every node
+sees (``--out``). No worker is restarted (``--max-restarts 0``): a rank that fails fails the run.
+
+When a rank fails, torch's agent stops the others and raises :class:`ChildFailedError`; :func:`launch`
+then records the run ``failed`` with the rank that failed first, its exit code or signal, and what it
+said (its ``rank`` event, :func:`oodviz.runs.sharded.rank_failure`).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from oodviz.runs.rundir import FINAL_STATES, RunDir
+
+RUN_DIR_WAIT_S = 120.0  # how long a node other than 0 waits for node 0 to create the run directory
+
+
+def torchrun_argv(
+    run_dir: Path, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint: str | None = None
+) -> list[str]:
+    """The ``torchrun`` arguments of one node of the run in ``run_dir``; ValueError for impossible options."""
+    if nproc_per_node < 1 or nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise ValueError(
+            f"need --nproc-per-node >= 1, --nnodes >= 1 and 0 <= --node-rank < --nnodes; got "
+            f"{nproc_per_node}, {nnodes}, {node_rank}"
+        )
+    if nnodes > 1 and not rdzv_endpoint:
+        raise ValueError("a run on several nodes needs --rdzv-endpoint HOST:PORT (node 0's address and a free port)")
+    rendezvous = (
+        ["--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", rdzv_endpoint]
+        if nnodes > 1
+        else ["--standalone", "--nnodes", "1"]
+    )
+    return [
+        *rendezvous,
+        "--nproc-per-node",
+        str(nproc_per_node),
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.5",
+        "-m",
+        "oodviz.runs.worker",
+        str(Path(run_dir).resolve()),
+        "--echo",
+    ]
+
+
+def describe_failure(run: RunDir, error) -> str:
+    """Which rank failed first and how (a ``ChildFailedError``), with what that rank said when it said something."""
+    from oodviz.runs.sharded import rank_failure
+
+    rank, failure = error.get_first_failure()
+    code = failure.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    said = rank_failure(run)
+    detail = f"; {said}" if said.startswith("rank ") else ""
+    return f"rank {rank} (pid {failure.pid}) {how}{detail}"
+
+
+def wait_for_run_dir(path: Path, timeout_s: float = RUN_DIR_WAIT_S) -> RunDir:
+    """The run directory node 0 creates, once its ``config.json`` is there; TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (path / "config.json").is_file():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} has no config.json after {timeout_s:.0f}s: start node 0 with the same --out")
+        time.sleep(0.2)
+    return RunDir(path)
+
+
+def launch(run: RunDir, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint=None) -> str:
+    """Run ``run`` on this node's ``nproc_per_node`` processes (with the other nodes') and return its final state."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser
+    from torch.distributed.run import run as torchrun
+
+    args = get_args_parser().parse_args(torchrun_argv(run.path, nproc_per_node, nnodes, node_rank, rdzv_endpoint))
+    try:
+        torchrun(args)
+    except ChildFailedError as error:
+        first_rank = error.get_first_failure()[0]
+
+        def not_recorded(status: dict) -> bool:  # rank 0 failing by itself has already said why
+            return status.get("state") != "cancelled" and not (first_rank == 0 and status.get("state") == "failed")
+
+        run.write_status(only_if=not_recorded, state="failed", error=describe_failure(run, error), finished=time.time())
+    finally:
+        if node_rank == 0:
+            run.remove_scratch()
+    state = run.read_status().get("state")
+    return state if state in FINAL_STATES else "failed"

@@ -1,0 +1,314 @@
+"""A run on several processes (torch.distributed): sharded extraction and scoring, results written by rank 0.
+
+Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.worker RUN_DIR`` with
+``RANK``/``WORLD_SIZE`` set (``oodviz run CONFIG --nproc-per-node N``, :mod:`oodviz.runs.launch`, or
+``torchrun ... -m oodviz.runs.worker RUN_DIR``); :func:`run_rank` does one rank's share:
+
+- **Run directory.** Rank 0 owns ``status.json``, the events log and the results. Every other rank sees the
+  run through :class:`RankRunDir`: it writes no status, and its events (stage ends with its wall time and
+  peak memory, progress with its device and batch size, warnings, its failure) go to the same log tagged
+  ``{"event": "rank", "rank": r, "kind": <the event>}``. Each rank keeps its files under ``scratch/rank-<r>``.
+- **Extraction.** Rank 0 looks for a trusted store of the split (the single-process key, checksums checked);
+  when there is none, rank ``r`` of ``W`` extracts rows :func:`~oodviz.distributed.shard_bounds` of the split
+  (contiguous, disjoint, in rank order) into a shard under its scratch directory, and rank 0 concatenates the
+  shards in rank order into the split's store (:func:`merge_shards`): the same key, the same rows in the same
+  order as a single-process extraction, so either reuses the other's store whatever the world size. A rank
+  that dies leaves shards in scratch only; the split's store is written only once every shard is complete.
+- **Fit.** Every rank fits every detector on the whole store of ``id_fit`` (a read of the memory-mapped
+  store; the computation is the same float64 stream on every rank, so every rank holds the same state).
+- **Scoring.** Each rank scores its contiguous rows of each split with the feature-based detectors; rank 0
+  gathers the scores in rank order and writes them. Model-based detectors (odin, mcd) run on rank 0 over the
+  whole split (mcd's dropout masks follow the batch sequence, so a shard would change them).
+- **Faults.** A rank that raises records why (its ``rank`` event) and exits non-zero; the launcher then stops
+  the others, and rank 0, stopped by SIGTERM, marks the run failed naming that rank. A hang in a collective
+  ends after ``OODVIZ_DIST_TIMEOUT_S``. Cancel (the run's ``cancel`` file) stops every rank at its next batch.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oodviz.batch import Batch
+from oodviz.distributed import (
+    DatasetSlice,
+    World,
+    barrier,
+    broadcast_from_root,
+    gather_to_root,
+    join_world,
+    leave_world,
+    rank_device,
+    shard_bounds,
+)
+from oodviz.engine import Cancelled
+from oodviz.runs.pipeline import (
+    SCORE_BATCH,
+    Job,
+    extract_splits,
+    failed_detectors,
+    feature_store_root,
+    finite_scores,
+    fit_detectors,
+    load_data,
+    load_model,
+    score_with_models,
+    start_job,
+    store_key_params,
+    write_meta,
+    write_metrics,
+    write_scores,
+)
+from oodviz.runs.rundir import RunDir
+
+MERGE_ROWS = 16384  # rows copied per step when shards are concatenated
+
+
+class RankFailed(RuntimeError):
+    """Rank 0 was stopped by the launcher (SIGTERM) because another rank failed."""
+
+
+class RankRunDir(RunDir):
+    """The run directory as rank ``rank`` sees it: scratch under ``scratch/rank-<r>``; ranks other than 0 write no
+    status and tag their events ``{"event": "rank", "rank": r, "pid": ..., "kind": ...}`` (rank 0's are the run's own)."""
+
+    def __init__(self, path: Path, rank: int):
+        super().__init__(Path(path))
+        self.rank = rank
+
+    @property
+    def scratch_path(self) -> Path:
+        return self.path / "scratch" / f"rank-{self.rank}"
+
+    def write_status(self, only_if=None, **changes) -> dict:
+        if self.rank == 0:
+            return super().write_status(only_if, **changes)
+        return self.read_status()
+
+    def append_event(self, event: dict) -> None:
+        if self.rank == 0:
+            super().append_event(event)
+        else:
+            tag = {"event": "rank", "rank": self.rank, "pid": os.getpid(), "kind": event.get("event")}
+            super().append_event({**event, **tag})
+
+
+def rank_failure(run: RunDir) -> str:
+    """What the last failed rank said in the events log, or a general reason when none has said anything."""
+    failed = [e for e in run.read_events() if e.get("event") == "rank" and e.get("kind") == "failed"]
+    if failed:
+        return f"rank {failed[-1]['rank']} failed: {failed[-1].get('message')}"
+    return "the launcher stopped rank 0 because another rank failed or was killed (see worker.log or torchrun's output)"
+
+
+def stop_on_sigterm(run: RunDir) -> None:
+    """On rank 0: turn the launcher's SIGTERM into :class:`RankFailed` (the run then ends ``failed`` with why)."""
+
+    def handler(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        raise RankFailed(rank_failure(run))
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+# -- extraction ------------------------------------------------------------------------------------------
+def merge_shards(shards: list, root: Path, key: str, spec: dict):
+    """Concatenate shard stores (in rank order) into the store ``<root>/<key>``; returns it opened.
+
+    The rows are copied as they are (features, logits, labels, predictions, source indices), so the store is
+    the one a single process extracts; ``meta.json`` adds ``world_size`` and each shard's rows, device, batch
+    size and time. ``spec`` is the single-process :func:`~oodviz.engine.store.key_spec` of the split."""
+    from oodviz.engine.store import StoreWriter
+
+    first = shards[0]
+    total = sum(s.n for s in shards)
+    writer = StoreWriter(root, key, total, first.feature_dim, first.num_classes, first.feature_dtype)
+    try:
+        for shard in shards:
+            for start in range(0, shard.n, MERGE_ROWS):
+                rows = slice(start, start + MERGE_ROWS)
+                writer.append(
+                    shard.features[rows], shard.logits[rows], shard.labels[rows], shard.indices[rows],
+                    shard.predictions[rows],
+                )  # fmt: skip
+        counts = {name: sum(s.meta["counts"][name] for s in shards) for name in first.meta["counts"]}
+        counts["requested"] = spec["dataset"]["len"]
+        elapsed = max(s.meta["timings"]["extract_s"] for s in shards)
+        meta = {
+            **first.meta,
+            "key_spec": spec,
+            "params": spec["params"],
+            "dataset": {**first.meta["dataset"], "len": spec["dataset"]["len"]},
+            "counts": counts,
+            "skipped": counts["skipped"],
+            "timings": {"extract_s": elapsed, "items_per_s": total / elapsed if elapsed > 0 else None},
+            "world_size": len(shards),
+            "shards": [
+                {k: s.meta.get(k) for k in ("device", "device_name", "batch_size_in_force", "oom_backoffs")}
+                | {"rows": s.n, "extract_s": s.meta["timings"]["extract_s"]}
+                for s in shards
+            ],
+        }
+        return writer.commit(meta, head=first.head)
+    finally:
+        writer.abort()  # no-op after the commit
+
+
+def sharded_split(job: Job, split: str, choice, stage, world: World):
+    """The store of ``split``: reused when rank 0 trusts one, else extracted in shards and merged by rank 0."""
+    from oodviz.engine import extract
+    from oodviz.engine.extract import trusted_store
+    from oodviz.engine.store import FeatureStore, key_spec, store_key
+
+    config, backbone, dataset = job.config, job.backbone, job.datasets[split]
+    root = feature_store_root(job.run)
+    key_params = store_key_params(config, choice)
+    content = {"feature_dtype": config.feature_dtype, "precision": config.precision}
+    key = store_key(backbone, dataset, key_params, **content)
+    found = None
+    if world.is_root:
+        store, warning = trusted_store(root, key, "cheap")
+        found = (store is not None, warning)
+    reused, warning = broadcast_from_root(found, world)
+    if not reused:
+        start, stop = shard_bounds(len(dataset), world.rank, world.size)
+        stage.note(f"rank {world.rank} of {world.size}: rows {start}..{stop - 1} of {len(dataset)}")
+        shard_root = job.run.scratch_path / "shards" / key
+        shard = None
+        if stop > start or not len(dataset):  # an empty split: extract's own error, on every rank
+            shard_params = {**key_params, "shard": [start, stop]}
+            options = job.model_pass_options(stage)
+            shard = extract(
+                backbone,
+                DatasetSlice(dataset, start, stop),
+                shard_root,
+                shard_params,
+                feature_dtype=config.feature_dtype,
+                sync=False,  # a shard lives until the merge; the merged store is synced
+                **options,
+            )
+        paths = gather_to_root(None if shard is None else str(shard.path), world)
+        if world.is_root:
+            shards = [FeatureStore(p) for p in paths if p is not None]
+            merge_shards(shards, root, key, key_spec(backbone, dataset, key_params, **content))
+        barrier(world)
+        shutil.rmtree(shard_root, ignore_errors=True)
+    store = FeatureStore(Path(root) / key)
+    store.reused, store.reuse_warning = reused, warning
+    if reused:
+        stage.progress(store.n, store.n, {"stage": "reused", "batch_size": store.meta.get("batch_size_in_force")})
+    return store
+
+
+# -- scoring ---------------------------------------------------------------------------------------------
+def store_rows(store, start: int, stop: int, device: torch.device):
+    """Batches of rows ``[start, stop)`` of ``store`` (features and logits float32, labels), on ``device``."""
+    for first in range(start, stop, SCORE_BATCH):
+        rows = slice(first, min(first + SCORE_BATCH, stop))
+        yield Batch(
+            features=torch.from_numpy(np.array(store.features[rows], dtype=np.float32)),
+            logits=torch.from_numpy(np.array(store.logits[rows])),
+            labels=torch.from_numpy(np.array(store.labels[rows])),
+        ).to(device)
+
+
+def score_shard(job: Job, split: str, world: World) -> tuple[dict, dict]:
+    """``({name: scores of this rank's rows}, {name: error})`` for every feature-based detector on ``split``."""
+    store = job.stores[split]
+    start, stop = shard_bounds(store.n, world.rank, world.size)
+    scores, errors = {}, {}
+    for name, detector in job.fitted.items():
+        if detector.needs_model:
+            continue
+        if stop == start:
+            scores[name] = np.zeros(0, dtype=np.float32)
+            continue
+        try:
+            scores[name] = detector.score(store_rows(store, start, stop, job.device), device=job.device).numpy()
+        except Cancelled:
+            raise
+        except Exception as error:  # one detector failing must not stop the others (recorded by rank 0)
+            errors[name] = f"rank {world.rank}: {type(error).__name__}: {error}"
+    return scores, errors
+
+
+def score_sharded_splits(job: Job, world: World) -> None:
+    """Per scored split: model-based detectors on rank 0, then every rank scores its rows with the others;
+    rank 0 joins them in rank order into the split's scores table. Every rank then drops the detectors that
+    failed anywhere."""
+    from oodviz.results import score_frame
+
+    for split, kind, dataset in job.scored_splits:
+        model_scores = score_with_models(job, split) if world.is_root else {}
+        with job.reporter.stage(f"score {split}") as stage:
+            parts = gather_to_root(score_shard(job, split, world), world)
+            if world.is_root:
+                store = job.stores[split]
+                frame = score_frame(kind, dataset, store.indices, store.labels, store.predictions)
+                for name in list(job.fitted):
+                    if name in model_scores:
+                        frame[name] = model_scores[name]
+                    elif not job.fitted[name].needs_model:
+                        with job.detector_may_fail(name, f"score {split}", stage):
+                            errors = [errs[name] for _, errs in parts if name in errs]
+                            if errors:
+                                raise RuntimeError("; ".join(errors))
+                            values = np.concatenate([scores[name] for scores, _ in parts])
+                            frame[name] = finite_scores(job.fitted[name], name, split, values)
+                job.frames.append(frame)
+            kept = broadcast_from_root(list(job.fitted), world)
+            job.fitted = {name: det for name, det in job.fitted.items() if name in kept}
+
+
+# -- the run ---------------------------------------------------------------------------------------------
+def on_root(stage, world: World):
+    def run(job: Job) -> None:
+        if world.is_root:
+            stage(job)
+
+    run.__name__ = stage.__name__
+    return run
+
+
+def sharded_stages(world: World) -> tuple:
+    """The stages of one rank, in order (:data:`oodviz.runs.pipeline.STAGES`, sharded)."""
+    return (
+        load_model,
+        load_data,
+        partial(extract_splits, open_split=partial(sharded_split, world=world)),
+        fit_detectors,
+        partial(score_sharded_splits, world=world),
+        on_root(write_scores, world),
+        on_root(write_metrics, world),
+        on_root(write_meta, world),
+    )
+
+
+def run_rank(world: World):
+    """The pipeline of one rank, as :func:`oodviz.runs.worker.execute` takes it: ``(config, run, reporter) ->
+    failed detectors``. It joins the process group on the rank's device and leaves it at the end."""
+
+    def pipeline(config, run, reporter) -> list[str]:
+        job = start_job(config, run, reporter)
+        job.device = reporter.device = rank_device(job.device, world)
+        job.meta.update(device=str(job.device), world_size=world.size)
+        join_world(world, job.device)
+        try:
+            for stage in sharded_stages(world):
+                stage(job)
+            barrier(world)  # nobody leaves (and tears the group down) before rank 0 has written the results
+        except Exception as error:
+            if run.cancel_requested():  # a peer that stopped for the cancel breaks this rank's collective
+                raise Cancelled("cancelled by the user") from error
+            raise
+        finally:
+            leave_world()
+        return failed_detectors(job)
+
+    return pipeline

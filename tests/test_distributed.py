@@ -1,0 +1,294 @@
+"""Runs on several processes (torch.distributed, gloo on the CPU) give the single-process answer; faults end them."""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from oodviz.distributed import DatasetSlice, World, shard_bounds
+from oodviz.engine.store import list_stores
+from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.launch import torchrun_argv
+from oodviz.runs.rundir import RunDir
+
+ARRAYS = ("features", "logits", "labels", "predictions", "indices")
+
+
+def oodviz_run(*args, cwd, timeout=600, wait=True):
+    command = [sys.executable, "-m", "oodviz.cli", "run", *map(str, args)]
+    env = dict(os.environ, OODVIZ_DIST_TIMEOUT_S="120")
+    if not wait:
+        return subprocess.Popen(
+            command, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+    return subprocess.run(command, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stores_by_key(root: Path) -> dict:
+    return {store.key: store for store in list_stores(root)}
+
+
+def assert_same_scores(reference: Path, other: Path) -> None:
+    """Same rows in the same order; every detector's scores within 1e-5 relative (float32 scores)."""
+    a, b = pd.read_parquet(reference / "scores.parquet"), pd.read_parquet(other / "scores.parquet")
+    assert list(a.columns) == list(b.columns)
+    for column in ("split", "dataset", "index", "label", "prediction"):
+        assert a[column].tolist() == b[column].tolist(), column
+    detectors = [c for c in a.columns if a[c].dtype.kind == "f"]
+    assert len(detectors) >= 19
+    for name in detectors:
+        np.testing.assert_allclose(b[name].to_numpy(), a[name].to_numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def rank_events(run: RunDir, rank: int) -> list[dict]:
+    return [e for e in run.read_events() if e.get("event") == "rank" and e.get("rank") == rank]
+
+
+# ---- shards ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 7, 100, 1001])
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_shards_are_numpys_array_split_contiguous_disjoint_and_cover_every_row(n, size):
+    expected = np.array_split(np.arange(n), size)
+    for rank in range(size):
+        start, stop = shard_bounds(n, rank, size)
+        assert np.array_equal(np.arange(start, stop), expected[rank])
+
+
+def test_a_dataset_slice_yields_the_rows_and_source_indices_of_its_range():
+    class Items:
+        name, classes = "toy", ["a", "b"]
+        source_indices = np.arange(10) * 3
+
+        def __len__(self):
+            return 10
+
+        def __getitem__(self, i):
+            return f"image{i}", i % 2, int(self.source_indices[i])
+
+    part = DatasetSlice(Items(), 4, 7)
+    assert len(part) == 3 and part.name == "toy" and part.classes == ["a", "b"]
+    assert [part[i] for i in range(3)] == [("image4", 0, 12), ("image5", 1, 15), ("image6", 0, 18)]
+    assert part.source_indices.tolist() == [12, 15, 18]
+    with pytest.raises(IndexError):
+        part[3]
+    with pytest.raises(ValueError, match="outside the dataset's 10 items"):
+        DatasetSlice(Items(), 8, 11)
+
+
+def test_the_world_comes_from_torchruns_variables_and_bad_ones_are_refused():
+    assert World.from_env({}) == World(0, 1, 0)
+    world = World.from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (world.rank, world.size, world.local_rank, world.is_root, world.distributed) == (3, 4, 1, False, True)
+    with pytest.raises(ValueError, match="RANK=4 must be in 0..WORLD_SIZE-1"):
+        World.from_env({"RANK": "4", "WORLD_SIZE": "4"})
+    with pytest.raises(ValueError, match="must be integers"):
+        World.from_env({"RANK": "x"})
+
+
+def test_torchrun_gets_standalone_on_one_node_and_the_rendezvous_on_several(tmp_path):
+    one = torchrun_argv(tmp_path, 4)
+    assert one[:3] == ["--standalone", "--nnodes", "1"] and one[-3:] == ["oodviz.runs.worker", str(tmp_path), "--echo"]
+    two = torchrun_argv(tmp_path, 2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500")
+    assert two[:6] == ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29500"]
+    with pytest.raises(ValueError, match="needs --rdzv-endpoint"):
+        torchrun_argv(tmp_path, 2, nnodes=2)
+    with pytest.raises(ValueError, match="0 <= --node-rank < --nnodes"):
+        torchrun_argv(tmp_path, 2, nnodes=2, node_rank=2, rdzv_endpoint="h:1")
+
+
+# ---- the same answer --------------------------------------------------------------------------------------
+
+
+def test_two_processes_extract_the_same_stores_and_give_the_same_scores_as_one(default_run, tmp_path):
+    # cwd as the default run's: data_root resolves alike, so the stores have the same keys
+    out = tmp_path / "runs" / "two"
+    result = oodviz_run("--nproc-per-node", 2, "--out", out, cwd=default_run.path.parent)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single, sharded = stores_by_key(default_run.path.parent / ".features"), stores_by_key(out.parent / ".features")
+    assert sorted(sharded) == sorted(single) and len(single) == 8
+    for key, store in sharded.items():
+        assert store.meta["world_size"] == 2 and [s["rows"] for s in store.meta["shards"]] == [
+            (store.n + 1) // 2,
+            store.n // 2,
+        ]
+        assert store.meta["counts"]["written"] == single[key].n
+        for name in ARRAYS:
+            np.testing.assert_array_equal(store.array(name), single[key].array(name), err_msg=f"{key} {name}")
+        assert store.verify(full=True) == []
+    assert_same_scores(default_run.path, out)
+    run = RunDir(out)
+    assert run.read_status()["state"] == "done"
+    ends = [e for e in rank_events(run, 1) if e.get("kind") == "end"]
+    assert {e["stage"] for e in ends} >= {"extract id_fit", "fit mahalanobis", "score id_test"}
+    assert all(e["device"] == "cpu" and e["cpu_rss"] > 0 for e in ends)
+    assert not (out / "scratch").exists()
+
+
+def test_two_nodes_on_localhost_reuse_a_single_process_store_and_give_the_same_scores(default_run, tmp_path):
+    shutil.copytree(default_run.path.parent / ".features", tmp_path / "runs" / ".features")
+    out = tmp_path / "runs" / "nodes"
+    endpoint = f"127.0.0.1:{free_port()}"
+    nodes = [
+        oodviz_run(
+            "--nnodes",
+            2,
+            "--node-rank",
+            rank,
+            "--rdzv-endpoint",
+            endpoint,
+            "--out",
+            out,
+            cwd=default_run.path.parent,
+            wait=False,
+        )  # fmt: skip
+        for rank in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=600) for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    events = RunDir(out).read_events()
+    reused = [e for e in events if e.get("event") == "progress" and e.get("reused")]
+    assert len(reused) == 8  # every split's store, extracted by one process, reused by two
+    assert sum(str(e.get("message")).startswith("reused store") for e in events if e.get("event") == "note") == 8
+    assert_same_scores(default_run.path, out)
+
+
+# ---- faults ---------------------------------------------------------------------------------------------
+
+
+def slow_config_file(tmp_path: Path) -> Path:
+    """Extraction of 300,000 noise images: long enough to kill or cancel it midway."""
+    config = RunConfig(
+        ood=[DatasetChoice("noise-gaussian", params={"n": 300_000})],
+        detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis")],
+        batch_size=64,
+        device="cpu",
+    )
+    path = tmp_path / "slow.json"
+    config.save(path)
+    return path
+
+
+def wait_for(predicate, timeout=180.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.05)
+    raise AssertionError("timed out waiting")
+
+
+def extracting(run: RunDir, rank: int, split: str = "ood:noise-gaussian"):
+    """The pid of ``rank`` once it reports progress extracting ``split``."""
+    events = [e for e in rank_events(run, rank) if e.get("kind") == "progress" and e.get("stage") == f"extract {split}"]
+    return events[-1]["pid"] if events else None
+
+
+def test_a_rank_killed_mid_extraction_fails_the_run_naming_it_and_stores_nothing(tmp_path):
+    out = tmp_path / "runs" / "killed"
+    launcher = oodviz_run(slow_config_file(tmp_path), "--nproc-per-node", 2, "--out", out, cwd=tmp_path, wait=False)
+    run = RunDir(wait_for(lambda: (out / "events.jsonl").exists() and out))
+    pid = wait_for(lambda: extracting(run, 1))
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    _, stderr = launcher.communicate(timeout=120)
+    assert time.monotonic() - killed < 60  # no hang in a collective
+    assert launcher.returncode == 1, stderr[-3000:]
+    status = run.read_status()
+    assert status["state"] == "failed"
+    assert f"rank 1 (pid {pid}) was killed by SIGKILL" in status["error"]
+    rank0 = status["pid"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(rank0, 0)
+    trusted = list_stores(out.parent / ".features")
+    assert sorted(store.meta["dataset"]["name"] for store in trusted) == ["digits-test", "digits-train"]
+    assert not (out / "scratch").exists()  # the shards are gone with the run's scratch
+
+
+def test_cancel_stops_every_rank(tmp_path):
+    out = tmp_path / "runs" / "cancelled"
+    launcher = oodviz_run(slow_config_file(tmp_path), "--nproc-per-node", 2, "--out", out, cwd=tmp_path, wait=False)
+    run = RunDir(wait_for(lambda: (out / "events.jsonl").exists() and out))
+    pid = wait_for(lambda: extracting(run, 1))
+    run.request_cancel()
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, stderr[-3000:]
+    assert run.read_status()["state"] == "cancelled"
+    assert any(e.get("kind") == "cancelled" for e in rank_events(run, 1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+# ---- merging statistics across ranks ------------------------------------------------------------------------
+
+MERGE_SCRIPT = """
+import sys
+import numpy as np
+import torch
+from oodviz.detectors.stats import ClassMeans, ClassMoments
+from oodviz.distributed import World, join_world, leave_world, merge_across_ranks, shard_bounds
+
+world = World.from_env()
+data = np.load(sys.argv[1])
+x, y = torch.from_numpy(data["x"]), torch.from_numpy(data["y"])
+start, stop = shard_bounds(len(y), world.rank, world.size)
+join_world(world, torch.device("cpu"))
+moments, means = ClassMoments(), ClassMeans()
+for first in range(start, stop, 97):  # batches of 97 rows of this rank's shard
+    rows = slice(first, min(first + 97, stop))
+    moments.update(x[rows], y[rows])
+    means.update(x[rows], y[rows])
+moments, means = merge_across_ranks(moments, world), merge_across_ranks(means, world)
+leave_world()
+np.savez(sys.argv[2], counts=moments.counts.numpy(), means=moments.means.numpy(), within=moments.within.numpy(),
+         sums=means.sums.numpy(), mean_counts=means.counts.numpy())
+"""
+
+
+def test_class_statistics_updated_on_shards_merge_across_ranks_to_the_float64_formula_on_every_rank(tmp_path):
+    rng = np.random.default_rng(0)
+    n, d, c = 1000, 12, 5
+    y = rng.integers(0, c, n)
+    y[:c] = np.arange(c)  # every class present
+    x = (1e3 + rng.normal(size=(n, d)) * np.linspace(0.01, 3, d) + y[:, None]).astype(np.float32)  # a large offset
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    script = tmp_path / "merge.py"
+    script.write_text(MERGE_SCRIPT)
+    port = free_port()
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "data.npz"), str(tmp_path / f"rank{r}.npz")],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+        )
+        for r in (0, 1)
+    ]
+    assert [p.wait(timeout=120) for p in ranks] == [0, 0]
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in (0, 1)]
+    for name in ("counts", "means", "within", "sums"):
+        np.testing.assert_array_equal(results[0][name], results[1][name], err_msg=name)  # every rank the same
+    x64 = x.astype(np.float64)
+    counts = np.bincount(y, minlength=c)
+    means = np.stack([x64[y == k].mean(axis=0) for k in range(c)])
+    centred = x64 - means[y]
+    merged = results[0]
+    np.testing.assert_array_equal(merged["counts"], counts)
+    np.testing.assert_array_equal(merged["mean_counts"], counts)
+    np.testing.assert_allclose(merged["means"], means, rtol=1e-12)
+    np.testing.assert_allclose(merged["sums"], means * counts[:, None], rtol=1e-12)
+    np.testing.assert_allclose(merged["within"], centred.T @ centred, rtol=1e-9, atol=1e-9 * np.abs(centred).max() ** 2)
