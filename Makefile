@@ -32,8 +32,11 @@ fashion-mnist:
 	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; \
 	  else echo "Fashion-MNIST not installed and not root: the fashion-mnist preset downloads it on first use when downloads are allowed (or: sudo apt-get install dataset-fashion-mnist); its tests are skipped"; fi; }
 
+# Two pytest-xdist workers; tests sharing an expensive fixture (a finished run, a server) stay on one worker
+# (tests/conftest.py groups them). TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser fashion-mnist
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

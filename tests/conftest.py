@@ -1,5 +1,6 @@
 """Shared fixtures: a small, seeded classification problem with a linear head; the default run."""
 
+import os
 import shutil
 import socket
 import subprocess
@@ -79,13 +80,62 @@ NEEDS_CUDA = "needs a CUDA device"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
 
 
-@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects
+#: Session- or module-scoped fixtures of these tests that are cheap to build once per xdist worker, so they do not
+#: tie their tests to one worker (every other shared fixture does: see :func:`group_by_shared_fixtures`).
+CHEAP_SHARED_FIXTURES = frozenset(
+    {"problem", "browser_type_launch_args", "browser_context_args", "scores", "relu_problem", "positive_problem"}
+)
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def group_by_shared_fixtures(items) -> None:
+    """Mark tests that share an expensive session- or module-scoped fixture of this directory (a finished run, a
+    Streamlit server, a built wheel; used directly or through another fixture) with one ``xdist_group``, so that
+    ``pytest -n 2 --dist loadgroup`` (``make test``) builds each such fixture on one worker only, once.
+
+    Tests are linked through every such fixture they use (union-find): a test using the default run and a module's
+    server puts both fixtures' tests into one group. Tests with none stay free, spread one by one."""
+    parent: dict = {}
+
+    def root(key):
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    shared = {}
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        keys = [
+            (fixturedef.baseid, name)
+            for name in getattr(item, "fixturenames", ())
+            if name not in CHEAP_SHARED_FIXTURES
+            for fixturedef in (info.name2fixturedefs.get(name, ()) if info else ())[-1:]
+            if fixturedef.scope in ("session", "module", "package")
+            and Path(str(fixturedef.func.__code__.co_filename)).resolve().is_relative_to(TESTS_DIR)
+        ]
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
+        if keys:
+            shared[item] = keys[0]
+    for item, key in shared.items():
+        group_key = root(key)
+        item.add_marker(pytest.mark.xdist_group(f"{Path(group_key[0] or 'conftest').stem}-{group_key[1]}"))
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects, and before xdist reads the groups
 def pytest_collection_modifyitems(items):
     """Every test that skips without a GPU (a ``skipif`` whose reason is :data:`NEEDS_CUDA`, such as ``cuda``)
-    is also marked ``cuda``, so ``pytest -m cuda`` selects all of them."""
+    is also marked ``cuda``, so ``pytest -m cuda`` selects all of them. Tests sharing an expensive fixture get one
+    ``xdist_group`` (:func:`group_by_shared_fixtures`)."""
     for item in items:
         if any(mark.kwargs.get("reason") == NEEDS_CUDA for mark in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.cuda)
+    group_by_shared_fixtures(items)
+
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Two workers share the machine's cores: one torch thread each, not one per core each.
+    torch.set_num_threads(1)
 
 
 def synthetic_scores(seed=0) -> pd.DataFrame:

@@ -103,8 +103,8 @@ from oodviz import Batch
 from oodviz.detectors import create
 torch.set_num_threads(1)
 rng = np.random.default_rng(0)
-detector = create("knn", k=50).fit([Batch(torch.from_numpy(rng.standard_normal((20000, 256)).astype(np.float32)))])
-queries = torch.from_numpy(rng.standard_normal((20000, 256)).astype(np.float32))
+detector = create("knn", k=50).fit([Batch(torch.from_numpy(rng.standard_normal((8192, 32)).astype(np.float32)))])
+queries = torch.from_numpy(rng.standard_normal((20000, 32)).astype(np.float32))
 batches = Batch(queries) if sys.argv[1] == "one" else [Batch(queries[s : s + 4096]) for s in range(0, 20000, 4096)]
 def status(key):
     return int(next(l for l in open("/proc/self/status") if l.startswith(key)).split()[1]) * 1024
@@ -115,8 +115,10 @@ print(status("VmHWM:") - before)
 
 
 def test_score_memory_is_the_same_for_one_big_batch_as_for_small_batches():
-    """Issue 13.3: the growth of the peak RSS while scoring 20k queries in one Batch is within 10% of that
-    in 4096-row batches (it was ~5x: a [20000, 16384] similarity block against [4096, 16384])."""
+    """Issue 13.3: the growth of the peak RSS while scoring 20k queries against an 8192-row bank in one Batch is
+    within 10% of that in 4096-row batches (it was ~5x: a [20000, 8192] similarity block against [4096, 8192]).
+    The similarity block's size does not depend on D, so D is small (32) to keep the matrix products quick; with
+    the bound removed (SIMILARITY_BYTES = 2**40) the growth is ~1.3 GB and both checks fail."""
     growth = {
         shape: int(
             subprocess.run(
@@ -126,7 +128,7 @@ def test_score_memory_is_the_same_for_one_big_batch_as_for_small_batches():
         for shape in ("one", "many")
     }
     assert abs(growth["one"] - growth["many"]) <= 0.1 * growth["many"], growth
-    assert growth["one"] < 400 * 2**20, growth  # 64 MiB similarity blocks, not a 1.2 GiB one
+    assert growth["one"] < 400 * 2**20, growth  # 64 MiB similarity blocks, not a 625 MiB one
 
 
 @cuda

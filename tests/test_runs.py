@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -213,11 +214,20 @@ def test_threshold_at_recall_and_fpr95_against_trying_every_threshold(rounded):
     assert ood_metrics(id_scores, ood_scores)["fpr95"] == pytest.approx((id_scores >= t).mean(), abs=1e-15)
 
 
-def test_a_second_identical_run_reuses_the_stored_features(tmp_path):
-    first = submit(small_config(), tmp_path)
-    assert wait_final(first)["state"] == "done"
-    second = submit(small_config(detectors=[DetectorChoice("energy")]), tmp_path)
-    assert wait_final(second)["state"] == "done"
+@pytest.fixture(scope="module")
+def two_jobs(tmp_path_factory) -> tuple[RunDir, RunDir]:
+    """Two runs submitted together to one runs root: ``small_config()``, then the same data with another detector,
+    which waits in the queue for the first. Tests only read them (one that needs a finished run elsewhere copies it)."""
+    root = tmp_path_factory.mktemp("two-jobs")
+    first = submit(small_config(), root)
+    second = submit(small_config(detectors=[DetectorChoice("energy")]), root)
+    assert wait_final(first)["state"] == "done" and wait_final(second)["state"] == "done"
+    return first, second
+
+
+def test_a_second_identical_run_reuses_the_stored_features(two_jobs):
+    first, second = two_jobs
+    assert refresh(second)["started"] >= refresh(first)["finished"] - 0.5  # it extracted nothing while first ran
     reused = [e for e in second.read_events() if e.get("event") == "progress" and e.get("reused")]
     assert {e["stage"] for e in reused} == {
         "extract id_fit",
@@ -340,18 +350,17 @@ def test_cancel_stops_within_a_batch_and_keeps_the_run_readable(tmp_path):
     assert RunConfig.from_dict(run.read_config()) == slow_config()
 
 
-def test_two_jobs_submitted_together_both_complete_in_order(tmp_path):
-    a = submit(small_config(), tmp_path)
-    b = submit(small_config(detectors=[DetectorChoice("energy")]), tmp_path)
+def test_two_jobs_submitted_together_both_complete_in_order(two_jobs):
+    a, b = two_jobs
     assert a.path != b.path
     assert wait_final(a)["state"] == "done" and wait_final(b)["state"] == "done"
     assert refresh(b)["started"] >= refresh(a)["finished"] - 0.5  # b waited for a
     assert any(e.get("stage") == "queued" for e in b.read_events())
 
 
-def test_a_restarted_reader_relists_every_run_and_detects_a_dead_supervisor(tmp_path):
-    done = submit(small_config(), tmp_path)
-    wait_final(done)
+def test_a_restarted_reader_relists_every_run_and_detects_a_dead_supervisor(two_jobs, tmp_path):
+    done = RunDir(tmp_path / two_jobs[0].run_id)  # a finished run, as ``submit`` left it
+    shutil.copytree(two_jobs[0].path, done.path)
     orphan = submit(slow_config(), tmp_path)
     wait_for(lambda: refresh(orphan)["state"] == "running")
     os.killpg(
