@@ -4,6 +4,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from conftest import brute_force_threshold
@@ -197,3 +198,92 @@ def test_a_finished_runs_warnings_are_shown_above_its_results(app, runs_root):
     shown = [w.value for w in app.warning]
     assert shown.count(mismatch) == 1 and "id_fit: store re-extracted" in shown
     assert [t.label for t in app.tabs][0] == "Metrics"
+
+
+def test_form_problems_are_keyed_by_the_field_they_are_about(tmp_path):
+    """Every problem at once, each under its field: the folders' own checks and the config's."""
+    from oodviz.ui.form import form_problems
+
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "empty").mkdir()
+    values = FormValues(
+        id_preset=FOLDER_PRESET,
+        fit_folder=str(tmp_path / "missing"),
+        test_folder=str(tmp_path / "a-file"),
+        ood_folder=str(tmp_path / "empty"),
+        layer="no-such-layer",
+        detectors=[],
+        batch_size=0,
+    )
+    problems = form_problems(values)
+    assert set(problems) == {"fit_folder", "test_folder", "ood_folder", "layer", "detectors", "batch_size"}
+    assert problems["fit_folder"] == [f"Image folder {tmp_path / 'missing'} does not exist"]
+    assert "is a file, not a directory" in problems["test_folder"][0]
+    assert problems["ood_folder"][0].startswith(f"No images found under {tmp_path / 'empty'}")
+    assert problems["detectors"] == ["choose at least one detector"]
+    assert "no-such-layer" in problems["layer"][0] and "batch_size" in problems["batch_size"][0]
+    assert form_problems(FormValues()) == {}
+
+
+def test_start_with_a_bad_form_shows_every_error_and_creates_no_run(app, runs_root):
+    app.run()
+    before = sorted(p.name for p in runs_root.iterdir())
+    [box for box in app.sidebar.selectbox if box.label == "In-distribution"][0].select(FOLDER_PRESET)
+    [t for t in app.sidebar.text_input if t.label.startswith("ID fit folder")][0].input("/no/such/folder")
+    [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].set_value([])
+    [b for b in app.sidebar.button if b.label == "Start run"][0].click().run()
+    assert not app.exception
+    errors = [e.value for e in app.sidebar.error]
+    assert errors == [
+        "Image folder /no/such/folder does not exist",
+        'The "folder" dataset needs path=<a directory of images>',
+        "choose at least one detector",
+        "Fix first: 3 problem(s), shown under their fields above.",
+    ]
+    assert sorted(p.name for p in runs_root.iterdir()) == before and "run" not in app.query_params
+
+
+def test_the_live_panel_reads_the_event_log_incrementally_and_keeps_a_bounded_memory_series(tmp_path):
+    from oodviz.ui.live import EventTail
+
+    log = tmp_path / "events.jsonl"
+    rows = [{"time": 100.0 + i, "stage": "extract id_fit", "event": "progress", "done": i, "total": 999,
+             "cpu_rss": 1000 + i} for i in range(1000)]  # fmt: skip
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    tail = EventTail(log, max_points=50)
+    log.write_text(text[:5000] + '{"time": 1')  # a line still being written waits for the next poll
+    first = tail.poll()
+    assert first == text[:5000].rfind("\n") + 1 and tail.offset == first
+    log.write_text(text)
+    assert tail.poll() == len(text.encode()) - first  # only the new bytes are read
+    assert tail.poll() == 0  # nothing new: nothing read
+    assert tail.latest == rows[-1] and tail.started == 100.0
+    times = [m["time"] for m in tail.memory]
+    assert len(times) <= 101 and times[0] == 100.0 and times[-1] == 1099.0  # bounded, spans the whole run
+    gaps = np.diff(times[:-1])  # the last one is the newest sample, shown whatever the stride
+    assert len(times) > 50 and gaps.min() == gaps.max()  # decimated evenly, not truncated
+    with log.open("a") as out:
+        out.write(json.dumps({"stage": "extract id_fit", "event": "end", "wall_s": 3.0, "peak_cpu_rss": 5}) + "\n")
+        for message in ("a", "b", "a"):
+            out.write(json.dumps({"event": "warning", "message": message}) + "\n")
+    tail.poll()
+    assert list(tail.ended) == ["extract id_fit"] and list(tail.warnings) == ["b", "a"]
+
+
+def test_stage_k_of_n_the_run_fraction_and_its_eta(default_run):
+    from oodviz.runs.plan import planned_stages
+    from oodviz.ui.live import EventTail, hms, run_eta_s, stage_position
+
+    plan = planned_stages(RunConfig.load(default_run.path / "config.json"))
+    ends = [json.loads(line) for line in (default_run.path / "events.jsonl").read_text().splitlines()]
+    assert plan == [e["stage"] for e in ends if e.get("event") == "end"]  # the stages the worker really ran
+    assert len(plan) == 2 + 8 + 20 + 7 * 2 + 1  # load x2, extract 8 splits, fit 20, score 7 splits (+odin), metrics
+    tail = EventTail(default_run.path / "events.jsonl")
+    tail.poll()
+    assert stage_position(plan, tail.ended, None, None) == (len(plan), 1.0)
+    half = dict(list(tail.ended.items())[:9])
+    progress = {"stage": plan[9], "done": 25, "total": 100}
+    k, fraction = stage_position(plan, half, plan[9], progress)
+    assert (k, fraction) == (10, pytest.approx(9.25 / len(plan)))
+    assert run_eta_s(30.0, 0.25) == pytest.approx(90.0) and run_eta_s(0.0, 0.0) is None
+    assert (hms(59.6), hms(3725), hms(0)) == ("1:00", "1:02:05", "0:00")

@@ -21,7 +21,7 @@ from oodviz.runs.jobs import QueueFull, delete_run, list_runs, refresh, submit
 from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
 from oodviz.runs.summary import summarise
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
-from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
+from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config
 from oodviz.ui.sidebar import RUN_ANYWAY, memory_estimate, render_form
 
 
@@ -69,15 +69,15 @@ def confined_config(config: RunConfig) -> RunConfig | None:
         return None
 
 
-def show_estimate(config) -> bool:
-    """Show the run's estimate in the sidebar, beside Start; True when it is over the machine's limits
+def show_estimate(config, place) -> bool:
+    """Show the run's estimate in ``place`` (beside Start); True when it is over the machine's limits
     (the pre-flight table and the fixes shown as a warning)."""
     try:
         _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
     except Exception as error:  # a missing dataset or weight file: say what, keep the app running
-        st.error(f"Could not estimate the run's size: {error}")
+        place.error(f"Could not estimate the run's size: {error}")
         return False
-    with st.sidebar:
+    with place.container():
         st.markdown("**Estimated feature store**")
         st.code(description, language=None)
         if refusal:
@@ -85,25 +85,29 @@ def show_estimate(config) -> bool:
     return refusal is not None
 
 
-def handle_form(values: FormValues, action: str | None) -> None:
+def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
+    """On Estimate or Start: check the whole form first (:func:`form_problems`) and show every problem
+    under its field; only a form without problems is estimated, and started (nothing is created before)."""
     if action is None:
         return
-    config = confined_config(config_from_form(values))
-    if config is None:
-        return
-    problems = config.problems()
+    problems = form_problems(values, AccessPolicy.from_env())
+    for name, messages in problems.items():
+        slots[name].error("\n\n".join(messages))
     if problems:
-        st.sidebar.error("Fix these first:\n\n" + "\n".join(f"- {p}" for p in problems))
+        count = sum(len(m) for m in problems.values())
+        if "form" not in problems:
+            slots["form"].error(f"Fix first: {count} problem(s), shown under their fields above.")
         return
-    over = show_estimate(config)
+    config = AccessPolicy.from_env().confine_config(config_from_form(values))
+    over = show_estimate(config, slots["estimate"])
     if action == "start":
         if over and not st.session_state.get(RUN_ANYWAY):
-            st.sidebar.error(
-                "Not started: the run is over this machine's limits (above). Apply a fix, or tick "
+            slots["form"].error(
+                "Not started: the run is over this machine's limits (below). Apply a fix, or tick "
                 '"Run anyway, over this machine\'s limits" and start again.'
             )
             return
-        start_run(config, st.sidebar)
+        start_run(config, slots["form"])
 
 
 def start_run(config: RunConfig, place=st) -> None:
@@ -316,13 +320,13 @@ def form_defaults() -> FormValues:
 
 
 def page() -> None:
-    values, action = render_form(form_defaults())
-    header, home = st.columns([6, 1])
+    values, action, slots = render_form(form_defaults())
+    header, home = st.columns([4, 1], vertical_alignment="bottom")
     header.title("oodviz")
     if home.button("All runs", use_container_width=True):
         open_run(None)
         st.rerun()
-    handle_form(values, action)
+    handle_form(values, action, slots)
     run = current_run()
     if run is not None:
         run_page(run)
