@@ -139,11 +139,51 @@ def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):
         (metrics.detector == "mahalanobis") & (metrics.ood_dataset == "near (mean)")
     ].auroc.item()
     assert shown.set_index("detector").loc["mahalanobis", "AUROC near"] == pytest.approx(mahalanobis_near)
-    # The histogram tab: its threshold slider starts at the 95%-recall threshold of the chosen detector.
-    detector = app.selectbox[0].value
+    assert not app.slider  # the metrics tab has no threshold: nothing of the other tabs is drawn
+
+
+def shown_threshold_tab(app, tab):
+    app.session_state["results-tab"] = tab
+    return app.run()
+
+
+def test_one_threshold_and_detector_shared_by_the_tabs_per_set_by_default(app, runs_root):
+    """The threshold starts at 95% recall of every OOD set (the lowest of the per-set thresholds), can be
+    switched to the pooled one, and the histogram and the failure cases tabs share it and the detector."""
+    app.query_params["run"] = "r1"
+    app.run()
+    shown_threshold_tab(app, "Score histograms")
+    assert not app.exception
+    [detector_box] = [s for s in app.selectbox if s.label.startswith("Detector")]
     scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
-    assert app.slider[0].value == pytest.approx(brute_force_threshold(scores.loc[scores.split == "ood", detector]))
-    assert any(m.label.startswith("False alarms") for m in app.metric)
+    ood = scores[scores.split == "ood"]
+
+    def per_set(detector):
+        return {name: brute_force_threshold(rows[detector]) for name, rows in ood.groupby("dataset")}
+
+    detector = detector_box.value
+    assert app.slider[0].value == pytest.approx(min(per_set(detector).values()))
+    missed = [m for m in app.metric if m.label.startswith("Misses")][0].value
+    every = min(per_set(detector).values())
+    assert missed.startswith(f"{int((ood[detector] < every).sum()):,} (")
+    [basis] = [s for s in app.selectbox if s.label == "Start the threshold at"]
+    basis.select("95% of all OOD sets pooled").run()
+    assert app.slider[0].value == pytest.approx(brute_force_threshold(ood[detector]))
+    [s for s in app.selectbox if s.label.startswith("Detector")][0].select("energy").run()
+    [basis] = [s for s in app.selectbox if s.label == "Start the threshold at"]
+    basis.select("digits-heldout").run()
+    assert app.slider[0].value == pytest.approx(per_set("energy")["digits-heldout"])
+    app.slider[0].set_value(app.slider[0].value + 1.0).run()
+    moved = app.slider[0].value
+    shown_threshold_tab(app, "Failure cases")
+    assert not app.exception
+    assert [s for s in app.selectbox if s.label.startswith("Detector")][0].value == "energy"
+    assert app.slider[0].value == pytest.approx(moved)
+    assert any(f"At threshold {moved:.4g}" in c.value for c in app.caption)
+    shown_threshold_tab(app, "Metrics")
+    shown_threshold_tab(app, "Score histograms")  # kept while a tab without the threshold was open
+    assert [s for s in app.selectbox if s.label.startswith("Detector")][0].value == "energy"
+    assert app.slider[0].value == pytest.approx(moved)
 
 
 def test_the_sidebar_shows_the_choices_of_the_open_run(app, runs_root):
