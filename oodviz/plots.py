@@ -331,3 +331,37 @@ def memory_figure(timeline: pd.DataFrame, title: str = "Memory") -> go.Figure:
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
     )
     return fig
+
+
+# -- comparing runs -------------------------------------------------------------------------------
+def compare_scatter(means: pd.DataFrame, title: str, label_a: str = "run A", label_b: str = "run B") -> go.Figure:
+    """One point per detector: x = its value in run A, y = in run B (``means`` has columns ``auroc_a``,
+    ``auroc_b``, indexed by detector), and the dashed diagonal y = x: points above it did better in B."""
+    low = float(np.nanmin(means[["auroc_a", "auroc_b"]].to_numpy(dtype=np.float64)))
+    low = max(0.0, min(low - 0.02, 0.5))
+    fig = go.Figure(
+        [
+            go.Scatter(
+                x=[low, 1.0], y=[low, 1.0], mode="lines", line={"color": "#BBBBBB", "dash": "dash"}, hoverinfo="skip"
+            ),
+            go.Scatter(
+                x=means["auroc_a"].to_numpy(dtype=np.float64),
+                y=means["auroc_b"].to_numpy(dtype=np.float64),
+                mode="markers+text",
+                text=[str(d) for d in means.index],
+                textposition="top center",
+                textfont={"size": 10},
+                marker={"color": OOD_COLORS[1], "size": 8},
+                hovertemplate="<b>%{text}</b><br>A %{x:.3f}<br>B %{y:.3f}<extra></extra>",
+            ),
+        ]
+    )
+    _layout(
+        fig,
+        title,
+        height=420,
+        showlegend=False,
+        xaxis={"title": f"AUROC in {label_a} (A)", "range": [low, 1.01]},
+        yaxis={"title": f"AUROC in {label_b} (B)", "range": [low, 1.01], "scaleanchor": "x"},
+    )
+    return fig

@@ -1,5 +1,6 @@
 """The app's page logic with Streamlit's AppTest: form to config, reattach from the URL, results pages."""
 
+import base64
 import json
 import shutil
 from pathlib import Path
@@ -12,6 +13,7 @@ from streamlit.testing.v1 import AppTest
 
 from oodviz.runs.config import DetectorChoice, RunConfig, preset
 from oodviz.ui.form import FOLDER_PRESET, FormValues, config_from_form, form_values_from_config
+from oodviz.ui.history import runs_table_key
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 
@@ -327,3 +329,87 @@ def test_stage_k_of_n_the_run_fraction_and_its_eta(default_run):
     assert (k, fraction) == (10, pytest.approx(9.25 / len(plan)))
     assert run_eta_s(30.0, 0.25) == pytest.approx(90.0) and run_eta_s(0.0, 0.0) is None
     assert (hms(59.6), hms(3725), hms(0)) == ("1:00", "1:02:05", "0:00")
+
+
+def test_runs_can_be_named_and_annotated_and_the_url_keeps_working(app, runs_root):
+    from oodviz.ui.history import read_label, write_label
+
+    named = runs_root / "r-named"
+    shutil.copytree(runs_root / "r1", named)
+    write_label(named, "  first   try ", "notes\nline 2")
+    assert read_label(named) == {"name": "first try", "notes": "notes\nline 2"}
+    assert json.loads((named / "label.json").read_text())["name"] == "first try"
+    with pytest.raises(ValueError, match="at most 80 characters"):
+        write_label(named, "x" * 81, "")
+    app.run()
+    runs = app.dataframe[0].value.set_index("run")
+    assert runs.loc["r-named", "name"] == "first try" and runs.loc["r1", "name"] == ""
+    app.query_params["run"] = "r-named"
+    app.run()
+    assert not app.exception and any("first try" in c.value for c in app.caption)
+    assert any(m.value.startswith("**digits-cnn · ID digits-test · OOD digits-heldout") for m in app.markdown)
+    shutil.rmtree(named)
+
+
+def test_comparing_runs_on_other_data_says_so_and_shows_the_config_difference(runs_root):
+    from oodviz.ui.history import config_difference, data_mismatch
+
+    a = RunConfig().to_dict()
+    b = RunConfig(batch_size=32, ood=RunConfig().ood[:2]).to_dict()
+    diff = config_difference(a, b).set_index("setting")
+    assert diff.loc["batch_size"].tolist() == ["256", "32"] and "ood" in diff.index and len(diff) == 2
+    assert data_mismatch(a, b) == "the OOD sets differ (only the sets both have are compared)"
+    assert data_mismatch(a, a) is None
+    fashion = preset("fashion-mnist").to_dict()
+    assert data_mismatch(a, fashion).startswith("the ID test set differs (digits-test vs fashion-mnist-id)")
+
+
+def test_compare_two_runs_in_the_app(app, runs_root):
+    other = runs_root / "r-other-data"
+    shutil.copytree(runs_root / "r1", other)
+    config = RunConfig.load(other / "config.json")
+    config.batch_size = 64
+    config.ood = config.ood[:3]
+    config.save(other / "config.json")
+    kept_rows = pd.read_csv(other / "metrics.csv")
+    kept_rows[kept_rows.ood_dataset.isin([c.name for c in config.ood])].to_csv(other / "metrics.csv", index=False)
+    app.run()
+    table = app.dataframe[0].value
+    rows = [list(table.run).index(r) for r in ("r1", "r-other-data")]
+    app.session_state[runs_table_key(list(table.run))] = {"selection": {"rows": rows, "columns": [], "cells": []}}
+    app.run()
+    assert not app.exception
+    assert any("different data: the OOD sets differ" in w.value for w in app.warning)
+    diff = [d.value for d in app.dataframe if "setting" in d.value.columns][0].set_index("setting")
+    assert diff.loc["batch_size", "run A"] == "256" and diff.loc["batch_size", "run B"] == "64"
+    [scatter] = list(app.get("plotly_chart"))
+    figure = json.loads(scatter.proto.spec)
+    points = figure["data"][1]
+    metrics = pd.read_csv(runs_root / "r1" / "metrics.csv")
+    shared = metrics[metrics.ood_dataset.isin([c.name for c in config.ood])]
+    expected = shared.groupby("detector", sort=False).auroc.mean()
+    assert points["text"] == list(expected.index)
+    x = points["x"]  # plotly sends numpy arrays as typed base64 blobs
+    x = np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"]) if isinstance(x, dict) else np.asarray(x)
+    np.testing.assert_allclose(x, expected.to_numpy())  # run A's mean AUROC over the three shared sets
+    shutil.rmtree(other)
+
+
+def test_delete_asks_first(app, runs_root):
+    doomed = runs_root / "r-doomed"
+    shutil.copytree(runs_root / "r1", doomed)
+    app.run()
+    runs = list(app.dataframe[0].value.run)
+    app.session_state[runs_table_key(runs)] = {
+        "selection": {"rows": [runs.index("r-doomed")], "columns": [], "cells": []}
+    }
+    app.run()
+    [b for b in app.button if b.label == "Delete"][0].click().run()
+    assert any(w.value.startswith("Delete 1 run(s): r-doomed? This cannot be undone.") for w in app.warning)
+    assert doomed.is_dir()  # not yet
+    [b for b in app.button if b.label == "Keep them"][0].click().run()
+    assert doomed.is_dir() and not [b for b in app.button if b.label == "Yes, delete"]
+    [b for b in app.button if b.label == "Delete"][0].click().run()
+    [b for b in app.button if b.label == "Yes, delete"][0].click().run()
+    assert not app.exception and not doomed.exists()
+    assert "r-doomed" not in list(app.dataframe[0].value.run)

@@ -9,19 +9,18 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import traceback
 from pathlib import Path
 
-import pandas as pd
 import streamlit as st
 
 from oodviz.runs.config import ConfigError, RunConfig, preset
-from oodviz.runs.jobs import QueueFull, delete_run, list_runs, refresh, submit
+from oodviz.runs.jobs import QueueFull, refresh, submit
+from oodviz.runs.plan import run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
-from oodviz.runs.summary import summarise
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
 from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config
+from oodviz.ui.history import label_editor, past_runs, read_label
 from oodviz.ui.sidebar import RUN_ANYWAY, memory_estimate, render_form
 
 
@@ -121,89 +120,6 @@ def start_run(config: RunConfig, place=st) -> None:
     st.rerun()
 
 
-def runs_table() -> pd.DataFrame:
-    """One row per run, read-only (:func:`oodviz.runs.summary.summarise`): a damaged run's state says what is wrong."""
-    rows = []
-    for run in list_runs(runs_root()):
-        try:
-            run_path(runs_root(), run.run_id)
-        except PathRefused:  # a link leading out of the runs root: not a run of this app, never read
-            continue
-        s = summarise(run)
-        state = s["error"] if s["state"] == "damaged" else str(s["state"])
-        if s["failed_detectors"]:
-            state += f" ({len(s['failed_detectors'])} detector(s) failed)"
-        rows.append(
-            {
-                "run": s["run_id"],
-                "state": state,
-                "what": s["title"],
-                "best detector": s["best_detector"],
-                "mean AUROC": s["best_auroc"],
-                "mean FPR95": s["best_fpr95"],
-                "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s["created"] else "",
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def past_runs() -> None:
-    table = runs_table()
-    if table.empty:
-        st.caption("No runs yet.")
-        return
-    chosen = st.dataframe(
-        table.style.format({"mean AUROC": "{:.3f}", "mean FPR95": "{:.3f}"}, na_rep="—"),
-        hide_index=True,
-        use_container_width=True,
-        on_select="rerun",
-        selection_mode="multi-row",
-        key="runs-table",
-    )
-    picked = [table.iloc[i]["run"] for i in chosen.selection.rows]
-    c1, c2, c3 = st.columns(3)
-    if c1.button("Open", disabled=len(picked) != 1):
-        open_run(picked[0])
-        st.rerun()
-    with c3:
-        remove_stores = st.checkbox(
-            "with their feature stores",
-            help="Also remove the extracted features that no other run uses (a later run extracts them again).",
-            key="delete-stores",
-        )
-        if st.button("Delete", disabled=not picked):
-            delete_runs(picked, remove_stores)
-            st.rerun()
-    if len(picked) == 2:
-        from oodviz.analysis import compare_runs
-        from oodviz.results import load_results
-
-        a, b = (load_results(runs_root() / r) for r in picked)
-        if a.metrics is None or b.metrics is None:
-            c2.caption("Both runs need results to compare.")
-        else:
-            st.markdown(f"**{picked[0]}** (a) vs **{picked[1]}** (b)")
-            comparison = compare_runs(a, b)
-            st.dataframe(comparison.style.format(precision=3), hide_index=True, use_container_width=True)
-    else:
-        c2.caption("Select two runs to compare them.")
-
-
-def delete_runs(run_ids: list[str], remove_stores: bool) -> None:
-    """Delete runs (their processes first); with ``remove_stores``, also the feature stores no other run uses."""
-    from oodviz.engine.store import remove_store, stores_used_only_by
-
-    for run_id in run_ids:
-        run = RunDir(runs_root() / run_id)
-        unused = stores_used_only_by(run.path, runs_root()) if remove_stores else []  # before the run is gone
-        delete_run(run)
-        for store in unused:
-            try:
-                remove_store(store.parent, store.name)
-            except FileNotFoundError:  # removed meanwhile by another session
-                pass
-
-
 def landing(values: FormValues) -> None:
     st.markdown(
         "Which inputs would your classifier wrongly trust, and which out-of-distribution detector catches them? "
@@ -249,16 +165,27 @@ def run_page(run: RunDir) -> None:
         st.caption(f"Run `{run.run_id}`{where}")
         job_panel(run)  # it shows the live state itself
         return
-    st.caption(f"Run `{run.run_id}` · {state}{where}")
+    name = read_label(run.path)["name"]
+    st.caption(f"Run `{run.run_id}`{' · ' + name if name else ''} · {state}{where}")
+    try:
+        st.markdown(f"**{run_headline(RunConfig.load(run.config_path))}**")
+    except (ValueError, OSError):  # a config this version cannot read: the rest of the page still shows
+        pass
+    label_editor(run)
     for message in run_warnings(run):
         st.warning(message)
     if state == "failed":
-        st.error(f"The run failed: {status.get('error')}")
+        st.error(f"The run failed: {status.get('error') or 'no error was recorded (was the worker killed?)'}")
+        st.info(
+            "To retry with a fix: the sidebar holds this run's choices. Change what the error names "
+            "and press Start run (a new run; this one is kept)."
+        )
         if status.get("detail") and show_server_details():
             with st.expander("Details"):
                 st.code(status["detail"])
     elif state == "cancelled":
-        st.warning(f"The run was cancelled ({status.get('error')}). Finished parts are kept below where there are any.")
+        why = f" ({status['error']})" if status.get("error") else ""
+        st.warning(f"The run was cancelled{why}. Finished parts are kept below where there are any.")
     results_page(run)
 
 
@@ -333,4 +260,4 @@ def page() -> None:
         return
     landing(values)
     st.subheader("Past runs")
-    past_runs()
+    past_runs(runs_root(), open_run)
