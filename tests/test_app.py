@@ -413,3 +413,11 @@ def test_delete_asks_first(app, runs_root):
     [b for b in app.button if b.label == "Yes, delete"][0].click().run()
     assert not app.exception and not doomed.exists()
     assert "r-doomed" not in list(app.dataframe[0].value.run)
+
+
+def test_sizes_have_three_significant_digits_and_no_exponent():
+    from oodviz.models import format_bytes
+
+    cases = {0: "0 B", 999: "999 B", 1000: "0.977 KiB", 1536: "1.5 KiB", 1010 * 2**20: "0.986 GiB", 5 * 2**30: "5 GiB"}
+    assert {n: format_bytes(n) for n in cases} == cases
+    assert format_bytes(2**50) == "1 PiB"
