@@ -118,19 +118,20 @@ def histogram_figure(
         counts = np.asarray(hist["counts"][label])
         total = counts.sum()
         share = counts / total if total else np.zeros_like(counts, dtype=np.float64)
+        # float32 and two hover columns: a slider step resends this figure, so every byte counts
         fig.add_trace(
             go.Bar(
-                x=centres,
-                y=share / widths if mode == "density" else counts,
-                width=widths,
+                x=centres.astype(np.float32),
+                y=(share / widths if mode == "density" else counts).astype(np.float32),
+                width=widths.astype(np.float32),
                 name=label,
                 visible=True if label in shown else "legendonly",
                 marker={"color": palette[label], "line": {"width": 0}},
                 opacity=0.55,
-                customdata=np.column_stack([edges[:-1], edges[1:], counts, share]),
+                customdata=np.column_stack([counts, share]).astype(np.float32),
                 hovertemplate=(
-                    f"<b>{label}</b><br>score %{{customdata[0]:.4g}} .. %{{customdata[1]:.4g}}"
-                    "<br>%{customdata[2]:d} samples (%{customdata[3]:.1%} of the set)<extra></extra>"
+                    f"<b>{label}</b><br>score ≈ %{{x:.4g}}"
+                    "<br>%{customdata[0]:.0f} samples (%{customdata[1]:.1%} of the set)<extra></extra>"
                 ),
             )
         )

@@ -421,3 +421,23 @@ def test_sizes_have_three_significant_digits_and_no_exponent():
     cases = {0: "0 B", 999: "999 B", 1000: "0.977 KiB", 1536: "1.5 KiB", 1010 * 2**20: "0.986 GiB", 5 * 2**30: "5 GiB"}
     assert {n: format_bytes(n) for n in cases} == cases
     assert format_bytes(2**50) == "1 PiB"
+
+
+def test_every_chart_of_the_default_run_stays_under_50_kib(default_run):
+    """The owners' budget per chart: the histogram, ROC and PR with 7 OOD sets or all 20 detectors."""
+    from oodviz import analysis, plots
+    from oodviz.results import detectors_of, ood_datasets_of
+    from oodviz.ui.results import curve_points
+
+    scores = pd.read_parquet(default_run.path / "scores.parquet")
+    detectors, sets = detectors_of(scores), ood_datasets_of(scores)
+    sizes = [
+        len(plots.histogram_figure(analysis.score_histogram(scores, d), threshold=0.0).to_json()) for d in detectors
+    ]
+    for names, curve in (
+        (sets, lambda name: analysis.curves(scores, "vim", name, max_points=curve_points(len(sets)))),
+        (detectors, lambda name: analysis.curves(scores, name, sets[0], max_points=curve_points(len(detectors)))),
+    ):
+        curves = {name: curve(name) for name in names}
+        sizes += [len(plots.roc_figure(curves).to_json()), len(plots.pr_figure(curves).to_json())]
+    assert max(sizes) < 50 * 1024, sizes

@@ -104,8 +104,14 @@ def _histogram(path: str, finished: float | None, detector: str) -> dict:
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
-def _curves(path: str, finished: float | None, detector: str, dataset: str) -> dict:
-    return analysis.curves(_results(path, finished).scores, detector, dataset, max_points=200)
+def _curves(path: str, finished: float | None, detector: str, dataset: str, points: int) -> dict:
+    return analysis.curves(_results(path, finished).scores, detector, dataset, max_points=points)
+
+
+def curve_points(lines: int) -> int:
+    """Points per curve for a chart of ``lines`` curves: 200 (finer than the eye sees at this size), fewer
+    when there are many, so a chart stays under 50 KiB (about 1,600 points in all, at least 50 a line)."""
+    return min(200, max(50, 1600 // max(lines, 1)))
 
 
 @st.cache_data(show_spinner=False, max_entries=32)
@@ -272,11 +278,13 @@ def curves_tab(page: Page) -> None:
     )
     colors = page.colors
     if mode == "OOD sets for this detector":
-        curves = {name: _curves(path, page.finished, page.detector, name) for name in ood_datasets_of(scores)}
+        sets = ood_datasets_of(scores)
+        curves = {name: _curves(path, page.finished, page.detector, name, curve_points(len(sets))) for name in sets}
         title = f"{page.detector}: one curve per OOD set"
     else:
         dataset = st.selectbox("OOD set", ood_datasets_of(scores), key="curves-dataset")
-        curves = {name: _curves(path, page.finished, name, dataset) for name in detectors_of(scores)}
+        names = detectors_of(scores)
+        curves = {name: _curves(path, page.finished, name, dataset, curve_points(len(names))) for name in names}
         colors, title = None, f"{dataset}: one curve per detector"
     st.plotly_chart(plots.roc_figure(curves, title=f"ROC — {title}", colors=colors), use_container_width=True)
     st.plotly_chart(
