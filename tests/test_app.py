@@ -278,7 +278,7 @@ def test_start_with_a_bad_form_shows_every_error_and_creates_no_run(app, runs_ro
     errors = [e.value for e in app.sidebar.error]
     assert errors == [
         "Image folder /no/such/folder does not exist",
-        'The "folder" dataset needs path=<a directory of images>',
+        'The "folder" dataset needs path=\\<a directory of images\\>',  # escaped: shown as typed, not as HTML
         "choose at least one detector",
         "Fix first: 3 problem(s), shown under their fields above.",
     ]

@@ -353,7 +353,7 @@ def test_a_failing_estimate_is_a_clear_message_in_the_page(runs_root, tmp_path):
     [estimate] = [b for b in app.button if b.label == "Estimate memory"]
     estimate.click().run()
     assert not app.exception  # the form's check finds the folders missing before any estimate is tried
-    missing = f"Image folder {tmp_path / 'no-such-folder'} does not exist"
+    missing = f"Image folder {tmp_path / 'no-such-folder'} does not exist".replace("_", "\\_")  # markdown-escaped
     assert [e.value for e in app.error] == [
         missing,
         missing,

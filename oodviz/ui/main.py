@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -84,6 +85,11 @@ def show_estimate(config, place) -> bool:
     return refusal is not None
 
 
+def plain(text: str) -> str:
+    """``text`` shown as typed in Streamlit's markdown: a path's ``_a_`` stays, not in italics."""
+    return re.sub(r"([\\`*_{}\[\]<>#|~$])", r"\\\1", text)
+
+
 def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
     """On Estimate or Start: check the whole form first (:func:`form_problems`) and show every problem
     under its field; only a form without problems is estimated, and started (nothing is created before)."""
@@ -91,7 +97,7 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
         return
     problems = form_problems(values, AccessPolicy.from_env())
     for name, messages in problems.items():
-        slots[name].error("\n\n".join(messages))
+        slots[name].error("\n\n".join(plain(m) for m in messages))
     if problems:
         count = sum(len(m) for m in problems.values())
         if "form" not in problems:
