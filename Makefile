@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup app test lint browser fashion-mnist bench clean
+.PHONY: setup app test lint browser fashion-mnist bench bench-app clean
 
 setup: $(STAMP) fashion-mnist
 
@@ -44,6 +44,10 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/detectors.py
+
+# The app in Chromium: cold load, tab switch, slider step, bytes per chart and of the live panel (bench/RESULTS.md).
+bench-app: $(STAMP) browser
+	$(BIN)/python bench/app_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -77,43 +77,61 @@ def _layout(fig: go.Figure, title: str | None, height: int = HEIGHT, **layout) -
 
 
 # -- histogram ------------------------------------------------------------------------------------
+HISTOGRAM_MODES = ("count", "density", "log count")
+#: Sets drawn at first (the ID set and the first OOD sets); the others are one legend click away.
+MAX_VISIBLE = 6
+
+
 def histogram_figure(
     hist: dict,
     threshold: float | None = None,
     title: str | None = None,
     threshold_label: str = "95% OOD recall",
     colors: dict | None = None,
-    normalize: bool = False,
+    mode: str = "count",
+    visible=None,
 ) -> go.Figure:
     """Overlaid score histograms of the ID set and each OOD dataset (:func:`score_histogram`).
 
-    One bar trace per set (x = bin centres, width = bin width, opacity 0.55, overlaid); y is the
-    count, or the fraction of that set with ``normalize=True``. ``threshold`` draws a vertical
-    dashed line annotated ``threshold_label`` (e.g. ``"95% OOD recall"`` or ``"threshold"``);
-    scores at or right of it are flagged as OOD. End bins also hold the clipped outliers.
+    One bar trace per set (x = bin centres, width = bin width, opacity 0.55, overlaid). ``mode``:
+
+    - ``"count"``: y = samples per bin;
+    - ``"density"``: y = ``count / (n_set x bin width)``, each set normalised to area 1, so a 500-image
+      set and an 8,000-image one have comparable heights;
+    - ``"log count"``: the counts on a log axis (empty bins are not drawn).
+
+    ``visible``: the labels drawn at first (default: the first :data:`MAX_VISIBLE`); the others start
+    hidden (``"legendonly"``), shown by a click on their legend entry. ``threshold`` draws a vertical
+    dashed line annotated ``threshold_label``; scores at or right of it are flagged as OOD. End bins
+    also hold the clipped outliers.
     """
+    if mode not in HISTOGRAM_MODES:
+        raise ValueError(f"mode must be one of {HISTOGRAM_MODES}, got {mode!r}")
     edges = np.asarray(hist["edges"], dtype=np.float64)
     centres = (edges[:-1] + edges[1:]) / 2
     widths = np.diff(edges)
     labels = list(hist["counts"])
+    shown = set(labels[:MAX_VISIBLE] if visible is None else visible)
     palette = color_map(labels, colors)
     fig = go.Figure()
     for label in labels:
         counts = np.asarray(hist["counts"][label])
         total = counts.sum()
         share = counts / total if total else np.zeros_like(counts, dtype=np.float64)
+        # float32 and two hover columns: a slider step resends this figure, so every byte counts
         fig.add_trace(
             go.Bar(
-                x=centres,
-                y=share if normalize else counts,
-                width=widths,
+                x=centres.astype(np.float32),
+                y=(share / widths if mode == "density" else counts).astype(np.float32),
+                width=widths.astype(np.float32),
                 name=label,
+                visible=True if label in shown else "legendonly",
                 marker={"color": palette[label], "line": {"width": 0}},
                 opacity=0.55,
-                customdata=np.column_stack([edges[:-1], edges[1:], counts, share]),
+                customdata=np.column_stack([counts, share]).astype(np.float32),
                 hovertemplate=(
-                    f"<b>{label}</b><br>score %{{customdata[0]:.4g}} .. %{{customdata[1]:.4g}}"
-                    "<br>%{customdata[2]:d} samples (%{customdata[3]:.1%})<extra></extra>"
+                    f"<b>{label}</b><br>score ≈ %{{x:.4g}}"
+                    "<br>%{customdata[0]:.0f} samples (%{customdata[1]:.1%} of the set)<extra></extra>"
                 ),
             )
         )
@@ -127,10 +145,13 @@ def histogram_figure(
         barmode="overlay",
         bargap=0,
         xaxis_title=SCORE_AXIS + (" — end bins include clipped outliers" if clipped else ""),
-        yaxis_title="fraction of set" if normalize else "samples",
+        yaxis_title={"count": "samples", "density": "density (each set's area = 1)", "log count": "samples (log)"}[
+            mode
+        ],
+        legend={"title": {"text": "click to show or hide"}, "font": {"size": 11}},
     )
-    if normalize:
-        fig.update_yaxes(tickformat=".0%")
+    if mode == "log count":
+        fig.update_yaxes(type="log")
     if threshold is not None:
         fig.add_vline(
             x=float(threshold),
@@ -139,6 +160,38 @@ def histogram_figure(
             annotation_position="top right",
             annotation_font_size=11,
         )
+    return fig
+
+
+# -- metrics heatmap ------------------------------------------------------------------------------
+def metrics_heatmap(table: pd.DataFrame, metric: str = "AUROC", higher_is_better: bool = True) -> go.Figure:
+    """A detector x OOD-set heatmap: ``table`` has one row per detector and one column per OOD set (the
+    values of ``metric``); each cell prints its value (3 decimals). Green is better: dark green at the
+    high end for a higher-is-better metric (AUROC), at the low end otherwise (FPR95); the colour scale
+    spans the table's own range."""
+    values = table.to_numpy(dtype=np.float64)
+    scale = "Greens" if higher_is_better else "Greens_r"
+    fig = go.Figure(
+        go.Heatmap(
+            z=values,
+            x=[str(c) for c in table.columns],
+            y=[str(i) for i in table.index],
+            colorscale=scale,
+            text=[[f"{v:.3f}" for v in row] for row in values],
+            texttemplate="%{text}",
+            textfont={"size": 10},
+            hovertemplate=f"%{{y}} on %{{x}}: {metric} %{{z:.3f}}<extra></extra>",
+            colorbar={"title": {"text": metric}, "thickness": 12},
+        )
+    )
+    _layout(
+        fig,
+        f"{metric} per detector and OOD set ({'higher' if higher_is_better else 'lower'} is better)",
+        height=max(HEIGHT, 60 + 22 * len(table)),
+        xaxis={"side": "top", "tickangle": -30},
+        yaxis={"autorange": "reversed"},
+        margin={"l": 110, "r": 15, "t": 90, "b": 15},
+    )
     return fig
 
 
@@ -152,12 +205,12 @@ def _curve_figure(
         thresholds = curve.get("roc_thresholds" if x == "fpr" else "pr_thresholds")
         fig.add_trace(
             go.Scatter(
-                x=np.asarray(curve[x], dtype=np.float64),
-                y=np.asarray(curve[y], dtype=np.float64),
+                x=np.asarray(curve[x], dtype=np.float32),  # float32: half the bytes, far finer than a pixel
+                y=np.asarray(curve[y], dtype=np.float32),
                 mode="lines",
                 line={"color": palette[label], "width": 2, "shape": line_shape},
                 name=f"{label} ({metric_name} {curve[metric]:.3f})",
-                customdata=None if thresholds is None else np.asarray(thresholds, dtype=np.float64),
+                customdata=None if thresholds is None else np.asarray(thresholds, dtype=np.float32),
                 hovertemplate=(
                     f"<b>{label}</b><br>{x} %{{x:.3f}}, {y} %{{y:.3f}}"
                     + ("<br>threshold %{customdata:.4g}" if thresholds is not None else "")
@@ -277,5 +330,39 @@ def memory_figure(timeline: pd.DataFrame, title: str = "Memory") -> go.Figure:
         xaxis_title="seconds since start",
         yaxis={"title": "MiB", "rangemode": "tozero"},
         legend={"orientation": "h", "y": 1.02, "yanchor": "bottom", "x": 1, "xanchor": "right"},
+    )
+    return fig
+
+
+# -- comparing runs -------------------------------------------------------------------------------
+def compare_scatter(means: pd.DataFrame, title: str, label_a: str = "run A", label_b: str = "run B") -> go.Figure:
+    """One point per detector: x = its value in run A, y = in run B (``means`` has columns ``auroc_a``,
+    ``auroc_b``, indexed by detector), and the dashed diagonal y = x: points above it did better in B."""
+    low = float(np.nanmin(means[["auroc_a", "auroc_b"]].to_numpy(dtype=np.float64)))
+    low = max(0.0, min(low - 0.02, 0.5))
+    fig = go.Figure(
+        [
+            go.Scatter(
+                x=[low, 1.0], y=[low, 1.0], mode="lines", line={"color": "#BBBBBB", "dash": "dash"}, hoverinfo="skip"
+            ),
+            go.Scatter(
+                x=means["auroc_a"].to_numpy(dtype=np.float64),
+                y=means["auroc_b"].to_numpy(dtype=np.float64),
+                mode="markers+text",
+                text=[str(d) for d in means.index],
+                textposition="top center",
+                textfont={"size": 10},
+                marker={"color": OOD_COLORS[1], "size": 8},
+                hovertemplate="<b>%{text}</b><br>A %{x:.3f}<br>B %{y:.3f}<extra></extra>",
+            ),
+        ]
+    )
+    _layout(
+        fig,
+        title,
+        height=420,
+        showlegend=False,
+        xaxis={"title": f"AUROC in {label_a} (A)", "range": [low, 1.01]},
+        yaxis={"title": f"AUROC in {label_b} (B)", "range": [low, 1.01], "scaleanchor": "x"},
     )
     return fig

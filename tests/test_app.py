@@ -1,9 +1,11 @@
 """The app's page logic with Streamlit's AppTest: form to config, reattach from the URL, results pages."""
 
+import base64
 import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 from conftest import brute_force_threshold
@@ -11,6 +13,7 @@ from streamlit.testing.v1 import AppTest
 
 from oodviz.runs.config import DetectorChoice, RunConfig, preset
 from oodviz.ui.form import FOLDER_PRESET, FormValues, config_from_form, form_values_from_config
+from oodviz.ui.history import runs_table_key
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 
@@ -138,11 +141,51 @@ def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):
         (metrics.detector == "mahalanobis") & (metrics.ood_dataset == "near (mean)")
     ].auroc.item()
     assert shown.set_index("detector").loc["mahalanobis", "AUROC near"] == pytest.approx(mahalanobis_near)
-    # The histogram tab: its threshold slider starts at the 95%-recall threshold of the chosen detector.
-    detector = app.selectbox[0].value
+    assert not app.slider  # the metrics tab has no threshold: nothing of the other tabs is drawn
+
+
+def shown_threshold_tab(app, tab):
+    app.session_state["results-tab"] = tab
+    return app.run()
+
+
+def test_one_threshold_and_detector_shared_by_the_tabs_per_set_by_default(app, runs_root):
+    """The threshold starts at 95% recall of every OOD set (the lowest of the per-set thresholds), can be
+    switched to the pooled one, and the histogram and the failure cases tabs share it and the detector."""
+    app.query_params["run"] = "r1"
+    app.run()
+    shown_threshold_tab(app, "Score histograms")
+    assert not app.exception
+    [detector_box] = [s for s in app.selectbox if s.label.startswith("Detector")]
     scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
-    assert app.slider[0].value == pytest.approx(brute_force_threshold(scores.loc[scores.split == "ood", detector]))
-    assert any(m.label.startswith("False alarms") for m in app.metric)
+    ood = scores[scores.split == "ood"]
+
+    def per_set(detector):
+        return {name: brute_force_threshold(rows[detector]) for name, rows in ood.groupby("dataset")}
+
+    detector = detector_box.value
+    assert app.slider[0].value == pytest.approx(min(per_set(detector).values()))
+    missed = [m for m in app.metric if m.label.startswith("Misses")][0].value
+    every = min(per_set(detector).values())
+    assert missed.startswith(f"{int((ood[detector] < every).sum()):,} (")
+    [basis] = [s for s in app.selectbox if s.label == "Start the threshold at"]
+    basis.select("95% of all OOD sets pooled").run()
+    assert app.slider[0].value == pytest.approx(brute_force_threshold(ood[detector]))
+    [s for s in app.selectbox if s.label.startswith("Detector")][0].select("energy").run()
+    [basis] = [s for s in app.selectbox if s.label == "Start the threshold at"]
+    basis.select("digits-heldout").run()
+    assert app.slider[0].value == pytest.approx(per_set("energy")["digits-heldout"])
+    app.slider[0].set_value(app.slider[0].value + 1.0).run()
+    moved = app.slider[0].value
+    shown_threshold_tab(app, "Failure cases")
+    assert not app.exception
+    assert [s for s in app.selectbox if s.label.startswith("Detector")][0].value == "energy"
+    assert app.slider[0].value == pytest.approx(moved)
+    assert any(f"At threshold {moved:.4g}" in c.value for c in app.caption)
+    shown_threshold_tab(app, "Metrics")
+    shown_threshold_tab(app, "Score histograms")  # kept while a tab without the threshold was open
+    assert [s for s in app.selectbox if s.label.startswith("Detector")][0].value == "energy"
+    assert app.slider[0].value == pytest.approx(moved)
 
 
 def test_the_sidebar_shows_the_choices_of_the_open_run(app, runs_root):
@@ -197,3 +240,204 @@ def test_a_finished_runs_warnings_are_shown_above_its_results(app, runs_root):
     shown = [w.value for w in app.warning]
     assert shown.count(mismatch) == 1 and "id_fit: store re-extracted" in shown
     assert [t.label for t in app.tabs][0] == "Metrics"
+
+
+def test_form_problems_are_keyed_by_the_field_they_are_about(tmp_path):
+    """Every problem at once, each under its field: the folders' own checks and the config's."""
+    from oodviz.ui.form import form_problems
+
+    (tmp_path / "a-file").write_text("not a folder")
+    (tmp_path / "empty").mkdir()
+    values = FormValues(
+        id_preset=FOLDER_PRESET,
+        fit_folder=str(tmp_path / "missing"),
+        test_folder=str(tmp_path / "a-file"),
+        ood_folder=str(tmp_path / "empty"),
+        layer="no-such-layer",
+        detectors=[],
+        batch_size=0,
+    )
+    problems = form_problems(values)
+    assert set(problems) == {"fit_folder", "test_folder", "ood_folder", "layer", "detectors", "batch_size"}
+    assert problems["fit_folder"] == [f"Image folder {tmp_path / 'missing'} does not exist"]
+    assert "is a file, not a directory" in problems["test_folder"][0]
+    assert problems["ood_folder"][0].startswith(f"No images found under {tmp_path / 'empty'}")
+    assert problems["detectors"] == ["choose at least one detector"]
+    assert "no-such-layer" in problems["layer"][0] and "batch_size" in problems["batch_size"][0]
+    assert form_problems(FormValues()) == {}
+
+
+def test_start_with_a_bad_form_shows_every_error_and_creates_no_run(app, runs_root):
+    app.run()
+    before = sorted(p.name for p in runs_root.iterdir())
+    [box for box in app.sidebar.selectbox if box.label == "In-distribution"][0].select(FOLDER_PRESET)
+    [t for t in app.sidebar.text_input if t.label.startswith("ID fit folder")][0].input("/no/such/folder")
+    [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].set_value([])
+    [b for b in app.sidebar.button if b.label == "Start run"][0].click().run()
+    assert not app.exception
+    errors = [e.value for e in app.sidebar.error]
+    assert errors == [
+        "Image folder /no/such/folder does not exist",
+        'The "folder" dataset needs path=\\<a directory of images\\>',  # escaped: shown as typed, not as HTML
+        "choose at least one detector",
+        "Fix first: 3 problem(s), shown under their fields above.",
+    ]
+    assert sorted(p.name for p in runs_root.iterdir()) == before and "run" not in app.query_params
+
+
+def test_the_live_panel_reads_the_event_log_incrementally_and_keeps_a_bounded_memory_series(tmp_path):
+    from oodviz.ui.live import EventTail
+
+    log = tmp_path / "events.jsonl"
+    rows = [{"time": 100.0 + i, "stage": "extract id_fit", "event": "progress", "done": i, "total": 999,
+             "cpu_rss": 1000 + i} for i in range(1000)]  # fmt: skip
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    tail = EventTail(log, max_points=50)
+    log.write_text(text[:5000] + '{"time": 1')  # a line still being written waits for the next poll
+    first = tail.poll()
+    assert first == text[:5000].rfind("\n") + 1 and tail.offset == first
+    log.write_text(text)
+    assert tail.poll() == len(text.encode()) - first  # only the new bytes are read
+    assert tail.poll() == 0  # nothing new: nothing read
+    assert tail.latest == rows[-1] and tail.started == 100.0
+    times = [m["time"] for m in tail.memory]
+    assert len(times) <= 101 and times[0] == 100.0 and times[-1] == 1099.0  # bounded, spans the whole run
+    gaps = np.diff(times[:-1])  # the last one is the newest sample, shown whatever the stride
+    assert len(times) > 50 and gaps.min() == gaps.max()  # decimated evenly, not truncated
+    with log.open("a") as out:
+        out.write(json.dumps({"stage": "extract id_fit", "event": "end", "wall_s": 3.0, "peak_cpu_rss": 5}) + "\n")
+        for message in ("a", "b", "a"):
+            out.write(json.dumps({"event": "warning", "message": message}) + "\n")
+    tail.poll()
+    assert list(tail.ended) == ["extract id_fit"] and list(tail.warnings) == ["b", "a"]
+
+
+def test_stage_k_of_n_the_run_fraction_and_its_eta(default_run):
+    from oodviz.runs.plan import planned_stages
+    from oodviz.ui.live import EventTail, hms, run_eta_s, stage_position
+
+    plan = planned_stages(RunConfig.load(default_run.path / "config.json"))
+    ends = [json.loads(line) for line in (default_run.path / "events.jsonl").read_text().splitlines()]
+    assert plan == [e["stage"] for e in ends if e.get("event") == "end"]  # the stages the worker really ran
+    assert len(plan) == 2 + 8 + 20 + 7 * 2 + 1  # load x2, extract 8 splits, fit 20, score 7 splits (+odin), metrics
+    tail = EventTail(default_run.path / "events.jsonl")
+    tail.poll()
+    assert stage_position(plan, tail.ended, None, None) == (len(plan), 1.0)
+    half = dict(list(tail.ended.items())[:9])
+    progress = {"stage": plan[9], "done": 25, "total": 100}
+    k, fraction = stage_position(plan, half, plan[9], progress)
+    assert (k, fraction) == (10, pytest.approx(9.25 / len(plan)))
+    assert run_eta_s(30.0, 0.25) == pytest.approx(90.0) and run_eta_s(0.0, 0.0) is None
+    assert (hms(59.6), hms(3725), hms(0)) == ("1:00", "1:02:05", "0:00")
+
+
+def test_runs_can_be_named_and_annotated_and_the_url_keeps_working(app, runs_root):
+    from oodviz.ui.history import read_label, write_label
+
+    named = runs_root / "r-named"
+    shutil.copytree(runs_root / "r1", named)
+    write_label(named, "  first   try ", "notes\nline 2")
+    assert read_label(named) == {"name": "first try", "notes": "notes\nline 2"}
+    assert json.loads((named / "label.json").read_text())["name"] == "first try"
+    with pytest.raises(ValueError, match="at most 80 characters"):
+        write_label(named, "x" * 81, "")
+    app.run()
+    runs = app.dataframe[0].value.set_index("run")
+    assert runs.loc["r-named", "name"] == "first try" and runs.loc["r1", "name"] == ""
+    app.query_params["run"] = "r-named"
+    app.run()
+    assert not app.exception and any("first try" in c.value for c in app.caption)
+    assert any(m.value.startswith("**digits-cnn · ID digits-test · OOD digits-heldout") for m in app.markdown)
+    shutil.rmtree(named)
+
+
+def test_comparing_runs_on_other_data_says_so_and_shows_the_config_difference(runs_root):
+    from oodviz.ui.history import config_difference, data_mismatch
+
+    a = RunConfig().to_dict()
+    b = RunConfig(batch_size=32, ood=RunConfig().ood[:2]).to_dict()
+    diff = config_difference(a, b).set_index("setting")
+    assert diff.loc["batch_size"].tolist() == ["256", "32"] and "ood" in diff.index and len(diff) == 2
+    assert data_mismatch(a, b) == "the OOD sets differ (only the sets both have are compared)"
+    assert data_mismatch(a, a) is None
+    fashion = preset("fashion-mnist").to_dict()
+    assert data_mismatch(a, fashion).startswith("the ID test set differs (digits-test vs fashion-mnist-id)")
+
+
+def test_compare_two_runs_in_the_app(app, runs_root):
+    other = runs_root / "r-other-data"
+    shutil.copytree(runs_root / "r1", other)
+    config = RunConfig.load(other / "config.json")
+    config.batch_size = 64
+    config.ood = config.ood[:3]
+    config.save(other / "config.json")
+    kept_rows = pd.read_csv(other / "metrics.csv")
+    kept_rows[kept_rows.ood_dataset.isin([c.name for c in config.ood])].to_csv(other / "metrics.csv", index=False)
+    app.run()
+    table = app.dataframe[0].value
+    rows = [list(table.run).index(r) for r in ("r1", "r-other-data")]
+    app.session_state[runs_table_key(list(table.run))] = {"selection": {"rows": rows, "columns": [], "cells": []}}
+    app.run()
+    assert not app.exception
+    assert any("different data: the OOD sets differ" in w.value for w in app.warning)
+    diff = [d.value for d in app.dataframe if "setting" in d.value.columns][0].set_index("setting")
+    assert diff.loc["batch_size", "run A"] == "256" and diff.loc["batch_size", "run B"] == "64"
+    [scatter] = list(app.get("plotly_chart"))
+    figure = json.loads(scatter.proto.spec)
+    points = figure["data"][1]
+    metrics = pd.read_csv(runs_root / "r1" / "metrics.csv")
+    shared = metrics[metrics.ood_dataset.isin([c.name for c in config.ood])]
+    expected = shared.groupby("detector", sort=False).auroc.mean()
+    assert points["text"] == list(expected.index)
+    x = points["x"]  # plotly sends numpy arrays as typed base64 blobs
+    x = np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"]) if isinstance(x, dict) else np.asarray(x)
+    np.testing.assert_allclose(x, expected.to_numpy())  # run A's mean AUROC over the three shared sets
+    shutil.rmtree(other)
+
+
+def test_delete_asks_first(app, runs_root):
+    doomed = runs_root / "r-doomed"
+    shutil.copytree(runs_root / "r1", doomed)
+    app.run()
+    runs = list(app.dataframe[0].value.run)
+    app.session_state[runs_table_key(runs)] = {
+        "selection": {"rows": [runs.index("r-doomed")], "columns": [], "cells": []}
+    }
+    app.run()
+    [b for b in app.button if b.label == "Delete"][0].click().run()
+    assert any(w.value.startswith("Delete 1 run(s): r-doomed? This cannot be undone.") for w in app.warning)
+    assert doomed.is_dir()  # not yet
+    [b for b in app.button if b.label == "Keep them"][0].click().run()
+    assert doomed.is_dir() and not [b for b in app.button if b.label == "Yes, delete"]
+    [b for b in app.button if b.label == "Delete"][0].click().run()
+    [b for b in app.button if b.label == "Yes, delete"][0].click().run()
+    assert not app.exception and not doomed.exists()
+    assert "r-doomed" not in list(app.dataframe[0].value.run)
+
+
+def test_sizes_have_three_significant_digits_and_no_exponent():
+    from oodviz.models import format_bytes
+
+    cases = {0: "0 B", 999: "999 B", 1000: "0.977 KiB", 1536: "1.5 KiB", 1010 * 2**20: "0.986 GiB", 5 * 2**30: "5 GiB"}
+    assert {n: format_bytes(n) for n in cases} == cases
+    assert format_bytes(2**50) == "1 PiB"
+
+
+def test_every_chart_of_the_default_run_stays_under_50_kib(default_run):
+    """The owners' budget per chart: the histogram, ROC and PR with 7 OOD sets or all 20 detectors."""
+    from oodviz import analysis, plots
+    from oodviz.results import detectors_of, ood_datasets_of
+    from oodviz.ui.results import curve_points
+
+    scores = pd.read_parquet(default_run.path / "scores.parquet")
+    detectors, sets = detectors_of(scores), ood_datasets_of(scores)
+    sizes = [
+        len(plots.histogram_figure(analysis.score_histogram(scores, d), threshold=0.0).to_json()) for d in detectors
+    ]
+    for names, curve in (
+        (sets, lambda name: analysis.curves(scores, "vim", name, max_points=curve_points(len(sets)))),
+        (detectors, lambda name: analysis.curves(scores, name, sets[0], max_points=curve_points(len(detectors)))),
+    ):
+        curves = {name: curve(name) for name in names}
+        sizes += [len(plots.roc_figure(curves).to_json()), len(plots.pr_figure(curves).to_json())]
+    assert max(sizes) < 50 * 1024, sizes

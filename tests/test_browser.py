@@ -80,7 +80,7 @@ def shoot(page, tmp_path, name):
 
 def start_default(page, app_url):
     page.goto(app_url)
-    page.get_by_role("button", name="Run the default").click()
+    page.get_by_role("button", name="Run the default").click(timeout=120_000)  # a cold server: slow first load
     page.wait_for_url(re.compile(r"\?run="), timeout=30_000)
     return page.url.split("run=")[1]
 
@@ -95,9 +95,12 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     shoot(page, tmp_path, "landing")
     run_id = start_default(page, app_url)
     page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
+    assert page.get_by_text(
+        re.compile(r"^digits-cnn · ID digits-test · OOD digits-heldout, .* · 20 detectors$")
+    ).count()
     seen = set()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not page.get_by_text("Best value per column").count():
+    while time.monotonic() < deadline and not page.get_by_text("Best detector per column").count():
         text = progress_texts(page)
         if text:
             seen.add(text)
@@ -105,7 +108,10 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
                 shoot(page, tmp_path, "watch")
         time.sleep(0.3)
     assert len(seen) >= 2, f"the progress bar never moved: {seen}"  # progress moved while we watched
-    page.get_by_text("Best value per column").wait_for(timeout=60_000)
+    stages = {int(k) for text in seen for k in re.findall(r"Stage (\d+) of 45", text)}
+    assert len(stages) >= 2 and all(1 <= k <= 45 for k in stages), seen  # the whole run's stages, counted
+    assert any(re.search(r"run ETA \d+:\d\d", text) for text in seen), seen
+    page.get_by_text("Best detector per column").wait_for(timeout=60_000)
     table = page.locator('[data-testid="stDataFrame"]').first
     assert table.is_visible()
     shoot(page, tmp_path, "metrics")
@@ -113,9 +119,14 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     page.get_by_role("tab", name="Score histograms").click()
     histogram = page.locator(".js-plotly-plot").first
     histogram.wait_for(timeout=30_000)
-    assert histogram.locator("g.trace.bars").count() >= 7  # ID + the six OOD sets
-    assert page.get_by_text(re.compile(r"95% OOD recall: ")).count()
+    assert histogram.locator("g.trace.bars").count() == 6  # ID + five OOD sets drawn; the sixth in the legend only
+    assert histogram.locator("g.traces").count() == 7  # legend entries: every set
+    assert page.get_by_text(re.compile(r"95% of every OOD set: ")).count()
+    assert histogram.get_by_text(re.compile(r"^density")).count()
     shoot(page, tmp_path, "histogram")
+    page.get_by_role("radio", name="count", exact=True).click()  # the density toggle: counts now
+    histogram.get_by_text("samples", exact=True).wait_for(timeout=30_000)
+    assert not histogram.get_by_text(re.compile(r"^density")).count()
 
     page.get_by_role("tab", name="ROC / PR").click()
     roc = page.locator(".js-plotly-plot").filter(has_text="ROC").first
@@ -124,13 +135,28 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     shoot(page, tmp_path, "roc")
 
     page.get_by_role("tab", name="Failure cases").click()
-    page.get_by_text("ID images most wrongly flagged as OOD").wait_for(timeout=30_000)
+    page.get_by_text("ID images flagged as OOD").wait_for(timeout=30_000)
     images = page.locator('[data-testid="stImage"] img')
-    images.first.wait_for(timeout=30_000)
-    assert images.count() >= 12
+    page.wait_for_function(  # both galleries drawn, every image decoded
+        "() => [...document.querySelectorAll('[data-testid=stImage] img')].filter(i => i.naturalWidth >= 64).length >= 12",
+        timeout=30_000,
+    )
     widths = images.evaluate_all("imgs => imgs.map(i => i.naturalWidth)")
     assert min(widths) >= 64  # real thumbnails, decoded by the browser
     shoot(page, tmp_path, "failures")
+    # the slider (shared with the histogram) changes what the galleries show
+    captions = page.locator('[data-testid="stImage"]').all_inner_texts()
+    slider = page.get_by_role("slider").first
+    slider.focus()
+    for _ in range(15):
+        page.keyboard.press("ArrowRight")
+    page.wait_for_function(
+        "before => JSON.stringify([...document.querySelectorAll('[data-testid=stImage]')].map(e => e.innerText))"
+        " !== before",
+        arg=__import__("json").dumps(captions),
+        timeout=30_000,
+    )
+    assert page.locator('[data-testid="stImage"]').all_inner_texts() != captions
 
 
 def test_reload_mid_run_reattaches_to_the_same_run(page, app_url, tmp_path):
@@ -142,7 +168,7 @@ def test_reload_mid_run_reattaches_to_the_same_run(page, app_url, tmp_path):
     other = page.context.new_page()
     other.goto(f"{app_url}/?run={run_id}")  # another tab, same run
     other.get_by_text(run_id).first.wait_for(timeout=30_000)
-    page.get_by_text("Best value per column").wait_for(timeout=120_000)
+    page.get_by_text("Best detector per column").wait_for(timeout=120_000)
     other.close()
 
 
@@ -185,8 +211,9 @@ def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, r
         timeout=600,
     )
     page.goto(f"{app_url}/?run=fashion-quick")
-    page.get_by_text("Best value per column").wait_for(timeout=60_000)
-    assert page.get_by_text("fashion-mnist-heldout").count() == 0  # means view: one row per detector
+    page.get_by_text("Best detector per column").wait_for(timeout=60_000)
+    # means view: no row per OOD set, and the near mean says which sets it averages
+    assert page.get_by_text(re.compile(r"^near = mean over fashion-mnist-heldout")).count() == 1
     shoot(page, tmp_path, "fashion-metrics")
     page.get_by_role("tab", name="Score histograms").click()
     page.locator(".js-plotly-plot").first.wait_for(timeout=30_000)
@@ -202,3 +229,26 @@ def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, r
     assert images.count() >= 12
     assert page.get_by_text(re.compile(r"→ (Sneaker|Coat|T-shirt/top|Pullover|Sandal|Bag|Dress|Trouser)")).count()
     shoot(page, tmp_path, "fashion-failures")
+
+
+def test_a_bad_form_shows_each_error_under_its_field_and_starts_nothing(page, app_url, runs_root, tmp_path):
+    before = sorted(p.name for p in runs_root.iterdir())
+    page.goto(app_url)
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    sidebar.get_by_text("In-distribution", exact=True).wait_for(timeout=120_000)
+    sidebar.locator('[data-testid="stSelectbox"]').filter(has_text="In-distribution").click(timeout=60_000)
+    page.get_by_role("option", name="image folders (your own)").click()
+    fit = sidebar.get_by_label("ID fit folder (image folders only)")
+    fit.fill(str(tmp_path / "no-such-folder"))
+    test = sidebar.get_by_label("ID test folder (image folders only)")
+    test.fill(str(tmp_path))  # exists, holds no images
+    sidebar.get_by_role("button", name="Start run").click()
+    missing = sidebar.get_by_text(f"Image folder {tmp_path / 'no-such-folder'} does not exist")
+    missing.wait_for(timeout=60_000)
+    empty = sidebar.get_by_text(re.compile(rf"No images found under {re.escape(str(tmp_path))}"))
+    assert empty.count() == 1 and sidebar.get_by_text("Fix first: 2 problem(s)").count() == 1
+    # each error right under its own field: between that field and the next one
+    top = {name: box.bounding_box()["y"] for name, box in (("fit", fit), ("test", test))}
+    assert top["fit"] < missing.bounding_box()["y"] < top["test"] < empty.bounding_box()["y"]
+    shoot(page, tmp_path, "form-errors")
+    assert sorted(p.name for p in runs_root.iterdir()) == before and "run=" not in page.url

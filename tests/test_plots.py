@@ -39,15 +39,49 @@ def test_histogram_figure_bars_and_threshold_line(scores):
     assert colours[0] == P.ID_COLOR and len(set(colours)) == 3
 
 
-def test_histogram_figure_normalized_and_custom_label(scores):
+def test_histogram_figure_density_log_and_custom_label(scores):
     hist = A.score_histogram(scores, "tied", bins=10)
-    fig = P.histogram_figure(hist, threshold=1.0, threshold_label="threshold", normalize=True, title="T")
+    fig = P.histogram_figure(hist, threshold=1.0, threshold_label="threshold", mode="density", title="T")
+    widths = np.diff(hist["edges"])
     for trace in fig.data:
-        assert np.asarray(trace.y).sum() == pytest.approx(1.0)
-        np.testing.assert_allclose(np.asarray(trace.y), hist["counts"][trace.name] / hist["counts"][trace.name].sum())
+        counts = np.asarray(hist["counts"][trace.name], dtype=np.float64)
+        np.testing.assert_allclose(np.asarray(trace.y), counts / (counts.sum() * widths))
+        assert (np.asarray(trace.y) * widths).sum() == pytest.approx(1.0)  # each set's area is 1, whatever its size
     assert fig.layout.annotations[0].text == "threshold: 1" and fig.layout.shapes[0].x0 == 1.0
-    assert fig.layout.yaxis.title.text == "fraction of set" and fig.layout.title.text == "T"
+    assert fig.layout.yaxis.title.text.startswith("density") and fig.layout.title.text == "T"
+    log = P.histogram_figure(hist, mode="log count")
+    assert log.layout.yaxis.type == "log"
+    np.testing.assert_array_equal(np.asarray(log.data[0].y), hist["counts"][log.data[0].name])
     assert not P.histogram_figure(hist).layout.shapes  # no threshold, no line
+    with pytest.raises(ValueError, match="mode must be one of"):
+        P.histogram_figure(hist, mode="fraction")
+
+
+def test_histograms_show_at_most_six_sets_at_first_in_distinct_colours():
+    rng = np.random.default_rng(0)
+    hist = {
+        "edges": np.linspace(0, 1, 11),
+        "counts": {"ID (x)": rng.integers(0, 50, 10), **{f"set{i}": rng.integers(0, 50, 10) for i in range(8)}},
+    }
+    fig = P.histogram_figure(hist)
+    visible = [t.name for t in fig.data if t.visible is True]
+    assert visible == ["ID (x)", "set0", "set1", "set2", "set3", "set4"]  # the others: one legend click away
+    assert all(t.visible == "legendonly" for t in fig.data[6:])
+    colours = [t.marker.color for t in fig.data]
+    assert len(set(colours)) == len(colours)
+    chosen = P.histogram_figure(hist, visible=["ID (x)", "set7"])
+    assert [t.name for t in chosen.data if t.visible is True] == ["ID (x)", "set7"]
+
+
+def test_metrics_heatmap_cells_are_the_table(scores):
+    table = pd.DataFrame({"near": [0.9, 0.7], "far": [0.99, 0.5]}, index=["energy", "msp"])
+    fig = P.metrics_heatmap(table, "AUROC")
+    (cells,) = fig.data
+    np.testing.assert_array_equal(np.asarray(cells.z), table.to_numpy())
+    assert list(cells.x) == ["near", "far"] and list(cells.y) == ["energy", "msp"]
+    assert [list(row) for row in cells.text] == [["0.900", "0.990"], ["0.700", "0.500"]]
+    assert "higher is better" in fig.layout.title.text
+    assert "lower is better" in P.metrics_heatmap(table, "FPR95", higher_is_better=False).layout.title.text
 
 
 def test_roc_figure_lines_legend_and_chance(scores):
@@ -55,8 +89,8 @@ def test_roc_figure_lines_legend_and_chance(scores):
     fig = P.roc_figure(by_label)
     assert len(fig.data) == 3
     for trace, (name, c) in zip(fig.data[:2], by_label.items()):
-        np.testing.assert_array_equal(np.asarray(trace.x), c["fpr"])
-        np.testing.assert_array_equal(np.asarray(trace.y), c["tpr"])
+        np.testing.assert_allclose(np.asarray(trace.x), c["fpr"], rtol=1e-6)  # float32 on the wire
+        np.testing.assert_allclose(np.asarray(trace.y), c["tpr"], rtol=1e-6)
         assert trace.name == f"{name} (AUROC {c['auroc']:.3f})"
     chance = fig.data[2]
     assert list(chance.x) == [0.0, 1.0] and list(chance.y) == [0.0, 1.0] and chance.line.dash == "dash"
@@ -70,8 +104,8 @@ def test_pr_figure_lines_and_legend(scores):
     fig = P.pr_figure(by_label)
     assert len(fig.data) == 2
     for trace, (name, c) in zip(fig.data, by_label.items()):
-        np.testing.assert_array_equal(np.asarray(trace.x), c["recall"])
-        np.testing.assert_array_equal(np.asarray(trace.y), c["precision"])
+        np.testing.assert_allclose(np.asarray(trace.x), c["recall"], rtol=1e-6)
+        np.testing.assert_allclose(np.asarray(trace.y), c["precision"], rtol=1e-6)
         assert trace.name == f"{name} (AUPR-Out {c['aupr_out']:.3f})"
         assert trace.line.shape == "vh"
         # the area under the drawn steps is the AUPR-Out (average precision)

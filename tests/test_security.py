@@ -174,8 +174,8 @@ def test_the_form_refuses_a_folder_outside_the_data_dirs_before_any_run(runs_roo
     [start] = [b for b in app.button if b.label == "Start run"]
     start.click().run()
     assert not app.exception
-    errors = [e.value for e in app.sidebar.error]
-    assert errors == [f"Not allowed on this server: ID fit folder: {NOT_ALLOWED}; ID test folder: {NOT_ALLOWED}"]
+    errors = [e.value for e in app.sidebar.error]  # one under each folder's field, then the count beside Start
+    assert errors == [NOT_ALLOWED, NOT_ALLOWED, "Fix first: 2 problem(s), shown under their fields above."]
     assert list(runs_root.iterdir()) == []  # nothing was submitted
 
 
@@ -352,7 +352,10 @@ def test_a_failing_estimate_is_a_clear_message_in_the_page(runs_root, tmp_path):
         box.input(str(tmp_path / "no-such-folder"))
     [estimate] = [b for b in app.button if b.label == "Estimate memory"]
     estimate.click().run()
-    assert not app.exception
+    assert not app.exception  # the form's check finds the folders missing before any estimate is tried
+    missing = f"Image folder {tmp_path / 'no-such-folder'} does not exist".replace("_", "\\_")  # markdown-escaped
     assert [e.value for e in app.error] == [
-        f"Could not estimate the run's size: ValueError: Image folder {tmp_path / 'no-such-folder'} does not exist"
+        missing,
+        missing,
+        "Fix first: 2 problem(s), shown under their fields above.",
     ]

@@ -20,13 +20,14 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2}
 
 
 def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; binary units, three significant digits."""
+    """``1536`` -> ``"1.5 KiB"``; binary units, three significant digits (``1010 MiB`` -> ``"0.986 GiB"``,
+    never ``"1.01e+03 MiB"``)."""
     n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1000 or unit == "PiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.3g} {unit}"
         n /= 1024
-    return f"{n:.3g} TiB"  # unreachable
+    return f"{n:.3g} PiB"  # unreachable
 
 
 class MemoryEstimate(dict):

@@ -162,3 +162,114 @@ def config_from_form(values: FormValues) -> RunConfig:
         data_root=values.data_root.strip() or "data",
         download=bool(values.download),
     )
+
+
+#: The form's fields that can carry an error, in the order they are drawn; ``"form"``: the rest (beside Start).
+FORM_FIELDS = (
+    "backbone",
+    "weights",
+    "checkpoint",
+    "layer",
+    "pooling",
+    "id_preset",
+    "fit_folder",
+    "test_folder",
+    "ood",
+    "ood_folder",
+    "data_root",
+    "detectors",
+    "device",
+    "batch_size",
+    "precision",
+    "form",
+)
+#: A problem of the config goes under the first field whose word it starts with (or, failing that, names).
+_FIELD_WORDS = (
+    ("checkpoint", "checkpoint"),
+    ("layer", "layer"),
+    ("backbone", "backbone"),
+    ("weights", "weights"),
+    ("pooling", "pooling"),
+    ("detector", "detectors"),
+    ("ood", "ood"),
+    ("device", "device"),
+    ("batch_size", "batch_size"),
+    ("precision", "precision"),
+    ("data root", "data_root"),
+    ("data_root", "data_root"),
+)
+#: :meth:`AccessPolicy.confine_config`'s labels of refused paths -> the field typed
+_REFUSED_LABELS = {
+    "ID fit folder": "fit_folder",
+    "ID test folder": "test_folder",
+    "OOD folder": "ood_folder",
+    "checkpoint": "checkpoint",
+    "data root": "data_root",
+}
+
+
+def problem_field(problem: str, values: FormValues) -> str:
+    """The form field a problem of :meth:`RunConfig.problems` is about (see :data:`FORM_FIELDS`)."""
+    folders = values.id_preset == FOLDER_PRESET
+    for prefix, fit_or_test in (("id_fit", "fit_folder"), ("id_test", "test_folder")):
+        if problem.startswith(prefix):
+            return fit_or_test if folders else "id_preset"
+    if problem.startswith("ood["):
+        index = int(problem[4 : problem.index("]")])
+        return "ood_folder" if index >= len(values.ood) else "ood"
+    if problem.startswith("OOD dataset") or "OOD dataset" in problem[:30]:
+        return "ood"
+    lower = problem.lower()
+    for word, name in _FIELD_WORDS:
+        if lower.startswith(word):
+            return name
+    if values.backbone in lower and "layer" in lower:  # "resnet18 has no layer 'x'"
+        return "layer"
+    for word, name in _FIELD_WORDS:
+        if word in lower:
+            return name
+    return "form"
+
+
+def folder_problem(path: str) -> str | None:
+    """Why image folder ``path`` cannot be read as a dataset (missing, a file, no images, empty class
+    folders), or None; the same check the run's worker does when it opens the folder."""
+    from oodviz.data.folders import FolderSource
+
+    try:
+        FolderSource(path)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
+    """Every problem of the form, keyed by the field it is about (:data:`FORM_FIELDS`): the typed paths
+    refused by ``policy`` (an :class:`~oodviz.ui.access.AccessPolicy`), each image folder that cannot be
+    read, and :meth:`RunConfig.problems` of the config the form makes. Empty when the run can start."""
+    from oodviz.ui.access import PathRefused
+
+    found: dict[str, list[str]] = {}
+    config = config_from_form(values)
+    if policy is not None:
+        try:
+            config = policy.confine_config(config)
+        except PathRefused as refusal:
+            for part in str(refusal).split("; "):
+                label, _, why = part.partition(": ")
+                found.setdefault(_REFUSED_LABELS.get(label, "form"), []).append(why or part)
+            return found  # the other checks would read paths the server does not allow
+    folders = []
+    if values.id_preset == FOLDER_PRESET:
+        folders += [("fit_folder", config.id_fit), ("test_folder", config.id_test)]
+    folders += [("ood_folder", choice) for choice in config.ood if choice.name == "folder"]
+    for name, choice in folders:
+        problem = folder_problem(choice.params.get("path", ""))
+        if problem:
+            found.setdefault(name, []).append(problem)
+    for problem in config.problems():
+        name = problem_field(problem, values)
+        if name in found and name.endswith("_folder"):
+            continue  # the folder's own message says it better
+        found.setdefault(name, []).append(problem)
+    return found

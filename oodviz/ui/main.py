@@ -8,20 +8,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
-import time
 import traceback
 from pathlib import Path
 
-import pandas as pd
 import streamlit as st
 
 from oodviz.runs.config import ConfigError, RunConfig, preset
-from oodviz.runs.jobs import QueueFull, delete_run, list_runs, refresh, submit
+from oodviz.runs.jobs import QueueFull, refresh, submit
+from oodviz.runs.plan import run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
-from oodviz.runs.summary import summarise
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
-from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
+from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config
+from oodviz.ui.history import label_editor, past_runs, read_label
 from oodviz.ui.sidebar import RUN_ANYWAY, memory_estimate, render_form
 
 
@@ -69,15 +69,15 @@ def confined_config(config: RunConfig) -> RunConfig | None:
         return None
 
 
-def show_estimate(config) -> bool:
-    """Show the run's estimate in the sidebar, beside Start; True when it is over the machine's limits
+def show_estimate(config, place) -> bool:
+    """Show the run's estimate in ``place`` (beside Start); True when it is over the machine's limits
     (the pre-flight table and the fixes shown as a warning)."""
     try:
         _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
     except Exception as error:  # a missing dataset or weight file: say what, keep the app running
-        st.error(f"Could not estimate the run's size: {error}")
+        place.error(f"Could not estimate the run's size: {error}")
         return False
-    with st.sidebar:
+    with place.container():
         st.markdown("**Estimated feature store**")
         st.code(description, language=None)
         if refusal:
@@ -85,25 +85,34 @@ def show_estimate(config) -> bool:
     return refusal is not None
 
 
-def handle_form(values: FormValues, action: str | None) -> None:
+def plain(text: str) -> str:
+    """``text`` shown as typed in Streamlit's markdown: a path's ``_a_`` stays, not in italics."""
+    return re.sub(r"([\\`*_{}\[\]<>#|~$])", r"\\\1", text)
+
+
+def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
+    """On Estimate or Start: check the whole form first (:func:`form_problems`) and show every problem
+    under its field; only a form without problems is estimated, and started (nothing is created before)."""
     if action is None:
         return
-    config = confined_config(config_from_form(values))
-    if config is None:
-        return
-    problems = config.problems()
+    problems = form_problems(values, AccessPolicy.from_env())
+    for name, messages in problems.items():
+        slots[name].error("\n\n".join(plain(m) for m in messages))
     if problems:
-        st.sidebar.error("Fix these first:\n\n" + "\n".join(f"- {p}" for p in problems))
+        count = sum(len(m) for m in problems.values())
+        if "form" not in problems:
+            slots["form"].error(f"Fix first: {count} problem(s), shown under their fields above.")
         return
-    over = show_estimate(config)
+    config = AccessPolicy.from_env().confine_config(config_from_form(values))
+    over = show_estimate(config, slots["estimate"])
     if action == "start":
         if over and not st.session_state.get(RUN_ANYWAY):
-            st.sidebar.error(
-                "Not started: the run is over this machine's limits (above). Apply a fix, or tick "
+            slots["form"].error(
+                "Not started: the run is over this machine's limits (below). Apply a fix, or tick "
                 '"Run anyway, over this machine\'s limits" and start again.'
             )
             return
-        start_run(config, st.sidebar)
+        start_run(config, slots["form"])
 
 
 def start_run(config: RunConfig, place=st) -> None:
@@ -115,89 +124,6 @@ def start_run(config: RunConfig, place=st) -> None:
         return
     open_run(run.run_id)
     st.rerun()
-
-
-def runs_table() -> pd.DataFrame:
-    """One row per run, read-only (:func:`oodviz.runs.summary.summarise`): a damaged run's state says what is wrong."""
-    rows = []
-    for run in list_runs(runs_root()):
-        try:
-            run_path(runs_root(), run.run_id)
-        except PathRefused:  # a link leading out of the runs root: not a run of this app, never read
-            continue
-        s = summarise(run)
-        state = s["error"] if s["state"] == "damaged" else str(s["state"])
-        if s["failed_detectors"]:
-            state += f" ({len(s['failed_detectors'])} detector(s) failed)"
-        rows.append(
-            {
-                "run": s["run_id"],
-                "state": state,
-                "what": s["title"],
-                "best detector": s["best_detector"],
-                "mean AUROC": s["best_auroc"],
-                "mean FPR95": s["best_fpr95"],
-                "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s["created"] else "",
-            }
-        )
-    return pd.DataFrame(rows)
-
-
-def past_runs() -> None:
-    table = runs_table()
-    if table.empty:
-        st.caption("No runs yet.")
-        return
-    chosen = st.dataframe(
-        table.style.format({"mean AUROC": "{:.3f}", "mean FPR95": "{:.3f}"}, na_rep="—"),
-        hide_index=True,
-        use_container_width=True,
-        on_select="rerun",
-        selection_mode="multi-row",
-        key="runs-table",
-    )
-    picked = [table.iloc[i]["run"] for i in chosen.selection.rows]
-    c1, c2, c3 = st.columns(3)
-    if c1.button("Open", disabled=len(picked) != 1):
-        open_run(picked[0])
-        st.rerun()
-    with c3:
-        remove_stores = st.checkbox(
-            "with their feature stores",
-            help="Also remove the extracted features that no other run uses (a later run extracts them again).",
-            key="delete-stores",
-        )
-        if st.button("Delete", disabled=not picked):
-            delete_runs(picked, remove_stores)
-            st.rerun()
-    if len(picked) == 2:
-        from oodviz.analysis import compare_runs
-        from oodviz.results import load_results
-
-        a, b = (load_results(runs_root() / r) for r in picked)
-        if a.metrics is None or b.metrics is None:
-            c2.caption("Both runs need results to compare.")
-        else:
-            st.markdown(f"**{picked[0]}** (a) vs **{picked[1]}** (b)")
-            comparison = compare_runs(a, b)
-            st.dataframe(comparison.style.format(precision=3), hide_index=True, use_container_width=True)
-    else:
-        c2.caption("Select two runs to compare them.")
-
-
-def delete_runs(run_ids: list[str], remove_stores: bool) -> None:
-    """Delete runs (their processes first); with ``remove_stores``, also the feature stores no other run uses."""
-    from oodviz.engine.store import remove_store, stores_used_only_by
-
-    for run_id in run_ids:
-        run = RunDir(runs_root() / run_id)
-        unused = stores_used_only_by(run.path, runs_root()) if remove_stores else []  # before the run is gone
-        delete_run(run)
-        for store in unused:
-            try:
-                remove_store(store.parent, store.name)
-            except FileNotFoundError:  # removed meanwhile by another session
-                pass
 
 
 def landing(values: FormValues) -> None:
@@ -245,16 +171,27 @@ def run_page(run: RunDir) -> None:
         st.caption(f"Run `{run.run_id}`{where}")
         job_panel(run)  # it shows the live state itself
         return
-    st.caption(f"Run `{run.run_id}` · {state}{where}")
+    name = read_label(run.path)["name"]
+    st.caption(f"Run `{run.run_id}`{' · ' + name if name else ''} · {state}{where}")
+    try:
+        st.markdown(f"**{run_headline(RunConfig.load(run.config_path))}**")
+    except (ValueError, OSError):  # a config this version cannot read: the rest of the page still shows
+        pass
+    label_editor(run)
     for message in run_warnings(run):
         st.warning(message)
     if state == "failed":
-        st.error(f"The run failed: {status.get('error')}")
+        st.error(f"The run failed: {status.get('error') or 'no error was recorded (was the worker killed?)'}")
+        st.info(
+            "To retry with a fix: the sidebar holds this run's choices. Change what the error names "
+            "and press Start run (a new run; this one is kept)."
+        )
         if status.get("detail") and show_server_details():
             with st.expander("Details"):
                 st.code(status["detail"])
     elif state == "cancelled":
-        st.warning(f"The run was cancelled ({status.get('error')}). Finished parts are kept below where there are any.")
+        why = f" ({status['error']})" if status.get("error") else ""
+        st.warning(f"The run was cancelled{why}. Finished parts are kept below where there are any.")
     results_page(run)
 
 
@@ -316,17 +253,17 @@ def form_defaults() -> FormValues:
 
 
 def page() -> None:
-    values, action = render_form(form_defaults())
-    header, home = st.columns([6, 1])
+    values, action, slots = render_form(form_defaults())
+    header, home = st.columns([4, 1], vertical_alignment="bottom")
     header.title("oodviz")
     if home.button("All runs", use_container_width=True):
         open_run(None)
         st.rerun()
-    handle_form(values, action)
+    handle_form(values, action, slots)
     run = current_run()
     if run is not None:
         run_page(run)
         return
     landing(values)
     st.subheader("Past runs")
-    past_runs()
+    past_runs(runs_root(), open_run)

@@ -1,11 +1,22 @@
-"""A finished run: metrics table, score histograms, ROC/PR curves and per-class failure cases."""
+"""A finished run: metrics table and heatmap, score histograms, ROC/PR curves, per-class failure cases.
+
+The tabs are :data:`RESULT_TABS`, a list of ``(label, draw function, shared controls it needs)``: a new view
+is one more entry. Only the open tab is computed (``st.tabs(on_change="rerun")``), and the whole results
+area is one fragment: a click in it reruns it, not the sidebar and the page around it. The detector and
+the threshold are chosen once, above the tabs, and shared by every tab that uses them; their values are
+kept while a tab without them is open. Tables and figures are cached per run and parameters.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pandas as pd
 import streamlit as st
 
 from oodviz import analysis, plots
+from oodviz.models import format_bytes
 from oodviz.results import (
     METRIC_NAMES,
     Results,
@@ -25,7 +36,7 @@ from oodviz.ui.access import show_server_details
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
     "(OOD positive): higher is better. FPR95 = the fraction of ID samples flagged as OOD at the threshold that "
-    "catches 95% of the OOD samples: lower is better."
+    "catches 95% of that OOD set: lower is better."
 )
 PER_CLASS_HEADINGS = {
     "class_name": "class name",
@@ -41,6 +52,29 @@ METRIC_COLUMNS = {
     "fpr95": "FPR95",
     "id_accuracy": "ID accuracy",
 }
+EVERY_SET = "95% of every OOD set"
+POOLED = "95% of all OOD sets pooled"
+GALLERY_SIZE = 12
+BEST = "background-color: #c8e6c9"
+KEPT = "results-kept"
+
+
+@dataclass
+class Page:
+    """What every tab of one run's results reads: the results, its detectors (best first in the
+    picker), the colours of its sets, and the shared choices (``detector``, ``threshold`` and the
+    ``basis`` it was chosen on) once the controls above the tabs are drawn."""
+
+    run: RunDir
+    finished: float | None
+    results: Results
+    detectors: list[str]
+    best: str | None
+    colors: dict
+    detector: str | None = None
+    threshold: float | None = None
+    basis: str | None = None
+    basis_threshold: float | None = None
 
 
 @st.cache_data(show_spinner=False, max_entries=8)
@@ -48,102 +82,243 @@ def _results(path: str, finished: float | None) -> Results:
     return load_results(path)  # cached per run and finish time
 
 
-def metrics_tab(results: Results) -> None:
-    metrics = results.metrics
+def threshold_for(scores: pd.DataFrame, detector: str, basis: str) -> float:
+    """The threshold ``basis`` names: the highest that catches 95% of one OOD set (its name), of every
+    OOD set (:data:`EVERY_SET`: the lowest of those, so each set has at least 95% recall), or of the OOD
+    sets pooled (:data:`POOLED`: dominated by the largest sets)."""
+    if basis == POOLED:
+        return default_threshold(scores, detector)
+    if basis == EVERY_SET:
+        return min(default_threshold(scores, detector, name) for name in ood_datasets_of(scores))
+    return default_threshold(scores, detector, basis)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _threshold(path: str, finished: float | None, detector: str, basis: str) -> float:
+    return threshold_for(_results(path, finished).scores, detector, basis)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _histogram(path: str, finished: float | None, detector: str) -> dict:
+    return analysis.score_histogram(_results(path, finished).scores, detector)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _curves(path: str, finished: float | None, detector: str, dataset: str, points: int) -> dict:
+    return analysis.curves(_results(path, finished).scores, detector, dataset, max_points=points)
+
+
+def curve_points(lines: int) -> int:
+    """Points per curve for a chart of ``lines`` curves: 200 (finer than the eye sees at this size), fewer
+    when there are many, so a chart stays under 50 KiB (about 1,600 points in all, at least 50 a line)."""
+    return min(200, max(50, 1600 // max(lines, 1)))
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def _failures(path: str, finished: float | None, detector: str, id_class, ood_dataset) -> tuple:
+    """Every ID sample by score (highest first) and every OOD sample by score (lowest first)."""
+    results = _results(path, finished)
+    scores = results.scores
+    return analysis.failure_cases(
+        scores, detector, k=len(scores), id_class=id_class, ood_dataset=ood_dataset, class_names=results.class_names
+    )
+
+
+def kept(key: str, default):
+    """The last value of a shared control (kept while a tab without it is open), else ``default``."""
+    return st.session_state.get(KEPT, {}).get(key, default)
+
+
+def keep(key: str, value) -> None:
+    st.session_state.setdefault(KEPT, {})[key] = value
+
+
+def shared_controls(page: Page, with_threshold: bool) -> None:
+    """The detector (and the threshold) every tab shares, drawn above the tabs; sets them on ``page``."""
+    scores = page.results.scores
+    sets = ood_datasets_of(scores)
+    c1, c2 = st.columns([1, 1])
+    chosen = kept("detector", page.best)
+    page.detector = c1.selectbox(
+        "Detector (shared by every tab)",
+        page.detectors,
+        index=page.detectors.index(chosen) if chosen in page.detectors else 0,
+        key="shared-detector",
+        format_func=lambda d: f"{d} (best mean AUROC)" if d == page.best else d,
+    )
+    keep("detector", page.detector)
+    if not with_threshold:
+        return
+    bases = [EVERY_SET, *sets, POOLED]
+    basis = kept("basis", EVERY_SET)
+    page.basis = c2.selectbox(
+        "Start the threshold at",
+        bases,
+        index=bases.index(basis) if basis in bases else 0,
+        key="shared-basis",
+        format_func=lambda b: b if b in (EVERY_SET, POOLED) else f"95% of {b}",
+        help="The highest threshold that catches 95% of that OOD set. 'Every OOD set' takes the lowest of those, "
+        "so that no set is caught less than 95%; 'pooled' counts all OOD samples together, so the largest sets "
+        "dominate and a small hard set may be caught far less.",
+    )
+    keep("basis", page.basis)
+    page.basis_threshold = _threshold(str(page.run.path), page.finished, page.detector, page.basis)
+    hist = _histogram(str(page.run.path), page.finished, page.detector)
+    low, high = float(hist["edges"][0]), float(hist["edges"][-1])
+    low, high = min(low, page.basis_threshold), max(high, page.basis_threshold)
+    key = f"threshold-{page.detector}-{page.basis}"
+    page.threshold = st.slider(
+        "Threshold (flag as OOD when score ≥ threshold; shared by the histogram, counts, per-class table and galleries)",
+        low,
+        high,
+        float(kept(key, page.basis_threshold)),
+        step=(high - low) / 200 or 1.0,
+        key=key,
+        format="%.4g",
+    )
+    keep(key, page.threshold)
+
+
+def threshold_label(page: Page) -> str:
+    basis = page.basis if page.basis in (EVERY_SET, POOLED) else f"95% of {page.basis}"
+    return basis if page.threshold == page.basis_threshold else "threshold"
+
+
+# -- metrics --------------------------------------------------------------------------------------
+def best_per_dataset(shown: pd.DataFrame) -> pd.DataFrame:
+    """Styles marking the best AUROC/AUPR (highest) and FPR95 (lowest) among the detectors of each OOD
+    dataset: values are compared only with values of the same set."""
+    styles = pd.DataFrame("", index=shown.index, columns=shown.columns)
+    for _, rows in shown.groupby("OOD dataset", sort=False):
+        for column in ("AUROC", "AUPR-In", "AUPR-Out"):
+            styles.loc[rows[column].idxmax(), column] = BEST
+        styles.loc[rows["FPR95"].idxmin(), "FPR95"] = BEST
+    return styles
+
+
+def metrics_tab(page: Page) -> None:
+    metrics = page.results.metrics
+    per_set = metrics[~is_group_mean(metrics)]
     st.caption(CONVENTION)
+    groups = per_set.drop_duplicates("ood_dataset").groupby("group", sort=False)["ood_dataset"].apply(list)
+    st.caption(" · ".join(f"**{group}** = mean over {', '.join(names)}" for group, names in groups.items()))
     view = st.segmented_control(
         "Rows", ["near/far means", "every OOD dataset"], default="near/far means", key="metrics-rows"
     )
     if view == "every OOD dataset":
-        shown = metrics[~is_group_mean(metrics)].rename(columns={"ood_dataset": "OOD dataset", **METRIC_COLUMNS})
+        shown = per_set.rename(columns={"ood_dataset": "OOD dataset", **METRIC_COLUMNS}).reset_index(drop=True)
         shown = shown[["detector", "OOD dataset", "group", *METRIC_COLUMNS.values()]]
+        styled = shown.style.apply(best_per_dataset, axis=None)
+        note = "Best detector per OOD dataset highlighted in green (values compared within one set only)."
     else:  # one row per detector: each metric for the near and the far group side by side
         wide = group_means(metrics, values=METRIC_NAMES)
         wide.columns = [f"{METRIC_COLUMNS[metric]} {group}" for metric, group in wide.columns]
         shown = wide.reset_index().assign(**{"ID accuracy": metrics.id_accuracy.iloc[0]})
-    higher = [c for c in shown.columns if c.startswith(("AUROC", "AUPR"))]
-    lower = [c for c in shown.columns if c.startswith("FPR95")]
-    styled = (
-        shown.style.format(dict.fromkeys(higher + lower + ["ID accuracy"], "{:.3f}"))
-        .highlight_max(subset=higher, color="#c8e6c9")
-        .highlight_min(subset=lower, color="#c8e6c9")
-    )
+        higher = [c for c in shown.columns if c.startswith(("AUROC", "AUPR"))]
+        lower = [c for c in shown.columns if c.startswith("FPR95")]
+        styled = shown.style.highlight_max(subset=higher, color="#c8e6c9").highlight_min(subset=lower, color="#c8e6c9")
+        note = "Best detector per column highlighted in green (each column is one metric on one group of sets)."
+    numbers = [c for c in shown.columns if c.split(" ")[0] in METRIC_COLUMNS.values() or c == "ID accuracy"]
+    styled = styled.format(dict.fromkeys(numbers, "{:.3f}"), na_rep="n/a")
     st.dataframe(styled, hide_index=True, use_container_width=True, height=min(38 + 35 * len(shown), 700))
-    st.caption("Best value per column highlighted in green.")
+    st.caption(note)
     st.download_button("Download metrics.csv", metrics.to_csv(index=False), "metrics.csv", "text/csv")
-
-
-def histogram_tab(results: Results, detector: str, colors: dict) -> None:
-    scores = results.scores
-    hist = analysis.score_histogram(scores, detector)
-    default = default_threshold(scores, detector)
-    low, high = float(hist["edges"][0]), float(hist["edges"][-1])
-    threshold = st.slider(
-        "Threshold (flag as OOD when score ≥ threshold)",
-        low,
-        high,
-        min(max(default, low), high),
-        step=(high - low) / 200 or 1.0,
-        key=f"threshold-{detector}",
-        help=f"Starts at {default:.4g}, the threshold that catches 95% of all OOD samples.",
+    metric = st.segmented_control("Heatmap", ["AUROC", "FPR95"], default="AUROC", key="heatmap-metric") or "AUROC"
+    column = {"AUROC": "auroc", "FPR95": "fpr95"}[metric]
+    grid = per_set.pivot(index="detector", columns="ood_dataset", values=column)
+    grid = grid.loc[list(dict.fromkeys(per_set.detector)), list(dict.fromkeys(per_set.ood_dataset))]
+    st.plotly_chart(
+        plots.metrics_heatmap(grid, metric, higher_is_better=metric == "AUROC"),
+        use_container_width=True,
+        key=f"heatmap-{metric}",
     )
-    label = "95% OOD recall" if threshold == default else "threshold"
+
+
+# -- histogram ------------------------------------------------------------------------------------
+def histogram_tab(page: Page) -> None:
+    scores = page.results.scores
+    hist = _histogram(str(page.run.path), page.finished, page.detector)
+    mode = (
+        st.segmented_control("Heights", list(plots.HISTOGRAM_MODES), default="density", key="histogram-mode")
+        or "density"
+    )
     st.plotly_chart(
         plots.histogram_figure(
-            hist, threshold=threshold, title=f"{detector} scores", threshold_label=label, colors=colors
+            hist,
+            threshold=page.threshold,
+            title=f"{page.detector} scores",
+            threshold_label=threshold_label(page),
+            colors=page.colors,
+            mode=mode,
         ),
         use_container_width=True,
     )
-    counts = analysis.counts_at_threshold(scores, detector, threshold)
+    counts = analysis.counts_at_threshold(scores, page.detector, page.threshold)
     c1, c2 = st.columns(2)
     ids, total = counts["id"], counts["total"]
     c1.metric(
-        "False alarms (ID flagged as OOD)", f"{ids['false_alarms']:,} of {ids['n']:,} ({ids['false_alarm_rate']:.1%})"
+        f"False alarms: ID flagged as OOD, of {ids['n']:,}", f"{ids['false_alarms']:,} ({ids['false_alarm_rate']:.1%})"
     )
-    c2.metric("Misses (OOD accepted as ID)", f"{total['missed']:,} of {total['n_ood']:,} ({total['miss_rate']:.1%})")
+    worst = max(counts["ood"].items(), key=lambda item: item[1]["miss_rate"])
+    c2.metric(
+        f"Misses: OOD accepted as ID, of {total['n_ood']:,}",
+        f"{total['missed']:,} ({total['miss_rate']:.1%})",
+        help=f"Worst OOD set: {worst[0]}, {worst[1]['miss_rate']:.1%} missed.",
+    )
     table = analysis.counts_table(counts).rename(columns={"wrong": "count", "wrong_rate": "rate"})
     st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, use_container_width=True)
 
 
-def curves_tab(results: Results, detector: str, colors: dict) -> None:
-    scores = results.scores
+# -- curves ---------------------------------------------------------------------------------------
+def curves_tab(page: Page) -> None:
+    scores = page.results.scores
+    path = str(page.run.path)
     mode = st.radio(
         "Overlay", ["OOD sets for this detector", "detectors for one OOD set"], horizontal=True, key="curves-mode"
     )
+    colors = page.colors
     if mode == "OOD sets for this detector":
-        curves = {name: analysis.curves(scores, detector, name) for name in ood_datasets_of(scores)}
-        title = f"{detector}: one curve per OOD set"
+        sets = ood_datasets_of(scores)
+        curves = {name: _curves(path, page.finished, page.detector, name, curve_points(len(sets))) for name in sets}
+        title = f"{page.detector}: one curve per OOD set"
     else:
         dataset = st.selectbox("OOD set", ood_datasets_of(scores), key="curves-dataset")
-        curves = {name: analysis.curves(scores, name, dataset) for name in detectors_of(scores)}
+        names = detectors_of(scores)
+        curves = {name: _curves(path, page.finished, name, dataset, curve_points(len(names))) for name in names}
         colors, title = None, f"{dataset}: one curve per detector"
-    c1, c2 = st.columns(2)
-    c1.plotly_chart(plots.roc_figure(curves, title=f"ROC — {title}", colors=colors), use_container_width=True)
-    c2.plotly_chart(
+    st.plotly_chart(plots.roc_figure(curves, title=f"ROC — {title}", colors=colors), use_container_width=True)
+    st.plotly_chart(
         plots.pr_figure(curves, title=f"PR (OOD positive) — {title}", colors=colors), use_container_width=True
     )
 
 
-def _gallery(images, captions, columns=8) -> None:
+# -- failure cases --------------------------------------------------------------------------------
+def _gallery(images, captions, columns=6) -> None:
     if not images:
-        st.caption("No samples.")
+        st.caption("None at this threshold.")
         return
     cols = st.columns(columns)
     for i, (image, caption) in enumerate(zip(images, captions)):
         cols[i % columns].image(image, caption=caption, use_container_width=True)
 
 
-def failures_tab(results: Results, detector: str, colors: dict) -> None:
-    scores = results.scores
-    threshold = default_threshold(scores, detector)
-    class_names = results.class_names
-    per_class = per_class_at_threshold(scores, detector, threshold, class_names)
+def gallery_rows(ranked: pd.DataFrame, wrong: pd.Series, nearest: bool, k: int = GALLERY_SIZE) -> pd.DataFrame:
+    """The ``k`` rows of ``ranked`` (worst first) that are ``wrong`` at the threshold: the ``k`` nearest
+    the threshold (closest first) or the ``k`` most extreme."""
+    wrong_rows = ranked[wrong.to_numpy()]
+    return wrong_rows.iloc[::-1].head(k) if nearest else wrong_rows.head(k)
+
+
+def failures_tab(page: Page) -> None:
+    results, threshold = page.results, page.threshold
+    per_class = per_class_at_threshold(results.scores, page.detector, threshold, results.class_names)
     st.caption(
-        f"At threshold {threshold:.4g}, which catches 95% of all OOD samples: how often each ID class is wrongly "
-        "flagged. Select a row to filter the galleries to that class."
+        f"At threshold {threshold:.4g}: how often each ID class is wrongly flagged as OOD. Select a row to "
+        "filter the first gallery to that class."
     )
     c1, c2 = st.columns([1, 1])
-    table = per_class.rename(columns=PER_CLASS_HEADINGS)
+    first = ["class", "class_name", "false_alarm_rate", "false_alarms", "n"]  # what the page is about, before it is cut
+    table = per_class[first + [c for c in per_class.columns if c not in first]].rename(columns=PER_CLASS_HEADINGS)
     if (table["class name"] == table["class"].astype(str)).all():
         table = table.drop(columns="class name")  # digits: the name is the number
     selection = c1.dataframe(
@@ -152,39 +327,63 @@ def failures_tab(results: Results, detector: str, colors: dict) -> None:
         use_container_width=True,
         on_select="rerun",
         selection_mode="single-row",
-        key=f"classes-{detector}",
+        key=f"classes-{page.detector}",
     )
     c2.plotly_chart(plots.per_class_bar(per_class), use_container_width=True)
     rows = selection.selection.rows if selection else []
     id_class = int(per_class.iloc[rows[0]]["class"]) if rows else None
-    ood_names = ood_datasets_of(scores)
-    ood_filter = st.selectbox("OOD set for the second gallery", ["all OOD sets"] + ood_names, key="gallery-ood")
-    id_rows, ood_rows = analysis.failure_cases(
-        scores,
-        detector,
-        k=12,
-        id_class=id_class,
-        class_names=class_names,
-        ood_dataset=None if ood_filter == "all OOD sets" else ood_filter,
+    g1, g2 = st.columns(2)
+    ood_filter = g1.selectbox("OOD set for the second gallery", ["all OOD sets", *ood_datasets_of(results.scores)])
+    order = g2.radio("Show", ["nearest the threshold", "most extreme"], horizontal=True, key="gallery-order")
+    nearest = order == "nearest the threshold"
+    ranked_id, ranked_ood = _failures(
+        str(page.run.path),
+        page.finished,
+        page.detector,
+        id_class,
+        None if ood_filter == "all OOD sets" else ood_filter,
     )
-    which = f"class {id_rows.class_name.iloc[0]}" if id_class is not None and len(id_rows) else "all classes"
-    st.markdown(f"**ID images most wrongly flagged as OOD** ({which}; true class → prediction · score)")
-    _gallery(
-        thumbnails(results, id_rows),
-        [f"{r.class_name} → {r.predicted_name} · {r.score:.3g}" for r in id_rows.itertuples()],
+    flagged = gallery_rows(ranked_id, ranked_id.score >= threshold, nearest)
+    accepted = gallery_rows(ranked_ood, ranked_ood.score < threshold, nearest)
+    which = f"class {ranked_id.class_name.iloc[0]}" if id_class is not None and len(ranked_id) else "all classes"
+    n_flagged, n_accepted = int((ranked_id.score >= threshold).sum()), int((ranked_ood.score < threshold).sum())
+    st.markdown(
+        f"**ID images flagged as OOD** at this threshold ({which}): {n_flagged:,} of {len(ranked_id):,}; "
+        f"the {min(GALLERY_SIZE, n_flagged)} {order} (true class → prediction · score)"
     )
-    st.markdown("**OOD images most confidently accepted as ID** (OOD set → the class the model gave · score)")
     _gallery(
-        thumbnails(results, ood_rows),
-        [f"{r.dataset} → {r.predicted_name} · {r.score:.3g}" for r in ood_rows.itertuples()],
+        thumbnails(results, flagged),
+        [f"{r.class_name} → {r.predicted_name} · {r.score:.3g}" for r in flagged.itertuples()],
+    )
+    st.markdown(
+        f"**OOD images accepted as ID** at this threshold: {n_accepted:,} of {len(ranked_ood):,}; "
+        f"the {min(GALLERY_SIZE, n_accepted)} {order} (OOD set → the class the model gave · score)"
+    )
+    _gallery(
+        thumbnails(results, accepted),
+        [f"{r.dataset} → {r.predicted_name} · {r.score:.3g}" for r in accepted.itertuples()],
     )
 
 
-def run_details(results: Results) -> None:
+# -- run details ----------------------------------------------------------------------------------
+def run_details(page: Page) -> None:
+    results = page.results
     meta = results.meta or {}
-    st.write({k: meta.get(k) for k in ("device", "device_name", "torch", "oodviz")})
+    facts = {"device": "device", "device_name": "device name", "torch": "torch", "oodviz": "oodviz"}
+    st.dataframe(
+        pd.DataFrame([{"": label, "value": str(meta[key])} for key, label in facts.items() if meta.get(key)]),
+        hide_index=True,
+    )
     if meta.get("stages"):
-        st.dataframe(pd.DataFrame(meta["stages"]).T, use_container_width=True)
+        stages = pd.DataFrame(meta["stages"]).T
+        shown = pd.DataFrame({"stage": stages.index})
+        if "wall_s" in stages:
+            shown["seconds"] = stages["wall_s"].astype(float).round(2).to_numpy()
+        if "peak_cpu_rss" in stages:
+            shown["peak CPU RSS"] = [format_bytes(v) for v in stages["peak_cpu_rss"]]
+        if "error" in stages:
+            shown["error"] = stages["error"].fillna("").to_numpy()
+        st.dataframe(shown, hide_index=True, use_container_width=True)
     errors = {k: v for k, v in (results.detectors or {}).items() if isinstance(v, dict) and "error" in v}
     for name, info in errors.items():
         st.error(f"{name} failed: {info['error']}")
@@ -194,28 +393,42 @@ def run_details(results: Results) -> None:
     st.json(results.config, expanded=False)
 
 
+#: The result tabs: label, draw function (takes the :class:`Page`), and the shared controls it needs
+#: (``None``, ``"detector"`` or ``"threshold"``, which includes the detector).
+RESULT_TABS: list[tuple[str, Callable[[Page], None], str | None]] = [
+    ("Metrics", metrics_tab, None),
+    ("Score histograms", histogram_tab, "threshold"),
+    ("ROC / PR", curves_tab, "detector"),
+    ("Failure cases", failures_tab, "threshold"),
+    ("Run details", run_details, None),
+]
+
+
 def results_page(run: RunDir) -> None:
     status = run.read_status()
-    results = _results(str(run.path), status.get("finished"))
+    finished = status.get("finished")
+    results = _results(str(run.path), finished)
     # not written yet, or every detector failed (then metrics.csv holds only its header)
     if results.metrics is None or results.scores is None or not len(results.metrics):
         st.warning("This run has no results yet.")
         return
-    detectors = detectors_of(results.scores)
-    colors = plots.color_map(ood_datasets_of(results.scores))
-    tabs = st.tabs(["Metrics", "Score histograms", "ROC / PR", "Failure cases", "Run details"])
-    with tabs[0]:
-        metrics_tab(results)
-    best = best_detector(results.metrics)["best_detector"] if len(results.metrics) else None
-    for tab, draw in zip(tabs[1:4], (histogram_tab, curves_tab, failures_tab)):
+    best = best_detector(results.metrics)["best_detector"]
+    page = Page(
+        run, finished, results, detectors_of(results.scores), best, plots.color_map(ood_datasets_of(results.scores))
+    )
+    results_area(page)
+
+
+@st.fragment
+def results_area(page: Page) -> None:
+    """The shared controls and the tabs; only the open tab is drawn."""
+    controls = st.container()
+    tabs = st.tabs([label for label, _, _ in RESULT_TABS], key="results-tab", on_change="rerun")
+    for tab, (_, draw, needs) in zip(tabs, RESULT_TABS):
+        if not tab.open:
+            continue
+        if needs:
+            with controls:
+                shared_controls(page, with_threshold=needs == "threshold")
         with tab:
-            detector = st.selectbox(
-                "Detector",
-                detectors,
-                index=detectors.index(best) if best in detectors else 0,
-                key=f"detector-{draw.__name__}",
-                format_func=lambda d: f"{d} (best mean AUROC)" if d == best else d,
-            )
-            draw(results, detector, colors)
-    with tabs[4]:
-        run_details(results)
+            draw(page)

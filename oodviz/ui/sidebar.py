@@ -43,9 +43,12 @@ def _detector_params(defaults: FormValues) -> dict[str, dict]:
     return params
 
 
-def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
-    """Draw the form; returns its values and "estimate", "start" or None (not submitted)."""
+def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
+    """Draw the form; returns its values, "estimate", "start" or None (not submitted), and a placeholder
+    under each field of :data:`~oodviz.ui.form.FORM_FIELDS` (and ``"estimate"`` beside Start) for what
+    the checks say about it."""
     st.sidebar.header("Choose")
+    slots = {}
     with st.sidebar.form("choose", enter_to_submit=False, border=False):
         st.subheader("Model")
         backbones = available_backbones() + [USER_MODEL]
@@ -57,14 +60,17 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             help="digits-cnn ships with oodviz and works offline. torchvision models need their weight file "
             "(or 'random' weights for a dry run).",
         )
+        slots["backbone"] = st.empty()
         weights = st.radio(
             "Weights", ["default", "random"], horizontal=True, index=["default", "random"].index(defaults.weights)
         )
+        slots["weights"] = st.empty()
         checkpoint = st.text_input(
             "Checkpoint file (optional)",
             defaults.checkpoint,
             help="A TorchScript file (with 'your own TorchScript file'), or a state dict of the chosen torchvision architecture.",
         )
+        slots["checkpoint"] = st.empty()
         c1, c2 = st.columns([2, 1])
         layer = c1.text_input(
             "Feature layer",
@@ -73,15 +79,22 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             help="A module name, e.g. layer3; blank = the penultimate layer.",
         )
         pooling = c2.selectbox("Pooling", list(POOLINGS), index=list(POOLINGS).index(defaults.pooling))
+        slots["layer"], slots["pooling"] = c1.empty(), c2.empty()
 
         st.subheader("Data")
         presets = list(ID_PRESETS) + [FOLDER_PRESET]
         id_preset = st.selectbox("In-distribution", presets, index=presets.index(defaults.id_preset))
+        slots["id_preset"] = st.empty()
         fit_folder = st.text_input("ID fit folder (image folders only)", defaults.fit_folder)
+        slots["fit_folder"] = st.empty()
         test_folder = st.text_input("ID test folder (image folders only)", defaults.test_folder)
+        slots["test_folder"] = st.empty()
         ood = st.multiselect("OOD datasets", list(OOD_CHOICES), default=defaults.ood, format_func=ood_label)
+        slots["ood"] = st.empty()
         ood_folder = st.text_input("Extra OOD image folder (optional)", defaults.ood_folder)
+        slots["ood_folder"] = st.empty()
         data_root = st.text_input("Data root (torchvision files)", defaults.data_root)
+        slots["data_root"] = st.empty()
         download = st.checkbox("Allow downloads", defaults.download, help="Off by default: oodviz works offline.")
         st.caption("Subsample: at most this many images of each split (0 = all)")
         s1, s2, s3 = st.columns(3)
@@ -96,6 +109,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             default=defaults.detectors,
             help="Higher score = more OOD for every detector. See 'What each detector does' below the form.",
         )
+        slots["detectors"] = st.empty()
         with st.expander("Detector parameters"):
             detector_params = _detector_params(defaults)
 
@@ -109,6 +123,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             index=devices.index(defaults.device) if defaults.device in devices else 0,
             format_func=labels.get,
         )
+        slots["device"] = st.empty()
         r1, r2 = st.columns(2)
         batch_size = r1.number_input("Batch size", min_value=1, value=defaults.batch_size)
         precision = r2.selectbox(
@@ -117,6 +132,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             index=list(PRECISIONS).index(defaults.precision),
             help="bf16/fp16 autocast applies on GPUs only.",
         )
+        slots["batch_size"], slots["precision"] = r1.empty(), r2.empty()
 
         st.checkbox(
             "Run anyway, over this machine's limits",
@@ -124,9 +140,10 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
             help="Start is refused while the estimate beside it is over the free disk, RAM or GPU memory; "
             "tick this to start regardless.",
         )
-        b1, b2 = st.columns(2)
-        estimate = b1.form_submit_button("Estimate memory", use_container_width=True)
-        start = b2.form_submit_button("Start run", type="primary", use_container_width=True)
+        # one under the other: side by side their labels are cut at 1000 px
+        start = st.form_submit_button("Start run", type="primary", use_container_width=True)
+        estimate = st.form_submit_button("Estimate memory", use_container_width=True)
+        slots["form"], slots["estimate"] = st.empty(), st.empty()
 
     with st.sidebar.expander("What each detector does"):
         for name in available():
@@ -155,7 +172,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None]:
         data_root=data_root,
         download=download,
     )
-    return values, "start" if start else "estimate" if estimate else None
+    return values, "start" if start else "estimate" if estimate else None, slots
 
 
 @st.cache_data(show_spinner="Estimating the run's needs…", max_entries=32, ttl=30)

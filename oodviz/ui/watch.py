@@ -1,35 +1,58 @@
-"""The job panel: a run's stages, progress, device and memory, polled while it runs; Cancel."""
+"""The job panel: what runs, stage k of N, the whole run's progress and ETA, device and memory; Cancel.
+
+The panel polls every second and reads only what was appended to ``events.jsonl`` since its last poll
+(:class:`~oodviz.ui.live.EventTail`, kept in the browser session); the memory chart, a bounded and
+decimated series, is redrawn every :data:`MEMORY_POLL_S` seconds in its own fragment.
+"""
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from oodviz.analysis import memory_timeline
 from oodviz.models import format_bytes
 from oodviz.plots import memory_figure
+from oodviz.runs.config import RunConfig
 from oodviz.runs.jobs import cancel, refresh
+from oodviz.runs.plan import planned_stages, run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir
+from oodviz.ui.live import EventTail, hms, run_eta_s, stage_position
 
 POLL_S = 1.0
+MEMORY_POLL_S = 10.0
+#: memory samples kept per run (twice this at most); the chart is small
+MEMORY_POINTS = 120
 
 
-def _progress_text(event: dict) -> str:
+def _tail(run: RunDir) -> EventTail:
+    """This session's reader of the run's event log (one per run, kept across polls)."""
+    key = f"event-tail-{run.run_id}"
+    if key not in st.session_state:
+        st.session_state[key] = EventTail(run.events_path, max_points=MEMORY_POINTS)
+    tail = st.session_state[key]
+    tail.poll()
+    return tail
+
+
+def _stage_text(event: dict) -> str:
     parts = [f"{event['stage']}: {event.get('done', 0):,} / {event.get('total', 0):,}"]
     if event.get("reused"):
         parts.append("reused from the feature store")
     if event.get("items_per_s"):
         parts.append(f"{event['items_per_s']:,.0f} items/s")
     if event.get("eta_s") is not None and event.get("done", 0) < event.get("total", 0):
-        parts.append(f"ETA {event['eta_s']:.0f} s")
+        parts.append(f"stage ETA {hms(event['eta_s'])}")
     return " · ".join(parts)
 
 
-def _memory_metrics(event: dict) -> None:
+def _memory_metrics(event: dict, config: RunConfig | None) -> None:
     cols = st.columns(4)
-    cols[0].metric("Device", event.get("device") or "—")
-    cols[1].metric("Batch size", event.get("batch_size") or "—")
-    cols[2].metric("CPU RSS", format_bytes(event["cpu_rss"]) if "cpu_rss" in event else "—")
-    if "gpu_allocated" in event:
+    cols[0].metric("Device", event.get("device") or (config.device if config else "auto"))
+    batch = event.get("batch_size") or (config.batch_size if config else None)  # the configured one until reported
+    cols[1].metric("Batch size", f"{batch:,}" if batch else "not set")
+    cols[2].metric("CPU RSS", format_bytes(event["cpu_rss"]) if "cpu_rss" in event else "not reported yet")
+    if event.get("gpu_allocated") is not None:
         cols[3].metric(
             "GPU allocated",
             format_bytes(event["gpu_allocated"]),
@@ -39,13 +62,24 @@ def _memory_metrics(event: dict) -> None:
         )
         cols[3].caption(f"peak {format_bytes(event['gpu_peak'])} of {format_bytes(event['gpu_total'])}")
     else:
-        cols[3].metric("GPU", "not used")
+        cols[3].metric("GPU", "none")
+
+
+def _config(run: RunDir) -> RunConfig | None:
+    try:
+        return RunConfig.load(run.config_path)
+    except (ValueError, OSError):
+        return None
 
 
 def job_panel(run: RunDir) -> None:
-    """Draw the panel; re-runs itself every second while the run is unfinished, then reloads the page."""
+    """Draw the panel; it re-runs itself every second while the run is unfinished, then reloads the page."""
     status = refresh(run)
     running = status.get("state") not in FINAL_STATES
+    config = _config(run)
+    plan = planned_stages(config) if config else []
+    if config:
+        st.markdown(f"**{run_headline(config)}**")
 
     @st.fragment(run_every=POLL_S if running else None)
     def panel():
@@ -54,45 +88,53 @@ def job_panel(run: RunDir) -> None:
             if running:  # it finished while we watched: redraw the page with the results
                 st.rerun()
             return
-        events = run.read_events()
+        tail = _tail(run)
         st.subheader(f"Run {run.run_id}: {status.get('state')}")
         if status.get("state") == "queued":
-            waiting = [e for e in events if e.get("stage") == "queued"]
-            st.info(waiting[-1]["message"] if waiting else "Waiting for the worker to start…")
-        ended = [e for e in events if e.get("event") == "end"]
-        progress = [e for e in events if e.get("event") == "progress"]
+            st.info(tail.queued or "Waiting for the worker to start…")
         current = status.get("stage")
-        latest = next((e for e in reversed(progress) if e.get("stage") == current), None)
-        st.caption(f"{len(ended)} stage(s) finished" + (f" · now: {current}" if current else ""))
+        k, fraction = stage_position(plan, tail.ended, current, tail.latest)
+        eta = run_eta_s(tail.elapsed_s(), fraction)
+        overall = f"Stage {k} of {len(plan)}" + (f": {current}" if current else "")
+        overall += f" · {fraction:.0%} of the run · elapsed {hms(tail.elapsed_s())}"
+        overall += f" · run ETA {hms(eta)}" if eta is not None else " · run ETA: after the first progress"
+        st.progress(fraction, text=overall)
+        latest = tail.latest if tail.latest and tail.latest.get("stage") == current else None
         if latest:
             total = max(latest.get("total", 0), 1)
-            st.progress(min(latest.get("done", 0) / total, 1.0), text=_progress_text(latest))
+            st.progress(min(latest.get("done", 0) / total, 1.0), text=_stage_text(latest))
         elif current:
             st.progress(0.0, text=f"{current}: starting…")
-        last = events[-1] if events else {}
-        _memory_metrics({**last, **(latest or {})})
-        timeline = memory_timeline(events)
-        if len(timeline) > 1:
-            st.plotly_chart(memory_figure(timeline), use_container_width=True, key="memory-live")
-        for warning in [e for e in events if e.get("event") == "warning"][-5:]:
-            st.warning(warning["message"])
+        _memory_metrics({**tail.last, **(latest or {})}, config)
+        for warning in tail.warnings:
+            st.warning(warning)
         if run.cancel_requested():
             st.info("Cancel requested: the worker stops at its next batch.")
         elif st.button("Cancel run", key=f"cancel-{run.run_id}"):
             cancel(run)
             st.rerun(scope="fragment")
-        with st.expander("Finished stages"):
+        with st.expander(f"Finished stages ({len(tail.ended)} of {len(plan)})"):
             st.dataframe(
-                [
-                    {
-                        "stage": e["stage"],
-                        "seconds": round(e["wall_s"], 2),
-                        "peak CPU RSS": format_bytes(e["peak_cpu_rss"]),
-                    }
-                    for e in ended
-                ],
+                pd.DataFrame(
+                    [
+                        {
+                            "stage": stage,
+                            "seconds": round(e["wall_s"], 2),
+                            "peak CPU RSS": format_bytes(e["peak_cpu_rss"]),
+                        }
+                        for stage, e in tail.ended.items()
+                    ],
+                    columns=["stage", "seconds", "peak CPU RSS"],
+                ),
                 hide_index=True,
                 use_container_width=True,
             )
 
+    @st.fragment(run_every=MEMORY_POLL_S if running else None)
+    def memory_chart():
+        timeline = memory_timeline(_tail(run).memory)
+        if len(timeline) > 1:
+            st.plotly_chart(memory_figure(timeline), use_container_width=True, key="memory-live")
+
     panel()
+    memory_chart()

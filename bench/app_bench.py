@@ -1,0 +1,215 @@
+"""The app in a real browser: how fast it answers and how much it sends (issue 14, point 5).
+
+Serves ``app.py`` with ``streamlit run`` on a runs root holding one finished run, drives Debian's Chromium
+(Playwright, 1000 x 1400 px) and measures, from the browser:
+
+- **cold first load**: a fresh server and browser, ``goto(?run=ID)`` until the metrics table is drawn and
+  the app is idle (Streamlit's status widget gone, two animation frames later);
+- **tab switch**: click a tab until its content is drawn and the app is idle (median of ``--repeats``);
+- **slider step**: one ArrowRight on the shared threshold slider until idle, and the bytes the server
+  sent for it over the websocket (median of 20 steps, on the histogram tab and on the failure cases tab);
+- **bytes per tab**: what the server sent for a tab switch (its charts and tables), and how many charts;
+- **live panel**: a default run started from the page; the websocket bytes per second and per poll
+  (every second) in its first and its last 10 seconds.
+
+Usage::
+
+    make bench-app                                   # the default digits run (made by the CLI if missing)
+    .venv/bin/python bench/app_bench.py --run DIR    # any finished run directory, e.g. a full Fashion-MNIST run
+
+Prints one JSON object; the figures for ``bench/RESULTS.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+IDLE = "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')"
+TABS = ("Score histograms", "ROC / PR", "Failure cases", "Metrics")
+TAB_READY = {
+    "Metrics": "Best detector per column",
+    "Score histograms": "Heights",
+    "ROC / PR": "Overlay",
+    "Failure cases": "ID images flagged as OOD",
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serve(runs_root: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"), "--server.headless", "true"]
+        + ["--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"]
+        + ["--server.fileWatcherType", "none"],
+        cwd=REPO,
+        env=dict(os.environ, OODVIZ_RUNS_ROOT=str(runs_root)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            time.sleep(0.2)
+    return server, f"http://127.0.0.1:{port}"
+
+
+class Wire:
+    """Bytes the server sent over the page's websockets (each received frame's payload)."""
+
+    def __init__(self, page):
+        self.frames: list[tuple[float, int]] = []
+        page.on("websocket", lambda ws: ws.on("framereceived", self._frame))
+
+    def _frame(self, payload) -> None:
+        self.frames.append((time.monotonic(), len(payload)))
+
+    def since(self, start: float) -> int:
+        return sum(n for t, n in self.frames if t >= start)
+
+
+def settle(page) -> None:
+    page.wait_for_timeout(50)  # the rerun's status widget shows within a frame or two
+    page.wait_for_function(IDLE, timeout=120_000)
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+
+
+def answered(page, wire: Wire, start: float, quiet_s: float = 0.3) -> float:
+    """Seconds from ``start`` to the last frame of the server's answer (no frame for ``quiet_s`` after it,
+    the app idle), plus two animation frames: the pixels are settled."""
+    deadline = time.monotonic() + 60
+    while not any(t >= start for t, _ in wire.frames) and time.monotonic() < deadline:
+        page.wait_for_timeout(10)
+    while time.monotonic() - max((t for t, _ in wire.frames), default=start) < quiet_s:
+        page.wait_for_timeout(20)
+    settle(page)
+    last = max((t for t, _ in wire.frames if t >= start), default=start)
+    page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+    return last - start
+
+
+def charts(page) -> int:
+    return page.locator(".js-plotly-plot").count()
+
+
+def measure_results(url: str, run_id: str, repeats: int) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    out: dict = {"tab_switch_s": {}, "tab_switch_bytes": {}, "charts": {}}
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium")
+        page = browser.new_page(viewport={"width": 1000, "height": 1400})
+        wire = Wire(page)
+        started = time.monotonic()
+        page.goto(f"{url}/?run={run_id}")
+        page.get_by_text(TAB_READY["Metrics"]).wait_for(timeout=120_000)
+        settle(page)
+        out["cold_first_load_s"] = round(time.monotonic() - started, 2)
+        out["cold_first_load_bytes"] = wire.since(started)
+        times: dict[str, list[float]] = {tab: [] for tab in TABS}
+        for _ in range(repeats):
+            for tab in TABS:
+                started = time.monotonic()
+                page.get_by_role("tab", name=tab).click()
+                page.get_by_text(TAB_READY[tab]).first.wait_for(timeout=60_000)
+                times[tab].append(answered(page, wire, started))
+                out["tab_switch_bytes"][tab] = wire.since(started)  # all of the tab: its charts and tables
+                out["charts"][tab] = charts(page)
+        out["tab_switch_s"] = {tab: round(statistics.median(v), 3) for tab, v in times.items()}
+        for tab in ("Score histograms", "Failure cases"):
+            page.get_by_role("tab", name=tab).click()
+            page.get_by_text(TAB_READY[tab]).first.wait_for(timeout=60_000)
+            settle(page)
+            slider = page.get_by_role("slider").first
+            steps, sent = [], []
+            for _ in range(20):
+                slider.focus()
+                started = time.monotonic()
+                page.keyboard.press("ArrowRight")
+                steps.append(answered(page, wire, started))
+                sent.append(wire.since(started))
+            out[f"slider_step_s ({tab})"] = round(statistics.median(steps), 3)
+            out[f"slider_step_bytes ({tab})"] = int(statistics.median(sent))
+            out[f"slider_20_steps_s ({tab})"] = round(sum(steps), 2)
+        browser.close()
+    return out
+
+
+def measure_live(url: str, seconds: float = 10.0) -> dict:
+    """Start the default run from the page; websocket bytes per second and per poll in its first and last
+    ``seconds`` (the last window ends when the run's results appear)."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium")
+        page = browser.new_page(viewport={"width": 1000, "height": 1400})
+        wire = Wire(page)
+        page.goto(url)
+        page.get_by_role("button", name="Run the default").click(timeout=120_000)
+        page.wait_for_url("**?run=*", timeout=60_000)
+        page.get_by_text("Stage ").first.wait_for(timeout=60_000)
+        first = time.monotonic()
+        page.get_by_text(TAB_READY["Metrics"]).wait_for(timeout=900_000)
+        done = time.monotonic()
+        browser.close()
+
+    def window(start: float, end: float) -> dict:
+        frames = [n for t, n in wire.frames if start <= t < end]
+        return {"bytes_per_s": round(sum(frames) / max(end - start, 1e-9))}  # the panel polls once a second
+
+    last_start = max(done - 1.0 - seconds, first + seconds)
+    return {
+        "run_s": round(done - first, 1),
+        "first_window": window(first, first + seconds),
+        "last_window": window(last_start, done - 1.0),  # the results page itself is left out
+    }
+
+
+def default_run(root: Path) -> Path:
+    out = root / "bench-default"
+    subprocess.run([sys.executable, "-m", "oodviz.cli", "run", "--out", str(out)], check=True, capture_output=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, help="a finished run directory (default: a fresh default run)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-live", action="store_true", help="skip the live panel measurement")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="oodviz-app-bench-") as tmp:
+        root = Path(tmp) / "runs"
+        root.mkdir()
+        source = args.run or default_run(Path(tmp))
+        shutil.copytree(source, root / "bench")
+        server, url = serve(root)
+        try:
+            result = {"run": str(source.name), **measure_results(url, "bench", args.repeats)}
+            if not args.no_live:
+                result["live"] = measure_live(url)
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

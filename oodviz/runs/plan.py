@@ -1,0 +1,36 @@
+"""The stages a run goes through, in order, as :mod:`oodviz.runs.pipeline` names them in ``events.jsonl``:
+for the app's "stage k of N" and the run's header line. A detector that fails drops its later stages, so a
+failed detector's run ends with fewer stages than planned."""
+
+from __future__ import annotations
+
+from oodviz.runs.config import RunConfig
+
+
+def planned_stages(config: RunConfig) -> list[str]:
+    """``load model``, ``load data``, ``extract <split>`` per split, ``fit <detector>`` per detector, then per
+    scored split (id_test, each OOD set) ``score <split> with <name>`` per model-based detector and
+    ``score <split>``, then ``metrics``."""
+    from oodviz.detectors import detector_class
+    from oodviz.runs.pipeline import run_splits
+
+    splits = [split for split, _, _ in run_splits(config)]
+    model_based = [c.name for c in config.detectors if detector_class(c.name).needs_model]
+    stages = ["load model", "load data", *(f"extract {split}" for split in splits)]
+    stages += [f"fit {choice.name}" for choice in config.detectors]
+    for split in splits[1:]:  # every split but id_fit is scored
+        stages += [f"score {split} with {name}" for name in model_based] + [f"score {split}"]
+    return stages + ["metrics"]
+
+
+def run_headline(config: RunConfig) -> str:
+    """One line saying what a run runs: backbone (and layer), ID set, OOD sets, detector count."""
+    layer = f" ({config.layer})" if config.layer else ""
+    ood = ", ".join(
+        choice.params.get("path", choice.name) if choice.name == "folder" else choice.name for choice in config.ood
+    )
+    detectors = len(config.detectors)
+    return (
+        f"{config.backbone}{layer} · ID {config.id_test.name} · OOD {ood} · "
+        f"{detectors} detector{'s' if detectors != 1 else ''}"
+    )
