@@ -44,6 +44,7 @@ def test_registry_lists_the_issue_detectors():
         "gradnorm",
         "odin",
         "mcd",
+        "vra",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -29,6 +29,7 @@ from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
+from oodviz.detectors.vra import VRA
 
 _REGISTRY: dict[str, type[Detector]] = {
     cls.name: cls
@@ -52,6 +53,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         FDBD,
         NCI,
         GradNorm,
+        VRA,
         ODIN,
         MCD,
     )
