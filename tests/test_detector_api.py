@@ -45,6 +45,7 @@ def test_registry_lists_the_issue_detectors():
         "odin",
         "mcd",
         "vra",
+        "gmm",
     }
     for name in NAMES:
         cls = detector_class(name)
@@ -198,7 +199,7 @@ def test_empty_input(problem):
             create(name).fit(only_ood, head=problem.head)
 
 
-@pytest.mark.parametrize("name", ["mahalanobis", "rmd", "she"])
+@pytest.mark.parametrize("name", ["mahalanobis", "rmd", "she", "gmm"])
 def test_a_class_without_samples(problem, name):
     y = problem.fit_y.clone()
     keep = y != 2

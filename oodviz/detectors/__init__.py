@@ -14,6 +14,7 @@ from oodviz.detectors.energy import Energy
 from oodviz.detectors.entropy import Entropy
 from oodviz.detectors.fdbd import FDBD
 from oodviz.detectors.gen import GEN
+from oodviz.detectors.gmm import GMM
 from oodviz.detectors.gradnorm import GradNorm
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
@@ -54,6 +55,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         NCI,
         GradNorm,
         VRA,
+        GMM,
         ODIN,
         MCD,
     )
