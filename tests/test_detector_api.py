@@ -46,6 +46,7 @@ def test_registry_lists_the_issue_detectors():
         "mcd",
         "vra",
         "gmm",
+        "openmax",
     }
     for name in NAMES:
         cls = detector_class(name)
@@ -199,7 +200,7 @@ def test_empty_input(problem):
             create(name).fit(only_ood, head=problem.head)
 
 
-@pytest.mark.parametrize("name", ["mahalanobis", "rmd", "she", "gmm"])
+@pytest.mark.parametrize("name", ["mahalanobis", "rmd", "she", "gmm", "openmax"])
 def test_a_class_without_samples(problem, name):
     y = problem.fit_y.clone()
     keep = y != 2

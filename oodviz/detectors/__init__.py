@@ -24,6 +24,7 @@ from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
 from oodviz.detectors.odin import ODIN
+from oodviz.detectors.openmax import OpenMax
 from oodviz.detectors.react import ReAct
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
@@ -56,6 +57,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         GradNorm,
         VRA,
         GMM,
+        OpenMax,
         ODIN,
         MCD,
     )
