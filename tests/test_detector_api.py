@@ -47,6 +47,7 @@ def test_registry_lists_the_issue_detectors():
         "vra",
         "gmm",
         "openmax",
+        "nnguide",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -23,6 +23,7 @@ from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
+from oodviz.detectors.nnguide import NNGuide
 from oodviz.detectors.odin import ODIN
 from oodviz.detectors.openmax import OpenMax
 from oodviz.detectors.react import ReAct
@@ -58,6 +59,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         VRA,
         GMM,
         OpenMax,
+        NNGuide,
         ODIN,
         MCD,
     )
