@@ -8,6 +8,7 @@ from conftest import Problem, assert_same_ranking, make_problem
 from pytorch_ood import detector as pood
 from scipy.special import logsumexp
 
+from oodviz import Batch
 from oodviz.detectors import create
 from oodviz.detectors.vra import ColumnQuantiles
 
@@ -278,6 +279,12 @@ def test_openmax_state_is_bounded_and_bad_input_is_refused(problem):
     y[(y == 3).nonzero().flatten()[1:]] = -1  # class 3 keeps one sample
     with pytest.raises(ValueError, match=r"class 3 has 1 training sample\(s\) .*give the class more samples"):
         create("openmax").fit(problem.batches(problem.fit_x, y))
+    # an all-zero logits row has cosine 0 to every class mean (distance 1), not 0 / 0
+    det = create("openmax", euclid_weight=0.0).fit(problem.fit_batches())
+    zero = Batch(logits=torch.zeros(1, 6))
+    assert torch.isfinite(det.score(zero)).all()
+    mu = det.class_means_.numpy()
+    np.testing.assert_allclose(det.distances(torch.zeros(1, 6), det.class_means_).numpy(), np.ones((1, len(mu))))
     for bad in ({"tailsize": 1}, {"alpha": 0}, {"euclid_weight": 1.5}, {"tailsize": 2.5}):
         with pytest.raises(ValueError, match="openmax: "):
             create("openmax", **bad)

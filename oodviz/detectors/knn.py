@@ -93,12 +93,12 @@ class KNN(Detector):
 
     def _write_bank(self, data: FitData) -> None:
         """Stream the L2-normalised features into a float32 file and keep it as a memory map."""
-        directory = self.bank_dir or tempfile.mkdtemp(prefix="oodviz-knn-")
+        directory = self.bank_dir or tempfile.mkdtemp(prefix=f"oodviz-{self.name}-")
         if self.bank_dir is None:
             # The bank lives as long as this detector.
             weakref.finalize(self, shutil.rmtree, directory, True)
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"knn-bank-{id(self):x}.f32")
+        path = os.path.join(directory, f"{self.name}-bank-{id(self):x}.f32")
         rows, dim = 0, None
         with open(path, "wb") as file:
             for batch in data:

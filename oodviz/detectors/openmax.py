@@ -107,7 +107,8 @@ class OpenMax(Detector):
                 z, means.to(ACCUMULATE), compute_mode="donot_use_mm_for_euclid_dist"
             )
         if self.euclid_weight < 1:
-            cosine = (z @ means.T) / (z.norm(dim=1, keepdim=True) * means.norm(dim=1))
+            # an all-zero row has cosine 0 (distance 1), not 0 / 0
+            cosine = (z @ means.T) / (z.norm(dim=1, keepdim=True) * means.norm(dim=1)).clamp(min=1e-300)
             distance += (1 - self.euclid_weight) * (1 - cosine)
         return distance
 
@@ -119,10 +120,9 @@ class OpenMax(Detector):
         means = sums.means  # [K, C] float64
         tails = torch.full((len(means), self.tailsize), -math.inf, dtype=ACCUMULATE, device=means.device)
         for batch in data:
-            own = self.distances(batch.logits, means).gather(1, batch.labels[:, None]).squeeze(1)  # [B]
             for label in torch.unique(batch.labels).tolist():
-                candidates = torch.cat([tails[label], own[batch.labels == label]])
-                tails[label] = torch.topk(candidates, self.tailsize).values
+                own = self.distances(batch.logits[batch.labels == label], means[label : label + 1])[:, 0]
+                tails[label] = torch.topk(torch.cat([tails[label], own]), self.tailsize).values
         shapes, scales = [], []
         for label, tail in enumerate(tails.cpu().numpy()):
             tail = tail[np.isfinite(tail)]  # a class with fewer than tailsize samples: all of them
