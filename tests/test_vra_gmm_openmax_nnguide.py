@@ -24,14 +24,6 @@ def relu_problem(problem):
     return _relu(problem)
 
 
-def _linear(problem) -> torch.nn.Linear:
-    linear = torch.nn.Linear(problem.weight.shape[1], problem.weight.shape[0])
-    with torch.no_grad():
-        linear.weight.copy_(problem.weight)
-        linear.bias.copy_(problem.bias)
-    return linear
-
-
 def _ours(problem, name, size=97, **params):
     det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
     return det, det.score(problem.batches(problem.eval_x)).double().numpy()
@@ -52,7 +44,7 @@ def test_vra_matches_pytorch_ood_and_the_float64_formula(problem, relu_problem, 
     lower, upper = percentiles
     det, ours = _ours(p, "vra", lower_percentile=lower, upper_percentile=upper)
     with torch.no_grad():
-        theirs = pood.VRA(None, _linear(p), lower_percentile=lower / 100, upper_percentile=upper / 100)
+        theirs = pood.VRA(None, p.logits, lower_percentile=lower / 100, upper_percentile=upper / 100)
         theirs = theirs.fit_feature_maps(p.fit_x, p.fit_y).predict_feature_maps(p.eval_x).double().numpy()
     assert_same_ranking(ours, theirs, n_id=len(p.test_x))
     fx, ex = p.fit_x.double().numpy(), p.eval_x.double().numpy()
@@ -307,7 +299,7 @@ def _nnguide_reference(problem, k):
 def test_nnguide_matches_pytorch_ood_and_the_float64_formula(problem, k):
     det, ours = _ours(problem, "nnguide", k=k)
     with torch.no_grad():
-        theirs = pood.NNGuide(None, _linear(problem), k=k).fit_features(problem.fit_x, problem.fit_y)
+        theirs = pood.NNGuide(None, problem.logits, k=k).fit_features(problem.fit_x, problem.fit_y)
         theirs = theirs.predict_features(problem.eval_x).double().numpy()
     assert_same_ranking(ours, theirs, n_id=len(problem.test_x))
     expected = _nnguide_reference(problem, k)
