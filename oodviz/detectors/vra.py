@@ -166,8 +166,9 @@ class VRA(Detector):
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
-        """``8 x (4 x 256 x D + C x D + C)``: four ranks' byte histograms per unit (int64) and the head."""
-        return 8 * (4 * _BYTE_BINS * n_features + n_classes * n_features + n_classes)
+        """``8 x (2 x 4 x 256 x D + C x D + C)``: up to four ranks' byte histograms per unit and their cumulative
+        sums (int64), and the head."""
+        return 8 * (2 * 4 * _BYTE_BINS * n_features + n_classes * n_features + n_classes)
 
     def _fit(self, data: FitData) -> None:
         quantiles = ColumnQuantiles([self.lower_percentile / 100, self.upper_percentile / 100])
