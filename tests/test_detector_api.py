@@ -48,6 +48,10 @@ def test_registry_lists_the_issue_detectors():
         "adascale",
         "rankfeat",
         "gram",
+        "vra",
+        "gmm",
+        "openmax",
+        "nnguide",
     }
     for name in NAMES:
         cls = detector_class(name)
@@ -201,7 +205,7 @@ def test_empty_input(problem):
             create(name).fit(only_ood, head=problem.head)
 
 
-@pytest.mark.parametrize("name", ["mahalanobis", "rmd", "she"])
+@pytest.mark.parametrize("name", ["mahalanobis", "rmd", "she", "gmm", "openmax"])
 def test_a_class_without_samples(problem, name):
     y = problem.fit_y.clone()
     keep = y != 2

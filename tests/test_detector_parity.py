@@ -152,6 +152,37 @@ def reference(problem, name):
     raise KeyError(name)
 
 
+def _unit(x):
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+@pytest.mark.parametrize("name", ["mahalanobis", "rmd"])
+def test_normalize_is_the_method_on_l2_normalised_features(problem, name):
+    """MDS++ / RMDS++: pytorch-ood's method fitted and scored on unit vectors, and the float64 formula on them."""
+    det, ours = _oodviz_scores(problem, name, normalize=True)
+    unit = lambda x: torch.nn.functional.normalize(x, dim=1)  # noqa: E731
+    method = pood.Mahalanobis if name == "mahalanobis" else pood.RMD
+    theirs = method(None).fit_features(unit(problem.fit_x), problem.fit_y).predict_features(unit(problem.eval_x))
+    assert_same_ranking(ours, theirs.double().numpy(), n_id=len(problem.test_x))
+    fx, fy, ex, _, _ = _np(problem)
+    fx, ex = _unit(fx), _unit(ex)
+    means, cov = _class_gaussians(fx, fy)
+    precision = np.linalg.inv(cov)
+    expected = np.stack([np.einsum("nd,de,ne->n", ex - m, precision, ex - m) for m in means], axis=1).min(1)
+    if name == "rmd":
+        mu0, cov0 = fx.mean(0), np.cov(fx, rowvar=False, bias=True)
+        expected -= np.einsum("nd,de,ne->n", ex - mu0, np.linalg.inv(cov0), ex - mu0)
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
+    # Not the plain method: the normalisation changes the ranking.
+    assert abs(np.corrcoef(ours, _oodviz_scores(problem, name)[1])[0, 1]) < 0.999
+    assert det.get_params() == {"normalize": True}
+
+
+def test_normalize_must_be_a_bool():
+    with pytest.raises(ValueError, match="normalize must be True or False"):
+        create("mahalanobis", normalize="yes")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_matches_float64_formula(problem, name):
     _, ours = _oodviz_scores(problem, name, **PARAMS.get(name, {}))

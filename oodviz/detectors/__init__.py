@@ -16,6 +16,7 @@ from oodviz.detectors.energy import Energy
 from oodviz.detectors.entropy import Entropy
 from oodviz.detectors.fdbd import FDBD
 from oodviz.detectors.gen import GEN
+from oodviz.detectors.gmm import GMM
 from oodviz.detectors.gradnorm import GradNorm
 from oodviz.detectors.gram import Gram
 from oodviz.detectors.klm import KLMatching
@@ -25,7 +26,9 @@ from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
+from oodviz.detectors.nnguide import NNGuide
 from oodviz.detectors.odin import ODIN
+from oodviz.detectors.openmax import OpenMax
 from oodviz.detectors.rankfeat import RankFeat
 from oodviz.detectors.react import ReAct
 from oodviz.detectors.rmd import RelativeMahalanobis
@@ -33,6 +36,7 @@ from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
+from oodviz.detectors.vra import VRA
 from oodviz.detectors.weiper import WeiPer
 
 _REGISTRY: dict[str, type[Detector]] = {
@@ -57,9 +61,12 @@ _REGISTRY: dict[str, type[Detector]] = {
         FDBD,
         NCI,
         GradNorm,
+        VRA,
+        GMM,
+        OpenMax,
+        NNGuide,
         ODIN,
         MCD,
-        # issue 17, part B
         WeiPer,
         AdaSCALE,
         RankFeat,

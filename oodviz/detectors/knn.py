@@ -40,6 +40,7 @@ each ``score`` call from the bank chunks; queries are staged and searched in blo
 """
 
 import contextlib
+import math
 import os
 import shutil
 import tempfile
@@ -92,25 +93,33 @@ class KNN(Detector):
 
     def _write_bank(self, data: FitData) -> None:
         """Stream the L2-normalised features into a float32 file and keep it as a memory map."""
-        directory = self.bank_dir or tempfile.mkdtemp(prefix="oodviz-knn-")
+        directory = self.bank_dir or tempfile.mkdtemp(prefix=f"oodviz-{self.name}-")
         if self.bank_dir is None:
             # The bank lives as long as this detector.
             weakref.finalize(self, shutil.rmtree, directory, True)
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"knn-bank-{id(self):x}.f32")
+        path = os.path.join(directory, f"{self.name}-bank-{id(self):x}.f32")
         rows, dim = 0, None
         with open(path, "wb") as file:
             for batch in data:
                 dim = batch.features.shape[1]
                 for block in row_blocks(len(batch.features), dim, itemsize=4):
-                    _normalise(batch.features[block]).cpu().numpy().tofile(file)
+                    self._bank_rows(batch.features[block], data).cpu().numpy().tofile(file)
                 rows += len(batch.features)
         self._keep_bank(np.memmap(path, dtype=np.float32, mode="r", shape=(rows, dim)), normalised=True)
+
+    def _bank_rows(self, features: Tensor, data: FitData) -> Tensor:
+        """The bank rows written for fit features ``[b, D]``: float32, L2-normalised."""
+        return _normalise(features)
+
+    def _query_extra(self, batch) -> Tensor | None:
+        """Per-query numbers the final score needs besides the similarities (``[B]``, kept on the CPU), or None."""
+        return None
 
     def _keep_bank(self, bank: np.ndarray, normalised: bool) -> None:
         if len(bank) < self.k:
             raise ValueError(
-                f"knn: k={self.k} exceeds the {len(bank)} in-distribution samples; choose k <= {len(bank)}."
+                f"{self.name}: k={self.k} exceeds the {len(bank)} in-distribution samples; choose k <= {len(bank)}."
             )
         self.bank_ = bank  # [N, D] memory map
         self.bank_path_ = str(bank.filename)
@@ -123,10 +132,16 @@ class KNN(Detector):
         One pass over the bank for all the batches (see the module docstring); the batches are read once,
         so a one-shot iterable is fine.
         """
+        kth_similarity = self.top_similarities(batches, device)[0][:, -1]
+        return (2 - 2 * kth_similarity).clamp(min=0).sqrt().float()
+
+    def top_similarities(self, batches, device=None) -> tuple[Tensor, Tensor | None]:
+        """The ``k`` largest inner products of each normalised query with the bank rows, ``[N, k]`` in decreasing
+        order (CPU float32), and the queries' :meth:`_query_extra` ``[N]`` (or None), with the configured backend."""
         if self.backend != "exact":
-            return self._faiss_score(batches)
-        with self._staged_queries(batches, device) as (queries, device):
-            best = torch.full((len(queries), self.k), -3.0, device=device)  # top-k cosine similarities so far
+            return self._faiss_top_similarities(batches)
+        with self._staged_queries(batches, device) as (queries, device, extra):
+            best = torch.full((len(queries), self.k), -math.inf, device=device)  # top-k inner products so far
             held = self._queries_on(device, queries)
             for chunk in self._bank_chunks(device):
                 step = max(1, SIMILARITY_BYTES // (4 * len(chunk)))
@@ -135,17 +150,16 @@ class KNN(Detector):
                     z = held[rows] if held is not None else torch.from_numpy(np.array(queries[rows])).to(device)
                     candidates = torch.cat([best[rows], z @ chunk.T], dim=1)
                     best[rows] = torch.topk(candidates, k=self.k, dim=1).values
-            kth_similarity = best[:, -1]
-            return (2 - 2 * kth_similarity).clamp(min=0).sqrt().float().cpu()
+            return best.float().cpu(), extra
 
-    def _faiss_score(self, batches) -> Tensor:
+    def _faiss_top_similarities(self, batches) -> tuple[Tensor, Tensor | None]:
         index = self._faiss_index()
-        with self._staged_queries(batches, torch.device("cpu")) as (queries, _):
+        with self._staged_queries(batches, torch.device("cpu")) as (queries, _, extra):
             step = max(1, SIMILARITY_BYTES // (4 * self.chunk_size))
-            kth_similarity = np.concatenate(
-                [index.search(np.array(queries[s : s + step]), self.k)[0][:, -1] for s in range(0, len(queries), step)]
+            best = np.concatenate(
+                [index.search(np.array(queries[s : s + step]), self.k)[0] for s in range(0, len(queries), step)]
             )
-        return torch.from_numpy(np.sqrt(np.clip(2 - 2 * kth_similarity, 0, None))).float()
+        return torch.from_numpy(best).float(), extra
 
     def _faiss_index(self):
         """A FAISS inner-product index of the normalised bank (flat, or IVF trained on a sample of it)."""
@@ -173,22 +187,25 @@ class KNN(Detector):
     @contextlib.contextmanager
     def _staged_queries(self, batches, device):
         """The validated query batches, L2-normalised in row blocks into a float32 file: yields its memory map
-        ``[N_q, D]`` and the scoring device; the file is removed afterwards."""
+        ``[N_q, D]``, the scoring device and the queries' :meth:`_query_extra` ``[N_q]`` (or None); the file is
+        removed afterwards."""
         # Beside a bank this detector wrote, never inside a feature store (then the system's temporary directory).
         own = getattr(self, "bank_normalised_", False)
         directory = os.path.dirname(self.bank_path_) if own else None
         file = tempfile.NamedTemporaryFile(prefix="knn-queries-", suffix=".f32", dir=directory, delete=False)
         try:
-            rows = 0
+            rows, extras = 0, []
             with file:
                 for batch in self.validated_batches(batches, device):
                     device = batch.device
                     for block in row_blocks(len(batch.features), batch.features.shape[1], itemsize=4):
                         _normalise(batch.features[block]).cpu().numpy().tofile(file)
                     rows += len(batch.features)
+                    extras.append(self._query_extra(batch))
             if not rows:
                 raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
-            yield np.memmap(file.name, dtype=np.float32, mode="r", shape=(rows, self.bank_.shape[1])), device
+            extra = None if extras[0] is None else torch.cat(extras)
+            yield np.memmap(file.name, dtype=np.float32, mode="r", shape=(rows, self.bank_.shape[1])), device, extra
         finally:
             os.unlink(file.name)
 

@@ -16,6 +16,10 @@ Score, with ``MD_k(x) = (x - mu_k)^T Sigma^+ (x - mu_k)`` and ``MD_0(x) = (x - m
 The paper's confidence is ``-min_k RMD_k``; higher score = more OOD. pytorch-ood 0.4 uses
 unnormalised scatter matrices for both covariances, which scales the score by ``1/N`` (same
 ranking); oodviz follows the paper.
+
+``normalize=True`` is RMDS++ (OpenOOD v1.5; Mueller & Hein 2025, https://arxiv.org/abs/2505.18032):
+the features are L2-normalised before the fit and the score, both Gaussians included (see
+:mod:`~oodviz.detectors.mahalanobis`).
 """
 
 from torch import Tensor
@@ -27,7 +31,10 @@ from oodviz.detectors.stats import ClassMoments
 
 class RelativeMahalanobis(Mahalanobis):
     name = "rmd"
-    summary = "Mahalanobis distance minus the distance under one Gaussian over all classes."
+    summary = (
+        "Mahalanobis distance minus the distance under one Gaussian over all classes; "
+        "normalize=True: of the L2-normalised features (RMDS++)."
+    )
     paper = "https://arxiv.org/abs/2106.09022"
     #: the within-class and the total scatter, and the eigendecomposition's two ``D x D`` matrices
     square_copies = 4
@@ -40,5 +47,5 @@ class RelativeMahalanobis(Mahalanobis):
         super()._fit_gaussians(moments)
 
     def _score(self, batch: Batch) -> Tensor:
-        background = ((batch.features.float() - self.center_) @ self.background_whitening_).pow(2).sum(dim=1)
+        background = ((self.prepared(batch.features) - self.center_) @ self.background_whitening_).pow(2).sum(dim=1)
         return self.min_distance(batch.features) - background

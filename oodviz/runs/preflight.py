@@ -88,7 +88,7 @@ def knn_fit_memory_bytes(n_features: int, params: dict) -> int:
 def fit_memory_bytes(name: str, params: dict, n_features: int, n_classes: int, n_samples: int) -> int:
     from oodviz.detectors import detector_class
 
-    if name == "knn":
+    if name in ("knn", "nnguide"):  # nnguide keeps its bank as knn does
         return knn_fit_memory_bytes(n_features, params)
     return int(detector_class(name).fit_memory_bytes(n_features, n_classes, n_samples))
 

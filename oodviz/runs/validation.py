@@ -133,7 +133,7 @@ def check_sizes(config, n_fit_rows: int, feature_dim: int, num_classes: int) -> 
     """The problems of ``config``'s detectors with the data's sizes, known once the model and data are
     loaded: ``n_fit_rows`` (rows of the ID fit split), ``feature_dim`` (D) and ``num_classes`` (C).
 
-    - knn: ``k`` <= ``n_fit_rows`` (the k-th neighbour must exist);
+    - knn, nnguide: ``k`` <= ``n_fit_rows`` (the k-th neighbour must exist);
     - vim: ``0 < dim < D`` (``dim`` or its default for D);
     - fdbd: C >= 2 (distances to decision boundaries between classes).
     """
@@ -143,8 +143,8 @@ def check_sizes(config, n_fit_rows: int, feature_dim: int, num_classes: int) -> 
     found = []
     for i, choice in enumerate(config.detectors):
         where = f"detectors[{i}] ({choice.name})"
-        if choice.name == "knn":
-            k = create("knn", **choice.params).k
+        if choice.name in ("knn", "nnguide"):
+            k = create(choice.name, **choice.params).k
             if k > n_fit_rows:
                 found.append(
                     f"{where}: k={k} is more than the {n_fit_rows} rows of the ID fit set; "

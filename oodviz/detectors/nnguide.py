@@ -1,0 +1,68 @@
+"""NNGuide: the energy score guided by the similarity to nearest in-distribution neighbours.
+
+Park, Jung & Teoh, *Nearest Neighbor Guidance for Out-of-Distribution Detection*, ICCV 2023,
+https://arxiv.org/abs/2309.14888
+
+Fit (features ``x`` ``[N, D]``, head ``(W [C, D], b [C])``): the bank of the L2-normalised training
+features, each scaled by its confidence ``E(x) = logsumexp_k (x W^T + b)_k`` (the negated energy):
+
+    g_i = E(x_i) x_i / |x_i|                                                     [N, D]
+
+Score, with ``z = x / |x|`` for features ``x`` ``[B, D]``:
+
+    guidance(x) = 1/k sum of the k largest <z, g_i>
+    score(x)    = -guidance(x) E(x)
+
+The paper's confidence is ``guidance x E``; its negation is the OOD score (higher = more OOD). As in
+pytorch-ood 0.4's ``NNGuide``, the neighbours are those of largest inner product with the scaled
+bank. The paper builds the bank from a random subset of the training data (1% for ImageNet): fit on
+such a subset to follow it.
+
+The bank is kept like :mod:`~oodviz.detectors.knn`'s (whose search this detector reuses): written
+to disk as the fit streams in (float32, ``bank_dir`` or a temporary directory removed with the
+detector), read in chunks once per ``score`` call, on the GPU when it fits, or searched by FAISS with
+``backend="faiss-flat"`` / ``"faiss-ivf"``. Memory: one bank chunk and the ``[N_queries, k]`` running
+top-k, whatever the size of the bank.
+"""
+
+import torch
+from torch import Tensor
+
+from oodviz.detectors.base import FitData
+from oodviz.detectors.knn import KNN
+from oodviz.detectors.mahalanobis import l2_normalised
+
+
+def confidence(features: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    """``E(x) = logsumexp(x W^T + b)`` ``[B]`` (float32): the negated energy of the head's logits."""
+    return torch.logsumexp(features.float() @ weight.T + bias, dim=1)
+
+
+class NNGuide(KNN):
+    name = "nnguide"
+    summary = "Energy times the mean similarity to the k nearest confidence-scaled training features."
+    paper = "https://arxiv.org/abs/2309.14888"
+    needs_head = True
+    in_defaults = False  # the default list is issue 17's per-backbone choice
+
+    def __init__(self, k: int = 10, chunk_size: int = 16384, bank_dir: str | None = None, backend: str = "exact"):
+        super().__init__(k=k, chunk_size=chunk_size, bank_dir=bank_dir, backend=backend)
+
+    def _fit(self, data: FitData) -> None:
+        self._write_bank(data)  # never the store's own file: its rows are scaled
+        self.head_weight_, self.head_bias_ = data.head
+
+    def _bank_rows(self, features: Tensor, data: FitData) -> Tensor:
+        weight, bias = data.head
+        return l2_normalised(features) * confidence(features, weight, bias)[:, None]
+
+    def _query_extra(self, batch) -> Tensor:
+        return confidence(batch.features, self.head_weight_, self.head_bias_).cpu()
+
+    @torch.no_grad()
+    def score(self, batches, device=None) -> Tensor:
+        """Outlier scores ``[N]`` (CPU float32, order of the batches): ``-guidance(x) E(x)``; higher = more OOD.
+
+        One pass over the bank for all the batches, as knn's; a one-shot iterable is fine."""
+        best, confidences = self.top_similarities(batches, device)
+        return -(best.mean(dim=1) * confidences)

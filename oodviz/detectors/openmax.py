@@ -1,0 +1,158 @@
+"""OpenMax: logits recalibrated by a per-class Weibull model of the distances to the class means.
+
+Bendale & Boult, *Towards Open Set Deep Networks*, CVPR 2016, https://arxiv.org/abs/1511.06233
+
+Fit (logits ``z`` ``[N, C]``, labels ``y`` in ``0..K-1``), two passes:
+
+1. the mean activation vector of each class, ``mu_k = mean_{i: y_i = k} z_i`` ``[K, C]``;
+2. the distance of each training sample to its class mean,
+   ``d(z, mu) = w_e |z - mu| + (1 - w_e) (1 - <z, mu> / (|z| |mu|))`` (``w_e = euclid_weight``), keeping
+   the ``tailsize`` largest per class (``[K, tailsize]``, whatever the number of samples), to which a
+   Weibull distribution is fitted by maximum likelihood (:func:`fit_weibull`). As libMR (the paper's
+   library) and pytorch-ood 0.4 do, the tail is translated first, ``t = d + 10000 - min(tail)``, and the
+   Weibull has location 0: ``W_k(d) = 1 - exp(-((d + 10000 - m_k) / lambda_k)^c_k)``.
+
+Score, with logits ``z`` ``[B, C]``: the ``alpha`` classes of largest logits, in decreasing order
+``s_1, ..., s_alpha``, get weights ``r_i = (alpha + 1 - i) / alpha`` and ``w_i = r_i W_{s_i}(d(z, mu_{s_i}))``
+(``W = 1`` for a class without training samples); then
+
+    v_j = z_j (1 - w_j)   (w_j = 0 outside the top alpha),     v_0 = sum_j z_j w_j
+    score(z) = exp(v_0) / (exp(v_0) + sum_j exp(v_j))
+
+the probability of the "unknown" class in the recalibrated softmax (higher = more OOD), as pytorch-ood
+0.4's ``OpenMax`` scores it. Two differences from pytorch-ood, neither of which changes the scores of
+the tests' data: pytorch-ood clips the revised activations at 709 before ``exp`` (oodviz's softmax is
+computed stably instead), and it measures distances only to classes that some sample of the same
+``predict`` call has as its top class (the others count as distance 0); oodviz measures them all.
+Also as pytorch-ood (the paper uses correctly classified samples only), the means and tails are
+those of all training samples of each class. pytorch-ood rounds the translated tail to float32 (a
+step of ~0.001 at 10000); oodviz keeps it in float64, so the Weibull shapes differ by ~0.1% and the
+scores by a little (the tests hold the ranking and AUROC to the usual bounds).
+"""
+
+import math
+
+import numpy as np
+import scipy.optimize
+import torch
+from torch import Tensor
+
+from oodviz.batch import Batch
+from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
+from oodviz.detectors.stats import ACCUMULATE, ClassMeans
+
+#: libMR's translation of the tail before the Weibull fit
+TRANSLATION = 10000.0
+
+
+def fit_weibull(samples: np.ndarray) -> tuple[float, float]:
+    """Maximum-likelihood shape ``c`` and scale ``lambda`` of a Weibull with location 0 (float64).
+
+    The shape solves ``sum x^c ln x / sum x^c - 1/c - mean(ln x) = 0`` (increasing in ``c``; bracketed by
+    doubling, then Brent's method); then ``lambda = (mean x^c)^(1/c)``. Powers are taken relative to the
+    largest sample, ``x^c = max^c exp(c (ln x - ln max))``, so a shape in the tens of thousands (libMR's
+    translated tails) does not overflow. This is what ``scipy.stats.weibull_min.fit(x, floc=0)`` returns.
+    """
+    logs = np.log(np.asarray(samples, dtype=np.float64))
+    if logs.size < 2 or np.ptp(logs) == 0 or not np.all(np.isfinite(logs)):
+        raise ValueError(f"fit_weibull needs at least 2 distinct positive samples, got {np.asarray(samples)!r}")
+    top, centred = logs.max(), logs - logs.mean()
+
+    def score_equation(c: float) -> float:
+        weights = np.exp(c * (logs - top))
+        return float((weights * centred).sum() / weights.sum() - 1.0 / c)
+
+    low, high = 1e-6, 1.0
+    while score_equation(high) < 0:
+        low, high = high, 2 * high
+    shape = scipy.optimize.brentq(score_equation, low, high, xtol=1e-12, rtol=4 * np.finfo(float).eps)
+    scale = math.exp(top + math.log(np.exp(shape * (logs - top)).mean()) / shape)
+    return shape, scale
+
+
+class OpenMax(Detector):
+    name = "openmax"
+    summary = "Probability of an 'unknown' class after moving logit mass by per-class Weibull models of the distances."
+    paper = "https://arxiv.org/abs/1511.06233"
+    inputs = ("logits",)
+    needs_labels = True
+    fit_passes = 2
+    in_defaults = False  # the default list is issue 17's per-backbone choice
+
+    def __init__(self, tailsize: int = 25, alpha: int = 10, euclid_weight: float = 1.0):
+        for label, value in (("tailsize", tailsize), ("alpha", alpha)):
+            if isinstance(value, bool) or int(value) != value or value < 1:
+                raise ValueError(f"openmax: {label} must be a positive integer, got {value!r}")
+        if isinstance(euclid_weight, bool) or not (0.0 <= euclid_weight <= 1.0):
+            raise ValueError(
+                f"openmax: euclid_weight must be in [0, 1] (1 - it weighs the cosine), got {euclid_weight!r}"
+            )
+        if tailsize < 2:
+            raise ValueError("openmax: tailsize must be at least 2 (a Weibull fit needs two distances)")
+        self.tailsize = int(tailsize)
+        self.alpha = int(alpha)
+        self.euclid_weight = float(euclid_weight)
+
+    @classmethod
+    def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
+        """``8 x (C x C + C x (tailsize 25 + 4))``: class means of the logits and distance tails (float64)."""
+        return 8 * (n_classes * n_classes + n_classes * 29)
+
+    def distances(self, logits: Tensor, means: Tensor) -> Tensor:
+        """``d(z_b, mu_k)`` ``[B, K]`` float64 for logits ``[B, C]`` and class means ``[K, C]``."""
+        z = logits.to(ACCUMULATE)
+        distance = torch.zeros(len(z), len(means), dtype=ACCUMULATE, device=z.device)
+        if self.euclid_weight > 0:
+            distance += self.euclid_weight * torch.cdist(
+                z, means.to(ACCUMULATE), compute_mode="donot_use_mm_for_euclid_dist"
+            )
+        if self.euclid_weight < 1:
+            # an all-zero row has cosine 0 (distance 1), not 0 / 0
+            cosine = (z @ means.T) / (z.norm(dim=1, keepdim=True) * means.norm(dim=1)).clamp(min=1e-300)
+            distance += (1 - self.euclid_weight) * (1 - cosine)
+        return distance
+
+    def _fit(self, data: FitData) -> None:
+        sums = ClassMeans()
+        for batch in data:
+            sums.update(batch.logits, batch.labels)
+        check_all_classes_seen(self.name, sums.empty_classes())
+        means = sums.means  # [K, C] float64
+        tails = torch.full((len(means), self.tailsize), -math.inf, dtype=ACCUMULATE, device=means.device)
+        for batch in data:
+            for label in torch.unique(batch.labels).tolist():
+                own = self.distances(batch.logits[batch.labels == label], means[label : label + 1])[:, 0]
+                tails[label] = torch.topk(torch.cat([tails[label], own]), self.tailsize).values
+        shapes, scales = [], []
+        for label, tail in enumerate(tails.cpu().numpy()):
+            tail = tail[np.isfinite(tail)]  # a class with fewer than tailsize samples: all of them
+            if len(tail) < 2 or np.ptp(tail) == 0:
+                raise ValueError(
+                    f"openmax: class {label} has {len(tail)} training sample(s) whose distances to the class mean "
+                    "are all equal; a Weibull fit needs at least two different ones: give the class more samples."
+                )
+            shape, scale = fit_weibull(tail + TRANSLATION - tail.min())
+            shapes.append(shape)
+            scales.append(scale)
+        self.class_means_ = means
+        self.tail_minima_ = tails.nan_to_num(neginf=math.inf).amin(dim=1)  # [K]
+        self.weibull_shapes_ = torch.tensor(shapes, dtype=ACCUMULATE, device=means.device)  # [K]
+        self.weibull_scales_ = torch.tensor(scales, dtype=ACCUMULATE, device=means.device)  # [K]
+
+    def weibull_cdf(self, distances: Tensor) -> Tensor:
+        """``W_k(d)`` for distances ``[B, K]`` to each class mean."""
+        translated = (distances + TRANSLATION - self.tail_minima_).clamp(min=0)
+        return -torch.expm1(-((translated / self.weibull_scales_) ** self.weibull_shapes_))
+
+    def _score(self, batch: Batch) -> Tensor:
+        z = batch.logits.to(ACCUMULATE)
+        n_classes = z.shape[1]
+        alpha = min(self.alpha, n_classes)
+        known = len(self.class_means_)
+        outlier = torch.ones_like(z)  # W = 1 for classes without training samples
+        outlier[:, :known] = self.weibull_cdf(self.distances(z, self.class_means_))
+        top = torch.topk(z, alpha, dim=1).indices  # [B, alpha], largest first
+        ranks = (alpha - torch.arange(alpha, dtype=ACCUMULATE, device=z.device)) / alpha  # (alpha + 1 - i) / alpha
+        weights = torch.zeros_like(z).scatter_(1, top, outlier.gather(1, top) * ranks)
+        revised = torch.cat([(z * weights).sum(dim=1, keepdim=True), z * (1 - weights)], dim=1)
+        return torch.softmax(revised, dim=1)[:, 0]
