@@ -3,6 +3,7 @@
 import numpy as np
 import scipy.linalg
 import torch
+from conftest import cuda
 
 from oodviz import Batch
 from oodviz.detectors import create
@@ -122,3 +123,55 @@ def test_vim_computes_only_the_residual_eigenvectors_and_matches_the_full_decomp
     residual = vectors[:, :14]
     projector = det.residual_space_.double() @ det.residual_space_.double().T
     np.testing.assert_allclose(projector.numpy(), residual @ residual.T, atol=1e-5)
+
+
+# -- bounded inside a batch (issue 13.3) ----------------------------------------------------------------
+
+
+def test_ood_rows_are_dropped_a_chunk_at_a_time_never_copying_a_whole_tensor(monkeypatch):
+    from oodviz.detectors import fitdata
+
+    monkeypatch.setattr(fitdata, "CHUNK_BYTES", 100 * (64 * 4 + 8))  # 100 rows of features and labels
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(1000, 64, generator=g)
+    labels = torch.arange(1000) % 4
+    labels[::10] = -1  # OOD rows in every chunk
+    data = fitdata.FitData([Batch(x, labels=labels)], None, create("mahalanobis"), None)
+    for _ in range(2):  # the validating pass and a later one
+        kept = list(data)
+        assert len(kept) == 10 and all(len(b) == 90 for b in kept)
+        assert all(b.features.untyped_storage().nbytes() <= 100 * 64 * 4 for b in kept)  # copies of one chunk
+        assert torch.equal(torch.cat([b.features for b in kept]), x[labels != -1])
+        assert torch.equal(torch.cat([b.labels for b in kept]), labels[labels != -1])
+
+
+def test_one_big_batch_is_scored_in_row_chunks_with_the_scores_of_small_batches(monkeypatch):
+    from oodviz.detectors import fitdata
+
+    x, y = _wide(n=600, d=32, c=4)
+    det = create("mahalanobis").fit(_batches(x, y, size=64))
+    expected = torch.cat([det.score(Batch(x[i : i + 50])) for i in range(0, 600, 50)])
+    monkeypatch.setattr(fitdata, "CHUNK_BYTES", 50 * 32 * 4)
+    seen, score_rows = [], det._score
+
+    def recording(batch):
+        seen.append(len(batch))
+        return score_rows(batch)
+
+    monkeypatch.setattr(det, "_score", recording)
+    torch.testing.assert_close(det.score(Batch(x)), expected, rtol=1e-6, atol=1e-5)
+    assert seen == [50] * 12
+
+
+@cuda
+def test_a_big_cpu_batch_reaches_the_gpu_a_chunk_at_a_time():
+    """A 64 MiB CPU batch fitted and scored on the GPU: the device never holds it whole."""
+    x, y = _wide(n=65_536, d=256, c=4)  # 64 MiB of float32 features
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    det = create("mahalanobis").fit(Batch(x, labels=y), device="cuda")
+    scores = det.score(Batch(x), device="cuda")
+    assert torch.cuda.max_memory_allocated() - base < 48 * 2**20
+    reference = create("mahalanobis").fit(_batches(x, y, size=4096)).score(Batch(x))
+    torch.testing.assert_close(scores, reference, rtol=1e-3, atol=1e-3)
