@@ -119,6 +119,13 @@ class Detector:
         return f"{type(self).__name__}({params})"
 
     @classmethod
+    def fields_to_read(cls, fitting: bool) -> tuple[str, ...]:
+        """The batch fields a fit (``fitting``) or a score can use: ``inputs`` and ``optional_inputs``, and
+        ``labels`` for a fit that ``needs_labels``; a run reads only these from the feature store."""
+        fields = cls.inputs + tuple(f for f in cls.optional_inputs if f not in cls.inputs)
+        return fields + ("labels",) if fitting and cls.needs_labels and "labels" not in fields else fields
+
+    @classmethod
     def fields_of(cls, batch: Batch) -> tuple[str, ...]:
         """The batch fields this detector reads from ``batch``: its inputs and the optional ones present."""
         return cls.inputs + tuple(f for f in cls.optional_inputs if getattr(batch, f) is not None)
