@@ -31,6 +31,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.fitdata import FitData, Shapes, all_finite, iter_batches, row_chunks
+from oodviz.detectors.modelmemory import activation_bytes, rows_that_fit
 from oodviz.models.placement import model_on_device
 
 __all__ = ["Detector", "FitData", "ModelDetector", "NotFittedError", "all_finite", "check_all_classes_seen"]
@@ -187,13 +188,13 @@ class Detector:
                 self._move_fitted(device)
                 moved = True
             fields = self.fields_of(whole)
-            for batch in row_chunks(whole, fields, self._chunk_bytes(whole)):  # views: bounded inside a batch
+            for batch in row_chunks(whole, fields, self._chunk_bytes(whole, device)):  # views: bounded inside a batch
                 batch = batch.to(device)
                 shapes.check_widths(batch, index, fields)
                 shapes.check_finite(batch, index, fields)
                 yield batch
 
-    def _chunk_bytes(self, batch: Batch) -> int | None:
+    def _chunk_bytes(self, batch: Batch, device: torch.device) -> int | None:
         """The most bytes of ``batch``'s read fields scored at once; None: :data:`oodviz.detectors.fitdata.CHUNK_BYTES`."""
         return None
 
@@ -239,6 +240,8 @@ class ModelDetector(Detector):
     inputs = ("inputs",)
     needs_fit = False
     needs_model = True
+    #: copies of one input's activations alive at once while scoring (see :mod:`oodviz.detectors.modelmemory`)
+    activation_copies: ClassVar[int] = 1
 
     def __init__(self, model=None):
         self.model = _check_model_object(model)
@@ -302,6 +305,19 @@ class ModelDetector(Detector):
         device = first.device if device is None else torch.device(device)
         with model_on_device(self.module, device), self._scoring(device):
             return Detector.score(self, itertools.chain([first], iterator), device=device)
+
+    def _chunk_bytes(self, batch: Batch, device: torch.device) -> int | None:
+        """Inputs scored at once: as many as fit in the memory share at the activation cost of one input,
+        measured once per input shape and device (:mod:`oodviz.detectors.modelmemory`); a plain callable
+        (no module to measure) gets the default."""
+        module = self.module
+        if module is None or batch.inputs is None:
+            return None
+        key = (tuple(batch.inputs.shape[1:]), batch.inputs.dtype, str(device))
+        if getattr(self, "_rows_measured", (None,))[0] != key:
+            per_input = activation_bytes(module, self.logits, batch.inputs[:1].to(device))
+            self._rows_measured = (key, rows_that_fit(per_input, self.activation_copies, device))
+        return self._rows_measured[1] * batch.inputs[0].numel() * batch.inputs.element_size()
 
     def _scoring(self, device: torch.device):
         """A context manager around one ``score`` call, entered after the model is on ``device`` in eval mode."""
