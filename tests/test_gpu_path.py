@@ -581,14 +581,14 @@ def test_a_pass_short_of_shared_memory_says_so_in_every_progress_report(monkeypa
 
 
 def fit_data_syncs(n_batches: int, passes: int) -> list[int]:
-    """Host syncs made by base.py (FitData) on each of ``passes`` passes over ``n_batches`` clean batches."""
+    """Host syncs made by fitdata.py (FitData) on each of ``passes`` passes over ``n_batches`` clean batches."""
     from oodviz.detectors.base import FitData
 
     problem = make_problem(n_fit=100 * n_batches)
     data = FitData(problem.fit_batches(size=100), None, create("tempscale"), problem.head)
     counts = []
     for _ in range(passes):
-        with SyncCounter("oodviz/detectors/base.py") as counter:
+        with SyncCounter("oodviz/detectors/fitdata.py") as counter:
             rows = sum(len(batch) for batch in data)
         assert rows == 100 * n_batches
         counts.append(counter.count)

@@ -394,23 +394,27 @@ class ImageList:
 
 
 class Flaky(nn.Module):
-    """TinyCNN that runs out of CUDA memory for batches above ``oom_above`` samples."""
+    """TinyCNN that runs out of memory for batches above ``oom_above`` samples (CUDA's error, or ``message``)."""
 
-    def __init__(self, oom_above=None, dropout=0.0):
+    def __init__(self, oom_above=None, dropout=0.0, message=None):
         super().__init__()
         self.inner = TinyCNN(dropout=dropout)
         self.oom_above = oom_above
+        self.message = message
         self.sizes = []
 
     def forward(self, x):
         self.sizes.append(len(x))
         if self.oom_above is not None and len(x) > self.oom_above:
+            if self.message is not None:
+                raise RuntimeError(self.message)
             raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {len(x)} GiB")
         return self.inner(x)
 
 
-def flaky_backbone(oom_above=None):
-    return wrap_model(Flaky(oom_above), lambda image: image, head="inner.fc", input_shape=(3, 8, 8), name="flaky")
+def flaky_backbone(oom_above=None, message=None, dropout=0.0):
+    model = Flaky(oom_above, dropout=dropout, message=message)
+    return wrap_model(model, lambda image: image, head="inner.fc", input_shape=(3, 8, 8), name="flaky")
 
 
 def test_score_inputs_keeps_dataset_order_and_skips_unreadable_items():
@@ -434,14 +438,36 @@ def test_score_inputs_backs_off_on_out_of_memory_with_identical_scores():
     flaky = flaky_backbone(oom_above=2)
     det = create("odin", model=flaky)
     result = score_inputs(lambda b: det.score(b), flaky, dataset, batch_size=8)
-    assert flaky.model.sizes[:3] == [8, 4, 2]
+    assert flaky.model.sizes[:4] == [1, 8, 4, 2]  # the one-input memory measurement, then 8 fails, 4 fails, 2s
     assert result.batch_size_in_force == 2 and result.oom_backoffs == 2
     assert torch.equal(result.scores, at_two.scores)
     assert np.array_equal(result.indices, at_two.indices)
     hopeless = flaky_backbone(oom_above=0)
     with pytest.raises(torch.cuda.OutOfMemoryError, match="even at batch size 1 while scoring flaky inputs"):
         score_inputs(lambda b: create("odin", model=hopeless).score(b), hopeless, dataset, batch_size=4)
-    assert hopeless.model.sizes == [4, 2, 1]
+    assert hopeless.model.sizes == [1, 1, 1]  # even the one-input measurement runs out, at 4, 2 and 1
+
+
+CPU_OOM = "[enforce fail at alloc_cpu.cpp:118] . DefaultCPUAllocator: can't allocate memory: you tried to allocate 98"
+
+
+@pytest.mark.parametrize("detector", ["odin", "mcd"])
+def test_score_inputs_backs_off_on_host_out_of_memory_with_identical_scores(detector):
+    """The CPU allocator's error on the first big batch: halved and retried as CUDA's is, the same scores."""
+    dataset = ImageList(n=11, broken=())
+    params, dropout = ({"samples": 3}, 0.3) if detector == "mcd" else ({}, 0.0)
+    plain = flaky_backbone(dropout=dropout)
+    torch.manual_seed(0)
+    at_two = score_inputs(lambda b: create(detector, model=plain, **params).score(b), plain, dataset, batch_size=2)
+    flaky = flaky_backbone(oom_above=2, message=CPU_OOM, dropout=dropout)
+    det = create(detector, model=flaky, **params)
+    torch.manual_seed(0)
+    result = score_inputs(lambda b: det.score(b), flaky, dataset, batch_size=8)
+    assert flaky.model.sizes[:4] == [1, 8, 4, 2] and result.oom_backoffs == 2 and result.batch_size_in_force == 2
+    assert torch.equal(result.scores, at_two.scores)
+    hopeless = flaky_backbone(oom_above=0, message=CPU_OOM, dropout=dropout)
+    with pytest.raises(MemoryError, match="even at batch size 1 while scoring flaky inputs"):
+        score_inputs(lambda b: create(detector, model=hopeless, **params).score(b), hopeless, dataset, batch_size=4)
 
 
 def test_score_inputs_cancels_and_restores_the_model():
@@ -527,3 +553,30 @@ def test_a_run_with_model_detectors_scores_them_in_store_order(tmp_path):
     id_rows = scores[scores.split == "id_test"]
     assert id_rows["index"].tolist() == [dataset[i][2] for i in range(len(dataset))]
     np.testing.assert_allclose(id_rows["odin"].to_numpy(), expected, rtol=1e-5, atol=1e-7)
+
+
+def test_odin_and_mcd_score_in_batches_sized_from_memory(monkeypatch):
+    """Leaf outputs of this model for one input: 48 + 3 x 1000 + 10 floats = 12232 bytes. With 0.5 x available
+    = 2 x 12232 x 10 (ODIN keeps 2 copies), ODIN scores 10 inputs at a time; MCD (1 copy) 20 - with the scores of
+    batches of that size."""
+    from oodviz.detectors import modelmemory
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(48, 1000), nn.ReLU(), nn.Dropout(0.2), nn.Linear(1000, 10))
+    sizes = []
+    model[1].register_forward_hook(lambda m, i, o: sizes.append(len(o)))
+    monkeypatch.setattr(modelmemory, "available_bytes", lambda device: 2 * (2 * 12232 * 10))
+    x = torch.randn(35, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    odin = create("odin", model=model, temperature=10.0, epsilon=0.01)
+    scores = odin.score(Batch(inputs=x))
+    assert sizes[0] == 1 and set(sizes[1:]) == {10, 5}  # the measuring pass, then chunks of 10
+    expected = torch.cat(
+        [
+            create("odin", model=model, temperature=10.0, epsilon=0.01).score(Batch(inputs=x[i : i + 1]))
+            for i in range(35)
+        ]
+    )
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-6)
+    sizes.clear()
+    mcd = create("mcd", model=model, samples=2)
+    mcd.score(Batch(inputs=x))
+    assert sizes[0] == 1 and sorted(set(sizes[1:])) == [15, 20]

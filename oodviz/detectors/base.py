@@ -23,40 +23,24 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from oodviz.batch import FIELDS, OOD_LABEL, Batch
-from oodviz.detectors.stats import row_blocks
+from oodviz.batch import Batch
+from oodviz.detectors.fitdata import FitData, Shapes, all_finite, iter_batches, row_chunks
+from oodviz.detectors.modelmemory import activation_bytes, rows_that_fit
 from oodviz.models.placement import model_on_device
+
+__all__ = ["Detector", "FitData", "ModelDetector", "NotFittedError", "all_finite", "check_all_classes_seen"]
 
 Head = tuple[Tensor, Tensor]
 
 
 class NotFittedError(ValueError, AttributeError):
     """Raised when ``score`` is called on a detector that needs ``fit`` first."""
-
-
-def _iter_batches(batches: Batch | Iterable[Batch]) -> Iterator[Batch]:
-    if isinstance(batches, Batch):
-        yield batches
-        return
-    try:
-        iterator = iter(batches)
-    except TypeError:
-        raise ValueError(
-            f"batches must be an oodviz.Batch or an iterable of them, got {type(batches).__name__}"
-        ) from None
-    for i, batch in enumerate(iterator):
-        if not isinstance(batch, Batch):
-            raise ValueError(
-                f"batches must yield oodviz.Batch objects; item {i} is a {type(batch).__name__}. "
-                "Wrap your tensors: Batch(features=..., logits=..., labels=...)."
-            )
-        yield batch
 
 
 def _check_head(head) -> Head:
@@ -83,202 +67,6 @@ def _check_head(head) -> Head:
     if not (torch.isfinite(weight).all() and torch.isfinite(bias).all()):
         raise ValueError("head weight or bias contains NaN or infinity; pass the trained layer's parameters")
     return weight, bias
-
-
-def all_finite(t: Tensor) -> bool:
-    """Whether every element of ``t`` is finite, without a full-size temporary.
-
-    ``torch.isfinite(t).all()`` makes several ``t``-sized temporaries (a 4096 x 1024 float32
-    batch costs ~28 MiB). A sum is finite when every element is (a NaN or an infinity makes it
-    NaN or infinite), so one reduction settles the usual case; only a non-finite sum, which an
-    overflow of large finite values can also give, is checked element by element, in row blocks.
-    """
-    if not t.is_floating_point() or t.numel() == 0:
-        return True
-    wide = torch.float32 if t.element_size() < 4 else None  # float16 sums overflow at 65504
-    if bool(torch.isfinite(t.sum(dtype=wide))):
-        return True
-    rows = t.reshape(len(t), -1)
-    return all(bool(torch.isfinite(rows[block]).all()) for block in row_blocks(len(rows), rows.shape[1]))
-
-
-def _in_distribution(batch: Batch, known: Tensor) -> Batch:
-    """The rows of ``batch`` where ``known`` [B] is True: a host sync (the row count depends on the data)."""
-    return Batch(*(None if (t := getattr(batch, field)) is None else t[known] for field in FIELDS))
-
-
-class _Shapes:
-    """D and C seen so far; every later batch (and the head) must agree."""
-
-    def __init__(self, detector_name: str, n_features: int | None = None, n_classes: int | None = None):
-        self.detector_name = detector_name
-        self.n_features = n_features
-        self.n_classes = n_classes
-
-    def check_widths(self, batch: Batch, index: int, inputs: tuple[str, ...]) -> None:
-        for field in inputs:
-            if getattr(batch, field) is None:
-                raise ValueError(
-                    f"{self.detector_name} needs {field} but batch {index} has none; "
-                    f"extract {field} for every batch (Batch({field}=...))."
-                )
-        for field, attr, letter in (("features", "n_features", "D"), ("logits", "n_classes", "C")):
-            value = getattr(batch, field)
-            if value is None or field not in inputs:
-                continue
-            width = value.shape[1]
-            known = getattr(self, attr)
-            if known is None:
-                setattr(self, attr, width)
-            elif width != known:
-                raise ValueError(
-                    f"{self.detector_name}: batch {index} has {field} with {letter}={width}, expected {letter}={known} "
-                    f"(from earlier batches, the head or the fit); every batch must come from the same model layer."
-                )
-
-    def check_finite(self, batch: Batch, index: int, inputs: tuple[str, ...]) -> None:
-        for field in inputs:
-            value = getattr(batch, field)
-            if not all_finite(value):
-                bad = int((~torch.isfinite(value)).reshape(len(value), -1).any(dim=1).sum())
-                raise ValueError(
-                    f"{self.detector_name}: batch {index} has {bad} sample(s) with NaN or infinite {field}; "
-                    "check the model and its input normalisation, or drop those samples."
-                )
-
-
-class FitData:
-    """The fit input as a stream: each ``iter()`` is one validated pass over the batches.
-
-    Batches come out on ``device`` with OOD rows (label ``-1``) removed. With ``device=None``
-    the device is that of the first batch, known once the first pass has started (the head is
-    moved there then). Shapes are checked against each other and against the head; labels
-    against ``0..C-1`` where ``C`` is known; values for NaN and infinity.
-
-    The checks that read the values (labels in range, finiteness) run on the first full pass
-    only. A multi-pass fit (tempscale reads the data once per Newton step, up to 50 times) would
-    otherwise re-read every batch for them on every pass. That is sound because the batches must
-    be a re-iterable that yields the same data on every pass (a list, a store reader), and a stream
-    that changed is caught by the row count each later pass must repeat. Widths (free: shapes
-    only) are checked on every pass. A pass stopped early (a fit that reads one batch) leaves the
-    next pass validating again. Host syncs (budget held by ``tests/test_gpu_path.py``): one per batch on
-    the validating pass (the checks' device-side flags read at once), none later; a batch with OOD rows
-    costs one more on every pass (dropping them gives a data-dependent row count).
-    """
-
-    def __init__(self, batches, device: torch.device | None, detector: Detector, head: Head | None):
-        self._batches = batches
-        self.device = device
-        self._head = head
-        self._detector = detector
-        self._shapes = _Shapes(
-            detector.name,
-            n_features=None if head is None else head[0].shape[1],
-            n_classes=None if head is None else head[0].shape[0],
-        )
-        self._rows_per_pass: int | None = None
-        self._seen: dict[int, tuple[int, bool]] = {}  # batch index -> (rows, has OOD rows), from the validating pass
-
-    @property
-    def head(self) -> Head | None:
-        """``(weight [C, D], bias [C])`` float32 on ``device``, or None."""
-        if self._head is not None and self.device is not None:
-            self._head = tuple(t.to(self.device) for t in self._head)
-        return self._head
-
-    @property
-    def n_features(self) -> int | None:
-        return self._shapes.n_features
-
-    @property
-    def features_on_disk(self):
-        """The batches' ``features_on_disk`` (an ``[N, D]`` memory map of exactly the features they
-        yield, e.g. :meth:`oodviz.engine.FeatureStore.batches`), or None."""
-        return getattr(self._batches, "features_on_disk", None)
-
-    @property
-    def rows_per_pass(self) -> int | None:
-        """In-distribution rows of a full pass, once one is done."""
-        return self._rows_per_pass
-
-    @property
-    def n_classes(self) -> int | None:
-        return self._shapes.n_classes
-
-    def __iter__(self) -> Iterator[Batch]:
-        detector = self._detector
-        validate = self._rows_per_pass is None  # no full pass yet: this one checks the values
-        rows, seen = 0, {}  # batch index -> (rows, has OOD rows), of this pass
-        for index, batch in enumerate(_iter_batches(self._batches)):
-            if not len(batch):
-                continue
-            if self.device is None:
-                self.device = batch.device
-            batch = batch.to(self.device)
-            fields = detector.fields_of(batch)
-            self._shapes.check_widths(batch, index, fields)
-            if batch.labels is None and detector.needs_labels:
-                raise ValueError(
-                    f"{detector.name} fits on class labels but batch {index} has none; "
-                    "pass Batch(labels=...) with the in-distribution class of each sample."
-                )
-            known = None if batch.labels is None else batch.labels != OOD_LABEL
-            if validate:
-                has_ood = self._validate(batch, known, index, fields)
-            else:  # as the validating pass found (no host sync), unless it saw another batch here
-                found = self._seen.get(index)
-                same = found is not None and found[0] == len(batch)
-                has_ood = known is not None and (found[1] if same else not bool(known.all()))
-            seen[index] = (len(batch), has_ood)
-            batch = _in_distribution(batch, known) if has_ood else batch
-            if not len(batch):
-                continue
-            rows += len(batch)
-            yield batch
-        if rows == 0:
-            raise ValueError(
-                f"{detector.name}.fit got no in-distribution samples: the batches were empty or every label was -1 (OOD)."
-            )
-        if self._rows_per_pass is not None and rows != self._rows_per_pass:
-            raise ValueError(
-                f"{detector.name}.fit reads the batches {detector.fit_passes} times, but a later pass gave {rows} "
-                f"samples instead of {self._rows_per_pass}; pass a list or an iterable whose __iter__ restarts "
-                "the same data."
-            )
-        self._rows_per_pass, self._seen = rows, seen
-
-    def _validate(self, batch: Batch, known: Tensor | None, index: int, fields: tuple[str, ...]) -> bool:
-        """Labels and finiteness as device-side flags read at once; a raised one costs a closer look (for the
-        message). Returns whether the batch has OOD rows."""
-        flags = []
-        labels, n_classes = batch.labels, self.n_classes
-        if labels is not None:
-            flags += [(labels < OOD_LABEL).any(), ~known.all()]
-            if n_classes is not None:
-                flags.append((labels >= n_classes).any())
-        checked = [v for field in fields if (v := getattr(batch, field)).is_floating_point() and v.numel()]
-        for value in checked:
-            # A row whose sum is finite has only finite values; float16 sums overflow at 65504.
-            sums = value.reshape(len(value), -1).sum(dim=1, dtype=torch.float32 if value.element_size() < 4 else None)
-            flags.append((~torch.isfinite(sums) if known is None else ~torch.isfinite(sums) & known).any())
-        if not flags:
-            return False
-        read = torch.stack(flags).tolist()  # the one host sync of the batch
-        if labels is not None and read[0]:
-            raise ValueError(
-                f"batch {index} has labels below -1 (min {int(labels.min())}); labels are class indices 0..C-1, "
-                "or -1 for OOD samples."
-            )
-        if labels is not None and n_classes is not None and read[2]:
-            raise ValueError(
-                f"batch {index} has label {int(labels.max())} but the model has C={n_classes} classes; "
-                f"labels must be 0..{n_classes - 1} (or -1 for OOD)."
-            )
-        has_ood = labels is not None and read[1]
-        if any(read[len(read) - len(checked) :]):  # non-finite, or a sum that overflowed: look closer
-            kept = _in_distribution(batch, known) if has_ood else batch
-            self._shapes.check_finite(kept, index, fields)
-        return has_ood
 
 
 class Detector:
@@ -332,6 +120,13 @@ class Detector:
         return f"{type(self).__name__}({params})"
 
     @classmethod
+    def fields_to_read(cls, fitting: bool) -> tuple[str, ...]:
+        """The batch fields a fit (``fitting``) or a score can use: ``inputs`` and ``optional_inputs``, and
+        ``labels`` for a fit that ``needs_labels``; a run reads only these from the feature store."""
+        fields = cls.inputs + tuple(f for f in cls.optional_inputs if f not in cls.inputs)
+        return fields + ("labels",) if fitting and cls.needs_labels and "labels" not in fields else fields
+
+    @classmethod
     def fields_of(cls, batch: Batch) -> tuple[str, ...]:
         """The batch fields this detector reads from ``batch``: its inputs and the optional ones present."""
         return cls.inputs + tuple(f for f in cls.optional_inputs if getattr(batch, f) is not None)
@@ -375,26 +170,33 @@ class Detector:
 
     def validated_batches(self, batches, device=None) -> Iterator[Batch]:
         """The non-empty scoring batches on ``device`` (default: that of the first batch), checked for widths
-        and finite values, with the fitted state moved to that device before the first one comes out."""
+        and finite values, with the fitted state moved to that device before the first one comes out. A batch
+        larger than :meth:`_chunk_bytes` comes out in row chunks, moved to the device one at a time."""
         if self.needs_fit and not hasattr(self, "n_features_in_"):
             raise NotFittedError(
                 f"This {self.name} detector is not fitted yet: call fit(batches) with in-distribution data before score."
             )
         device = None if device is None else torch.device(device)
-        shapes = _Shapes(self.name, getattr(self, "n_features_in_", None), getattr(self, "n_classes_", None))
+        shapes = Shapes(self.name, getattr(self, "n_features_in_", None), getattr(self, "n_classes_", None))
         moved = False
-        for index, batch in enumerate(_iter_batches(batches)):
-            if not len(batch):
+        for index, whole in enumerate(iter_batches(batches)):
+            if not len(whole):
                 continue
             if device is None:
-                device = batch.device
+                device = whole.device
             if not moved:
                 self._move_fitted(device)
                 moved = True
-            batch = batch.to(device)
-            shapes.check_widths(batch, index, self.fields_of(batch))
-            shapes.check_finite(batch, index, self.fields_of(batch))
-            yield batch
+            fields = self.fields_of(whole)
+            for batch in row_chunks(whole, fields, self._chunk_bytes(whole, device)):  # views: bounded inside a batch
+                batch = batch.to(device)
+                shapes.check_widths(batch, index, fields)
+                shapes.check_finite(batch, index, fields)
+                yield batch
+
+    def _chunk_bytes(self, batch: Batch, device: torch.device) -> int | None:
+        """The most bytes of ``batch``'s read fields scored at once; None: :data:`oodviz.detectors.fitdata.CHUNK_BYTES`."""
+        return None
 
     def _move_fitted(self, device: torch.device) -> None:
         for key, value in vars(self).items():
@@ -438,6 +240,8 @@ class ModelDetector(Detector):
     inputs = ("inputs",)
     needs_fit = False
     needs_model = True
+    #: copies of one input's activations alive at once while scoring (see :mod:`oodviz.detectors.modelmemory`)
+    activation_copies: ClassVar[int] = 1
 
     def __init__(self, model=None):
         self.model = _check_model_object(model)
@@ -494,13 +298,26 @@ class ModelDetector(Detector):
     def score(self, batches, device=None) -> Tensor:
         """Outlier scores of the batches' ``inputs``, a CPU float32 tensor ``[N]``; higher = more OOD."""
         self._check_fit_model(self._require_model())
-        iterator = _iter_batches(batches)
+        iterator = iter_batches(batches)
         first = next((b for b in iterator if len(b)), None)
         if first is None:
             raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
         device = first.device if device is None else torch.device(device)
         with model_on_device(self.module, device), self._scoring(device):
             return Detector.score(self, itertools.chain([first], iterator), device=device)
+
+    def _chunk_bytes(self, batch: Batch, device: torch.device) -> int | None:
+        """Inputs scored at once: as many as fit in the memory share at the activation cost of one input,
+        measured once per input shape and device (:mod:`oodviz.detectors.modelmemory`); a plain callable
+        (no module to measure) gets the default."""
+        module = self.module
+        if module is None or batch.inputs is None:
+            return None
+        key = (tuple(batch.inputs.shape[1:]), batch.inputs.dtype, str(device))
+        if getattr(self, "_rows_measured", (None,))[0] != key:
+            per_input = activation_bytes(module, self.logits, batch.inputs[:1].to(device))
+            self._rows_measured = (key, rows_that_fit(per_input, self.activation_copies, device))
+        return self._rows_measured[1] * batch.inputs[0].numel() * batch.inputs.element_size()
 
     def _scoring(self, device: torch.device):
         """A context manager around one ``score`` call, entered after the model is on ``device`` in eval mode."""

@@ -39,6 +39,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
 from oodviz.detectors.stats import ClassMoments, inverse_cholesky_factor, row_blocks, symmetric_eigh
+from oodviz.detectors.widefit import FewRows
 
 
 def inverse_sqrt(covariance: Tensor, overwrite: bool = False) -> Tensor:
@@ -50,7 +51,9 @@ def inverse_sqrt(covariance: Tensor, overwrite: bool = False) -> Tensor:
     ``A^+ = A^-1`` and ``S = L^-T`` from the Cholesky factor ``A = L L^T`` (``k = D``, upper
     triangular): the usual case, without an eigendecomposition. Otherwise (rank-deficient or
     badly conditioned, e.g. dead ReLU units) ``S = V_k diag(lambda_k)^(-1/2)`` from the kept
-    eigenpairs. ``overwrite=True`` may destroy ``covariance`` (saves a copy of it).
+    eigenpairs. ``overwrite=True`` may destroy ``covariance``; otherwise (``covariance`` then holds both
+    triangles) the eigendecomposition runs in place and restores it. Beyond ``covariance`` and the result,
+    either path holds at most one more ``D x D`` float64 matrix.
     """
     d, eps = covariance.shape[0], torch.finfo(covariance.dtype).eps
     inverse_factor = inverse_cholesky_factor(covariance)  # L^-1, or None
@@ -59,12 +62,10 @@ def inverse_sqrt(covariance: Tensor, overwrite: bool = False) -> Tensor:
         if float(covariance.diagonal().sum()) * trace_inverse * d * eps < 1:
             return inverse_factor.T
         del inverse_factor
-    eigenvalues, eigenvectors = symmetric_eigh(covariance, overwrite=overwrite)
+    eigenvalues, eigenvectors = symmetric_eigh(covariance, overwrite=overwrite, symmetric=not overwrite)
     cutoff = eigenvalues.amax().clamp(min=0) * d * eps
-    keep = eigenvalues > cutoff
-    if not bool(keep.all()):
-        eigenvectors = eigenvectors[:, keep]
-    return eigenvectors.div_(eigenvalues[keep].sqrt())
+    first = int((eigenvalues <= cutoff).sum())  # ascending: the dropped eigenpairs come first
+    return eigenvectors[:, first:].div_(eigenvalues[first:].sqrt())  # a view: no copy of the kept columns
 
 
 def squared_distances(x: Tensor, points: Tensor, point_norms: Tensor) -> Tensor:
@@ -78,16 +79,25 @@ def l2_normalised(features: Tensor) -> Tensor:
     return F.normalize(features.float(), dim=1)
 
 
-def fit_class_moments(detector: Detector, data: FitData, normalize: bool = False) -> ClassMoments:
+def fit_class_moments(detector: Detector, data: FitData, normalize: bool = False) -> ClassMoments | FewRows:
     """Stream the fit data (L2-normalised rows with ``normalize``) into per-class means and the within-class
-    scatter; every class in ``0..max label`` must occur."""
+    scatter; every class in ``0..max label`` must occur. Up to ``D / 2`` samples the rows themselves are kept
+    instead (:class:`~oodviz.detectors.widefit.FewRows`, the Gram-matrix path)."""
     # The classes are those of the labels, 0..max label: a 2-class image folder under a 1000-class
     # ImageNet head has 2 class means, not 998 empty ones.
-    moments = ClassMoments()
+    moments, few = ClassMoments(), FewRows()
     for batch in data:
-        moments.update(l2_normalised(batch.features) if normalize else batch.features, batch.labels)
-    check_all_classes_seen(detector.name, moments.empty_classes())
-    return moments.release()
+        features = l2_normalised(batch.features) if normalize else batch.features
+        if few is not None and few.add(features, batch.labels):
+            continue
+        if few is not None:  # more than D / 2 rows: stream them all
+            for x, y in few.kept():
+                moments.update(x, y)
+            few = None
+        moments.update(features, batch.labels)
+    fitted = (moments if few is None else few).release()
+    check_all_classes_seen(detector.name, fitted.empty_classes())
+    return fitted
 
 
 class Mahalanobis(Detector):
@@ -99,8 +109,9 @@ class Mahalanobis(Detector):
     paper = "https://arxiv.org/abs/1807.03888"
     inputs = ("features",)
     needs_labels = True
-    #: ``D x D`` float64 matrices alive at the fit's peak: the scatter, the eigendecomposition's copy and vectors
-    square_copies = 3
+    #: ``D x D`` float64 matrices alive at the fit's peak: the covariance, the Cholesky factor (or the
+    #: eigenvectors) and the float32 whitening (half of one)
+    square_copies = 2.5
 
     def __init__(self, normalize: bool = False):
         if not isinstance(normalize, bool):
@@ -111,20 +122,22 @@ class Mahalanobis(Detector):
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
         """``8 x (square_copies x D^2 + 2 x C x D)``: the covariance and its inverse square root (float64),
         the class sums and means."""
-        return 8 * (cls.square_copies * n_features**2 + 2 * n_classes * n_features)
+        return int(8 * (cls.square_copies * n_features**2 + 2 * n_classes * n_features))
 
     def _fit(self, data: FitData) -> None:
         self._fit_gaussians(fit_class_moments(self, data, self.normalize))
 
-    def _fit_gaussians(self, moments: ClassMoments) -> None:
+    def _fit_gaussians(self, moments: ClassMoments | FewRows) -> None:
         self.class_counts_ = moments.counts.long()
         self.class_means_ = moments.means  # [C, D] float64
         self.covariance_ = moments.within.div_(moments.total)  # [D, D] float64, in place: no copy
-        self._set_whitening(moments.grand_mean)
+        self._set_whitening(moments.grand_mean, moments.inverse_sqrt_within() if isinstance(moments, FewRows) else None)
 
-    def _set_whitening(self, center: Tensor) -> None:
+    def _set_whitening(self, center: Tensor, whitening: Tensor | None = None) -> None:
+        """Centre, whitening ``S`` (``inverse_sqrt(covariance_)`` unless given) and the whitened class means."""
         self.center_ = center.float()
-        self.whitening_ = inverse_sqrt(self.covariance_).float()  # [D, k]
+        self.whitening_ = (inverse_sqrt(self.covariance_) if whitening is None else whitening).float()  # [D, k]
+        del whitening
         # (mu_c - mu) S, the difference in float64 (no cancellation), a block of classes at a time
         whitened_means = torch.empty(len(self.class_means_), self.whitening_.shape[1], device=center.device)
         for block in row_blocks(len(self.class_means_), self.whitening_.shape[1]):

@@ -121,6 +121,9 @@ class ODIN(ModelDetector):
     summary = "Negative max softmax at temperature T of the input nudged by epsilon towards higher confidence (runs the model)."
     paper = "https://arxiv.org/abs/1706.02690"
 
+    #: the forward pass's activations, kept for the backward pass, and their gradients
+    activation_copies = 2
+
     def __init__(self, temperature: float = 1000.0, epsilon: float = 0.0014, norm_std="auto", model=None):
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
             raise ValueError(f"odin: temperature must be > 0 (the paper uses 1000), got {temperature!r}")

@@ -27,6 +27,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.mahalanobis import Mahalanobis, inverse_sqrt
 from oodviz.detectors.stats import ClassMoments
+from oodviz.detectors.widefit import FewRows
 
 
 class RelativeMahalanobis(Mahalanobis):
@@ -36,14 +37,17 @@ class RelativeMahalanobis(Mahalanobis):
         "normalize=True: of the L2-normalised features (RMDS++)."
     )
     paper = "https://arxiv.org/abs/2106.09022"
-    #: the within-class and the total scatter, and the eigendecomposition's two ``D x D`` matrices
-    square_copies = 4
+    #: the within-class and the total scatter, the factor (or eigenvectors) of one, and a float32 whitening
+    square_copies = 3.5
 
-    def _fit_gaussians(self, moments: ClassMoments) -> None:
+    def _fit_gaussians(self, moments: ClassMoments | FewRows) -> None:
         # Before the class part, which turns the within-class scatter into Sigma in place.
-        background_covariance = moments.total_scatter().div_(moments.total)  # [D, D] float64
-        self.background_whitening_ = inverse_sqrt(background_covariance, overwrite=True).float()  # [D, k0]
-        del background_covariance
+        if isinstance(moments, FewRows):
+            background = moments.inverse_sqrt_total()
+        else:
+            background = inverse_sqrt(moments.total_scatter().div_(moments.total), overwrite=True)
+        self.background_whitening_ = background.float()  # [D, k0]
+        del background
         super()._fit_gaussians(moments)
 
     def _score(self, batch: Batch) -> Tensor:

@@ -28,6 +28,7 @@ class SHE(Detector):
     summary = "Inner product of the features with the mean correct feature of the predicted class."
     paper = "https://openreview.net/forum?id=KkazG4lgKL"
     inputs = ("features",)
+    optional_inputs = ("logits",)  # the model's predictions, when the batches carry them
     needs_labels = True
 
     def _predictions(self, batch: Batch) -> Tensor:

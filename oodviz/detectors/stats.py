@@ -36,22 +36,39 @@ def row_blocks(n_rows: int, n_cols: int, itemsize: int = 8) -> Iterator[slice]:
         yield slice(start, min(start + step, n_rows))
 
 
-def symmetric_eigh(matrix: Tensor, overwrite: bool = False) -> tuple[Tensor, Tensor]:
+def symmetric_eigh(
+    matrix: Tensor, overwrite: bool = False, symmetric: bool = False, smallest: int | None = None
+) -> tuple[Tensor, Tensor]:
     """Eigenvalues (ascending) and eigenvectors of a symmetric float64 ``[D, D]`` matrix, of which
     only the lower triangle is read (so the one :func:`add_gram` leaves is enough).
 
     On the CPU through LAPACK's MRRR driver (``scipy.linalg.eigh(driver="evr")``), whose
     workspace is O(D) where torch's divide-and-conquer ``eigh`` needs ``2 D^2`` more floats
-    (16 MiB at D = 1024); ``overwrite=True`` lets it destroy ``matrix`` instead of copying it.
-    Elsewhere ``torch.linalg.eigh``.
+    (16 MiB at D = 1024). ``overwrite=True`` lets it destroy ``matrix`` instead of copying it.
+    ``symmetric=True`` says both triangles hold the matrix: it is then decomposed in place even
+    without ``overwrite`` and given back intact, since LAPACK overwrites only the lower triangle
+    and the diagonal (restored from the strict upper triangle and a saved diagonal), which saves
+    the ``D x D`` copy. ``smallest=m`` computes only the ``m`` smallest eigenpairs (vectors
+    ``[D, m]``). Elsewhere ``torch.linalg.eigh``.
     """
     if matrix.device.type != "cpu":
-        return torch.linalg.eigh(matrix, UPLO="L")
+        values, vectors = torch.linalg.eigh(matrix, UPLO="L")
+        return (values, vectors) if smallest is None else (values[:smallest], vectors[:, :smallest])
+    in_place = overwrite or symmetric
+    diagonal = matrix.diagonal().clone() if in_place and not overwrite else None
     # The transpose of a C-ordered matrix is the same memory in Fortran order, which LAPACK can
     # work on in place; the lower triangle of the matrix is the upper one of its transpose.
     values, vectors = scipy.linalg.eigh(
-        matrix.numpy().T, lower=False, driver="evr", overwrite_a=overwrite, check_finite=False
+        matrix.numpy().T,
+        lower=False,
+        driver="evr",
+        overwrite_a=in_place,
+        check_finite=False,
+        subset_by_index=None if smallest is None else (0, smallest - 1),
     )
+    if diagonal is not None:
+        mirror_upper(matrix)
+        matrix.diagonal().copy_(diagonal)
     return torch.from_numpy(values), torch.from_numpy(vectors)
 
 
@@ -212,6 +229,11 @@ def mirror_lower(matrix: Tensor) -> None:
         diagonal = matrix[block, block]
         diagonal.copy_(diagonal.tril() + diagonal.tril(-1).T)
         matrix[block, block.stop :] = matrix[block.stop :, block].T
+
+
+def mirror_upper(matrix: Tensor) -> None:
+    """Copy the strict upper triangle of a square ``matrix`` onto its lower one, in place (the diagonal is kept)."""
+    mirror_lower(matrix.T)
 
 
 class ClassMoments:

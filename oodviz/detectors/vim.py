@@ -66,8 +66,9 @@ class ViM(Detector):
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
-        """``8 x 3 x D^2``: the second moment and the eigendecomposition's two ``D x D`` matrices (float64)."""
-        return 8 * 3 * n_features**2
+        """``8 x (D^2 + 1.5 x D x (D - d))``: the second moment (float64), decomposed in place, and the residual
+        eigenvectors ``[D, D - d]`` in float64 and float32 (``d`` the default, :func:`default_dim`)."""
+        return int(8 * (n_features**2 + 1.5 * n_features * (n_features - default_dim(n_features))))
 
     def __init__(self, dim: int | None = None):
         if dim is not None and (int(dim) != dim or dim < 1):
@@ -97,9 +98,10 @@ class ViM(Detector):
             n += len(batch.features)
         second_moment /= n
         scratch = Scratch()  # pass 2 has float32 buffers of its own
-        _, eigenvectors = symmetric_eigh(second_moment, overwrite=True)  # ascending eigenvalues
+        # only the D - dim smallest eigenpairs: the residual space, without the D x D matrix of all eigenvectors
+        _, eigenvectors = symmetric_eigh(second_moment, overwrite=True, smallest=n_features - dim)
         del second_moment
-        residual = eigenvectors[:, : n_features - dim].float()  # [D, D - dim]
+        residual = eigenvectors.float()  # [D, D - dim]
         del eigenvectors
         origin = origin.float()
         self.head_weight_, self.head_bias_ = weight, bias

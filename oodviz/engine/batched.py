@@ -61,9 +61,11 @@ class Cancelled(Exception):
 #: lower-case fragments of the messages of allocation failures: the caching allocator's ("CUDA out of memory.
 #: Tried to allocate ..."), the runtime's ("CUDA error: out of memory") and the libraries' own, which reach
 #: Python as RuntimeErrors ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
-#: "cuDNN error: CUDNN_STATUS_ALLOC_FAILED", cuSOLVER's and cuFFT's likewise)
+#: "cuDNN error: CUDNN_STATUS_ALLOC_FAILED", cuSOLVER's and cuFFT's likewise), and the host's: torch's CPU allocator
+#: ("DefaultCPUAllocator: can't allocate memory: you tried to allocate ... bytes"), retried smaller just the same
 OUT_OF_MEMORY_MARKERS = (
     "out of memory",
+    "can't allocate memory",
     "cublas_status_alloc_failed",
     "cudnn_status_alloc_failed",
     "cusolver_status_alloc_failed",
@@ -260,7 +262,7 @@ def _shut_down(iterator) -> None:
 
 
 class Backoff:
-    """Runs ``n`` rows in chunks of at most ``in_force``; a CUDA out-of-memory error halves it.
+    """Runs ``n`` rows in chunks of at most ``in_force``; an out-of-memory error (CUDA's or the host's) halves it.
 
     ``chunks(n, submit)`` calls ``submit(start, stop)`` for consecutive row ranges and yields
     ``(start, stop, result)``. When ``submit`` runs out of memory, the same rows are retried in
@@ -301,10 +303,12 @@ class Backoff:
                 continue
             # Out of memory (the error and its frames are released by now): retry the same rows in halves.
             if stop - start == 1:
-                raise torch.cuda.OutOfMemoryError(
+                message = (
                     f"out of memory on {self.device} even at batch size 1 while {self.what}; free memory on the device "
                     f"(other processes?), use precision='bf16', or a smaller input size. Original error: {oom}"
                 )
+                host = "can't allocate memory" in oom.lower()  # the CPU allocator's, not the device's
+                raise MemoryError(message) if host else torch.cuda.OutOfMemoryError(message)
             self.in_force = (stop - start) // 2
             self.backoffs += 1
             logger.warning(

@@ -346,7 +346,8 @@ def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
             detector.fit(None)  # nothing to learn: checks that the method works with this model
         return detector
     detector = create(choice.name, **_with_scratch(choice, job.run))
-    batches = Watched(job.stores["id_fit"].batches(SCORE_BATCH, device=job.device), stage)
+    fields = detector.fields_to_read(fitting=True)  # only what the detector uses is read from the store
+    batches = Watched(job.stores["id_fit"].batches(SCORE_BATCH, device=job.device, include=fields), stage)
     detector.fit(batches, head=job.backbone.head, device=job.device)
     return detector
 
@@ -406,7 +407,8 @@ def split_scores(job: Job, split: str, kind: str, dataset: str, model_scores: di
                 frame[name] = model_scores[name]
             else:
                 with job.detector_may_fail(name, f"score {split}", stage):
-                    batches = store.batches(SCORE_BATCH, device=job.device)
+                    fields = job.fitted[name].fields_to_read(fitting=False)
+                    batches = store.batches(SCORE_BATCH, device=job.device, include=fields)
                     values = job.fitted[name].score(batches, device=job.device).numpy()
                     frame[name] = finite_scores(job.fitted[name], name, split, values)
             stage.progress(done, len(names), {})

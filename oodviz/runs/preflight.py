@@ -5,8 +5,8 @@ Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
 - **disk** under the feature store root: the stores still to extract, ``N x (D x b + C x 4 + 24)`` bytes per
   split (``b`` = 4 for float32 features, 2 for float16; :func:`oodviz.models.estimate_memory`); knn's bank
   is the id_fit store itself (every row of a run's fit split is in-distribution), no second copy;
-- **RAM** of each detector's fit: :meth:`oodviz.detectors.Detector.fit_memory_bytes` (``8 x 3 x D^2`` for
-  mahalanobis, ``8 x 4 x D^2`` for rmd, ...); knn holds one bank chunk, ``chunk_size x D x 4``
+- **RAM** of each detector's fit: :meth:`oodviz.detectors.Detector.fit_memory_bytes` (``8 x 2.5 x D^2`` for
+  mahalanobis, ``8 x 3.5 x D^2`` for rmd, ...); knn holds one bank chunk, ``chunk_size x D x 4``
   (:func:`knn_fit_memory_bytes`);
 - **GPU** memory of the same fits, only when the run's device is CUDA.
 

@@ -3,6 +3,11 @@
 The worker and the CLI report through a :class:`Reporter`; it appends one JSON event per line
 to the run's ``events.jsonl`` (at most every ``interval_s`` seconds within a stage, plus every
 stage start and end) and, for the CLI, also hands each event to ``echo``.
+
+A stage's ``peak_cpu_rss`` is the kernel's own peak of the worker's resident memory (``VmHWM``), reset
+when the stage starts (``/proc/self/clear_refs``), so a temporary that lives between two progress events
+is counted; where the reset is not permitted it is the largest RSS sampled at the stage's events
+(``peak_cpu_rss_method`` says which). GPU peaks come from the CUDA allocator.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 from oodviz.engine import Cancelled
 from oodviz.runs.rundir import RunDir
-from oodviz.runs.telemetry import memory_snapshot
+from oodviz.runs.telemetry import memory_snapshot, peak_rss_bytes, reset_peak_rss
 
 
 class Stage:
@@ -26,6 +31,7 @@ class Stage:
         self.started = time.monotonic()
         self.last_emit = 0.0
         self.peak_cpu_rss = 0
+        self.kernel_peak = False  # peak_cpu_rss from VmHWM (reset at the start), not only sampled
         self.error: str | None = None
         self.notes_seen: set[str] = set()
 
@@ -68,6 +74,7 @@ class Reporter:
         self.interval_s = interval_s
         self.device: torch.device | None = None
         self._summary: dict[str, dict] = {}
+        self._open: list[Stage] = []  # stages started and not ended, outermost first
 
     def check_cancel(self) -> None:
         """:class:`oodviz.engine.Cancelled` when the user asked the run to stop."""
@@ -93,18 +100,36 @@ class Reporter:
         cuda = self.device is not None and self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
+        self._fold_kernel_peak()  # an enclosing stage keeps the peak so far before the reset
+        stage.kernel_peak = reset_peak_rss()
+        self._open.append(stage)
         self.run.write_status(stage=name)
         self.emit(stage, {"event": "start"})
-        yield stage
+        try:
+            yield stage
+        finally:
+            self._fold_kernel_peak()
+            self._open.remove(stage)
         if cuda:  # the stage's kernels may still be running: its time ends when they do
             torch.cuda.synchronize(self.device)
-        summary = {"wall_s": time.monotonic() - stage.started, "peak_cpu_rss": stage.peak_cpu_rss}
+        summary = {
+            "wall_s": time.monotonic() - stage.started,
+            "peak_cpu_rss": stage.peak_cpu_rss,
+            "peak_cpu_rss_method": "VmHWM" if stage.kernel_peak else "sampled",
+        }
         if cuda:
             summary["peak_gpu_allocated"] = torch.cuda.max_memory_allocated(self.device)
         if stage.error:
             summary["error"] = stage.error
         self._summary[name] = summary
         self.emit(stage, {"event": "end", **summary})
+
+    def _fold_kernel_peak(self) -> None:
+        """Add the kernel's peak RSS since the last reset to every open stage that measures by it."""
+        peak = peak_rss_bytes()
+        for stage in self._open:
+            if stage.kernel_peak and peak is not None:
+                stage.peak_cpu_rss = max(stage.peak_cpu_rss, peak)
 
     def stage_summary(self) -> dict[str, dict]:
         """Wall time and peak memory of every finished stage."""

@@ -38,6 +38,34 @@ def cpu_rss_bytes() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes, or None where there is no such file or field."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def peak_rss_bytes() -> int | None:
+    """The kernel's high-water mark of this process's resident memory (``VmHWM``), or None off Linux."""
+    return _status_bytes("VmHWM")
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (writing ``5`` to ``/proc/self/clear_refs``); False where that is not
+    permitted or not Linux (then only sampled RSS is known)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return peak_rss_bytes() is not None
+
+
 def job_environment(environ: dict[str, str]) -> dict[str, str]:
     """``environ`` for a job process: ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` unless set, so that its ``cuda:N``
     is the N-th GPU of :func:`device_facts`."""
