@@ -384,13 +384,17 @@ def run_details(page: Page) -> None:
         if "error" in stages:
             shown["error"] = stages["error"].fillna("").to_numpy()
         st.dataframe(shown, hide_index=True, use_container_width=True)
+    st.json(results.config, expanded=False)
+
+
+def detector_failures(results) -> None:
+    """Each detector that failed, with its error, above the tabs: the other detectors' results are shown."""
     errors = {k: v for k, v in (results.detectors or {}).items() if isinstance(v, dict) and "error" in v}
     for name, info in errors.items():
         st.error(f"{name} failed: {info['error']}")
         if show_server_details():
             with st.expander(f"{name}: details"):
                 st.code(info.get("traceback", ""))
-    st.json(results.config, expanded=False)
 
 
 #: The result tabs: label, draw function (takes the :class:`Page`), and the shared controls it needs
@@ -416,6 +420,7 @@ def results_page(run: RunDir) -> None:
     page = Page(
         run, finished, results, detectors_of(results.scores), best, plots.color_map(ood_datasets_of(results.scores))
     )
+    detector_failures(results)
     results_area(page)
 
 
