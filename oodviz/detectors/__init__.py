@@ -2,7 +2,8 @@
 
 Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 ``score(batches, device=None)`` (CPU float tensor ``[N]``, higher = more OOD); see
-:mod:`oodviz.detectors.base`. One module per method, its docstring giving the formula.
+:mod:`oodviz.detectors.base`. ``detector.save(directory)`` and ``load(directory)`` keep a fitted
+detector as files (:mod:`oodviz.detectors.persist`). One module per method, its docstring giving the formula.
 Detectors with ``needs_model`` (``odin``, ``mcd``) run the classifier again: they take it as
 ``create(name, model=...)`` and score ``Batch(inputs=...)``.
 """
@@ -23,6 +24,7 @@ from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
 from oodviz.detectors.odin import ODIN
+from oodviz.detectors.persist import DetectorFileError, load
 from oodviz.detectors.react import ReAct
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
@@ -80,4 +82,14 @@ def create(name: str, **params) -> Detector:
     return cls(**params)
 
 
-__all__ = ["Detector", "FitData", "ModelDetector", "NotFittedError", "available", "create", "detector_class"]
+__all__ = [
+    "Detector",
+    "DetectorFileError",
+    "FitData",
+    "ModelDetector",
+    "NotFittedError",
+    "available",
+    "create",
+    "detector_class",
+    "load",
+]

@@ -396,6 +396,12 @@ class Detector:
             shapes.check_finite(batch, index, self.fields_of(batch))
             yield batch
 
+    def save(self, directory, copy_files: bool = False) -> None:
+        """Write the parameters and fitted state to ``directory`` (:mod:`oodviz.detectors.persist`)."""
+        from oodviz.detectors.persist import save
+
+        save(self, directory, copy_files)
+
     def _move_fitted(self, device: torch.device) -> None:
         for key, value in vars(self).items():
             if key.endswith("_") and isinstance(value, Tensor) and value.device != device:
