@@ -3,7 +3,8 @@
 Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 ``score(batches, device=None)`` (CPU float tensor ``[N]``, higher = more OOD); see
 :mod:`oodviz.detectors.base`. ``detector.save(directory)`` and ``load(directory)`` keep a fitted
-detector as files (:mod:`oodviz.detectors.persist`). One module per method, its docstring giving the formula.
+detector as files (:mod:`oodviz.detectors.persist`). ``describe(name)``: the formula, paper, inputs
+and failure note each detector class declares (``teaching = Teaching(...)``, :mod:`oodviz.detectors.teaching`). One module per method, its docstring giving the formula.
 Detectors with ``needs_model`` (``odin``, ``mcd``) run the classifier again: they take it as
 ``create(name, model=...)`` and score ``Batch(inputs=...)``.
 """
@@ -29,6 +30,7 @@ from oodviz.detectors.react import ReAct
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
+from oodviz.detectors.teaching import Teaching, describe
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
 
@@ -88,8 +90,10 @@ __all__ = [
     "FitData",
     "ModelDetector",
     "NotFittedError",
+    "Teaching",
     "available",
     "create",
+    "describe",
     "detector_class",
     "load",
 ]

@@ -23,12 +23,19 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.mahalanobis import Mahalanobis, inverse_sqrt
 from oodviz.detectors.stats import ClassMoments
+from oodviz.detectors.teaching import Teaching
 
 
 class RelativeMahalanobis(Mahalanobis):
     name = "rmd"
     summary = "Mahalanobis distance minus the distance under one Gaussian over all classes."
     paper = "https://arxiv.org/abs/2106.09022"
+    teaching = Teaching(
+        formula=r"s(x) = \min_k \mathrm{MD}_k(x) - \mathrm{MD}_0(x)",
+        citation="Ren et al., *A Simple Fix to Mahalanobis Distance for Improving Near-OOD Detection*, 2021",
+        reads="the features and labels of the fit split (class Gaussians and one background Gaussian)",
+        fails_when="Subtracting the background distance can hide far-OOD inputs that are far from everything.",
+    )
     #: the within-class and the total scatter, and the eigendecomposition's two ``D x D`` matrices
     square_copies = 4
 
