@@ -1,5 +1,5 @@
 """The ``oodviz`` command: ``run`` a job in the foreground, list ``runs``, start the ``app``, check the feature ``store``,
-``score`` new images with a run."""
+``score`` new images with a run, write its ``report``."""
 
 from __future__ import annotations
 
@@ -317,6 +317,19 @@ def cmd_score(args) -> int:
     return 1 if scored.unreadable else 0
 
 
+def cmd_report(args) -> int:
+    """Write a run's self-contained HTML report (:func:`oodviz.report.write_report`); exit 2 when it cannot."""
+    from oodviz.report import write_report
+
+    try:
+        path = write_report(Path(args.run), args.output, detectors=args.detector or None, gallery_size=args.gallery)
+    except (ValueError, OSError) as error:
+        print(f"oodviz report: {error}", file=sys.stderr)
+        return 2
+    print(f"report: {path} ({format_bytes(path.stat().st_size)}; opens offline in any browser)", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from oodviz.runs.config import PRESETS
 
@@ -387,6 +400,16 @@ def main(argv: list[str] | None = None) -> int:
     score.add_argument("--out", help="write the table as CSV here instead of printing it")
     score.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N, auto")
     score.set_defaults(func=cmd_score)
+    report = commands.add_parser(
+        "report", help="write a run's report: one self-contained HTML file (plots, tables, galleries; no network)"
+    )
+    report.add_argument("run", help="a finished run directory")
+    report.add_argument("-o", "--output", default="report.html", help="the HTML file to write (default: report.html)")
+    report.add_argument(
+        "--detector", action="append", metavar="NAME", help="a detector to give a section (repeatable; default: all)"
+    )
+    report.add_argument("--gallery", type=int, default=8, help="images per failure gallery (default: 8)")
+    report.set_defaults(func=cmd_report)
     store = commands.add_parser("store", help="check or list the feature stores the runs share")
     store_commands = store.add_subparsers(dest="store_command", required=True)
     for name, text in (
