@@ -1,5 +1,5 @@
 """The ``oodviz`` command: ``run`` a job in the foreground, list ``runs``, start the ``app``, check the feature ``store``,
-``score`` new images with a run, write its ``report``."""
+``score`` new images with a run, write its ``report``, ``project`` its features to 2-D."""
 
 from __future__ import annotations
 
@@ -330,6 +330,19 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_project(args) -> int:
+    """Compute a run's 2-D feature projection (:func:`oodviz.projection.project_run`); exit 2 when it cannot."""
+    from oodviz.projection import project_run, projection_path
+
+    try:
+        frame = project_run(Path(args.run), args.method, max_points=args.max_points, seed=args.seed)
+    except (ValueError, OSError) as error:
+        print(f"oodviz project: {error}", file=sys.stderr)
+        return 2
+    print(f"{len(frame):,} points -> {projection_path(args.run, args.method)}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from oodviz.runs.config import PRESETS
 
@@ -410,6 +423,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     report.add_argument("--gallery", type=int, default=8, help="images per failure gallery (default: 8)")
     report.set_defaults(func=cmd_report)
+    project = commands.add_parser(
+        "project", help="compute a run's 2-D map of the ID test and OOD features (PCA, or t-SNE on a subsample)"
+    )
+    project.add_argument("run", help="a finished run directory (its feature stores must still exist)")
+    project.add_argument("--method", choices=["pca", "tsne"], default="pca", help="pca (default: every sample) or tsne")
+    project.add_argument("--max-points", type=int, default=2000, help="t-SNE's seeded subsample (default: 2000)")
+    project.add_argument("--seed", type=int, default=0, help="t-SNE's seed and subsample seed (default: 0)")
+    project.set_defaults(func=cmd_project)
     store = commands.add_parser("store", help="check or list the feature stores the runs share")
     store_commands = store.add_subparsers(dest="store_command", required=True)
     for name, text in (
