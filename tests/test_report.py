@@ -97,11 +97,12 @@ def test_the_report_opens_offline_in_chromium_with_every_plot_drawn(report, page
     page.route("**/*", offline)
     errors = []
     page.on("pageerror", lambda error: errors.append(str(error)))
-    page.goto(report.as_uri())
+    # 9 MB of HTML that draws ~80 figures on load: wait for the drawing, not for the load event (slow on a busy CI)
+    page.goto(report.as_uri(), wait_until="commit", timeout=120_000)
     n_figures = len(FIGURE.findall(report.read_text()))
     page.wait_for_function(
         f"document.querySelectorAll('.{FIGURE_CLASS}.js-plotly-plot .main-svg').length >= {n_figures}",
-        timeout=60_000,
+        timeout=240_000,
     )
     assert page.locator(f".{FIGURE_CLASS}.js-plotly-plot").count() == n_figures
     # data drawn, not empty axes: the heatmap, the risk-coverage lines, the first detector's bars and curves
