@@ -34,6 +34,7 @@ from oodviz.results import (
     Results,
     check_detector,
     check_ood_dataset,
+    detectors_of,
     id_dataset_of,
     ood_datasets_of,
     score_values,
@@ -173,6 +174,40 @@ def curves(scores: pd.DataFrame, detector: str, ood_dataset: str | None, max_poi
         "n_id": int(id_scores.size),
         "n_ood": int(ood_scores.size),
     }
+
+
+ORACLE = "oracle (errors rejected first)"
+
+
+def risk_coverage_curves(scores: pd.DataFrame, detectors=None, max_points: int = 400) -> dict[str, dict]:
+    """Risk–coverage curves of ``detectors`` (default: all) on the ID test set, each detector's score as a
+    reject rule for the classifier (:func:`oodviz.results.selective_curve`), thinned to ``max_points`` exact
+    curve points, plus :data:`ORACLE`: the best any rule could do, rejecting the misclassified samples first
+    (risk ``max(0, k - n_correct) / k`` at coverage ``k / n``).
+
+    :returns: ``{name: {"coverage", "risk", "thresholds" (NaN for the oracle): float64 arrays,
+        "aurc", "risk_at_95_coverage"}}``, detectors in table order, the oracle last. Lower is better.
+    """
+    from oodviz.metrics import aurc, risk_at_coverage
+    from oodviz.results import selective_curve
+
+    names = detectors_of(scores) if detectors is None else list(detectors)
+    id_rows = scores[scores.split == ID_SPLIT]
+    n = len(id_rows)
+    if not n:
+        raise ValueError("risk_coverage_curves: the scores have no ID test rows")
+    correct = int((id_rows.label == id_rows.prediction).sum())
+    accepted = np.arange(1, n + 1, dtype=np.float64)
+    oracle = {"coverage": accepted / n, "risk": np.maximum(0.0, accepted - correct) / accepted}
+    oracle["thresholds"] = np.full(n, np.nan)
+    result = {}
+    for name, curve in [*((d, selective_curve(scores, d)) for d in names), (ORACLE, oracle)]:
+        keep = _downsample(curve["coverage"], curve["risk"], max_points)
+        result[name] = {
+            key: np.asarray(curve[key], dtype=np.float64)[keep] for key in ("coverage", "risk", "thresholds")
+        }
+        result[name].update(aurc=aurc(curve), risk_at_95_coverage=risk_at_coverage(curve))
+    return result
 
 
 # -- at a threshold -------------------------------------------------------------------------------

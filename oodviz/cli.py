@@ -1,4 +1,5 @@
-"""The ``oodviz`` command: ``run`` a job in the foreground, list ``runs``, start the ``app``, check the feature ``store``."""
+"""The ``oodviz`` command: ``run`` a job in the foreground, list ``runs``, start the ``app``, check the feature ``store``,
+``score`` new images with a run, write its ``report``, ``project`` its features to 2-D."""
 
 from __future__ import annotations
 
@@ -309,6 +310,61 @@ def cmd_store(args) -> int:
     return 1 if damaged else 0
 
 
+def cmd_score(args) -> int:
+    """Score image files with a run's model and saved detectors (:func:`oodviz.scoring.score_images`): a table
+    on stdout (or ``--out`` CSV); exit 1 when some file could not be read, 2 when the run cannot score."""
+    from oodviz.scoring import RunNotScorableError, score_images
+
+    try:
+        scored = score_images(Path(args.run), args.images, detector=args.detector, device=args.device)
+    except (RunNotScorableError, ValueError) as error:
+        print(f"oodviz score: {error}", file=sys.stderr)
+        return 2
+    for path, why in scored.unreadable.items():
+        print(f"unreadable: {path}: {why}", file=sys.stderr)
+    table = scored.table
+    if args.out:
+        table.to_csv(args.out, index=False)
+        print(
+            f"{table.file.nunique()} image(s) x {table.detector.nunique()} detector(s) -> {args.out}", file=sys.stderr
+        )
+    elif len(table):
+        shown = table.assign(id_percentile=table.id_percentile.round(1), confidence=table.confidence.round(3))
+        print(shown.to_string(index=False))
+    print(
+        "score: higher = more OOD; id_percentile: share of the run's ID test scores <= the score; "
+        "verdict OOD when score >= the threshold that flags 95% of the run's OOD samples",
+        file=sys.stderr,
+    )
+    return 1 if scored.unreadable else 0
+
+
+def cmd_report(args) -> int:
+    """Write a run's self-contained HTML report (:func:`oodviz.report.write_report`); exit 2 when it cannot."""
+    from oodviz.report import write_report
+
+    try:
+        path = write_report(Path(args.run), args.output, detectors=args.detector or None, gallery_size=args.gallery)
+    except (ValueError, OSError) as error:
+        print(f"oodviz report: {error}", file=sys.stderr)
+        return 2
+    print(f"report: {path} ({format_bytes(path.stat().st_size)}; opens offline in any browser)", file=sys.stderr)
+    return 0
+
+
+def cmd_project(args) -> int:
+    """Compute a run's 2-D feature projection (:func:`oodviz.projection.project_run`); exit 2 when it cannot."""
+    from oodviz.projection import project_run, projection_path
+
+    try:
+        frame = project_run(Path(args.run), args.method, max_points=args.max_points, seed=args.seed)
+    except (ValueError, OSError) as error:
+        print(f"oodviz project: {error}", file=sys.stderr)
+        return 2
+    print(f"{len(frame):,} points -> {projection_path(args.run, args.method)}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from oodviz.runs.config import PRESETS
 
@@ -373,6 +429,37 @@ def main(argv: list[str] | None = None) -> int:
         "and addresses are allowed already (repeatable)",
     )
     app.set_defaults(func=cmd_app)
+    score = commands.add_parser(
+        "score",
+        help="score image files with a finished run's model and saved detectors",
+        description="Per image and detector: the prediction, the score (higher = more OOD), its percentile among "
+        "the run's ID test scores and the verdict at the run's threshold (95%% of its OOD samples flagged).",
+        epilog="exit status: 0 every image scored; 1 some file unreadable (the others scored); 2 the run cannot score",
+    )
+    score.add_argument("run", help="a finished run directory")
+    score.add_argument("images", nargs="+", help="image files")
+    score.add_argument("--detector", help="only this detector (default: every detector of the run)")
+    score.add_argument("--out", help="write the table as CSV here instead of printing it")
+    score.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N, auto")
+    score.set_defaults(func=cmd_score)
+    report = commands.add_parser(
+        "report", help="write a run's report: one self-contained HTML file (plots, tables, galleries; no network)"
+    )
+    report.add_argument("run", help="a finished run directory")
+    report.add_argument("-o", "--output", default="report.html", help="the HTML file to write (default: report.html)")
+    report.add_argument(
+        "--detector", action="append", metavar="NAME", help="a detector to give a section (repeatable; default: all)"
+    )
+    report.add_argument("--gallery", type=int, default=8, help="images per failure gallery (default: 8)")
+    report.set_defaults(func=cmd_report)
+    project = commands.add_parser(
+        "project", help="compute a run's 2-D map of the ID test and OOD features (PCA, or t-SNE on a subsample)"
+    )
+    project.add_argument("run", help="a finished run directory (its feature stores must still exist)")
+    project.add_argument("--method", choices=["pca", "tsne"], default="pca", help="pca (default: every sample) or tsne")
+    project.add_argument("--max-points", type=int, default=2000, help="t-SNE's seeded subsample (default: 2000)")
+    project.add_argument("--seed", type=int, default=0, help="t-SNE's seed and subsample seed (default: 0)")
+    project.set_defaults(func=cmd_project)
     store = commands.add_parser("store", help="check or list the feature stores the runs share")
     store_commands = store.add_subparsers(dest="store_command", required=True)
     for name, text in (

@@ -10,6 +10,9 @@ Scores: higher = more OOD. With ``n`` ID and ``m`` OOD scores:
   95% of the OOD samples, i.e. the false-positive rate at the first ROC point with TPR >= 0.95.
 
 All four are fractions in ``[0, 1]``, computed in float64.
+
+Selective classification (:func:`risk_coverage`, :func:`aurc`, :func:`risk_at_coverage`): the score as a
+reject rule on the ID test set, the classifier's error rate among the accepted samples against their share.
 """
 
 from __future__ import annotations
@@ -63,3 +66,49 @@ def ood_metrics(id_scores, ood_scores) -> dict[str, float]:
         "aupr_out": float(average_precision_score(is_ood, scores)),
         "fpr95": fpr_at_recall(is_ood, scores),
     }
+
+
+# -- selective classification -------------------------------------------------------------------------
+COVERAGE_LEVEL = 0.95
+
+
+def risk_coverage(scores, errors) -> dict[str, np.ndarray]:
+    """The classifier's risk against coverage when the detector's score is a reject rule on ID samples.
+
+    Accepting the samples with ``score <= t`` (the least OOD-looking first) covers ``coverage(t)`` of
+    them with risk ``risk(t)`` = the error rate among the accepted. One point per distinct score
+    (tied samples are accepted together: a threshold cannot split them), by increasing coverage.
+
+    :param scores: ``[n]`` detector scores of the ID test samples, higher = more OOD
+    :param errors: ``[n]`` booleans, the classifier's prediction is wrong
+    :returns: ``{"thresholds", "coverage", "risk"}``, float64 arrays ``[k]`` (``k`` distinct scores);
+        the last point has coverage 1 and the classifier's error rate as risk
+    """
+    values = _as_scores("scores", scores)
+    wrong = np.asarray(errors, dtype=bool).reshape(-1)
+    if wrong.shape != values.shape:
+        raise ValueError(f"risk_coverage: {values.size} scores but {wrong.size} error flags; give one per sample")
+    order = np.argsort(values, kind="stable")
+    values, wrong = values[order], wrong[order]
+    last_of_tie = np.flatnonzero(np.append(values[1:] != values[:-1], True))  # index of each threshold's last sample
+    accepted = last_of_tie + 1.0
+    return {
+        "thresholds": values[last_of_tie],
+        "coverage": accepted / values.size,
+        "risk": np.cumsum(wrong, dtype=np.float64)[last_of_tie] / accepted,
+    }
+
+
+def aurc(curve: dict) -> float:
+    """Area under the risk–coverage curve of :func:`risk_coverage`: each point's risk times the coverage
+    it adds, ``sum_j risk_j (coverage_j - coverage_{j-1})``. Without ties this is the usual
+    ``1/n sum_k risk(k most confident)`` (Geifman et al. 2019); lower is better; in ``[0, 1]``."""
+    return float(np.sum(curve["risk"] * np.diff(curve["coverage"], prepend=0.0)))
+
+
+def risk_at_coverage(curve: dict, coverage: float = COVERAGE_LEVEL) -> float:
+    """The risk at the lowest threshold that accepts at least ``coverage`` of the samples."""
+    if not 0 < coverage <= 1:
+        raise ValueError(f"coverage must be in (0, 1], got {coverage}")
+    index = np.searchsorted(curve["coverage"], coverage - 1e-12, side="left")  # -1e-12: 0.95 of 20 is 19/20
+    return float(curve["risk"][index])

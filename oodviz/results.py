@@ -9,7 +9,9 @@ with this module, so each table is computed in one place. Files in a run directo
 - ``metrics.csv`` (:func:`metrics_table`): one row per detector and OOD dataset, then one per
   detector and near/far group (the mean over that group's datasets, ``ood_dataset`` =
   ``"near (mean)"``): ``detector, ood_dataset, group, auroc, aupr_in, aupr_out, fpr95,
-  id_accuracy, threshold``;
+  id_accuracy, aurc, risk_at_95_coverage, threshold`` (``aurc`` and ``risk_at_95_coverage``: the
+  detector's score as a reject rule for the classifier on the ID test set, :func:`selective_metrics`;
+  the same on every row of a detector);
 - ``per_class.csv`` (:func:`per_class_table`): per detector and ID class, the false alarms at
   the threshold that flags 95% of all OOD samples pooled: ``detector, class, class_name, n,
   accuracy, false_alarms, false_alarm_rate, mean_score, threshold``;
@@ -30,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from oodviz.metrics import RECALL_LEVEL, ood_metrics, threshold_at_recall
+from oodviz.metrics import RECALL_LEVEL, aurc, ood_metrics, risk_at_coverage, risk_coverage, threshold_at_recall
 from oodviz.runs.rundir import RunDir, read_json_object, write_atomic
 
 ID_SPLIT = "id_test"
@@ -38,14 +40,16 @@ OOD_SPLIT = "ood"
 #: columns of ``scores.parquet`` that are not detector scores
 SCORE_META_COLUMNS = ("split", "dataset", "index", "label", "prediction")
 METRIC_NAMES = ("auroc", "aupr_in", "aupr_out", "fpr95")
-METRICS_COLUMNS = ("detector", "ood_dataset", "group", *METRIC_NAMES, "id_accuracy", "threshold")
+#: selective classification on the ID test set, per detector (:func:`selective_metrics`)
+SELECTIVE_NAMES = ("aurc", "risk_at_95_coverage")
+METRICS_COLUMNS = ("detector", "ood_dataset", "group", *METRIC_NAMES, "id_accuracy", *SELECTIVE_NAMES, "threshold")
 PER_CLASS_COLUMNS = ("class", "class_name", "n", "accuracy", "false_alarms", "false_alarm_rate", "mean_score")
 #: ``per_class.csv``: :data:`PER_CLASS_COLUMNS` of every detector, with the threshold they were counted at
 PER_CLASS_FILE_COLUMNS = ("detector", *PER_CLASS_COLUMNS, "threshold")
 GROUP_MEAN_SUFFIX = " (mean)"
 #: the columns a result file must have to be read (:func:`read_table`)
 TABLE_COLUMNS = {
-    "metrics.csv": METRICS_COLUMNS,
+    "metrics.csv": tuple(c for c in METRICS_COLUMNS if c not in SELECTIVE_NAMES),  # runs from before them stay readable
     "per_class.csv": PER_CLASS_FILE_COLUMNS,
     "scores.parquet": SCORE_META_COLUMNS,
 }
@@ -134,7 +138,8 @@ def metrics_table(scores: pd.DataFrame, groups: dict[str, str]) -> pd.DataFrame:
     test set against each OOD dataset, then per detector the mean of each metric over each group.
 
     ``groups``: OOD dataset -> ``"near"`` / ``"far"``. ``id_accuracy`` is the classifier's accuracy
-    on the ID test set (the same on every row); ``threshold`` is the dataset's
+    on the ID test set (the same on every row); ``aurc`` and ``risk_at_95_coverage`` the detector's
+    :func:`selective_metrics` (the same on each of its rows); ``threshold`` is the dataset's
     :func:`default_threshold` (NaN on the mean rows). Columns :data:`METRICS_COLUMNS`; rows by
     detector in table order, datasets in run order, then the groups in alphabetical order.
     """
@@ -142,6 +147,7 @@ def metrics_table(scores: pd.DataFrame, groups: dict[str, str]) -> pd.DataFrame:
     id_accuracy = float((id_rows.label == id_rows.prediction).mean())
     rows = []
     for detector in detectors_of(scores):
+        selective = selective_metrics(scores, detector)
         per_dataset = [
             {
                 "detector": detector,
@@ -149,6 +155,7 @@ def metrics_table(scores: pd.DataFrame, groups: dict[str, str]) -> pd.DataFrame:
                 "group": groups[dataset],
                 **ood_metrics(score_values(id_rows, detector), score_values(ood_rows, detector)),
                 "id_accuracy": id_accuracy,
+                **selective,
                 "threshold": threshold_at_recall(score_values(ood_rows, detector)),
             }
             for dataset, ood_rows in scores[scores.split == OOD_SPLIT].groupby("dataset", sort=False)
@@ -162,10 +169,25 @@ def metrics_table(scores: pd.DataFrame, groups: dict[str, str]) -> pd.DataFrame:
                     "group": group,
                     **members[list(METRIC_NAMES)].mean().to_dict(),
                     "id_accuracy": id_accuracy,
+                    **selective,
                     "threshold": np.nan,
                 }
             )
     return pd.DataFrame(rows, columns=list(METRICS_COLUMNS))
+
+
+def selective_curve(scores: pd.DataFrame, detector: str) -> dict[str, np.ndarray]:
+    """:func:`oodviz.metrics.risk_coverage` of ``detector`` on the ID test rows: the classifier's error rate
+    (``prediction != label``, from the stored predictions) among the samples accepted (``score <= t``)."""
+    check_detector(scores, detector)
+    id_rows = scores[scores.split == ID_SPLIT]
+    return risk_coverage(score_values(id_rows, detector), id_rows.prediction.to_numpy() != id_rows.label.to_numpy())
+
+
+def selective_metrics(scores: pd.DataFrame, detector: str) -> dict[str, float]:
+    """``{"aurc", "risk_at_95_coverage"}`` of :func:`selective_curve` (lower is better for both)."""
+    curve = selective_curve(scores, detector)
+    return {"aurc": aurc(curve), "risk_at_95_coverage": risk_at_coverage(curve)}
 
 
 def group_means(metrics: pd.DataFrame, values=METRIC_NAMES) -> pd.DataFrame:

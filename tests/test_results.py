@@ -74,6 +74,8 @@ def test_metrics_table_agrees_with_sklearn_and_a_brute_force_fpr95(scores):
         "aupr_out",
         "fpr95",
         "id_accuracy",
+        "aurc",
+        "risk_at_95_coverage",
         "threshold",
     ]
     assert list(zip(table.detector, table.ood_dataset)) == [

@@ -3,6 +3,9 @@
 Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 ``score(batches, device=None)`` (CPU float tensor ``[N]``, higher = more OOD); see
 :mod:`oodviz.detectors.base`. One module per method, its docstring giving the formula.
+``detector.save(directory)`` and ``load(directory)`` keep a fitted detector as files
+(:mod:`oodviz.detectors.persist`); ``describe(name)`` gives the formula, paper, inputs and failure note each
+detector class declares (``teaching = Teaching(...)``, :mod:`oodviz.detectors.teaching`).
 Detectors with ``needs_model`` (``odin``, ``mcd``, ``rankfeat``, ``adascale``, ``gram``) run the classifier
 again: they take it as ``create(name, model=...)`` and score ``Batch(inputs=...)``; ``adascale`` and ``gram``
 also fit on in-distribution ``Batch(inputs=..., labels=...)`` (:mod:`oodviz.detectors.model_fit`).
@@ -29,11 +32,13 @@ from oodviz.detectors.nci import NCI
 from oodviz.detectors.nnguide import NNGuide
 from oodviz.detectors.odin import ODIN
 from oodviz.detectors.openmax import OpenMax
+from oodviz.detectors.persist import DetectorFileError, load
 from oodviz.detectors.rankfeat import RankFeat
 from oodviz.detectors.react import ReAct
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
+from oodviz.detectors.teaching import Teaching, describe
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
 from oodviz.detectors.vra import VRA
@@ -97,4 +102,16 @@ def create(name: str, **params) -> Detector:
     return cls(**params)
 
 
-__all__ = ["Detector", "FitData", "ModelDetector", "NotFittedError", "available", "create", "detector_class"]
+__all__ = [
+    "Detector",
+    "DetectorFileError",
+    "FitData",
+    "ModelDetector",
+    "NotFittedError",
+    "Teaching",
+    "available",
+    "create",
+    "describe",
+    "detector_class",
+    "load",
+]

@@ -52,6 +52,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.react import check_percentile, energy
+from oodviz.detectors.teaching import Teaching
 
 VARIANTS = ("b", "p", "s")
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -113,6 +114,12 @@ class ASH(Detector):
     name = "ash"
     summary = "Energy after pruning each sample's lowest activations; the rest binarised (b), kept (p) or scaled (s)."
     paper = "https://arxiv.org/abs/2209.09858"
+    teaching = Teaching(
+        formula=r"s(x) = -\log \sum_k e^{(\mathrm{shape}_p(x) W^\top + b)_k}",
+        citation="Djurisic et al., *Extremely Simple Activation Shaping for Out-of-Distribution Detection*, ICLR 2023",
+        reads="the features and the head; nothing to fit",
+        fails_when="Tuned for post-ReLU features of large CNNs; pruning small or signed features (ViTs, tiny models) loses the signal.",
+    )
     inputs = ("features",)
     needs_head = True
 

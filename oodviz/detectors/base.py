@@ -198,6 +198,12 @@ class Detector:
         """The most bytes of ``batch``'s read fields scored at once; None: :data:`oodviz.detectors.fitdata.CHUNK_BYTES`."""
         return None
 
+    def save(self, directory, copy_files: bool = False) -> None:
+        """Write the parameters and fitted state to ``directory`` (:mod:`oodviz.detectors.persist`)."""
+        from oodviz.detectors.persist import save
+
+        save(self, directory, copy_files)
+
     def _move_fitted(self, device: torch.device) -> None:
         for key, value in vars(self).items():
             if key.endswith("_") and isinstance(value, Tensor) and value.device != device:

@@ -32,6 +32,7 @@ from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.react import energy, linear_quantile
 from oodviz.detectors.stats import ACCUMULATE, Scratch, row_blocks
+from oodviz.detectors.teaching import Teaching
 
 
 def feature_mean(data: FitData) -> Tensor:
@@ -50,6 +51,12 @@ class DICE(Detector):
     name = "dice"
     summary = "Energy of the logits after zeroing the head weights with the smallest mean contribution."
     paper = "https://arxiv.org/abs/2111.09805"
+    teaching = Teaching(
+        formula=r"s(x) = -\log \sum_k e^{(x (W \odot M)^\top + b)_k},\quad M = [\bar x \odot W > t]",
+        citation="Sun & Li, *DICE: Leveraging Sparsification for Out-of-Distribution Detection*, ECCV 2022",
+        reads="the features of the fit split (mean contribution per weight) and the head",
+        fails_when="Zeroing weights costs in-distribution accuracy signal when the head is already sparse or small.",
+    )
     inputs = ("features",)
     needs_head = True
 

@@ -14,12 +14,19 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector
+from oodviz.detectors.teaching import Teaching
 
 
 class Energy(Detector):
     name = "energy"
     summary = "Free energy of the logits, -T logsumexp(z/T): a smoother maximum logit."
     paper = "https://arxiv.org/abs/2010.03759"
+    teaching = Teaching(
+        formula=r"s(x) = -T \log \sum_k e^{z_k(x)/T}",
+        citation="Liu et al., *Energy-based Out-of-distribution Detection*, NeurIPS 2020",
+        reads="the logits; nothing to fit",
+        fails_when="Dominated by the largest logit, so it inherits MSP's overconfidence on OOD inputs with large activations.",
+    )
     inputs = ("logits",)
     needs_fit = False
 

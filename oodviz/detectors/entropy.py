@@ -13,12 +13,19 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector
+from oodviz.detectors.teaching import Teaching
 
 
 class Entropy(Detector):
     name = "entropy"
     summary = "Entropy of the softmax: how spread out the prediction is."
     paper = "https://arxiv.org/abs/1610.02136"
+    teaching = Teaching(
+        formula=r"s(x) = -\sum_k p_k \log p_k,\quad p = \operatorname{softmax}(z(x))",
+        citation="Hendrycks & Gimpel, *A Baseline for Detecting Misclassified and Out-of-Distribution Examples in Neural Networks*, ICLR 2017",
+        reads="the logits; nothing to fit",
+        fails_when="Confuses ambiguous in-distribution images (between two classes) with OOD ones.",
+    )
     inputs = ("logits",)
     needs_fit = False
 

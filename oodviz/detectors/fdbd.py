@@ -35,6 +35,7 @@ from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.dice import feature_mean
 from oodviz.detectors.stats import ACCUMULATE
+from oodviz.detectors.teaching import Teaching
 
 MIN_DISTANCE = 1e-8
 _BLOCK = 1024  # rows of the C x C matrix computed at once
@@ -71,6 +72,12 @@ class FDBD(Detector):
     name = "fdbd"
     summary = "Mean distance to the decision boundaries over the distance to the mean feature (negated)."
     paper = "https://arxiv.org/abs/2312.11536"
+    teaching = Teaching(
+        formula=r"s(x) = -\frac{1}{C-1}\sum_{j \ne c} \frac{|z_c - z_j|}{\|w_c - w_j\|} \Big/ \|x - \mu\|",
+        citation="Liu & Qin, *Fast Decision Boundary based Out-of-Distribution Detector*, ICML 2024",
+        reads="the features of the fit split (their mean) and the head",
+        fails_when="Assumes ID features lie far from the decision boundaries; poorly separated classes make ID look OOD.",
+    )
     inputs = ("features",)
     needs_head = True
 

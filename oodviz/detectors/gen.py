@@ -17,12 +17,19 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector
+from oodviz.detectors.teaching import Teaching
 
 
 class GEN(Detector):
     name = "gen"
     summary = "Generalized entropy of the top-M softmax probabilities."
     paper = "https://arxiv.org/abs/2303.04115"
+    teaching = Teaching(
+        formula=r"s(x) = \sum_{j=1}^{M} p_{(j)}^{\gamma} (1 - p_{(j)})^{\gamma}",
+        citation="Liu, Lochman & Zach, *GEN: Pushing the Limits of Softmax-Based Out-of-Distribution Detection*, CVPR 2023",
+        reads="the logits; nothing to fit",
+        fails_when="Still a function of the softmax alone: OOD inputs the network is confident about pass unnoticed.",
+    )
     inputs = ("logits",)
     needs_fit = False
 

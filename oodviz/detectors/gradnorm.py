@@ -38,6 +38,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.stats import row_blocks
+from oodviz.detectors.teaching import Teaching
 
 #: ``features @ W^T + b`` may differ from the logits by this fraction of ``1 + max |logit|`` (float16 stores, bf16 runs)
 HEAD_TOLERANCE = 0.05
@@ -56,6 +57,12 @@ class GradNorm(Detector):
         "Negative L1 norm of the last layer's gradient of the KL to uniform, in closed form from features and logits."
     )
     paper = "https://arxiv.org/abs/2110.00218"
+    teaching = Teaching(
+        formula=r"s(x) = -\Big\| \frac{\partial}{\partial W} \mathrm{KL}\big(u \,\|\, \operatorname{softmax}(z/T)\big) \Big\|_1",
+        citation="Huang, Geng & Li, *On the Importance of Gradients for Detecting Distributional Shifts in the Wild*, NeurIPS 2021",
+        reads="the features, logits and the head (gradient in closed form)",
+        fails_when="Scales with the feature norm, so it fails when OOD inputs have larger activations than ID ones.",
+    )
     inputs = ("features", "logits")
     needs_head = True
 

@@ -26,12 +26,19 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.stats import ClassMeans, row_blocks
+from oodviz.detectors.teaching import Teaching
 
 
 class KLMatching(Detector):
     name = "klm"
     summary = "KL divergence of the softmax to the mean softmax of its predicted class."
     paper = "https://arxiv.org/abs/1911.11132"
+    teaching = Teaching(
+        formula=r"s(x) = \min_k \mathrm{KL}\big(p(x) \,\|\, d_k\big),\quad d_k = \mathbb{E}[p \mid \hat y = k]",
+        citation="Hendrycks et al., *Scaling Out-of-Distribution Detection for Real-World Settings*, ICML 2022",
+        reads="the logits of the fit split (one mean posterior per predicted class)",
+        fails_when="Classes the model never predicts on the fit data have no template, and their OOD look-alikes slip through.",
+    )
     inputs = ("logits",)
 
     @classmethod

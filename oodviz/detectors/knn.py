@@ -52,6 +52,7 @@ from torch import Tensor
 
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.stats import row_blocks
+from oodviz.detectors.teaching import Teaching
 
 #: bytes of one ``[query rows, bank chunk rows]`` float32 similarity block
 SIMILARITY_BYTES = 64 * 2**20
@@ -68,6 +69,12 @@ class KNN(Detector):
     name = "knn"
     summary = "Distance to the k-th nearest in-distribution feature (L2-normalised)."
     paper = "https://arxiv.org/abs/2204.06507"
+    teaching = Teaching(
+        formula=r"s(x) = \big\| z - z_{(k)} \big\|,\quad z = x / \|x\|",
+        citation="Sun et al., *Out-of-Distribution Detection with Deep Nearest Neighbors*, ICML 2022",
+        reads="the features of the fit split (all of them: the bank)",
+        fails_when="Costs a search of the whole bank per query and degrades when OOD features lie in dense ID regions.",
+    )
     inputs = ("features",)
 
     def __init__(self, k: int = 50, chunk_size: int = 16384, bank_dir: str | None = None, backend: str = "exact"):

@@ -39,6 +39,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
 from oodviz.detectors.stats import ClassMoments, inverse_cholesky_factor, row_blocks, symmetric_eigh
+from oodviz.detectors.teaching import Teaching
 from oodviz.detectors.widefit import FewRows
 
 
@@ -107,6 +108,12 @@ class Mahalanobis(Detector):
         "normalize=True: of the L2-normalised features (MDS++)."
     )
     paper = "https://arxiv.org/abs/1807.03888"
+    teaching = Teaching(
+        formula=r"s(x) = \min_k (x - \mu_k)^\top \Sigma^{-1} (x - \mu_k)",
+        citation="Lee et al., *A Simple Unified Framework for Detecting Out-of-Distribution Samples and Adversarial Attacks*, NeurIPS 2018",
+        reads="the features and labels of the fit split (class means, shared covariance)",
+        fails_when="Near-OOD images share the dominant directions of the ID features; the shared-Gaussian assumption misses them.",
+    )
     inputs = ("features",)
     needs_labels = True
     #: ``D x D`` float64 matrices alive at the fit's peak: the covariance, the Cholesky factor (or the

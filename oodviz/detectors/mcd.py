@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import ModelDetector
+from oodviz.detectors.teaching import Teaching
 
 MODES = ("mean", "var")
 DROPOUT_TYPES = (nn.modules.dropout._DropoutNd,)
@@ -105,6 +106,12 @@ class MCD(ModelDetector):
         "Negative max of the mean softmax over forward passes with dropout on (runs the model; needs dropout layers)."
     )
     paper = "https://arxiv.org/abs/1506.02142"
+    teaching = Teaching(
+        formula=r"s(x) = -\max_k \frac{1}{N}\sum_{n=1}^{N} \operatorname{softmax}(f_n(x))_k",
+        citation="Gal & Ghahramani, *Dropout as a Bayesian Approximation: Representing Model Uncertainty in Deep Learning*, ICML 2016",
+        reads="the model itself, run N times with dropout on",
+        fails_when="Needs dropout in the model, costs N forward passes, and dropout noise rarely separates far-OOD inputs.",
+    )
     #: most classifiers (ResNets, the bundled digits-cnn) have no dropout: not in a run's default list
     in_defaults = False
 

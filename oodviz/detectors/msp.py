@@ -13,12 +13,19 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector
+from oodviz.detectors.teaching import Teaching
 
 
 class MaxSoftmax(Detector):
     name = "msp"
     summary = "Negative maximum softmax probability: the classic baseline."
     paper = "https://arxiv.org/abs/1610.02136"
+    teaching = Teaching(
+        formula=r"s(x) = -\max_k \operatorname{softmax}(z(x))_k",
+        citation="Hendrycks & Gimpel, *A Baseline for Detecting Misclassified and Out-of-Distribution Examples in Neural Networks*, ICLR 2017",
+        reads="the logits; nothing to fit",
+        fails_when="Overconfident networks give OOD inputs high softmax confidence, so far-OOD images can look certain.",
+    )
     inputs = ("logits",)
     needs_fit = False
 

@@ -31,12 +31,19 @@ from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.dice import feature_mean
 from oodviz.detectors.fdbd import MIN_DISTANCE
+from oodviz.detectors.teaching import Teaching
 
 
 class NCI(Detector):
     name = "nci"
     summary = "Alignment of the centred features with the predicted class's weights, plus alpha * L1 norm (negated)."
     paper = "https://arxiv.org/abs/2311.01479"
+    teaching = Teaching(
+        formula=r"s(x) = -\Big(\frac{(x - \mu_G) \cdot w_c}{\|x - \mu_G\|} + \alpha \|x\|_1\Big)",
+        citation="Liu & Qin, *Detecting Out-of-Distribution Through the Lens of Neural Collapse*, CVPR 2025",
+        reads="the features of the fit split (their mean) and the head",
+        fails_when="Relies on neural collapse; a model trained briefly or with few epochs has not collapsed and the score weakens.",
+    )
     inputs = ("features",)
     needs_head = True
 

@@ -51,6 +51,7 @@ from torch.nn import functional as F
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import ModelDetector
+from oodviz.detectors.teaching import Teaching
 
 
 def transform_std(transform) -> list[float] | None:
@@ -120,6 +121,12 @@ class ODIN(ModelDetector):
     name = "odin"
     summary = "Negative max softmax at temperature T of the input nudged by epsilon towards higher confidence (runs the model)."
     paper = "https://arxiv.org/abs/1706.02690"
+    teaching = Teaching(
+        formula=r"s(x) = -\max_k \operatorname{softmax}\big(f(x')/T\big)_k,\quad x' = x - \varepsilon\, \operatorname{sign}(-\nabla_x \log S_{\hat y}(x;T))",
+        citation="Liang, Li & Srikant, *Enhancing The Reliability of Out-of-distribution Image Detection in Neural Networks*, ICLR 2018",
+        reads="the model itself: one backward and two forward passes per input",
+        fails_when="Its temperature and step size are tuned per dataset; with defaults on a new model it can be worse than MSP.",
+    )
 
     #: the forward pass's activations, kept for the backward pass, and their gradients
     activation_copies = 2

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.teaching import Teaching
 
 _HALF = 16  # bits per radix pass
 _BINS = 1 << _HALF
@@ -206,6 +207,12 @@ class ReAct(Detector):
     name = "react"
     summary = "Energy of the logits after clipping the features at a percentile of the training activations."
     paper = "https://arxiv.org/abs/2111.12797"
+    teaching = Teaching(
+        formula=r"s(x) = -\log \sum_k e^{(\min(x, c) W^\top + b)_k}",
+        citation="Sun, Guo & Li, *ReAct: Out-of-distribution Detection With Rectified Activations*, NeurIPS 2021",
+        reads="the features of the fit split (the clipping percentile) and the head",
+        fails_when="Helps only when OOD inputs have abnormally large activations; it can hurt models with bounded features.",
+    )
     inputs = ("features",)
     needs_head = True
     fit_passes = 2

@@ -27,6 +27,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.mahalanobis import Mahalanobis, inverse_sqrt
 from oodviz.detectors.stats import ClassMoments
+from oodviz.detectors.teaching import Teaching
 from oodviz.detectors.widefit import FewRows
 
 
@@ -37,6 +38,12 @@ class RelativeMahalanobis(Mahalanobis):
         "normalize=True: of the L2-normalised features (RMDS++)."
     )
     paper = "https://arxiv.org/abs/2106.09022"
+    teaching = Teaching(
+        formula=r"s(x) = \min_k \mathrm{MD}_k(x) - \mathrm{MD}_0(x)",
+        citation="Ren et al., *A Simple Fix to Mahalanobis Distance for Improving Near-OOD Detection*, 2021",
+        reads="the features and labels of the fit split (class Gaussians and one background Gaussian)",
+        fails_when="Subtracting the background distance can hide far-OOD inputs that are far from everything.",
+    )
     #: the within-class and the total scatter, the factor (or eigenvectors) of one, and a float32 whitening
     square_copies = 3.5
 

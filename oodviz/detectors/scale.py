@@ -33,12 +33,19 @@ from oodviz.batch import Batch
 from oodviz.detectors.ash import check_kept, log_scale, scaled_energy, store_head
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.react import check_percentile
+from oodviz.detectors.teaching import Teaching
 
 
 class SCALE(Detector):
     name = "scale"
     summary = "Energy of the features scaled by exp(sum of all / sum of the top activations) of each sample."
     paper = "https://arxiv.org/abs/2310.00227"
+    teaching = Teaching(
+        formula=r"s(x) = -\log \sum_k e^{(e^{s_1/s_2} x W^\top + b)_k}",
+        citation="Xu et al., *Scaling for Training Time and Post-hoc Out-of-distribution Detection Enhancement*, ICLR 2024",
+        reads="the features and the head; nothing to fit",
+        fails_when="Relies on the activation-sum ratio of non-negative features; signed or low-dimensional features break it.",
+    )
     inputs = ("features",)
     needs_head = True
 

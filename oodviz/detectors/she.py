@@ -21,12 +21,19 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
 from oodviz.detectors.stats import ClassMeans
+from oodviz.detectors.teaching import Teaching
 
 
 class SHE(Detector):
     name = "she"
     summary = "Inner product of the features with the mean correct feature of the predicted class."
     paper = "https://openreview.net/forum?id=KkazG4lgKL"
+    teaching = Teaching(
+        formula=r"s(x) = -\langle x, m_{\hat y(x)} \rangle",
+        citation="Zhang et al., *Out-of-Distribution Detection based on In-Distribution Data Patterns Memorization with Modern Hopfield Energy*, ICLR 2023",
+        reads="the features, logits and labels of the fit split (mean feature of the correct samples per class)",
+        fails_when="An inner product grows with the feature norm, so OOD inputs with large activations look familiar.",
+    )
     inputs = ("features",)
     optional_inputs = ("logits",)  # the model's predictions, when the batches carry them
     needs_labels = True

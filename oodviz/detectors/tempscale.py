@@ -34,6 +34,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.stats import ACCUMULATE
+from oodviz.detectors.teaching import Teaching
 
 _BETA_MIN, _BETA_MAX = 1e-3, 1e3  # T in [1e-3, 1e3]
 
@@ -71,6 +72,12 @@ class TemperatureScaling(Detector):
     name = "tempscale"
     summary = "MSP after temperature scaling fitted by NLL on the in-distribution labels."
     paper = "https://arxiv.org/abs/1706.04599"
+    teaching = Teaching(
+        formula=r"s(x) = -\max_k \operatorname{softmax}(z(x)/T)_k,\quad T = \arg\min_T \mathrm{NLL}",
+        citation="Guo et al., *On Calibration of Modern Neural Networks*, ICML 2017",
+        reads="the logits and labels of the fit split (to fit T)",
+        fails_when="Calibrates confidence on in-distribution data only; a monotone rescaling rarely changes the OOD ranking much.",
+    )
     inputs = ("logits",)
     needs_labels = True
     fit_passes = 2  # several in fact: one per Newton step

@@ -31,6 +31,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.stats import ACCUMULATE, Scratch, add_gram, row_blocks, symmetric_eigh, torch_on_one_thread
+from oodviz.detectors.teaching import Teaching
 
 
 def linear_origin(weight: Tensor, bias: Tensor) -> Tensor:
@@ -59,6 +60,12 @@ class ViM(Detector):
     name = "vim"
     summary = "Norm of the feature residual outside the principal subspace, as a virtual logit against the energy."
     paper = "https://arxiv.org/abs/2203.10807"
+    teaching = Teaching(
+        formula=r"s(x) = \alpha \,\| (x - u) R \| - \log \sum_k e^{z_k(x)}",
+        citation="Wang et al., *ViM: Out-Of-Distribution with Virtual-logit Matching*, CVPR 2022",
+        reads="the features of the fit split and the classifier's head (principal subspace, residual)",
+        fails_when="Needs a feature width D well above the classes; with small D the residual space is too thin to see OOD.",
+    )
     inputs = ("features",)
     optional_inputs = ("logits",)
     needs_head = True

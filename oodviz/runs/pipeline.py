@@ -7,7 +7,7 @@ named stages (``load model``, ``load data``, ``extract <split>``, ``fit <name>``
 ``score <split> with <name>``, ``score <split>``, ``metrics``). Results land in the run
 directory, each file written atomically; their schema and every table derived from the scores
 belong to :mod:`oodviz.results` (``scores.parquet``, ``metrics.csv``, ``per_class.csv``,
-``detectors.json``, ``meta.json``). ``scratch/`` holds detectors' working files (knn's bank) while
+``detectors.json``, ``meta.json``) and the fitted detectors in ``detectors/`` (:mod:`oodviz.scoring`). ``scratch/`` holds detectors' working files (knn's bank) while
 the job runs; the worker removes it when it ends and the supervisor when the worker was killed.
 
 A detector that fails to fit or to score, or gives a NaN or infinite score (:func:`finite_scores`),
@@ -460,6 +460,19 @@ def score_with_model(job: Job, detector, split: str, stage: Stage) -> np.ndarray
     return result.scores.numpy()
 
 
+def save_detectors(job: Job) -> None:
+    """``detectors/``: every fitted detector and the backbone's identity (:func:`oodviz.scoring.save_run_detectors`),
+    for ``oodviz score``; a detector that cannot be saved keeps its results and says why in ``detectors.json``."""
+    from oodviz.scoring import save_run_detectors
+
+    with job.reporter.stage("save detectors") as stage:
+        failed = save_run_detectors(job.run.path, job.backbone, job.fitted, job.run.scratch_path)
+        for name, error in failed.items():
+            job.detector_log[name]["save_error"] = error
+            job.reporter.warn(f"{name} could not be saved (oodviz score will not have it): {error}")
+        stage.note(f"saved {len(job.fitted) - len(failed)} detector(s) in {job.run.path.name}/detectors")
+
+
 def write_scores(job: Job) -> None:
     """``scores.parquet`` (only the detectors that scored every split) and ``detectors.json``."""
     require_a_detector(job)
@@ -485,7 +498,17 @@ def write_meta(job: Job) -> None:
     write_json(job.run.path / "meta.json", job.meta)
 
 
-STAGES = (load_model, load_data, extract_splits, fit_detectors, score_splits, write_scores, write_metrics, write_meta)
+STAGES = (
+    load_model,
+    load_data,
+    extract_splits,
+    fit_detectors,
+    score_splits,
+    save_detectors,
+    write_scores,
+    write_metrics,
+    write_meta,
+)
 
 
 def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> list[str]:

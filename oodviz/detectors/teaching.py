@@ -1,0 +1,57 @@
+"""What a detector teaches: its formula, paper, what it reads and when it fails, declared in its own module.
+
+Every detector class declares ``teaching = Teaching(...)`` next to its ``summary`` and ``paper``, so the
+app's "what it does" panel, the report and the docs read the same words as the code they describe:
+
+- ``formula``: the score in LaTeX (as the module docstring has it; **higher = more OOD**);
+- ``citation``: the paper, as "Authors, *Title*, Venue Year" (the class's ``paper`` is its link);
+- ``reads``: what the detector reads (logits, features, labels, the head, the model) and what it fits;
+- ``fails_when``: one line on when it is known to do badly.
+
+:func:`describe` returns them with the class's other facts. A subclass declares its own (an inherited
+``teaching`` would describe its parent), and ``tests/test_teaching.py`` checks every registered detector.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Teaching:
+    formula: str
+    citation: str
+    reads: str
+    fails_when: str
+
+    def __post_init__(self):
+        for key, value in asdict(self).items():
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"Teaching.{key} must be a non-empty string")
+        if "\n" in self.fails_when:
+            raise ValueError("Teaching.fails_when is one line")
+
+
+def describe(name: str) -> dict:
+    """``{"name", "summary", "formula", "citation", "paper" (link), "reads", "fails_when", "inputs",
+    "needs_fit", "needs_labels", "needs_head", "needs_model"}`` of the registered detector ``name``."""
+    from oodviz.detectors import detector_class
+
+    cls = detector_class(name)
+    teaching = vars(cls).get("teaching")
+    if not isinstance(teaching, Teaching):
+        raise ValueError(
+            f"detector {name!r} ({cls.__module__}.{cls.__name__}) declares no teaching = Teaching(formula=..., "
+            "citation=..., reads=..., fails_when=...) (oodviz.detectors.teaching)"
+        )
+    return {
+        "name": name,
+        "summary": cls.summary,
+        **asdict(teaching),
+        "paper": cls.paper,
+        "inputs": list(cls.inputs),
+        "needs_fit": cls.needs_fit,
+        "needs_labels": cls.needs_labels,
+        "needs_head": cls.needs_head,
+        "needs_model": cls.needs_model,
+    }

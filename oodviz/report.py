@@ -1,0 +1,261 @@
+"""A run as one self-contained HTML file to share (``oodviz report RUN -o report.html``).
+
+The file needs no network and no oodviz to open: plotly.js is inlined once, every figure travels as its
+Plotly JSON (drawn by ``Plotly.newPlot`` when the page loads; each figure's toolbar exports it as PNG),
+and the failure galleries' thumbnails are PNG data URIs. It holds the run's config and environment
+(versions, device, wall time and peak memory per stage), the metrics table (near/far means and every
+OOD dataset), the AUROC heatmap, the risk–coverage curves and, per detector, the score histogram, the
+ROC and PR-Out curves against every OOD dataset, the per-class false alarms and the two failure galleries, after what the detector does
+(its formula, paper, inputs and failure note: :func:`oodviz.detectors.describe`)
+(ID test samples most confidently flagged as OOD, OOD samples most confidently accepted).
+
+Convention, stated in the page: **OOD is the positive class; higher score = more OOD.**
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from oodviz.analysis import curves, failure_cases, risk_coverage_curves, score_histogram
+from oodviz.detectors.teaching import describe
+from oodviz.plots import CONVENTION, TEMPLATE, color_map, histogram_figure, per_class_bar, pr_figure, roc_figure
+from oodviz.plots_risk import risk_coverage_figure
+from oodviz.results import (
+    METRIC_NAMES,
+    SELECTIVE_NAMES,
+    Results,
+    default_threshold,
+    detectors_of,
+    group_means,
+    is_group_mean,
+    load_results,
+    ood_datasets_of,
+    per_class_at_threshold,
+)
+from oodviz.runs.rundir import write_atomic
+from oodviz.thumbnails import thumbnails
+
+#: the class of every figure's ``<div>`` (one per figure; its JSON is in the ``<script>`` after it)
+FIGURE_CLASS = "oodviz-figure"
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
+h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
+table { border-collapse: collapse; font-size: .85em; margin: .5em 0; }
+th, td { border: 1px solid #ddd; padding: 2px 6px; text-align: right; } th { background: #f4f4f4; }
+td:first-child, th:first-child { text-align: left; }
+pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .8em; }
+.row { display: flex; flex-wrap: wrap; gap: 1em; } .row > div { flex: 1 1 360px; min-width: 360px; }
+.gallery { display: flex; flex-wrap: wrap; gap: 6px; }
+.gallery figure { margin: 0; width: 96px; font-size: .7em; text-align: center; }
+.gallery img { width: 96px; height: 96px; image-rendering: pixelated; border: 1px solid #ccc; }
+.convention { background: #fff8e1; padding: .4em .8em; border-left: 4px solid #f0b400; }
+details { margin: .6em 0; } summary { font-size: 1.15em; font-weight: 600; cursor: pointer; }
+"""
+DRAW_FIGURES = f"""
+for (const div of document.querySelectorAll(".{FIGURE_CLASS}")) {{
+  const spec = JSON.parse(div.nextElementSibling.textContent);
+  Plotly.newPlot(div, spec.data, spec.layout, {{displaylogo: false, responsive: true}});
+}}
+"""
+
+
+def _script_json(value: str) -> str:
+    """JSON text safe inside ``<script>``: no ``</`` (which would end the element)."""
+    return value.replace("</", "<\\/")
+
+
+class _Page:
+    """The HTML body, built in order; figures get numbered ids."""
+
+    def __init__(self):
+        self.parts: list[str] = []
+        self.n_figures = 0
+
+    def add(self, markup: str) -> None:
+        self.parts.append(markup)
+
+    def text(self, tag: str, value: str, **attributes) -> None:
+        attrs = "".join(f' {k.rstrip("_")}="{html.escape(str(v))}"' for k, v in attributes.items())
+        self.parts.append(f"<{tag}{attrs}>{html.escape(str(value))}</{tag}>")
+
+    def figure(self, fig: go.Figure, name: str) -> None:
+        self.n_figures += 1
+        self.parts.append(
+            f'<div class="{FIGURE_CLASS}" id="figure-{self.n_figures}" data-name="{html.escape(name)}"></div>'
+            f'<script type="application/json">{_script_json(fig.to_json())}</script>'
+        )
+
+    def table(self, frame: pd.DataFrame, digits: int = 3) -> None:
+        self.parts.append(frame.to_html(index=False, float_format=lambda v: f"{v:.{digits}f}", border=0, na_rep="–"))
+
+
+def _png_data_uri(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def auroc_heatmap(metrics: pd.DataFrame) -> go.Figure:
+    """AUROC of each detector (rows, table order) against each OOD dataset (columns, run order)."""
+    rows = metrics[~is_group_mean(metrics)]
+    table = rows.pivot(index="detector", columns="ood_dataset", values="auroc")
+    table = table.reindex(index=list(rows.detector.unique()), columns=list(rows.ood_dataset.unique()))
+    fig = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=list(table.columns),
+            y=list(table.index),
+            zmin=0.5,
+            zmax=1.0,
+            colorscale="Viridis",
+            text=table.round(3).astype(str).to_numpy(),
+            texttemplate="%{text}",
+            hovertemplate="%{y} vs %{x}: AUROC %{z:.3f}<extra></extra>",
+            colorbar={"title": "AUROC"},
+        )
+    )
+    fig.update_layout(
+        template=TEMPLATE,
+        title={"text": "AUROC per detector and OOD dataset (OOD = positive)", "x": 0.01},
+        height=max(300, 28 * len(table) + 120),
+        margin={"l": 110, "r": 15, "t": 45, "b": 90},
+        yaxis={"autorange": "reversed"},
+    )
+    return fig
+
+
+def _run_section(page: _Page, results: Results) -> None:
+    meta = results.meta or {}
+    environment = {k: meta.get(k) for k in ("oodviz", "torch", "python", "device", "device_name") if k in meta}
+    page.text("h2", "Run")
+    page.text("p", f"State: {results.state}. Directory: {results.path.name}.")
+    page.text("h3", "Environment")
+    page.table(pd.DataFrame({"": list(environment), "value": [str(v) for v in environment.values()]}))
+    stages = meta.get("stages") or {}
+    if stages:
+        frame = pd.DataFrame.from_dict(stages, orient="index")
+        keep = [c for c in ("wall_s", "peak_cpu_rss") if c in frame.columns]
+        page.table(frame[keep].rename_axis("stage").reset_index(), digits=2)
+    page.text("h3", "Config")
+    page.text("pre", json.dumps(results.config, indent=2))
+
+
+def _metrics_section(page: _Page, results: Results) -> None:
+    metrics = results.metrics
+    page.text("h2", "Metrics")
+    page.text("p", "AUROC, AUPR and FPR95 per near/far group of OOD datasets (mean over the group's datasets).")
+    wide = group_means(metrics, values=METRIC_NAMES)
+    wide.columns = [f"{metric} {group}" for metric, group in wide.columns]
+    selective = [c for c in SELECTIVE_NAMES if c in metrics.columns]
+    per_detector = metrics.groupby("detector", sort=False)[["id_accuracy", *selective]].first()
+    page.table(wide.join(per_detector).reset_index())
+    if selective:
+        page.text(
+            "p",
+            "aurc, risk_at_95_coverage: the detector's score as a reject rule on the ID test set; risk = the "
+            "classifier's error rate among the samples it accepts (lower is better).",
+        )
+    page.add("<details><summary>Every OOD dataset</summary>")
+    page.table(metrics[~is_group_mean(metrics)].drop(columns=["group"]))
+    page.add("</details>")
+    page.figure(auroc_heatmap(metrics), "auroc heatmap")
+    page.figure(risk_coverage_figure(risk_coverage_curves(results.scores)), "risk-coverage")
+
+
+def _gallery(page: _Page, results: Results, rows: pd.DataFrame, title: str) -> None:
+    page.text("h4", f"{title} ({len(rows)})")
+    images = thumbnails(results, rows, size=64)
+    items = []
+    for image, row in zip(images, rows.itertuples(), strict=True):
+        caption = (
+            f"{row.dataset} #{row.index}: true {row.class_name}, predicted {row.predicted_name}, score {row.score:.4g}"
+        )
+        items.append(
+            f'<figure><img src="{_png_data_uri(image)}" alt="{html.escape(caption)}" title="{html.escape(caption)}">'
+            f"<figcaption>{html.escape(row.class_name)}→{html.escape(row.predicted_name)}<br>{row.score:.3g}"
+            "</figcaption></figure>"
+        )
+    page.add(f'<div class="gallery">{"".join(items)}</div>')
+
+
+def _detector_section(page: _Page, results: Results, detector: str, gallery_size: int, opened: bool) -> None:
+    scores, names = results.scores, results.class_names
+    threshold = default_threshold(scores, detector)
+    colors = color_map(["ID", *ood_datasets_of(scores)])
+    summary = results.metrics[(results.metrics.detector == detector) & ~is_group_mean(results.metrics)]
+    page.add(f"<details{' open' if opened else ''}><summary>{html.escape(detector)}</summary>")
+    page.text(
+        "p",
+        f"Mean AUROC {summary.auroc.mean():.3f}, mean FPR95 {summary.fpr95.mean():.3f} over "
+        f"{len(summary)} OOD datasets. Threshold {threshold:.4g}: flags 95% of all OOD samples (score >= it).",
+    )
+    about = describe(detector)
+    page.add("<p>")
+    page.text("b", "What it does: ")
+    page.text("code", about["formula"])
+    page.text("span", f" (LaTeX; higher = more OOD). {about['citation']}, {about['paper']}. Reads {about['reads']}. ")
+    page.text("i", f"Fails when: {about['fails_when']}")
+    page.add("</p>")
+    by_label = {dataset: curves(scores, detector, dataset) for dataset in ood_datasets_of(scores)}
+    page.add('<div class="row"><div>')
+    page.figure(
+        histogram_figure(score_histogram(scores, detector), threshold, title=f"{detector}: scores"), "histogram"
+    )
+    page.add("</div><div>")
+    page.figure(roc_figure(by_label, title=f"{detector}: ROC (OOD = positive)", colors=colors), "roc")
+    page.add("</div><div>")
+    page.figure(pr_figure(by_label, title=f"{detector}: PR-Out (OOD = positive)", colors=colors), "pr")
+    page.add("</div></div>")
+    per_class = per_class_at_threshold(scores, detector, threshold, names)
+    page.text("h4", "False alarms per ID class at that threshold (worst first)")
+    page.figure(per_class_bar(per_class, title=f"{detector}: false-alarm rate per class"), "per-class")
+    page.table(per_class)
+    flagged, accepted = failure_cases(scores, detector, k=gallery_size, class_names=names)
+    _gallery(page, results, flagged, "ID test samples most confidently flagged as OOD (false alarms)")
+    _gallery(page, results, accepted, "OOD samples most confidently accepted as ID (misses)")
+    page.add("</details>")
+
+
+def report_html(run_dir, detectors=None, gallery_size: int = 8) -> str:
+    """The report of the finished run ``run_dir`` as one HTML document (see the module docstring);
+    ``detectors``: the detectors given a section (default: all, the first one opened)."""
+    from plotly.offline import get_plotlyjs
+
+    results = load_results(run_dir)
+    if not results.finished or results.metrics is None:
+        raise ValueError(f"run {run_dir} is not finished (state {results.state!r}); a report needs its results")
+    names = detectors_of(results.scores)
+    chosen = names if detectors is None else list(detectors)
+    unknown = [d for d in chosen if d not in names]
+    if unknown:
+        raise ValueError(f"no detector {', '.join(unknown)} in this run; it has: {', '.join(names)}")
+    config = results.config
+    title = f"oodviz report: {config.get('backbone', '?')} on {config.get('id_test', {}).get('name', '?')}"
+    page = _Page()
+    page.text("h1", title)
+    page.text("p", CONVENTION + ". A sample is flagged as OOD when its score >= the threshold.", class_="convention")
+    _run_section(page, results)
+    _metrics_section(page, results)
+    page.text("h2", "Detectors")
+    for position, detector in enumerate(chosen):
+        _detector_section(page, results, detector, gallery_size, opened=position == 0)
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
+        f"<style>{STYLE}</style><script>{get_plotlyjs()}</script></head>\n<body>\n"
+        + "\n".join(page.parts)
+        + f"\n<script>{DRAW_FIGURES}</script>\n</body></html>\n"
+    )
+
+
+def write_report(run_dir, out, detectors=None, gallery_size: int = 8) -> Path:
+    """Write :func:`report_html` of ``run_dir`` to ``out`` (atomically) and return its path."""
+    out = Path(out)
+    write_atomic(out, report_html(run_dir, detectors, gallery_size).encode("utf-8"))
+    return out

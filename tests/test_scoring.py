@@ -1,0 +1,137 @@
+"""A run saves its detectors; ``oodviz score`` scores new image files with them (on the bundled default run)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from oodviz.data import load_dataset
+from oodviz.detectors import detector_class, load
+from oodviz.engine import STORES_DIRNAME, open_store
+from oodviz.results import ID_SPLIT, OOD_SPLIT
+from oodviz.scoring import BACKBONE_FILE, SCORED_COLUMNS, detectors_dir
+
+SHOWN = (0, 5, 17)  # digits-test images written as files
+
+
+def oodviz_score(*args, cwd):
+    return subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", "score", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(cwd),
+    )
+
+
+def test_every_saved_detector_reproduces_the_runs_scores_bit_for_bit(default_run, default_results):
+    """Loaded from the run directory, each feature detector scores the run's ID test store to the very bits
+    of ``scores.parquet``."""
+    path = default_run.path
+    store = open_store(path.parent / STORES_DIRNAME, default_results.meta["splits"]["id_test"]["store"])
+    stored = default_results.scores[default_results.scores.split == ID_SPLIT]
+    assert np.array_equal(stored["index"].to_numpy(), np.asarray(store.indices))
+    names = [n for n in default_results.detectors if not detector_class(n).needs_model]
+    assert len(names) >= 15
+    for name in names:
+        scores = load(detectors_dir(path) / name).score(store.batches(4096)).numpy()
+        assert np.array_equal(scores, stored[name].to_numpy()), name
+
+
+def test_the_runs_knn_references_the_id_fit_store_as_its_bank(default_run, default_results):
+    knn_dir = detectors_dir(default_run.path) / "knn"
+    knn = load(knn_dir)
+    store = default_results.meta["splits"]["id_fit"]["store"]
+    assert Path(knn.bank_.filename) == (default_run.path.parent / STORES_DIRNAME / store / "features.npy").resolve()
+    assert not any(p.suffix == ".npy" for p in knn_dir.iterdir())  # no copy of the bank
+
+
+@pytest.fixture(scope="module")
+def image_files(tmp_path_factory):
+    """Three digits-test images as PNG files, a noise image, and a file that is not an image."""
+    root = tmp_path_factory.mktemp("images")
+    dataset = load_dataset("digits-test", root="data")
+    files = []
+    for i in SHOWN:
+        image, _, index = dataset[i]
+        assert index == i
+        image.save(root / f"digit{i}.png")
+        files.append(root / f"digit{i}.png")
+    noise = np.random.default_rng(0).integers(0, 256, size=(32, 32, 3), dtype=np.uint8)
+    Image.fromarray(noise).save(root / "noise.png")
+    (root / "broken.png").write_bytes(b"not an image")
+    return files + [root / "noise.png", root / "broken.png"]
+
+
+def test_oodviz_score_writes_each_images_prediction_score_percentile_and_verdict(
+    default_run, default_results, image_files, tmp_path
+):
+    result = oodviz_score(default_run.path, *image_files, "--out", tmp_path / "scores.csv", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr  # one file unreadable, the others scored
+    assert f"unreadable: {image_files[-1]}" in result.stderr
+    table = pd.read_csv(tmp_path / "scores.csv")
+    assert tuple(table.columns) == SCORED_COLUMNS
+    names = list(default_results.detectors)
+    assert list(table.file.unique()) == [str(f) for f in image_files[:-1]]
+    assert list(table.detector.unique()) == names and len(table) == 4 * len(names)
+    scores = default_results.scores
+    id_rows = scores[scores.split == ID_SPLIT].set_index("index")
+    ood_rows = scores[scores.split == OOD_SPLIT]
+    classes = default_results.class_names
+    for name in names:
+        rows = table[table.detector == name].set_index("file")
+        id_scores = id_rows[name].to_numpy(dtype=np.float64)
+        # the threshold: the highest t flagging >= 95% of the run's OOD samples (brute force)
+        ood = np.sort(ood_rows[name].to_numpy(dtype=np.float64))
+        threshold = max(t for t in ood if np.mean(ood >= t) >= 0.95)
+        for i, file in zip(SHOWN, image_files, strict=False):
+            row = rows.loc[str(file)]
+            assert row.prediction == id_rows.loc[i, "prediction"] and str(row.class_name) == classes[row.prediction]
+            # the same image as in the run: the same score (a batch of 3 instead of 256: float rounding only)
+            assert row.score == pytest.approx(float(id_rows.loc[i, name]), rel=1e-5, abs=1e-6), name
+        for file, row in rows.iterrows():
+            assert row.id_percentile == pytest.approx(100 * np.mean(id_scores <= row.score), abs=1e-9)
+            assert row.threshold == pytest.approx(threshold, rel=1e-12)
+            assert row.verdict == ("OOD" if row.score >= threshold else "ID"), (file, name)
+    # A random-colour noise image is far from every digit for the best detector of the run
+    assert table[(table.detector == "mahalanobis") & table.file.str.endswith("noise.png")].verdict.item() == "OOD"
+
+
+def test_oodviz_score_one_detector_printed(default_run, image_files, tmp_path):
+    result = oodviz_score(default_run.path, image_files[0], "--detector", "energy", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0].split() == list(SCORED_COLUMNS) and len(lines) == 2 and " energy " in lines[1]
+    assert "higher = more OOD" in result.stderr
+
+
+def test_oodviz_score_refuses_what_it_cannot_score(default_run, image_files, tmp_path):
+    result = oodviz_score(default_run.path, image_files[0], "--detector", "nonesuch", cwd=tmp_path)
+    assert result.returncode == 2 and "No scores for detector 'nonesuch'; this run has: msp" in result.stderr
+    copy = tmp_path / "old-run"
+    shutil.copytree(default_run.path, copy)
+    shutil.rmtree(copy / "detectors")
+    result = oodviz_score(copy, image_files[0], cwd=tmp_path)
+    assert result.returncode == 2 and "has no saved detectors" in result.stderr
+    shutil.copytree(detectors_dir(default_run.path), copy / "detectors")
+    identity = (copy / "detectors" / BACKBONE_FILE).read_text()
+    (copy / "detectors" / BACKBONE_FILE).write_text(identity.replace('"weights_id": "', '"weights_id": "other-'))
+    result = oodviz_score(copy, image_files[0], cwd=tmp_path)
+    assert result.returncode == 2 and "weights_id changed" in result.stderr
+    result = oodviz_score(tmp_path / "no-such-run", image_files[0], cwd=tmp_path)
+    assert result.returncode == 2 and "is not finished" in result.stderr
+
+
+def test_scores_of_the_model_detectors_match_the_run(default_run, default_results, image_files):
+    """odin runs the model again on the transformed image: the same score as in the run for the same image."""
+    from oodviz.scoring import score_images
+
+    scored = score_images(default_run.path, image_files[:1], detector="odin")
+    stored = default_results.scores
+    expected = stored[(stored.split == ID_SPLIT) & (stored["index"] == SHOWN[0])]["odin"].item()
+    assert scored.table.score.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
