@@ -319,7 +319,9 @@ def test_stage_k_of_n_the_run_fraction_and_its_eta(default_run):
     plan = planned_stages(RunConfig.load(default_run.path / "config.json"))
     ends = [json.loads(line) for line in (default_run.path / "events.jsonl").read_text().splitlines()]
     assert plan == [e["stage"] for e in ends if e.get("event") == "end"]  # the stages the worker really ran
-    assert len(plan) == 2 + 8 + 20 + 7 * 2 + 1  # load x2, extract 8 splits, fit 20, score 7 splits (+odin), metrics
+    assert (
+        len(plan) == 2 + 8 + 20 + 7 * 2 + 2
+    )  # load x2, extract 8 splits, fit 20, score 7 splits (+odin), save, metrics
     tail = EventTail(default_run.path / "events.jsonl")
     tail.poll()
     assert stage_position(plan, tail.ended, None, None) == (len(plan), 1.0)

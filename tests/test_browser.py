@@ -108,8 +108,8 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
                 shoot(page, tmp_path, "watch")
         time.sleep(0.3)
     assert len(seen) >= 2, f"the progress bar never moved: {seen}"  # progress moved while we watched
-    stages = {int(k) for text in seen for k in re.findall(r"Stage (\d+) of 45", text)}
-    assert len(stages) >= 2 and all(1 <= k <= 45 for k in stages), seen  # the whole run's stages, counted
+    stages = {int(k) for text in seen for k in re.findall(r"Stage (\d+) of 46", text)}
+    assert len(stages) >= 2 and all(1 <= k <= 46 for k in stages), seen  # the whole run's stages, counted
     assert any(re.search(r"run ETA \d+:\d\d", text) for text in seen), seen
     page.get_by_text("Best detector per column").wait_for(timeout=60_000)
     table = page.locator('[data-testid="stDataFrame"]').first

@@ -41,7 +41,14 @@ def test_every_feature_detector_scores_bit_for_bit_after_save_and_load(problem, 
 @pytest.mark.parametrize("name", MODEL_BASED)
 def test_every_model_detector_scores_bit_for_bit_with_the_model_given_back(name, tmp_path):
     backbone = backbone_of(TinyCNN(dropout=0.3))
-    detector = create(name, model=backbone).fit(None)
+    detector = create(name, model=backbone)
+    if detector.needs_fit:  # adascale, gram: statistics of in-distribution inputs (gram per class)
+        fit_x = inputs(n=40, seed=2)
+        detector.fit(
+            [Batch(inputs=x, labels=y) for x, y in zip(fit_x.split(8), torch.arange(40).remainder(5).split(8))]
+        )
+    else:
+        detector.fit(None)
     query = [Batch(inputs=x) for x in inputs(n=24).split(8)]
     before = detector.score(query)
     detector.save(tmp_path / name)
@@ -51,6 +58,9 @@ def test_every_model_detector_scores_bit_for_bit_with_the_model_given_back(name,
     assert torch.equal(loaded.score(query), before)
     with pytest.raises(ValueError, match="has no model"):
         load(tmp_path / name).score(query)
+    if detector.needs_fit:
+        with pytest.raises(ValueError, match=r"learns from in-distribution inputs: call fit\(batches\)"):
+            create(name, model=backbone).fit(None)
 
 
 def test_fitted_arrays_keep_their_dtype_and_values(problem, tmp_path):

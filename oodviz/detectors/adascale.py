@@ -48,6 +48,7 @@ from oodviz.batch import Batch
 from oodviz.detectors.ash import log_scale, top_k
 from oodviz.detectors.model_fit import FittedModelDetector
 from oodviz.detectors.react import check_percentile
+from oodviz.detectors.teaching import Teaching
 
 VARIANTS = ("a", "l")
 
@@ -73,6 +74,12 @@ class AdaSCALE(FittedModelDetector):
         "perturbation (runs the model)."
     )
     paper = "https://arxiv.org/abs/2503.08023"
+    teaching = Teaching(
+        formula=r"s(x) = -\log \sum_c e^{(e^{s_1 / s_2(k_x)} z W^\top + b)_c},\quad k_x = D - \mathrm{round}\big(D\, p(x) / 100\big),\quad p(x) = p_{\min} + (1 - F(Q(x)))(p_{\max} - p_{\min})",
+        citation="Regmi, Panthi, Dangi et al., *AdaSCALE: Adaptive Scaling for OOD Detection*, arXiv 2025",
+        reads="the model itself (one backward, two forwards per input), the head, and the ID inputs of the fit split (the CDF of Q)",
+        fails_when="Built on SCALE's activation ratio, so signed or narrow features (ViTs, small models) break it; a backward pass per input.",
+    )
     needs_head = True
     #: the default detector list by backbone family is issue 17.4's; until then a run lists it explicitly
     in_defaults = False

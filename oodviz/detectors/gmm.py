@@ -32,6 +32,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
 from oodviz.detectors.stats import ACCUMULATE, inverse_cholesky_factor, row_blocks
+from oodviz.detectors.teaching import Teaching
 
 
 class ClassScatters:
@@ -98,6 +99,12 @@ class GMM(Detector):
     name = "gmm"
     summary = "Negative log-likelihood under one Gaussian per class (own covariance), weighted by class frequency."
     paper = "https://arxiv.org/abs/1807.03888"
+    teaching = Teaching(
+        formula=r"s(x) = -\log \sum_k \pi_k \, \mathcal{N}(x \mid \mu_k, \Sigma_k)",
+        citation="Lee et al., *A Simple Unified Framework for Detecting Out-of-Distribution Samples and Adversarial Attacks*, NeurIPS 2018",
+        reads="the features and labels of the fit split (class means, one covariance per class, class frequencies)",
+        fails_when="A covariance per class needs many samples per class; with few of them (or wide features) it is ruled by its regulariser.",
+    )
     inputs = ("features",)
     needs_labels = True
     in_defaults = False  # C x D x D float64: 34 GB for ImageNet-1k at D = 2048

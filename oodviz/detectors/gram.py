@@ -45,6 +45,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import check_all_classes_seen
 from oodviz.detectors.model_fit import FittedModelDetector, check_layers, layers_whose_output
+from oodviz.detectors.teaching import Teaching
 
 
 def gram_rows(maps: Tensor, poles: int) -> Tensor:
@@ -67,6 +68,12 @@ class Gram(FittedModelDetector):
     name = "gram"
     summary = "Deviation of per-layer Gram-matrix statistics from their range on the predicted class (runs the model)."
     paper = "https://arxiv.org/abs/1912.12510"
+    teaching = Teaching(
+        formula=r"s(x) = \sum_l \frac{1}{E_l} \sum_{p, j} \Big(\frac{\mathrm{relu}(m_{\hat y j} - g^{lp}_j)}{|m_{\hat y j}|} + \frac{\mathrm{relu}(g^{lp}_j - M_{\hat y j})}{|M_{\hat y j}|}\Big)",
+        citation="Sastry & Oore, *Detecting Out-of-Distribution Examples with Gram Matrices*, ICML 2020",
+        reads="the model itself (the feature maps of several layers) and the ID inputs and labels of the fit split (per-class ranges)",
+        fails_when="Needs unpooled layers: on pooled vectors or token sequences the Gram statistics are those of one position and say little.",
+    )
     needs_labels = True
     #: the default detector list by backbone family is issue 17.4's; until then a run lists it explicitly
     in_defaults = False

@@ -66,6 +66,10 @@ class FittedModelDetector(ModelDetector):
 
     def fit(self, batches, head=None, device=None):
         """Fit on in-distribution inputs (``Batch(inputs=..., labels=...)``) and return self."""
+        if batches is None:
+            raise ValueError(
+                f"{self.name} learns from in-distribution inputs: call fit(batches) with Batch(inputs=..., labels=...)"
+            )
         self._check_fit_model(self._require_model())
         if head is None and hasattr(self.model, "features_and_logits"):  # a Backbone: its head, if known
             head = self.model.head

@@ -31,6 +31,7 @@ from torch import Tensor
 from oodviz.detectors.base import FitData
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.mahalanobis import l2_normalised
+from oodviz.detectors.teaching import Teaching
 
 
 def confidence(features: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
@@ -42,6 +43,12 @@ class NNGuide(KNN):
     name = "nnguide"
     summary = "Energy times the mean similarity to the k nearest confidence-scaled training features."
     paper = "https://arxiv.org/abs/2309.14888"
+    teaching = Teaching(
+        formula=r"s(x) = -E(x) \cdot \frac{1}{k} \sum_{i \in \mathrm{top}_k} \langle z, g_i \rangle,\quad E(x) = \log \sum_c e^{(x W^\top + b)_c},\quad g_i = E(x_i)\, x_i / \|x_i\|",
+        citation="Park, Jung & Teoh, *Nearest Neighbor Guidance for Out-of-Distribution Detection*, ICCV 2023",
+        reads="the features of the fit split (the confidence-scaled bank) and the head",
+        fails_when="A small or unrepresentative bank misguides it, and near-OOD inputs with close ID neighbours keep a confident score.",
+    )
     needs_head = True
     in_defaults = False  # the default list is issue 17's per-backbone choice
 

@@ -40,6 +40,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
 from oodviz.detectors.stats import ACCUMULATE, ClassMeans
+from oodviz.detectors.teaching import Teaching
 
 #: libMR's translation of the tail before the Weibull fit
 TRANSLATION = 10000.0
@@ -74,6 +75,12 @@ class OpenMax(Detector):
     name = "openmax"
     summary = "Probability of an 'unknown' class after moving logit mass by per-class Weibull models of the distances."
     paper = "https://arxiv.org/abs/1511.06233"
+    teaching = Teaching(
+        formula=r"s(x) = \frac{e^{v_0}}{e^{v_0} + \sum_j e^{v_j}},\quad v_j = z_j (1 - w_j),\quad v_0 = \sum_j z_j w_j",
+        citation="Bendale & Boult, *Towards Open Set Deep Networks*, CVPR 2016",
+        reads="the logits and labels of the fit split (mean logits per class, Weibull fits of the largest distances)",
+        fails_when="Weibull fits of a few tail distances per class are unstable, and near-OOD logits close to a class mean get little mass.",
+    )
     inputs = ("logits",)
     needs_labels = True
     fit_passes = 2

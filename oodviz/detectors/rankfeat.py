@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from oodviz.batch import Batch
 from oodviz.detectors.base import ModelDetector
 from oodviz.detectors.model_fit import check_layers, layers_whose_output
+from oodviz.detectors.teaching import Teaching
 
 
 def without_rank1(maps: Tensor) -> Tensor:
@@ -57,6 +58,12 @@ class RankFeat(ModelDetector):
     name = "rankfeat"
     summary = "Energy of the logits after removing the rank-1 part of a layer's feature maps (runs the model)."
     paper = "https://arxiv.org/abs/2209.08590"
+    teaching = Teaching(
+        formula=r"s(x) = -\log \sum_k e^{g_k(X - s_1 u_1 v_1^\top)}",
+        citation="Song, Sebe & Wang, *RankFeat: Rank-1 Feature Removal for Out-of-distribution Detection*, NeurIPS 2022",
+        reads="the model itself: one forward per input with a layer's feature maps rewritten; nothing to fit",
+        fails_when="Collapses on pooled layers and transformers: a 1x1 map is its own rank-1 part, so it needs CNN maps (H*W > 1).",
+    )
     #: the default detector list by backbone family is issue 17.4's; until then a run lists it explicitly
     in_defaults = False
 

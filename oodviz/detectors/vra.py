@@ -42,6 +42,7 @@ from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
 from oodviz.detectors.react import check_percentile, energy, lerp, sortable_keys
 from oodviz.detectors.stats import row_blocks
+from oodviz.detectors.teaching import Teaching
 
 _BYTE_BINS = 256
 _PASSES = 4  # bytes of a float32 key
@@ -150,6 +151,12 @@ class VRA(Detector):
     name = "vra"
     summary = "Energy of the logits after clipping each feature unit between two percentiles of its training values."
     paper = "https://arxiv.org/abs/2302.11716"
+    teaching = Teaching(
+        formula=r"s(x) = -\log \sum_k e^{(\operatorname{clip}(x, \ell, h) W^\top + b)_k},\quad \ell, h = \text{per-unit percentiles}",
+        citation="Xu, Lian, Liu & Tao, *VRA: Variational Rectified Activation for Out-of-distribution Detection*, NeurIPS 2023",
+        reads="the features of the fit split (a lower and an upper percentile per unit) and the head",
+        fails_when="Helps only when OOD activations are abnormally low or high per unit; OOD inputs inside the ID ranges keep their energy.",
+    )
     inputs = ("features",)
     needs_head = True
     fit_passes = _PASSES

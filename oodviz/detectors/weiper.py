@@ -52,6 +52,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.teaching import Teaching
 
 VARIANTS = ("kld", "msp")
 #: OpenOOD's additive constants of the histograms of the features and of the perturbed logits
@@ -127,6 +128,12 @@ class WeiPer(Detector):
     name = "weiper"
     summary = "Histogram KL to the training mean of the features and of many randomly perturbed class projections."
     paper = "https://arxiv.org/abs/2405.17164"
+    teaching = Teaching(
+        formula=r"s(x) = \mathrm{KL}_s(p, q_x) + \lambda_1 \mathrm{KL}_s(\tilde p, \tilde q_x) - \frac{\lambda_2}{r} \sum_{i=1}^{r} \max_c \operatorname{softmax}(x \tilde W_i^\top + b)_c",
+        citation="Granz, Heurich & Landgraf, *WeiPer: OOD Detection using Weight Perturbations of Class Projections*, NeurIPS 2024",
+        reads="the features of the fit split (value ranges, mean histograms) and the head, perturbed at random",
+        fails_when="Its default 100 bins are too many for narrow features: a histogram of few activations per sample is mostly noise.",
+    )
     inputs = ("features",)
     needs_head = True
     fit_passes = 2

@@ -19,10 +19,10 @@ detector's failure.
 
 Detectors that run the model again (``needs_model``: odin, mcd) are made with the run's backbone,
 need no fit data (those that do, adascale and gram, stream the ID fit split's images in their fit
-stage, :func:`fit_on_inputs`), and score each split in a stage of their own (``score <split> with <name>``):
-the split's dataset is streamed through the backbone's transform on the job's device by
+stage), and score each split in a stage of their own (``score <split> with <name>``): the split's
+dataset is streamed through the backbone's transform on the job's device by
 :func:`oodviz.engine.score_inputs` (batching, OOM back-off, progress, cancel), in the row order
-of the split's feature store.
+of the split's feature store. Those passes are :mod:`oodviz.runs.model_passes`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from oodviz.results import (
     write_table,
 )
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.model_passes import fit_on_inputs, score_with_model
 from oodviz.runs.reporter import Reporter, Stage
 from oodviz.runs.rundir import RunDir, write_json
 
@@ -352,24 +353,6 @@ def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
     return detector
 
 
-def fit_on_inputs(job: Job, detector, stage: Stage) -> None:
-    """Fit a model-based detector that learns from ID inputs (adascale, gram; see
-    :mod:`oodviz.detectors.model_fit`): one batched pass of the ID fit split's images per fit pass."""
-    from oodviz.engine import score_inputs
-
-    head = job.backbone.head
-    detector.fit_begin(None if head is None else tuple(t.detach().float().to(job.device) for t in head))
-    for pass_index in range(detector.fit_passes):
-        result = score_inputs(
-            detector.fit_step,
-            job.backbone,
-            job.datasets["id_fit"],
-            what=f"fitting {detector.name} on",
-            **job.model_pass_options(stage),
-        )
-        detector.end_pass(pass_index, result.scores)
-
-
 def score_splits(job: Job) -> None:
     """Per scored split: a stage per model-based detector, then one that scores the features with
     the others and collects the split's scores table."""
@@ -436,28 +419,6 @@ def require_a_detector(job: Job) -> None:
 def failed_detectors(job: Job) -> list[str]:
     """Detectors of the config that failed to fit or to score, in config order."""
     return [c.name for c in job.config.detectors if "error" in job.detector_log.get(c.name, {})]
-
-
-def score_with_model(job: Job, detector, split: str, stage: Stage) -> np.ndarray:
-    """Scores ``[N]`` of a model-based detector on one split, aligned with the split's store rows."""
-    from oodviz.engine import score_inputs
-
-    store = job.stores[split]
-    result = score_inputs(
-        lambda batch: detector.score(batch, device=job.device),
-        job.backbone,
-        job.datasets[split],
-        what=f"scoring {detector.name} on",
-        **job.model_pass_options(stage),
-    )
-    if not np.array_equal(result.indices, np.asarray(store.indices)):
-        raise ValueError(
-            f"the dataset gave other items ({len(result.indices)} rows) than when its features were extracted "
-            f"({store.n} rows, store {store.key}); delete that store and run again"
-        )
-    if result.oom_backoffs:
-        stage.note(f"out of memory: batch size reduced to {result.batch_size_in_force}")
-    return result.scores.numpy()
 
 
 def save_detectors(job: Job) -> None:

@@ -10,7 +10,8 @@ from oodviz.runs.config import RunConfig
 def planned_stages(config: RunConfig) -> list[str]:
     """``load model``, ``load data``, ``extract <split>`` per split, ``fit <detector>`` per detector, then per
     scored split (id_test, each OOD set) ``score <split> with <name>`` per model-based detector and
-    ``score <split>``, then ``metrics``."""
+    ``score <split>``, then ``save detectors`` and ``metrics`` (a sharded run saves no detectors: one stage
+    fewer)."""
     from oodviz.detectors import detector_class
     from oodviz.runs.pipeline import run_splits
 
@@ -20,7 +21,7 @@ def planned_stages(config: RunConfig) -> list[str]:
     stages += [f"fit {choice.name}" for choice in config.detectors]
     for split in splits[1:]:  # every split but id_fit is scored
         stages += [f"score {split} with {name}" for name in model_based] + [f"score {split}"]
-    return stages + ["metrics"]
+    return stages + ["save detectors", "metrics"]
 
 
 def run_headline(config: RunConfig) -> str:
