@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 from conftest import chromium, free_port
 
@@ -252,3 +254,60 @@ def test_a_bad_form_shows_each_error_under_its_field_and_starts_nothing(page, ap
     assert top["fit"] < missing.bounding_box()["y"] < top["test"] < empty.bounding_box()["y"]
     shoot(page, tmp_path, "form-errors")
     assert sorted(p.name for p in runs_root.iterdir()) == before and "run=" not in page.url
+
+
+def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url, runs_root, default_run, tmp_path):
+    """Upload one PNG to "Probe images": each detector's score and verdict is shown, equal to `oodviz score`
+    on the same file; then the risk–coverage, feature space and teaching views (README screenshots, 1000 px)."""
+    from PIL import Image
+
+    shutil.copytree(default_run.path, runs_root / "default-copy")
+    shutil.copytree(default_run.path.parent / ".features", runs_root / ".features", dirs_exist_ok=True)
+    probe = tmp_path / "probe.png"
+    ramp = (np.arange(64, dtype=np.uint8).reshape(8, 8) * 4)[..., None].repeat(3, axis=2)
+    Image.fromarray(ramp).save(probe)
+    expected = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oodviz.cli",
+            "score",
+            str(default_run.path),
+            str(probe),
+            "--out",
+            str(tmp_path / "s.csv"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert expected.returncode == 0, expected.stderr
+    scores = pd.read_csv(tmp_path / "s.csv")
+    page.set_viewport_size({"width": 1000, "height": 1000})
+    page.goto(f"{app_url}/?run=default-copy")
+    page.get_by_role("tab", name="Probe images").click(timeout=60_000)
+    page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(probe))
+    table = page.locator('[data-testid="stTable"]')
+    table.wait_for(timeout=120_000)
+    rows = table.locator("tbody tr").all_inner_texts()
+    assert len(rows) == len(scores)
+    for row, expected_row in zip(rows, scores.itertuples()):
+        cells = row.split("\t")
+        assert cells[0] == expected_row.detector and cells[-1] == expected_row.verdict
+        assert float(cells[1]) == pytest.approx(expected_row.score, rel=1e-3)
+    assert page.get_by_text(f"predicted {scores.class_name.iloc[0]}").count()
+    shoot(page, tmp_path, "probe")
+
+    page.get_by_role("tab", name="Risk–coverage").click()
+    page.locator(".js-plotly-plot").filter(has_text="coverage").first.wait_for(timeout=30_000)
+    shoot(page, tmp_path, "risk-coverage")
+
+    page.get_by_role("tab", name="Feature space").click()
+    page.get_by_role("button", name="Compute the PCA map").click(timeout=30_000)
+    page.locator(".js-plotly-plot").filter(has_text="PCA of the features").wait_for(timeout=120_000)
+    shoot(page, tmp_path, "feature-space")
+
+    page.get_by_text("What each detector does").click()
+    page.locator('[data-testid="stSidebar"] .katex').first.wait_for(timeout=30_000)
+    page.locator('[data-testid="stSidebar"]').get_by_text("Fails when").scroll_into_view_if_needed()
+    shoot(page, tmp_path, "teaching")

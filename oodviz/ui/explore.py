@@ -99,11 +99,9 @@ def probe_view(results: Results, key: str = "probe") -> None:
         left.image(images[file], caption=Path(file).name.split("-", 1)[1], width=96)
         first = rows.iloc[0]
         right.markdown(f"predicted **{first.class_name}** ({first.confidence:.1%})")
-        right.dataframe(
-            rows[["detector", "score", "id_percentile", "threshold", "verdict"]],
-            hide_index=True,
-            width="stretch",
-        )
+        shown = rows[["detector", "score", "id_percentile", "threshold", "verdict"]].set_index("detector")
+        # a plain table: every detector's row in view at once, its text selectable and searchable in the page
+        right.table(shown.style.format({"score": "{:.4g}", "id_percentile": "{:.1f}", "threshold": "{:.4g}"}))
     st.caption("Higher score = more OOD; id_percentile: share of the run's ID test scores at or below it.")
 
 
