@@ -292,7 +292,7 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
     rows = table.locator("tbody tr").all_inner_texts()
     assert len(rows) == len(scores)
     for row, expected_row in zip(rows, scores.itertuples()):
-        cells = row.split("\t")
+        cells = [cell.strip() for cell in row.split("\t")]
         assert cells[0] == expected_row.detector and cells[-1] == expected_row.verdict
         assert float(cells[1]) == pytest.approx(expected_row.score, rel=1e-3)
     assert page.get_by_text(f"predicted {scores.class_name.iloc[0]}").count()

@@ -174,3 +174,26 @@ def test_the_views_render_a_real_run(default_run, tmp_path):
         assert [b.label for b in app.button] == ["Build the HTML report"]
     finally:
         shutil.rmtree(copy)
+
+
+def test_a_box_on_the_histogram_shows_the_images_in_that_score_range_per_set(app, runs_root):
+    open_tab(app, "Score histograms")
+    detector = app.selectbox(key="shared-detector").value
+    scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
+    low, high = np.quantile(scores[detector], [0.45, 0.55])
+    selection = {"points": [], "point_indices": [], "box": [{"x": [high, low], "y": [0, 1]}], "lasso": []}
+    app.session_state[f"histogram-{detector}-density"] = {"selection": selection}
+    app.run()
+    assert not app.exception
+    inside = scores[(scores[detector] >= low) & (scores[detector] <= high)]
+    counts = {
+        c.value.split(":")[0]: int(c.value.split(": ")[1].split(" ")[0].replace(",", ""))
+        for c in app.caption
+        if " in range; the " in c.value
+    }
+    assert counts == inside.groupby("dataset").size().to_dict()
+    captions = [caption for element in app.get("image") for caption in element.captions]
+    expected = sum(min(12, n) for n in counts.values())
+    assert len(captions) == expected
+    first = inside[inside.dataset == next(iter(counts))].sort_values(detector, kind="stable")[detector].head(12)
+    assert [c.rsplit("· ", 1)[1] for c in captions[: len(first)]] == [f"{v:.3g}" for v in first]

@@ -250,7 +250,7 @@ def histogram_tab(page: Page) -> None:
         st.segmented_control("Heights", list(plots.HISTOGRAM_MODES), default="density", key="histogram-mode")
         or "density"
     )
-    st.plotly_chart(
+    event = st.plotly_chart(
         plots.histogram_figure(
             hist,
             threshold=page.threshold,
@@ -260,7 +260,16 @@ def histogram_tab(page: Page) -> None:
             mode=mode,
         ),
         use_container_width=True,
+        on_select="rerun",
+        selection_mode=("box",),
+        key=f"histogram-{page.detector}-{mode}",
     )
+    boxes = (event or {}).get("selection", {}).get("box", [])  # a dict: the state as set or as sent
+    if boxes:
+        low, high = sorted(boxes[0]["x"])
+        range_gallery(page, float(low), float(high))
+    else:
+        st.caption("Drag a box over the histogram to see the images in that score range.")
     counts = analysis.counts_at_threshold(scores, page.detector, page.threshold)
     c1, c2 = st.columns(2)
     ids, total = counts["id"], counts["total"]
@@ -275,6 +284,21 @@ def histogram_tab(page: Page) -> None:
     )
     table = analysis.counts_table(counts).rename(columns={"wrong": "count", "wrong_rate": "rate"})
     st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, use_container_width=True)
+
+
+def range_gallery(page: Page, low: float, high: float) -> None:
+    """The images whose score lies in ``[low, high]``, per set (ID test first), lowest score first."""
+    ranked_id, ranked_ood = _failures(str(page.run.path), page.finished, page.detector, None, None)
+    st.markdown(f"**Images with a {page.detector} score in [{low:.4g}, {high:.4g}]** (true class → prediction · score)")
+    for ranked in (ranked_id.iloc[::-1], ranked_ood):
+        inside = ranked[(ranked.score >= low) & (ranked.score <= high)]
+        for dataset, rows in inside.groupby("dataset", sort=False):
+            shown = rows.head(GALLERY_SIZE)
+            st.caption(f"{dataset}: {len(rows):,} in range; the {len(shown)} lowest")
+            _gallery(
+                thumbnails(page.results, shown),
+                [f"{r.class_name} → {r.predicted_name} · {r.score:.3g}" for r in shown.itertuples()],
+            )
 
 
 # -- curves ---------------------------------------------------------------------------------------
