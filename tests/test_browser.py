@@ -296,18 +296,26 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
         assert cells[0] == expected_row.detector and cells[-1] == expected_row.verdict
         assert float(cells[1]) == pytest.approx(expected_row.score, rel=1e-3)
     assert page.get_by_text(f"predicted {scores.class_name.iloc[0]}").count()
+    tabs = page.get_by_role("tablist").first
+    tabs.evaluate("element => element.scrollIntoView()")  # the tabs at the top of the screenshot
     shoot(page, tmp_path, "probe")
 
     page.get_by_role("tab", name="Risk–coverage").click()
     page.locator(".js-plotly-plot").filter(has_text="coverage").first.wait_for(timeout=30_000)
+    tabs.evaluate("element => element.scrollIntoView()")
     shoot(page, tmp_path, "risk-coverage")
 
     page.get_by_role("tab", name="Feature space").click()
     page.get_by_role("button", name="Compute the PCA map").click(timeout=30_000)
     page.locator(".js-plotly-plot").filter(has_text="PCA of the features").wait_for(timeout=120_000)
+    page.get_by_role("tab", name="Probe images").click()  # away and back: the stored map, without the button
+    page.get_by_role("tab", name="Feature space").click()
+    page.locator(".js-plotly-plot").filter(has_text="PCA of the features").wait_for(timeout=60_000)
+    tabs.evaluate("element => element.scrollIntoView()")
     shoot(page, tmp_path, "feature-space")
 
-    page.get_by_text("What each detector does").click()
-    page.locator('[data-testid="stSidebar"] .katex').first.wait_for(timeout=30_000)
-    page.locator('[data-testid="stSidebar"]').get_by_text("Fails when").scroll_into_view_if_needed()
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    sidebar.get_by_text("What each detector does").click()
+    sidebar.locator(".katex").first.wait_for(timeout=30_000)  # the first chosen detector's formula
+    sidebar.get_by_text("Fails when").evaluate("element => element.scrollIntoView({block: 'end'})")
     shoot(page, tmp_path, "teaching")

@@ -54,7 +54,7 @@ def risk_coverage_view(results: Results, detectors=None) -> None:
         },
         index=list(curves),
     )
-    st.dataframe(table.style.format("{:.4f}"), width="stretch")
+    st.dataframe(table.style.format("{:.3g}"), width="stretch")  # AURCs of good detectors are ~1e-4
     st.caption(
         "Each detector's score rejects the most OOD-looking ID test samples first; risk is the classifier's error "
         "rate among those kept. Lower is better; the oracle rejects exactly the misclassified samples first."
