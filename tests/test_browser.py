@@ -297,12 +297,13 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
         assert float(cells[1]) == pytest.approx(expected_row.score, rel=1e-3)
     assert page.get_by_text(f"predicted {scores.class_name.iloc[0]}").count()
     tabs = page.get_by_role("tablist").first
-    tabs.evaluate("element => element.scrollIntoView()")  # the tabs at the top of the screenshot
+    show_tabs = "element => { element.style.scrollMarginTop = '80px'; element.scrollIntoView(); }"
+    tabs.evaluate(show_tabs)  # the tabs at the top of the screenshot, below the page's header
     shoot(page, tmp_path, "probe")
 
     page.get_by_role("tab", name="Risk–coverage").click()
     page.locator(".js-plotly-plot").filter(has_text="coverage").first.wait_for(timeout=30_000)
-    tabs.evaluate("element => element.scrollIntoView()")
+    tabs.evaluate(show_tabs)
     shoot(page, tmp_path, "risk-coverage")
 
     page.get_by_role("tab", name="Feature space").click()
@@ -311,11 +312,20 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
     page.get_by_role("tab", name="Probe images").click()  # away and back: the stored map, without the button
     page.get_by_role("tab", name="Feature space").click()
     page.locator(".js-plotly-plot").filter(has_text="PCA of the features").wait_for(timeout=60_000)
-    tabs.evaluate("element => element.scrollIntoView()")
+    tabs.evaluate(show_tabs)
     shoot(page, tmp_path, "feature-space")
+
+    page.get_by_role("tab", name="ROC / PR").click()
+    about = page.get_by_text(re.compile(r"^What \w+ does$"))
+    about.click(timeout=30_000)
+    page.locator(".katex:visible").first.wait_for(timeout=30_000)  # the chosen detector's formula
+    page.wait_for_timeout(1000)  # the expander's opening animation
+    about.evaluate(show_tabs)
+    shoot(page, tmp_path, "teaching")
 
     sidebar = page.locator('[data-testid="stSidebar"]')
     sidebar.get_by_text("What each detector does").click()
     sidebar.locator(".katex").first.wait_for(timeout=30_000)  # the first chosen detector's formula
+    page.wait_for_timeout(1000)  # the expander's opening animation
     sidebar.get_by_text("Fails when").evaluate("element => element.scrollIntoView({block: 'end'})")
-    shoot(page, tmp_path, "teaching")
+    assert sidebar.get_by_text("Fails when").is_visible()

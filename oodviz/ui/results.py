@@ -32,7 +32,7 @@ from oodviz.results import (
 from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import thumbnails
 from oodviz.ui.access import show_server_details
-from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab
+from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab, teaching_panel
 
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
@@ -153,6 +153,8 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
         format_func=lambda d: f"{d} (best mean AUROC)" if d == page.best else d,
     )
     keep("detector", page.detector)
+    with c2 if not with_threshold else c1, st.expander(f"What {page.detector} does"):
+        teaching_panel(page.detector)
     if not with_threshold:
         return
     bases = [EVERY_SET, *sets, POOLED]
