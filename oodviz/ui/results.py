@@ -153,7 +153,7 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
         format_func=lambda d: f"{d} (best mean AUROC)" if d == page.best else d,
     )
     keep("detector", page.detector)
-    with c2 if not with_threshold else c1, st.expander(f"What {page.detector} does"):
+    with st.expander(f"What {page.detector} does"):  # full width: the formula fits
         teaching_panel(page.detector)
     if not with_threshold:
         return
