@@ -140,7 +140,8 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     page.get_by_text("ID images flagged as OOD").wait_for(timeout=30_000)
     images = page.locator('[data-testid="stImage"] img')
     page.wait_for_function(  # both galleries drawn, every image decoded
-        "() => [...document.querySelectorAll('[data-testid=stImage] img')].filter(i => i.naturalWidth >= 64).length >= 12",
+        "() => { const imgs = [...document.querySelectorAll('[data-testid=stImage] img')];"
+        " return imgs.length >= 12 && imgs.every(i => i.complete && i.naturalWidth >= 64); }",
         timeout=30_000,
     )
     widths = images.evaluate_all("imgs => imgs.map(i => i.naturalWidth)")
