@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 from conftest import chromium, free_port
 
@@ -138,7 +140,8 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     page.get_by_text("ID images flagged as OOD").wait_for(timeout=30_000)
     images = page.locator('[data-testid="stImage"] img')
     page.wait_for_function(  # both galleries drawn, every image decoded
-        "() => [...document.querySelectorAll('[data-testid=stImage] img')].filter(i => i.naturalWidth >= 64).length >= 12",
+        "() => { const imgs = [...document.querySelectorAll('[data-testid=stImage] img')];"
+        " return imgs.length >= 12 && imgs.every(i => i.complete && i.naturalWidth >= 64); }",
         timeout=30_000,
     )
     widths = images.evaluate_all("imgs => imgs.map(i => i.naturalWidth)")
@@ -256,3 +259,78 @@ def test_a_bad_form_shows_each_error_under_its_field_and_starts_nothing(page, ap
     assert top["fit"] < missing.bounding_box()["y"] < top["test"] < empty.bounding_box()["y"]
     shoot(page, tmp_path, "form-errors")
     assert sorted(p.name for p in runs_root.iterdir()) == before and "run=" not in page.url
+
+
+def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url, runs_root, default_run, tmp_path):
+    """Upload one PNG to "Probe images": each detector's score and verdict is shown, equal to `oodviz score`
+    on the same file; then the risk–coverage, feature space and teaching views (README screenshots, 1000 px)."""
+    from PIL import Image
+
+    shutil.copytree(default_run.path, runs_root / "default-copy")
+    shutil.copytree(default_run.path.parent / ".features", runs_root / ".features", dirs_exist_ok=True)
+    probe = tmp_path / "probe.png"
+    ramp = (np.arange(64, dtype=np.uint8).reshape(8, 8) * 4)[..., None].repeat(3, axis=2)
+    Image.fromarray(ramp).save(probe)
+    expected = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "oodviz.cli",
+            "score",
+            str(default_run.path),
+            str(probe),
+            "--out",
+            str(tmp_path / "s.csv"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert expected.returncode == 0, expected.stderr
+    scores = pd.read_csv(tmp_path / "s.csv")
+    page.set_viewport_size({"width": 1000, "height": 1000})
+    page.goto(f"{app_url}/?run=default-copy")
+    page.get_by_role("tab", name="Probe images").click(timeout=60_000)
+    page.locator('[data-testid="stFileUploaderDropzoneInput"]').set_input_files(str(probe))
+    table = page.locator('[data-testid="stTable"]')
+    table.wait_for(timeout=120_000)
+    rows = table.locator("tbody tr").all_inner_texts()
+    assert len(rows) == len(scores)
+    for row, expected_row in zip(rows, scores.itertuples()):
+        cells = [cell.strip() for cell in row.split("\t")]
+        assert cells[0] == expected_row.detector and cells[-1] == expected_row.verdict
+        assert float(cells[1]) == pytest.approx(expected_row.score, rel=1e-3)
+    assert page.get_by_text(f"predicted {scores.class_name.iloc[0]}").count()
+    tabs = page.get_by_role("tablist").first
+    show_tabs = "element => { element.style.scrollMarginTop = '80px'; element.scrollIntoView(); }"
+    tabs.evaluate(show_tabs)  # the tabs at the top of the screenshot, below the page's header
+    shoot(page, tmp_path, "probe")
+
+    page.get_by_role("tab", name="Risk–coverage").click()
+    page.locator(".js-plotly-plot").filter(has_text="coverage").first.wait_for(timeout=30_000)
+    tabs.evaluate(show_tabs)
+    shoot(page, tmp_path, "risk-coverage")
+
+    page.get_by_role("tab", name="Feature space").click()
+    page.get_by_role("button", name="Compute the PCA map").click(timeout=30_000)
+    page.locator(".js-plotly-plot").filter(has_text="PCA of the features").wait_for(timeout=120_000)
+    page.get_by_role("tab", name="Probe images").click()  # away and back: the stored map, without the button
+    page.get_by_role("tab", name="Feature space").click()
+    page.locator(".js-plotly-plot").filter(has_text="PCA of the features").wait_for(timeout=60_000)
+    tabs.evaluate(show_tabs)
+    shoot(page, tmp_path, "feature-space")
+
+    page.get_by_role("tab", name="ROC / PR").click()
+    about = page.get_by_text(re.compile(r"^What \w+ does$"))
+    about.click(timeout=30_000)
+    page.locator(".katex:visible").first.wait_for(timeout=30_000)  # the chosen detector's formula
+    page.wait_for_timeout(1000)  # the expander's opening animation
+    about.evaluate(show_tabs)
+    shoot(page, tmp_path, "teaching")
+
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    sidebar.get_by_text("What each detector does").click()
+    sidebar.locator(".katex").first.wait_for(timeout=30_000)  # the first chosen detector's formula
+    page.wait_for_timeout(1000)  # the expander's opening animation
+    sidebar.get_by_text("Fails when").evaluate("element => element.scrollIntoView({block: 'end'})")
+    assert sidebar.get_by_text("Fails when").is_visible()

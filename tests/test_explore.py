@@ -1,9 +1,147 @@
-"""The issue-15 views (oodviz/ui/explore.py) render a real run without errors, showing what the library computed."""
+"""The issue-15 views in the app (AppTest on a copy of the default run): risk–coverage, the feature
+space, the report download, the metrics table's selective-classification columns, the teaching panel."""
 
+import base64
+import json
 import shutil
+from pathlib import Path
 
+import numpy as np
 import pandas as pd
+import pytest
 from streamlit.testing.v1 import AppTest
+
+from oodviz.detectors import describe
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+
+
+@pytest.fixture(scope="module")
+def runs_root(default_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("explore-runs")
+    shutil.copytree(default_run.path, root / "r1")
+    shutil.copytree(default_run.path.parent / ".features", root / ".features")  # the stores the projection reads
+    return root
+
+
+@pytest.fixture
+def app(runs_root, monkeypatch):
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(runs_root))
+    return AppTest.from_file(APP, default_timeout=120)
+
+
+def open_tab(app, tab):
+    app.query_params["run"] = "r1"
+    app.run()
+    app.session_state["results-tab"] = tab
+    app.run()
+    assert not app.exception
+    return app
+
+
+def brute_force_selective(scores: np.ndarray, wrong: np.ndarray) -> tuple[float, float]:
+    """AURC = mean over samples of the error rate among the samples scoring at most theirs (ties accepted
+    together), and the risk at the lowest such threshold that keeps at least 95% (float64, O(n^2))."""
+    scores, wrong = scores.astype(np.float64), wrong.astype(np.float64)
+    risks = np.array([wrong[scores <= s].mean() for s in scores])
+    kept = np.array([(scores <= s).mean() for s in scores])
+    at_95 = risks[kept >= 0.95][np.argmin(scores[kept >= 0.95])]
+    return float(risks.mean()), float(at_95)
+
+
+def id_test(runs_root) -> pd.DataFrame:
+    scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
+    return scores[scores.split == "id_test"]
+
+
+def test_the_new_tabs_are_offered(app):
+    open_tab(app, "Metrics")
+    assert [t.label for t in app.tabs] == [
+        "Metrics",
+        "Score histograms",
+        "ROC / PR",
+        "Failure cases",
+        "Risk–coverage",
+        "Probe images",
+        "Feature space",
+        "Run details",
+    ]
+    assert [b.label for b in app.button if b.label == "Build the HTML report"]
+
+
+def test_the_risk_coverage_tab_shows_each_detectors_aurc_and_risk_at_95(app, runs_root):
+    open_tab(app, "Risk–coverage")
+    table = app.dataframe[0].value
+    rows = id_test(runs_root)
+    wrong = rows.prediction.to_numpy() != rows.label.to_numpy()
+    assert 0 < wrong.sum() < len(rows)  # some errors: the curve is not flat
+    detectors = list(pd.read_csv(runs_root / "r1" / "metrics.csv").detector.unique())
+    oracle = "oracle (errors rejected first)"
+    assert list(table.index) == [*detectors, oracle]
+    assert (table.loc[oracle, "AURC"] <= table.loc[detectors, "AURC"]).all()  # no detector beats it
+    for detector in detectors:
+        expected_aurc, expected_risk = brute_force_selective(rows[detector].to_numpy(), wrong)
+        assert table.loc[detector, "AURC"] == pytest.approx(expected_aurc, abs=1e-12)
+        assert table.loc[detector, "risk at 95% coverage"] == pytest.approx(expected_risk, abs=1e-12)
+
+
+def test_the_metrics_table_has_aurc_with_the_lowest_highlighted(app, runs_root):
+    open_tab(app, "Metrics")
+    shown = app.dataframe[0].value.set_index("detector")
+    rows = id_test(runs_root)
+    wrong = rows.prediction.to_numpy() != rows.label.to_numpy()
+    expected = {d: brute_force_selective(rows[d].to_numpy(), wrong)[0] for d in shown.index}
+    assert shown["AURC"].to_dict() == pytest.approx(expected, abs=1e-12)
+    styles = app.dataframe[0].proto.arrow_data.styler.styles  # the CSS of the highlighted cells
+    best = min(expected, key=expected.get)
+    row, column = list(shown.index).index(best), list(shown.reset_index().columns).index("AURC")
+    uuid = app.dataframe[0].proto.arrow_data.styler.uuid
+    green = {
+        selector.strip()
+        for block in styles.split("}")
+        if "#c8e6c9" in block
+        for selector in block.split("{")[0].split(",")
+    }
+    aurc_green = {cell for cell in green if cell.endswith(f"_col{column}")}
+    assert aurc_green == {f"#T_{uuid}_row{row}_col{column}"}  # the lowest AURC only
+
+
+def values(array) -> np.ndarray:
+    """A plotly JSON array: a list, or ``{"dtype", "bdata"}`` (base64 of the raw values)."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"])
+    return np.asarray(array)
+
+
+def points_in(chart) -> int:
+    figure = json.loads(chart.proto.spec)
+    return sum(len(values(trace["x"])) for trace in figure["data"])
+
+
+def test_the_feature_space_tab_projects_as_many_points_as_asked(app, runs_root):
+    open_tab(app, "Feature space")
+    [compute] = [b for b in app.button if b.label == "Compute the PCA map"]
+    compute.click().run()
+    assert not app.exception and not app.error
+    scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
+    [chart] = app.get("plotly_chart")
+    assert points_in(chart) == len(scores)  # PCA: every ID test and OOD sample
+    figure = json.loads(chart.proto.spec)
+    assert sorted(t["name"] for t in figure["data"]) == sorted(scores.dataset.unique())
+    app.segmented_control(key="projection-method").set_value("tsne").run()
+    app.number_input(key="projection-points").set_value(300).run()
+    [b for b in app.button if b.label == "Compute the TSNE map"][0].click().run()
+    assert not app.exception
+    [chart] = app.get("plotly_chart")
+    assert points_in(chart) == 300
+
+
+def test_the_sidebar_explains_the_chosen_detector_from_its_module(app):
+    app.run()
+    app.sidebar.selectbox(key="teach-detector").select("energy").run()
+    about = describe("energy")
+    assert [latex.value.strip("$\n") for latex in app.sidebar.latex] == [about["formula"]]
+    assert any(about["fails_when"] in c.value for c in app.sidebar.caption)
 
 
 def views(run_path: str):
@@ -36,3 +174,26 @@ def test_the_views_render_a_real_run(default_run, tmp_path):
         assert [b.label for b in app.button] == ["Build the HTML report"]
     finally:
         shutil.rmtree(copy)
+
+
+def test_a_box_on_the_histogram_shows_the_images_in_that_score_range_per_set(app, runs_root):
+    open_tab(app, "Score histograms")
+    detector = app.selectbox(key="shared-detector").value
+    scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
+    low, high = np.quantile(scores[detector], [0.45, 0.55])
+    selection = {"points": [], "point_indices": [], "box": [{"x": [high, low], "y": [0, 1]}], "lasso": []}
+    app.session_state[f"histogram-{detector}-density"] = {"selection": selection}
+    app.run()
+    assert not app.exception
+    inside = scores[(scores[detector] >= low) & (scores[detector] <= high)]
+    counts = {
+        c.value.split(":")[0]: int(c.value.split(": ")[1].split(" ")[0].replace(",", ""))
+        for c in app.caption
+        if " in range; the " in c.value
+    }
+    assert counts == inside.groupby("dataset").size().to_dict()
+    captions = [caption for element in app.get("image") for caption in element.captions]
+    expected = sum(min(12, n) for n in counts.values())
+    assert len(captions) == expected
+    first = inside[inside.dataset == next(iter(counts))].sort_values(detector, kind="stable")[detector].head(12)
+    assert [c.rsplit("· ", 1)[1] for c in captions[: len(first)]] == [f"{v:.3g}" for v in first]

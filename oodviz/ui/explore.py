@@ -18,10 +18,11 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from oodviz.analysis import risk_coverage_curves
-from oodviz.detectors import describe
+from oodviz.detectors import describe, detector_class
 from oodviz.plots_risk import risk_coverage_figure
-from oodviz.projection import projection_path
+from oodviz.projection import METHODS, projection_path
 from oodviz.results import Results, detectors_of, read_table
+from oodviz.runs.rundir import read_json_object
 from oodviz.scoring import detectors_dir
 
 SUBPROCESS_TIMEOUT_S = 600
@@ -29,7 +30,12 @@ SUBPROCESS_TIMEOUT_S = 600
 
 def teaching_panel(detector: str) -> None:
     """What ``detector`` does: its formula, paper, inputs and when it fails (from its own module)."""
-    about = describe(detector)
+    try:
+        about = describe(detector)
+    except ValueError:  # a detector module without its teaching metadata yet: its one-line summary
+        cls = detector_class(detector)
+        st.markdown(f"**{detector}**: {cls.summary} ([paper]({cls.paper}))")
+        return
     st.markdown(f"**{detector}**: {about['summary']}")
     st.latex(about["formula"])
     st.markdown(f"{about['citation']} ([paper]({about['paper']}))  \nReads {about['reads']}.")
@@ -48,7 +54,7 @@ def risk_coverage_view(results: Results, detectors=None) -> None:
         },
         index=list(curves),
     )
-    st.dataframe(table.style.format("{:.4f}"), width="stretch")
+    st.dataframe(table.style.format("{:.3g}"), width="stretch")  # AURCs of good detectors are ~1e-4
     st.caption(
         "Each detector's score rejects the most OOD-looking ID test samples first; risk is the classifier's error "
         "rate among those kept. Lower is better; the oracle rejects exactly the misclassified samples first."
@@ -93,22 +99,31 @@ def probe_view(results: Results, key: str = "probe") -> None:
         left.image(images[file], caption=Path(file).name.split("-", 1)[1], width=96)
         first = rows.iloc[0]
         right.markdown(f"predicted **{first.class_name}** ({first.confidence:.1%})")
-        right.dataframe(
-            rows[["detector", "score", "id_percentile", "threshold", "verdict"]],
-            hide_index=True,
-            width="stretch",
-        )
+        shown = rows[["detector", "score", "id_percentile", "threshold", "verdict"]].set_index("detector")
+        # a plain table: every detector's row in view at once, its text selectable and searchable in the page
+        right.table(shown.style.format({"score": "{:.4g}", "id_percentile": "{:.1f}", "threshold": "{:.4g}"}))
     st.caption("Higher score = more OOD; id_percentile: share of the run's ID test scores at or below it.")
 
 
-def projection_view(results: Results, method: str = "pca", color_by: str = "dataset") -> None:
-    """The run's 2-D feature map (computed on request by ``oodviz project`` in a subprocess), coloured by
-    ``color_by``: ``"dataset"``, ``"label"`` or a detector's score."""
-    path = projection_path(results.path, method)
+def stored_projection_matches(path: Path, method: str, max_points: int) -> bool:
+    """Whether ``path`` holds the ``method`` map asked for: PCA projects every sample; a t-SNE map is
+    reused only when it was made from the same ``max_points`` subsample size."""
     if not path.exists():
+        return False
+    if method != "tsne":
+        return True
+    info, _ = read_json_object(path.with_suffix(".json"))
+    return info.get("max_points") == max_points
+
+
+def projection_view(results: Results, method: str = "pca", color_by: str = "dataset", max_points: int = 2000) -> None:
+    """The run's 2-D feature map (computed on request by ``oodviz project`` in a subprocess), coloured by
+    ``color_by``: ``"dataset"``, ``"label"`` or a detector's score; t-SNE on ``max_points`` samples."""
+    path = projection_path(results.path, method)
+    if not stored_projection_matches(path, method, max_points):
         if st.button(f"Compute the {method.upper()} map", key=f"project-{method}"):
             with st.spinner("Projecting the features..."):
-                result = _oodviz("project", str(results.path), "--method", method)
+                result = _oodviz("project", str(results.path), "--method", method, "--max-points", str(max_points))
             if result.returncode:
                 st.error(result.stderr.strip())
                 return
@@ -153,3 +168,30 @@ def report_download(results: Results) -> None:
             f"{results.path.name}-report.html",
             "text/html",
         )
+
+
+# -- tabs of the results page (each takes its :class:`oodviz.ui.results.Page`) ----------------------
+def risk_coverage_tab(page) -> None:
+    risk_coverage_view(page.results)
+
+
+def probe_tab(page) -> None:
+    st.caption(
+        "Upload images: the run's model and every saved detector score them in a subprocess; the verdict uses "
+        "each detector's threshold at 95% recall of the run's OOD sets."
+    )
+    probe_view(page.results)
+
+
+def feature_space_tab(page) -> None:
+    c1, c2, c3 = st.columns(3)
+    method = c1.segmented_control("Projection", list(METHODS), default="pca", key="projection-method") or "pca"
+    color_by = c2.selectbox(
+        "Colour by", ["dataset", "label", *page.detectors], key="projection-color", help="label: the ID true class"
+    )
+    max_points = 2000
+    if method == "tsne":
+        max_points = int(
+            c3.number_input("t-SNE points (seeded subsample)", 50, 20000, 2000, step=250, key="projection-points")
+        )
+    projection_view(page.results, method, color_by, max_points)

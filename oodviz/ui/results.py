@@ -32,11 +32,13 @@ from oodviz.results import (
 from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import thumbnails
 from oodviz.ui.access import show_server_details
+from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab, teaching_panel
 
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
     "(OOD positive): higher is better. FPR95 = the fraction of ID samples flagged as OOD at the threshold that "
-    "catches 95% of that OOD set: lower is better."
+    "catches 95% of that OOD set: lower is better. AURC and risk at 95% coverage (the classifier's error rate "
+    "when the score rejects ID test samples, see Risk–coverage): lower is better."
 )
 PER_CLASS_HEADINGS = {
     "class_name": "class name",
@@ -51,7 +53,11 @@ METRIC_COLUMNS = {
     "aupr_out": "AUPR-Out",
     "fpr95": "FPR95",
     "id_accuracy": "ID accuracy",
+    "aurc": "AURC",
+    "risk_at_95_coverage": "risk at 95% coverage",
 }
+#: metrics where a lower value is better (highlighted with the minimum); the others: higher is better
+LOWER_IS_BETTER = ("FPR95", "AURC", "risk at 95% coverage")
 EVERY_SET = "95% of every OOD set"
 POOLED = "95% of all OOD sets pooled"
 GALLERY_SIZE = 12
@@ -147,6 +153,8 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
         format_func=lambda d: f"{d} (best mean AUROC)" if d == page.best else d,
     )
     keep("detector", page.detector)
+    with st.expander(f"What {page.detector} does"):  # full width: the formula fits
+        teaching_panel(page.detector)
     if not with_threshold:
         return
     bases = [EVERY_SET, *sets, POOLED]
@@ -186,13 +194,13 @@ def threshold_label(page: Page) -> str:
 
 # -- metrics --------------------------------------------------------------------------------------
 def best_per_dataset(shown: pd.DataFrame) -> pd.DataFrame:
-    """Styles marking the best AUROC/AUPR (highest) and FPR95 (lowest) among the detectors of each OOD
+    """Styles marking the best AUROC/AUPR (highest) and FPR95/AURC/risk (lowest) among the detectors of each OOD
     dataset: values are compared only with values of the same set."""
     styles = pd.DataFrame("", index=shown.index, columns=shown.columns)
     for _, rows in shown.groupby("OOD dataset", sort=False):
-        for column in ("AUROC", "AUPR-In", "AUPR-Out"):
-            styles.loc[rows[column].idxmax(), column] = BEST
-        styles.loc[rows["FPR95"].idxmin(), "FPR95"] = BEST
+        for column in ("AUROC", "AUPR-In", "AUPR-Out", *LOWER_IS_BETTER):
+            best = rows[column].idxmin() if column in LOWER_IS_BETTER else rows[column].idxmax()
+            styles.loc[best, column] = BEST
     return styles
 
 
@@ -213,12 +221,14 @@ def metrics_tab(page: Page) -> None:
     else:  # one row per detector: each metric for the near and the far group side by side
         wide = group_means(metrics, values=METRIC_NAMES)
         wide.columns = [f"{METRIC_COLUMNS[metric]} {group}" for metric, group in wide.columns]
-        shown = wide.reset_index().assign(**{"ID accuracy": metrics.id_accuracy.iloc[0]})
+        selective = metrics.drop_duplicates("detector").set_index("detector")[["aurc", "risk_at_95_coverage"]]
+        shown = wide.join(selective.rename(columns=METRIC_COLUMNS)).reset_index()
+        shown = shown.assign(**{"ID accuracy": metrics.id_accuracy.iloc[0]})
         higher = [c for c in shown.columns if c.startswith(("AUROC", "AUPR"))]
-        lower = [c for c in shown.columns if c.startswith("FPR95")]
+        lower = [c for c in shown.columns if c.startswith(LOWER_IS_BETTER)]
         styled = shown.style.highlight_max(subset=higher, color="#c8e6c9").highlight_min(subset=lower, color="#c8e6c9")
         note = "Best detector per column highlighted in green (each column is one metric on one group of sets)."
-    numbers = [c for c in shown.columns if c.split(" ")[0] in METRIC_COLUMNS.values() or c == "ID accuracy"]
+    numbers = [c for c in shown.columns if c.startswith(tuple(METRIC_COLUMNS.values()))]
     styled = styled.format(dict.fromkeys(numbers, "{:.3f}"), na_rep="n/a")
     st.dataframe(styled, hide_index=True, use_container_width=True, height=min(38 + 35 * len(shown), 700))
     st.caption(note)
@@ -242,7 +252,7 @@ def histogram_tab(page: Page) -> None:
         st.segmented_control("Heights", list(plots.HISTOGRAM_MODES), default="density", key="histogram-mode")
         or "density"
     )
-    st.plotly_chart(
+    event = st.plotly_chart(
         plots.histogram_figure(
             hist,
             threshold=page.threshold,
@@ -252,7 +262,16 @@ def histogram_tab(page: Page) -> None:
             mode=mode,
         ),
         use_container_width=True,
+        on_select="rerun",
+        selection_mode=("box",),
+        key=f"histogram-{page.detector}-{mode}",
     )
+    boxes = (event or {}).get("selection", {}).get("box", [])  # a dict: the state as set or as sent
+    if boxes:
+        low, high = sorted(boxes[0]["x"])
+        range_gallery(page, float(low), float(high))
+    else:
+        st.caption("Drag a box over the histogram to see the images in that score range.")
     counts = analysis.counts_at_threshold(scores, page.detector, page.threshold)
     c1, c2 = st.columns(2)
     ids, total = counts["id"], counts["total"]
@@ -267,6 +286,21 @@ def histogram_tab(page: Page) -> None:
     )
     table = analysis.counts_table(counts).rename(columns={"wrong": "count", "wrong_rate": "rate"})
     st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, use_container_width=True)
+
+
+def range_gallery(page: Page, low: float, high: float) -> None:
+    """The images whose score lies in ``[low, high]``, per set (ID test first), lowest score first."""
+    ranked_id, ranked_ood = _failures(str(page.run.path), page.finished, page.detector, None, None)
+    st.markdown(f"**Images with a {page.detector} score in [{low:.4g}, {high:.4g}]** (true class → prediction · score)")
+    for ranked in (ranked_id.iloc[::-1], ranked_ood):
+        inside = ranked[(ranked.score >= low) & (ranked.score <= high)]
+        for dataset, rows in inside.groupby("dataset", sort=False):
+            shown = rows.head(GALLERY_SIZE)
+            st.caption(f"{dataset}: {len(rows):,} in range; the {len(shown)} lowest")
+            _gallery(
+                thumbnails(page.results, shown),
+                [f"{r.class_name} → {r.predicted_name} · {r.score:.3g}" for r in shown.itertuples()],
+            )
 
 
 # -- curves ---------------------------------------------------------------------------------------
@@ -404,6 +438,9 @@ RESULT_TABS: list[tuple[str, Callable[[Page], None], str | None]] = [
     ("Score histograms", histogram_tab, "threshold"),
     ("ROC / PR", curves_tab, "detector"),
     ("Failure cases", failures_tab, "threshold"),
+    ("Risk–coverage", risk_coverage_tab, None),
+    ("Probe images", probe_tab, None),
+    ("Feature space", feature_space_tab, None),
     ("Run details", run_details, None),
 ]
 
@@ -426,7 +463,8 @@ def results_page(run: RunDir) -> None:
 
 @st.fragment
 def results_area(page: Page) -> None:
-    """The shared controls and the tabs; only the open tab is drawn."""
+    """The report download, the shared controls and the tabs; only the open tab is drawn."""
+    report_download(page.results)
     controls = st.container()
     tabs = st.tabs([label for label, _, _ in RESULT_TABS], key="results-tab", on_change="rerun")
     for tab, (_, draw, needs) in zip(tabs, RESULT_TABS):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import streamlit as st
 
-from oodviz.detectors import available, create, detector_class
+from oodviz.detectors import available, create
 from oodviz.engine import PRECISIONS
 from oodviz.models import POOLINGS, available_backbones, format_bytes
 from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
+from oodviz.ui.explore import teaching_panel
 from oodviz.ui.form import FOLDER_PRESET, ID_PRESETS, OOD_CHOICES, FormValues, config_from_form, ood_label
 
 USER_MODEL = "torchscript"
@@ -146,9 +147,8 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         slots["form"], slots["estimate"] = st.empty(), st.empty()
 
     with st.sidebar.expander("What each detector does"):
-        for name in available():
-            cls = detector_class(name)
-            st.markdown(f"**{name}** — {cls.summary} [paper]({cls.paper})")
+        chosen = detectors[0] if detectors else available()[0]
+        teaching_panel(st.selectbox("Explain", available(), index=available().index(chosen), key="teach-detector"))
 
     values = FormValues(
         backbone=backbone,
