@@ -29,7 +29,7 @@ def risk_coverage_figure(curves: dict, title: str = "Risk–coverage (reject the
                 x=curve["coverage"],
                 y=curve["risk"],
                 mode="lines",
-                name=f"{name} (AURC {curve['aurc']:.3g})",
+                name=f"{name} (AURC {curve['aurc']:.4g})",
                 line={"color": ORACLE_COLOR if oracle else next(colors), "dash": "dash" if oracle else "solid"},
                 hovertemplate=f"{name}<br>coverage %{{x:.3f}}<br>risk %{{y:.4f}}<extra></extra>",
             )

@@ -125,7 +125,7 @@ def test_the_figure_draws_every_curve_named_with_its_aurc():
     for trace, curve in zip(fig.data, curves.values(), strict=True):
         np.testing.assert_array_equal(trace.x, curve["coverage"])
         np.testing.assert_array_equal(trace.y, curve["risk"])
-        assert f"{curve['aurc']:.4f}" in trace.name
+        assert f"{curve['aurc']:.4g}" in trace.name
     assert fig.data[-1].line.dash == "dash"
     assert fig.layout.shapes[0].x0 == 0.95
 
