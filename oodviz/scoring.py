@@ -146,15 +146,8 @@ def _check_run(run_dir, detector: str | None):
 
 
 def _run_backbone(config, identity: dict):
-    from oodviz.models import load_backbone
 
-    backbone = load_backbone(
-        config.backbone,
-        weights=config.weights,
-        checkpoint=config.checkpoint,
-        layer=config.layer,
-        pooling=config.pooling,
-    )
+    backbone = config.load_backbone()
     now = backbone_identity(backbone)
     changed = [key for key in identity if now.get(key) != identity[key]]
     if changed:

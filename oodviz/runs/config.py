@@ -107,6 +107,14 @@ class RunConfig:
             raise ConfigError(problems)
         return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
 
+    def load_backbone(self):
+        """The run's :class:`oodviz.models.Backbone` (architecture, weights or checkpoint, layer, pooling)."""
+        from oodviz.models import load_backbone  # torch and torchvision: only when a model is wanted
+
+        return load_backbone(
+            self.backbone, weights=self.weights, checkpoint=self.checkpoint, layer=self.layer, pooling=self.pooling
+        )
+
     def save(self, path: Path) -> None:
         from oodviz.runs.rundir import write_json
 

@@ -225,17 +225,10 @@ def start_job(config: RunConfig, run: RunDir, reporter: Reporter) -> Job:
 
 # -- the stages -------------------------------------------------------------------------------------
 def load_model(job: Job) -> None:
-    from oodviz.models import load_backbone
 
     config = job.config
     with job.reporter.stage("load model") as stage:
-        job.backbone = load_backbone(
-            config.backbone,
-            weights=config.weights,
-            checkpoint=config.checkpoint,
-            layer=config.layer,
-            pooling=config.pooling,
-        )
+        job.backbone = config.load_backbone()
         stage.note(f"{config.backbone}: D={job.backbone.feature_dim} features, C={job.backbone.num_classes} classes")
 
 

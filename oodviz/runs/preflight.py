@@ -189,16 +189,10 @@ def preflight(config, runs_root) -> Preflight:
     """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
     datasets for their sizes; stores already under ``runs_root/.features`` cost no disk."""
     from oodviz.engine import STORES_DIRNAME
-    from oodviz.models import estimate_memory, load_backbone
+    from oodviz.models import estimate_memory
     from oodviz.runs.pipeline import load_split, resolve_device, run_splits
 
-    backbone = load_backbone(
-        config.backbone,
-        weights=config.weights,
-        checkpoint=config.checkpoint,
-        layer=config.layer,
-        pooling=config.pooling,
-    )
+    backbone = config.load_backbone()
     chosen = run_splits(config)
     datasets = {split: load_split(config, choice, as_ood, backbone.classes) for split, choice, as_ood in chosen}
     estimate = estimate_memory(backbone, {s: len(ds) for s, ds in datasets.items()}, feature_dtype=config.feature_dtype)
