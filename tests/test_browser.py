@@ -138,14 +138,15 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
 
     page.get_by_role("tab", name="Failure cases").click()
     page.get_by_text("ID images flagged as OOD").wait_for(timeout=30_000)
-    images = page.locator('[data-testid="stImage"] img')
-    page.wait_for_function(  # both galleries drawn, every image decoded
+    # Both galleries drawn, every image decoded by the browser as a real 64 px thumbnail. Read in the same
+    # JavaScript call that waits: a rerun may swap an <img> for a fresh, not yet decoded one between two reads.
+    widths = page.wait_for_function(
         "() => { const imgs = [...document.querySelectorAll('[data-testid=stImage] img')];"
-        " return imgs.length >= 12 && imgs.every(i => i.complete && i.naturalWidth >= 64); }",
+        " return imgs.length >= 12 && imgs.every(i => i.complete && i.naturalWidth >= 64)"
+        " && imgs.map(i => i.naturalWidth); }",
         timeout=30_000,
-    )
-    widths = images.evaluate_all("imgs => imgs.map(i => i.naturalWidth)")
-    assert min(widths) >= 64  # real thumbnails, decoded by the browser
+    ).json_value()
+    assert len(widths) >= 12 and min(widths) >= 64
     shoot(page, tmp_path, "failures")
     # the slider (shared with the histogram) changes what the galleries show
     captions = page.locator('[data-testid="stImage"]').all_inner_texts()
