@@ -1,0 +1,157 @@
+"""Several layers in one pass (issue 17.3): one store per layer with the same rows, per-layer scores equal to a
+single-layer run's, the combined Mahalanobis against a float64 formula written here, the "which layer?" view."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from oodviz.engine.store import FeatureStore
+from oodviz.layers import COMBINED, layer_column, layer_ranking, split_column
+from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.pipeline import feature_store_root
+from oodviz.runs.rundir import RunDir
+from oodviz.runs.worker import execute
+
+LAYERS = ["features.1", "features.4", "penultimate"]
+
+
+def small_config(**changes) -> RunConfig:
+    config = RunConfig(
+        ood=[DatasetChoice("digits-heldout"), DatasetChoice("noise-uniform", params={"n": 200})],
+        detectors=[
+            DetectorChoice("msp"),
+            DetectorChoice("mahalanobis"),
+            DetectorChoice("knn", {"k": 5}),
+            DetectorChoice("vim", {"dim": 16}),
+        ],
+        batch_size=128,
+    )
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A run over three layers, and single-layer runs at features.4 and at the penultimate layer, under
+    separate roots (no store shared: each run extracts its own)."""
+    made = {}
+    for name, config in {
+        "layers": small_config(layers=list(LAYERS)),
+        "features.4": small_config(
+            layer="features.4", detectors=[DetectorChoice("mahalanobis"), DetectorChoice("knn", {"k": 5})]
+        ),
+        "penultimate": small_config(),
+    }.items():
+        run = RunDir.create(tmp_path_factory.mktemp(name.replace(".", "-")), config.validate().to_dict())
+        assert execute(run) == "done", run.read_status()
+        made[name] = run.path
+    return made
+
+
+def _stores(run_path, layer: str) -> dict[str, FeatureStore]:
+    meta = json.loads((run_path / "meta.json").read_text())
+    root = feature_store_root(RunDir(run_path))
+    return {split: FeatureStore(root / key) for split, key in meta["layers"]["stores"][layer].items()}
+
+
+def test_one_store_per_layer_with_the_same_rows(runs):
+    stores = {layer: _stores(runs["layers"], layer) for layer in LAYERS}
+    assert {stores[layer]["id_fit"].feature_dim for layer in LAYERS} == {16, 32, 64}
+    first = stores[LAYERS[0]]
+    for layer in LAYERS[1:]:
+        assert set(stores[layer]) == set(first) == {"id_fit", "id_test", "ood:digits-heldout", "ood:noise-uniform"}
+        for split, store in stores[layer].items():
+            assert store.key != first[split].key and store.meta["key_spec"]["backbone"].get("layer") == (
+                None if layer == "penultimate" else layer
+            )
+            for name in ("indices", "labels", "predictions", "logits"):
+                np.testing.assert_array_equal(getattr(store, name), getattr(first[split], name))
+    assert stores["penultimate"]["id_fit"].head is not None and stores["features.1"]["id_fit"].head is None
+
+
+def test_per_layer_scores_equal_single_layer_runs(runs):
+    scores = pd.read_parquet(runs["layers"] / "scores.parquet")
+    columns = list(scores.columns[5:])
+    # msp reads logits only: once; vim needs the head: at the penultimate layer only; the others per layer
+    assert columns == [
+        "msp",
+        *(layer_column("mahalanobis", layer) for layer in LAYERS),
+        *(layer_column("knn", layer) for layer in LAYERS),
+        layer_column("vim", "penultimate"),
+        layer_column("mahalanobis", COMBINED),
+    ]
+    for single, layer in (("features.4", "features.4"), ("penultimate", "penultimate")):
+        other = pd.read_parquet(runs[single] / "scores.parquet")
+        pd.testing.assert_frame_equal(scores.iloc[:, :5], other.iloc[:, :5])
+        for detector in ("mahalanobis", "knn"):
+            np.testing.assert_array_equal(scores[layer_column(detector, layer)], other[detector])
+    np.testing.assert_array_equal(scores["msp"], pd.read_parquet(runs["penultimate"] / "scores.parquet")["msp"])
+    meta = json.loads((runs["layers"] / "meta.json").read_text())
+    assert meta["layers"]["skipped_needs_head"] == {"vim": ["features.1", "features.4"]}
+
+
+def _mahalanobis_float64(fit: FeatureStore, rows: np.ndarray) -> np.ndarray:
+    """min_c (x - mu_c)^T Sigma^+ (x - mu_c) in float64: Sigma the covariance pooled over classes (ddof=0), its
+    pseudo-inverse keeping eigenvalues above D * eps * lambda_max (oodviz's documented cutoff). The layers are
+    well conditioned (features.0, the first conv's pooled output, is not: its covariance has rank < D, and float32
+    and float64 then disagree in the near-null directions)."""
+    x, y = np.asarray(fit.features, dtype=np.float64), np.asarray(fit.labels)
+    classes = np.unique(y)
+    means = np.stack([x[y == c].mean(axis=0) for c in classes])
+    centred = x - means[np.searchsorted(classes, y)]
+    values, vectors = np.linalg.eigh(centred.T @ centred / len(x))
+    keep = values > x.shape[1] * np.finfo(np.float64).eps * values.max()
+    precision = (vectors[:, keep] / values[keep]) @ vectors[:, keep].T
+    diff = rows[:, None, :] - means[None]
+    return np.einsum("ncd,de,nce->nc", diff, precision, diff).min(axis=1)
+
+
+def test_combined_mahalanobis_is_the_sum_of_standardised_layer_scores(runs):
+    scores = pd.read_parquet(runs["layers"] / "scores.parquet")
+    expected = np.zeros(len(scores))
+    for layer in LAYERS:
+        stores = _stores(runs["layers"], layer)
+        fit = stores["id_fit"]
+        reference = _mahalanobis_float64(fit, np.asarray(fit.features, dtype=np.float64))
+        rows = np.concatenate(
+            [
+                np.asarray(stores[s].features, dtype=np.float64)
+                for s in ("id_test", "ood:digits-heldout", "ood:noise-uniform")
+            ]
+        )
+        layer_scores = _mahalanobis_float64(fit, rows)
+        np.testing.assert_allclose(scores[layer_column("mahalanobis", layer)], layer_scores, rtol=2e-4, atol=1e-3)
+        expected += (layer_scores - reference.mean()) / reference.std()
+    combined = scores[layer_column("mahalanobis", COMBINED)].to_numpy()
+    np.testing.assert_allclose(combined, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    log = json.loads((runs["layers"] / "detectors.json").read_text())[layer_column("mahalanobis", COMBINED)]
+    assert log["layers"] == LAYERS and log["standardised_on"] == "id_fit"
+
+
+def test_which_layer_table_ranks_layers_by_mean_auroc(runs):
+    metrics = pd.read_csv(runs["layers"] / "metrics.csv")
+    ranking = layer_ranking(metrics, LAYERS)
+    assert list(ranking.detector.unique()) == ["mahalanobis", "knn", "vim"]
+    for detector, rows in ranking.groupby("detector", sort=False):
+        per_dataset = metrics[~metrics.ood_dataset.str.endswith(" (mean)")]
+        for row in rows.itertuples():
+            mine = per_dataset[per_dataset.detector == layer_column(detector, row.layer)]
+            assert row.auroc == pytest.approx(mine.auroc.mean(), abs=1e-12)
+        assert list(rows["rank"]) == list(range(1, len(rows) + 1))
+        assert list(rows.auroc) == sorted(rows.auroc, reverse=True)
+    assert set(ranking[ranking.detector == "mahalanobis"].layer) == {*LAYERS, COMBINED}
+    assert split_column("msp") == ("msp", None) and split_column("knn@features.1") == ("knn", "features.1")
+
+
+def test_config_refuses_unknown_duplicate_and_mixed_layers():
+    problems = small_config(layers=["features.4", "features.4", "featurs.0"], layer="features.1").problems()
+    assert "layers lists 'features.4' twice" in problems
+    assert any("set layer or layers, not both" in p for p in problems)
+    assert any("has no layer 'featurs.0'; did you mean 'features.0'" in p for p in problems)
+    assert small_config(layers=list(LAYERS)).problems() == []
+    assert RunConfig.from_dict(small_config().to_dict()).layers == []  # a single-layer config is unchanged
