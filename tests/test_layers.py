@@ -3,11 +3,14 @@ single-layer run's, the combined Mahalanobis against a float64 formula written h
 
 from __future__ import annotations
 
+import base64
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from streamlit.testing.v1 import AppTest
 
 from oodviz.engine.store import FeatureStore
 from oodviz.layers import COMBINED, layer_column, layer_ranking, split_column
@@ -15,7 +18,9 @@ from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.pipeline import feature_store_root
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.worker import execute
+from oodviz.ui.layers import HOW_TO
 
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
 LAYERS = ["features.1", "features.4", "penultimate"]
 
 
@@ -155,3 +160,45 @@ def test_config_refuses_unknown_duplicate_and_mixed_layers():
     assert any("has no layer 'featurs.0'; did you mean 'features.0'" in p for p in problems)
     assert small_config(layers=list(LAYERS)).problems() == []
     assert RunConfig.from_dict(small_config().to_dict()).layers == []  # a single-layer config is unchanged
+
+
+def _app(run_path, monkeypatch, tab: str) -> AppTest:
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(run_path.parent))
+    app = AppTest.from_file(APP, default_timeout=120)
+    app.query_params["run"] = run_path.name
+    app.run()
+    app.session_state["results-tab"] = tab
+    app.run()
+    assert not app.exception
+    return app
+
+
+def test_the_which_layer_tab_draws_the_ranking(runs, monkeypatch):
+    app = _app(runs["layers"], monkeypatch, "Which layer?")
+    metrics = pd.read_csv(runs["layers"] / "metrics.csv")
+    expected = layer_ranking(metrics, LAYERS)
+    shown = app.dataframe[0].value
+    assert list(shown.columns) == ["detector", "layer", "mean AUROC", "mean FPR95", "rank"]
+    np.testing.assert_array_equal(shown["mean AUROC"], expected.auroc)
+    assert list(shown.layer) == list(expected.layer) and list(shown.detector) == list(expected.detector)
+    [chart] = app.get("plotly_chart")
+    figure = json.loads(chart.proto.spec)
+    assert [trace["name"] for trace in figure["data"]] == ["mahalanobis", "knn", "vim"]
+    mahalanobis = figure["data"][0]
+    assert mahalanobis["x"] == [*LAYERS, COMBINED]  # shallow to deep, the combined score last
+    by_layer = expected[expected.detector == "mahalanobis"].set_index("layer")
+    np.testing.assert_allclose(_values(mahalanobis["y"]), by_layer.loc[mahalanobis["x"], "auroc"], rtol=0, atol=0)
+    best = by_layer.index[by_layer["rank"] == 1][0]
+    assert _values(mahalanobis["marker"]["size"]).tolist() == [14 if x == best else 7 for x in mahalanobis["x"]]
+
+
+def test_the_which_layer_tab_says_how_to_compare_layers_in_a_single_layer_run(runs, monkeypatch):
+    app = _app(runs["penultimate"], monkeypatch, "Which layer?")
+    assert [i.value for i in app.info] == [HOW_TO] and not app.get("plotly_chart")
+
+
+def _values(array) -> np.ndarray:
+    """A plotly JSON array: a list, or ``{"dtype", "bdata"}`` (base64 of the raw values)."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"])
+    return np.asarray(array)

@@ -41,7 +41,7 @@ import torch
 
 import oodviz
 from oodviz.engine import Cancelled
-from oodviz.layers import split_column
+from oodviz.layers import layer_column, split_column
 from oodviz.results import (
     ID_SPLIT,
     OOD_SPLIT,
@@ -132,13 +132,14 @@ def _logged_params(det, choice: DetectorChoice) -> dict:
     return {k: v for k, v in det.get_params().items() if k != "model" and (k != "bank_dir" or k in choice.params)}
 
 
-def _with_scratch(choice: DetectorChoice, run: RunDir) -> dict:
-    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory
-    unless the config chose a place: removed when the worker ends, even when it is killed."""
+def _with_scratch(choice: DetectorChoice, run: RunDir, column: str) -> dict:
+    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory, in a folder
+    of its result ``column`` (one per layer), unless the config chose a place: removed when the worker ends,
+    even when it is killed."""
     from oodviz.detectors import detector_class
 
     if "bank_dir" in detector_class(choice.name).param_names() and not choice.params.get("bank_dir"):
-        return {**choice.params, "bank_dir": str(run.scratch_path / choice.name)}
+        return {**choice.params, "bank_dir": str(run.scratch_path / column)}
     return dict(choice.params)
 
 
@@ -353,7 +354,8 @@ def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage, layer: str |
         else:
             detector.fit(None)  # nothing to learn: checks that the method works with this model
         return detector
-    detector = create(choice.name, **_with_scratch(choice, job.run))
+    column = choice.name if layer is None else layer_column(choice.name, layer)
+    detector = create(choice.name, **_with_scratch(choice, job.run, column))
     fields = detector.fields_to_read(fitting=True)  # only what the detector uses is read from the store
     store = job.store_of("id_fit", layer)
     batches = Watched(store.batches(SCORE_BATCH, device=job.device, include=fields), stage)
