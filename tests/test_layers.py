@@ -202,3 +202,26 @@ def _values(array) -> np.ndarray:
     if isinstance(array, dict):
         return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"])
     return np.asarray(array)
+
+
+def test_only_the_missing_layers_are_extracted_and_equal_single_layer_stores(tmp_path):
+    """A layer whose store exists is reused; the others come from one pass and equal single-layer extractions."""
+    from oodviz.data import load_dataset
+    from oodviz.engine import extract_or_reuse
+    from oodviz.engine.layers import extract_layers_or_reuse
+
+    backbone = RunConfig().load_backbone()
+    dataset = load_dataset("digits-test", subsample=100)
+    views = {"features.1": backbone.with_layer("features.1"), "features.4": backbone.with_layer("features.4", "max")}
+    views["penultimate"] = backbone
+    before = extract_or_reuse(views["features.4"], dataset, tmp_path / "a", {"k": 1})
+    stores = extract_layers_or_reuse(views, dataset, tmp_path / "a", {"k": 1}, batch_size=32)
+    assert [s.reused for s in stores.values()] == [False, True, False]
+    assert stores["features.4"].path == before.path
+    for layer, view in views.items():
+        alone = extract_or_reuse(view, dataset, tmp_path / "b", {"k": 1}, batch_size=7)
+        assert alone.key == stores[layer].key
+        for name in ("features", "logits", "labels", "predictions", "indices"):
+            np.testing.assert_array_equal(getattr(alone, name), getattr(stores[layer], name))
+    assert stores["penultimate"].meta["backbone"]["layer"] is None
+    assert stores["features.1"].meta["backbone"]["layer"] == "features.1"
