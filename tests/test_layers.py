@@ -16,6 +16,7 @@ from oodviz.engine.store import FeatureStore
 from oodviz.layers import COMBINED, layer_column, layer_ranking, split_column
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.pipeline import feature_store_root
+from oodviz.runs.plan import planned_stages
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.worker import execute
 from oodviz.ui.layers import HOW_TO
@@ -98,6 +99,12 @@ def test_per_layer_scores_equal_single_layer_runs(runs):
     np.testing.assert_array_equal(scores["msp"], pd.read_parquet(runs["penultimate"] / "scores.parquet")["msp"])
     meta = json.loads((runs["layers"] / "meta.json").read_text())
     assert meta["layers"]["skipped_needs_head"] == {"vim": ["features.1", "features.4"]}
+    run = RunDir(runs["layers"])
+    ends = [e["stage"] for e in run.read_events() if e.get("event") == "end"]
+    assert ends == planned_stages(RunConfig.load(run.config_path))  # the app's "stage k of N" plan
+    assert "vim needs the classifier's head" in " ".join(
+        e["message"] for e in run.read_events() if e["event"] == "warning"
+    )
 
 
 def _mahalanobis_float64(fit: FeatureStore, rows: np.ndarray) -> np.ndarray:

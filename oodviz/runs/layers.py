@@ -24,6 +24,8 @@ import difflib
 
 from oodviz.layers import COMBINED, COMBINED_DETECTOR, PENULTIMATE, layer_column, reads_features
 
+#: the stage of :func:`combine_layers`
+COMBINE_STAGE = f"combine {COMBINED_DETECTOR} over layers"
 #: what the multi-layer Mahalanobis records in ``detectors.json``
 COMBINED_FORMULA = "sum over layers l of (s_l(x) - mean_l) / std_l; mean_l, std_l (ddof=0) of s_l on the ID fit split"
 
@@ -81,15 +83,19 @@ def detector_columns(config) -> list[tuple[str, object, str | None]]:
 
 def headless_skips(config) -> dict[str, list[str]]:
     """Detector -> the layers it is left out at: it needs the head, which maps only the penultimate features."""
-    from oodviz.detectors import detector_class
-
-    return {
-        choice.name: [layer for layer in config.layers if layer != PENULTIMATE]
+    scored = {column for column, _, _ in detector_columns(config)}
+    skips = {
+        choice.name: [layer for layer in config.layers if layer_column(choice.name, layer) not in scored]
         for choice in config.detectors
-        if reads_features(detector_class(choice.name))
-        and detector_class(choice.name).needs_head
-        and any(layer != PENULTIMATE for layer in config.layers)
+        if choice.name not in scored
     }
+    return {name: layers for name, layers in skips.items() if layers}
+
+
+def combines_layers(config) -> bool:
+    """Whether the run plans ``mahalanobis@combined``: mahalanobis at two or more layers (:func:`combine_layers`)."""
+    columns = [column for column, choice, _ in detector_columns(config) if choice.name == COMBINED_DETECTOR]
+    return len(config.layers) > 1 and len(columns) > 1
 
 
 def layer_views(job) -> dict:
@@ -158,7 +164,7 @@ def combine_layers(job) -> None:
         return
     name = layer_column(COMBINED_DETECTOR, COMBINED)
     with (
-        job.reporter.stage(f"combine {COMBINED_DETECTOR} over layers") as stage,
+        job.reporter.stage(COMBINE_STAGE) as stage,
         job.detector_may_fail(name, "combine the layers", stage),
     ):
         reference = {}
