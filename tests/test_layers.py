@@ -232,3 +232,14 @@ def test_only_the_missing_layers_are_extracted_and_equal_single_layer_stores(tmp
             np.testing.assert_array_equal(getattr(alone, name), getattr(stores[layer], name))
     assert stores["penultimate"].meta["backbone"]["layer"] is None
     assert stores["features.1"].meta["backbone"]["layer"] == "features.1"
+
+
+def test_the_sidebar_takes_several_layers_separated_by_commas():
+    from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
+
+    config = config_from_form(FormValues(layer="features.1, features.4,penultimate"))
+    assert (config.layer, config.layers) == (None, LAYERS) and config.problems() == []
+    assert form_values_from_config(config).layer == "features.1, features.4, penultimate"
+    single = config_from_form(FormValues(layer=" features.4 "))
+    assert (single.layer, single.layers) == ("features.4", [])
+    assert form_values_from_config(single).layer == "features.4"
