@@ -137,12 +137,25 @@ def test_combined_mahalanobis_is_the_sum_of_standardised_layer_scores(runs):
             ]
         )
         layer_scores = _mahalanobis_float64(fit, rows)
-        np.testing.assert_allclose(scores[layer_column("mahalanobis", layer)], layer_scores, rtol=2e-4, atol=1e-3)
+        # float32 features and scores in the run (measured: relative error below 4e-6)
+        np.testing.assert_allclose(scores[layer_column("mahalanobis", layer)], layer_scores, rtol=2e-5)
         expected += (layer_scores - reference.mean()) / reference.std()
     combined = scores[layer_column("mahalanobis", COMBINED)].to_numpy()
-    np.testing.assert_allclose(combined, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
+    np.testing.assert_allclose(combined, expected, rtol=0, atol=2e-6 * np.abs(expected).max())  # measured: 2.2e-7
     log = json.loads((runs["layers"] / "detectors.json").read_text())[layer_column("mahalanobis", COMBINED)]
     assert log["layers"] == LAYERS and log["standardised_on"] == "id_fit"
+    # exactly the formula on the stored per-layer columns, with the recorded ID fit means and deviations
+    exact = sum(
+        (scores[layer_column("mahalanobis", layer)].to_numpy(np.float64) - log["stats"][layer]["mean"])
+        / log["stats"][layer]["std"]
+        for layer in LAYERS
+    )
+    np.testing.assert_allclose(combined, exact, rtol=1e-12, atol=1e-12)
+    for layer in LAYERS:
+        fit = _stores(runs["layers"], layer)["id_fit"]
+        reference = _mahalanobis_float64(fit, np.asarray(fit.features, dtype=np.float64))
+        assert log["stats"][layer]["mean"] == pytest.approx(reference.mean(), rel=1e-4)
+        assert log["stats"][layer]["std"] == pytest.approx(reference.std(), rel=1e-4)
 
 
 def test_which_layer_table_ranks_layers_by_mean_auroc(runs):
