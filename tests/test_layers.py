@@ -256,3 +256,19 @@ def test_the_sidebar_takes_several_layers_separated_by_commas():
     single = config_from_form(FormValues(layer=" features.4 "))
     assert (single.layer, single.layers) == ("features.4", [])
     assert form_values_from_config(single).layer == "features.4"
+
+
+def test_oodviz_score_scores_a_multi_layer_runs_main_detectors(runs, tmp_path):
+    """Per-layer detectors are not saved; oodviz score uses the others (msp here), as the run scored them."""
+    from oodviz.data import load_dataset
+    from oodviz.scoring import RunNotScorableError, score_images
+
+    image, _, index = load_dataset("digits-test")[0]
+    image.save(tmp_path / "digit.png")
+    scored = score_images(runs["layers"], [tmp_path / "digit.png"]).table
+    assert list(scored.detector) == ["msp"]
+    scores = pd.read_parquet(runs["layers"] / "scores.parquet")
+    row = scores[(scores.split == "id_test") & (scores["index"] == index)]
+    assert scored.score.iloc[0] == pytest.approx(row.msp.iloc[0], abs=1e-6)
+    with pytest.raises(RunNotScorableError, match="fitted on layer 'features.1'"):
+        score_images(runs["layers"], [tmp_path / "digit.png"], detector="knn@features.1")
