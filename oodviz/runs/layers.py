@@ -123,6 +123,8 @@ def extract_layers_split(job, split: str, choice, stage):
     )
     first = next(iter(stores.values()))
     for layer, store in stores.items():
+        if store.reuse_warning and store is not first:  # the first's is the split's, warned by extract_splits
+            job.reporter.warn(f"{split} at {layer}: {store.reuse_warning}")
         if store.n != first.n or not (store.indices == first.indices).all():
             raise ValueError(
                 f"{split}: the store of layer {layer!r} ({store.key}) has other rows than that of "
