@@ -47,7 +47,6 @@ class LayerFanout:
         self.name, self.model, self.transform = first.name, first.model, first.transform
         self.input_shape, self.weights_id = first.input_shape, first.weights_id
         self.layer = "+".join(str(view.layer) for view in self.views)
-        self.dims = [view.feature_dim for view in self.views]
 
     def features_and_logits(self, x: Tensor, grad: bool = False) -> tuple[Tensor, Tensor]:
         with ExitStack() as hooks:
@@ -61,7 +60,8 @@ class LayerWriters:
     """A :class:`~oodviz.engine.store.StoreWriter` per layer behind one writer's interface, for
     :func:`~oodviz.engine.extract`'s ``make_writer``: :meth:`append` gives layer ``i`` its columns
     ``[sum(D_<i), sum(D_<=i))`` of the fan-out's features and every layer the same logits, labels,
-    predictions and indices; :meth:`commit` writes each store with its own ``key_spec``, layer and head.
+    predictions and indices; :meth:`commit` writes each store with its own ``key_spec``, layer and head (the
+    rest of ``meta.json``, timings and ``counts`` of non-finite rows included, is the pass's, over every layer).
 
     :param layers: per layer, in the fan-out's order: ``(key, D, key_spec, head or None)``
     The other parameters are ``make_writer``'s (the fan-out's key is not used: each layer has its own).
