@@ -64,6 +64,9 @@ class RunConfig:
     weights: str = "default"  # "default" (pretrained / bundled) or "random" (a dry run)
     checkpoint: str | None = None  # a TorchScript file or a state dict for the backbone's architecture
     layer: str | None = None  # None = the penultimate layer
+    #: several layers in one forward pass (module names, or "penultimate"); [] = one layer, ``layer``
+    #: (:mod:`oodviz.runs.layers`)
+    layers: list = field(default_factory=list)
     pooling: str = "avg"
     id_fit: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-train"))
     id_test: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-test"))
@@ -134,6 +137,10 @@ class RunConfig:
         found = list(wrong.values())
         model_found = self._model_problems(wrong)
         found += model_found
+        if "layers" not in wrong and self.layers:
+            from oodviz.runs.layers import layers_problems
+
+            found += layers_problems(self, model_known=not ({"backbone", "layer"} & set(wrong)) and not model_found)
         named = [("id_fit", self.id_fit), ("id_test", self.id_test)]
         named += [(f"ood[{i}]", d) for i, d in enumerate(self.ood)] if "ood" not in wrong else []
         model_known = not ({"backbone", "weights", "checkpoint"} & set(wrong)) and not model_found
@@ -226,6 +233,7 @@ _FIELD_TYPES = {
     "weights": str,
     "checkpoint": str | None,
     "layer": str | None,
+    "layers": list,
     "pooling": str,
     "ood": list,
     "detectors": list,

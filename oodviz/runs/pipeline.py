@@ -41,6 +41,7 @@ import torch
 
 import oodviz
 from oodviz.engine import Cancelled
+from oodviz.layers import layer_column, split_column
 from oodviz.results import (
     ID_SPLIT,
     OOD_SPLIT,
@@ -51,6 +52,7 @@ from oodviz.results import (
     write_table,
 )
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.layers import combine_layers, detector_columns, extract_layers_split, record_layers
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
 from oodviz.runs.reporter import Reporter, Stage
 from oodviz.runs.rundir import RunDir, write_json
@@ -130,13 +132,14 @@ def _logged_params(det, choice: DetectorChoice) -> dict:
     return {k: v for k, v in det.get_params().items() if k != "model" and (k != "bank_dir" or k in choice.params)}
 
 
-def _with_scratch(choice: DetectorChoice, run: RunDir) -> dict:
-    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory
-    unless the config chose a place: removed when the worker ends, even when it is killed."""
+def _with_scratch(choice: DetectorChoice, run: RunDir, column: str) -> dict:
+    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory, in a folder
+    of its result ``column`` (one per layer), unless the config chose a place: removed when the worker ends,
+    even when it is killed."""
     from oodviz.detectors import detector_class
 
     if "bank_dir" in detector_class(choice.name).param_names() and not choice.params.get("bank_dir"):
-        return {**choice.params, "bank_dir": str(run.scratch_path / choice.name)}
+        return {**choice.params, "bank_dir": str(run.scratch_path / column)}
     return dict(choice.params)
 
 
@@ -145,7 +148,8 @@ class Job:
     """What the stages of one run share; each stage reads what the earlier ones left here.
 
     ``datasets`` and ``stores`` are keyed by split (``id_fit``, ``id_test``, ``ood:<name>``);
-    ``fitted``: the detectors still in the run, in config order; ``detector_log``: what becomes
+    ``layer_stores``: split -> layer -> store in a run over several layers (:mod:`oodviz.runs.layers`);
+    ``fitted``: the detectors still in the run, in config order, by result column; ``detector_log``: what becomes
     ``detectors.json``; ``frames``: the scores table of each scored split; ``scores``: all of them
     (``scores.parquet``); ``meta``: what becomes ``meta.json``.
     """
@@ -158,6 +162,7 @@ class Job:
     backbone: object = None
     datasets: dict = field(default_factory=dict)
     stores: dict = field(default_factory=dict)
+    layer_stores: dict = field(default_factory=dict)
     fitted: dict = field(default_factory=dict)
     detector_log: dict = field(default_factory=dict)
     frames: list = field(default_factory=list)
@@ -167,6 +172,10 @@ class Job:
     def splits(self) -> list[tuple[str, DatasetChoice, bool]]:
         """``(split, dataset choice, loaded as OOD)`` of every split the run extracts."""
         return run_splits(self.config)
+
+    def store_of(self, split: str, layer: str | None):
+        """The feature store of ``split`` at ``layer``; ``None``: the split's main store."""
+        return self.stores[split] if layer is None else self.layer_stores[split][layer]
 
     @property
     def scored_splits(self) -> list[tuple[str, str, str]]:
@@ -197,7 +206,7 @@ class Job:
         except Cancelled:
             raise
         except Exception as error:  # one detector failing must not stop the others
-            choice = next(c for c in self.config.detectors if c.name == name)
+            choice = next(c for c in self.config.detectors if c.name == split_column(name)[0])
             entry = self.detector_log.setdefault(
                 name, {"params": {k: v for k, v in choice.params.items() if k != "model"}}
             )
@@ -292,9 +301,12 @@ def extract_or_reuse_split(job: Job, split: str, choice: DatasetChoice, stage: S
     )
 
 
-def extract_splits(job: Job, open_split=extract_or_reuse_split) -> None:
+def extract_splits(job: Job, open_split=None) -> None:
     """One stage per split: its feature store, extracted or reused (by ``open_split(job, split, choice, stage)``;
-    a sharded run passes its own, :mod:`oodviz.runs.sharded`); the splits go into ``meta``."""
+    a sharded run passes its own, :mod:`oodviz.runs.sharded`; by default every layer of a run over several
+    layers in one pass, :mod:`oodviz.runs.layers`); the splits go into ``meta``."""
+    if open_split is None:
+        open_split = extract_layers_split if job.config.layers else extract_or_reuse_split
     for split, choice, _ in job.splits:
         with job.reporter.stage(f"extract {split}") as stage:
             store = open_split(job, split, choice, stage)
@@ -314,22 +326,25 @@ def extract_splits(job: Job, open_split=extract_or_reuse_split) -> None:
         }
         for split, choice, as_ood in job.splits
     }
+    if job.layer_stores:
+        record_layers(job)
 
 
 def fit_detectors(job: Job) -> None:
-    """One stage per detector: fit it on the ID fit split (model-based ones only check the model)."""
-    for choice in job.config.detectors:
-        with job.reporter.stage(f"fit {choice.name}") as stage, job.detector_may_fail(choice.name, "fit", stage):
+    """One stage per detector (per detector and layer, :func:`oodviz.runs.layers.detector_columns`): fit it
+    on the ID fit split (model-based ones only check the model)."""
+    for column, choice, layer in detector_columns(job.config):
+        with job.reporter.stage(f"fit {column}") as stage, job.detector_may_fail(column, "fit", stage):
             started = time.perf_counter()
-            job.fitted[choice.name] = detector = fitted_detector(job, choice, stage)
-            job.detector_log[choice.name] = {
+            job.fitted[column] = detector = fitted_detector(job, choice, stage, layer)
+            job.detector_log[column] = {
                 "params": _logged_params(detector, choice),
                 "fit_s": time.perf_counter() - started,
             }
     require_a_detector(job)
 
 
-def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
+def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage, layer: str | None = None):
     from oodviz.detectors import create, detector_class
 
     if detector_class(choice.name).needs_model:
@@ -339,10 +354,12 @@ def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
         else:
             detector.fit(None)  # nothing to learn: checks that the method works with this model
         return detector
-    detector = create(choice.name, **_with_scratch(choice, job.run))
+    column = choice.name if layer is None else layer_column(choice.name, layer)
+    detector = create(choice.name, **_with_scratch(choice, job.run, column))
     fields = detector.fields_to_read(fitting=True)  # only what the detector uses is read from the store
-    batches = Watched(job.stores["id_fit"].batches(SCORE_BATCH, device=job.device, include=fields), stage)
-    detector.fit(batches, head=job.backbone.head, device=job.device)
+    store = job.store_of("id_fit", layer)
+    batches = Watched(store.batches(SCORE_BATCH, device=job.device, include=fields), stage)
+    detector.fit(batches, head=job.backbone.head if layer is None else store.head, device=job.device)
     return detector
 
 
@@ -384,7 +401,8 @@ def split_scores(job: Job, split: str, kind: str, dataset: str, model_scores: di
             else:
                 with job.detector_may_fail(name, f"score {split}", stage):
                     fields = job.fitted[name].fields_to_read(fitting=False)
-                    batches = store.batches(SCORE_BATCH, device=job.device, include=fields)
+                    layer = split_column(name)[1]
+                    batches = job.store_of(split, layer).batches(SCORE_BATCH, device=job.device, include=fields)
                     values = job.fitted[name].score(batches, device=job.device).numpy()
                     frame[name] = finite_scores(job.fitted[name], name, split, values)
             stage.progress(done, len(names), {})
@@ -410,8 +428,8 @@ def require_a_detector(job: Job) -> None:
 
 
 def failed_detectors(job: Job) -> list[str]:
-    """Detectors of the config that failed to fit or to score, in config order."""
-    return [c.name for c in job.config.detectors if "error" in job.detector_log.get(c.name, {})]
+    """Detectors (result columns) that failed to fit or to score, in config order."""
+    return [name for name, entry in job.detector_log.items() if "error" in entry]
 
 
 def save_detectors(job: Job) -> None:
@@ -420,18 +438,20 @@ def save_detectors(job: Job) -> None:
     from oodviz.scoring import save_run_detectors
 
     with job.reporter.stage("save detectors") as stage:
-        failed = save_run_detectors(job.run.path, job.backbone, job.fitted, job.run.scratch_path)
+        # per-layer detectors read other features than the run's main ones, which oodviz score extracts
+        main = {name: det for name, det in job.fitted.items() if split_column(name)[1] is None}
+        failed = save_run_detectors(job.run.path, job.backbone, main, job.run.scratch_path)
         for name, error in failed.items():
             job.detector_log[name]["save_error"] = error
             job.reporter.warn(f"{name} could not be saved (oodviz score will not have it): {error}")
-        stage.note(f"saved {len(job.fitted) - len(failed)} detector(s) in {job.run.path.name}/detectors")
+        stage.note(f"saved {len(main) - len(failed)} detector(s) in {job.run.path.name}/detectors")
 
 
 def write_scores(job: Job) -> None:
     """``scores.parquet`` (only the detectors that scored every split) and ``detectors.json``."""
     require_a_detector(job)
     scores = pd.concat(job.frames, ignore_index=True)
-    partial = [name for name in detectors_of(scores) if name not in job.fitted]
+    partial = [name for name in detectors_of(scores) if "error" in job.detector_log.get(name, {})]
     job.scores = scores.drop(columns=partial)  # scored some splits, then failed: keep no partial column
     write_table(job.run.path / "scores.parquet", job.scores)
     write_json(job.run.path / "detectors.json", job.detector_log)
@@ -458,6 +478,7 @@ STAGES = (
     extract_splits,
     fit_detectors,
     score_splits,
+    combine_layers,
     save_detectors,
     write_scores,
     write_metrics,

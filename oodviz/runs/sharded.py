@@ -295,6 +295,8 @@ def run_rank(world: World):
     failed detectors``. It joins the process group on the rank's device and leaves it at the end."""
 
     def pipeline(config, run, reporter) -> list[str]:
+        if config.layers:
+            raise ValueError("a sharded run extracts one layer; run layers = [...] without torchrun, or one layer")
         job = start_job(config, run, reporter)
         job.device = reporter.device = rank_device(job.device, world)
         job.meta.update(device=str(job.device), world_size=world.size)

@@ -33,6 +33,7 @@ from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import thumbnails
 from oodviz.ui.access import show_server_details
 from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab, teaching_panel
+from oodviz.ui.layers import layers_tab
 
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
@@ -441,6 +442,7 @@ RESULT_TABS: list[tuple[str, Callable[[Page], None], str | None]] = [
     ("Risk–coverage", risk_coverage_tab, None),
     ("Probe images", probe_tab, None),
     ("Feature space", feature_space_tab, None),
+    ("Which layer?", layers_tab, None),
     ("Run details", run_details, None),
 ]
 
