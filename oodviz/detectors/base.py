@@ -94,6 +94,9 @@ class Detector:
     needs_model: ClassVar[bool] = False
     #: part of the default detector list of a run (``RunConfig().detectors``)
     in_defaults: ClassVar[bool] = True
+    #: the values a run tries for each parameter when it tunes on validation data, ``{parameter: (values, ...)}``
+    #: (:mod:`oodviz.runs.tuning`; empty: nothing worth tuning). The grid is the cartesian product, tried in order.
+    default_grid: ClassVar[dict[str, tuple]] = {}
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:

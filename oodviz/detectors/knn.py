@@ -69,6 +69,7 @@ class KNN(Detector):
     name = "knn"
     summary = "Distance to the k-th nearest in-distribution feature (L2-normalised)."
     paper = "https://arxiv.org/abs/2204.06507"
+    default_grid = {"k": (1, 5, 10, 20, 50, 100, 200)}
     teaching = Teaching(
         formula=r"s(x) = \big\| z - z_{(k)} \big\|,\quad z = x / \|x\|",
         citation="Sun et al., *Out-of-Distribution Detection with Deep Nearest Neighbors*, ICML 2022",

@@ -54,6 +54,7 @@ from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
 from oodviz.runs.reporter import Reporter, Stage
 from oodviz.runs.rundir import RunDir, write_json
+from oodviz.runs.tuning import tune_detectors, tuned_choice, validation_splits
 
 SCORE_BATCH = 4096
 
@@ -109,9 +110,10 @@ def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool, model_cla
 
 
 def run_splits(config: RunConfig) -> list[tuple[str, DatasetChoice, bool]]:
-    """``(split, dataset choice, loaded as OOD)`` of every split ``config`` extracts: id_fit, id_test, ood:NAME."""
+    """``(split, dataset choice, loaded as OOD)`` of every split ``config`` extracts: id_fit, id_test, ood:NAME,
+    and id_val, ood_val when it tunes (:mod:`oodviz.runs.tuning`)."""
     ood = [(f"ood:{choice.name}", choice, True) for choice in config.ood]
-    return [("id_fit", config.id_fit, False), ("id_test", config.id_test, False), *ood]
+    return [("id_fit", config.id_fit, False), ("id_test", config.id_test, False), *ood, *validation_splits(config)]
 
 
 def store_key_params(config: RunConfig, choice: DatasetChoice) -> dict:
@@ -147,7 +149,8 @@ class Job:
     ``datasets`` and ``stores`` are keyed by split (``id_fit``, ``id_test``, ``ood:<name>``);
     ``fitted``: the detectors still in the run, in config order; ``detector_log``: what becomes
     ``detectors.json``; ``frames``: the scores table of each scored split; ``scores``: all of them
-    (``scores.parquet``); ``meta``: what becomes ``meta.json``.
+    (``scores.parquet``); ``meta``: what becomes ``meta.json``; ``tuning``: per tuned detector, what tuning
+    on validation data tried and chose (:mod:`oodviz.runs.tuning`).
     """
 
     config: RunConfig
@@ -162,6 +165,7 @@ class Job:
     detector_log: dict = field(default_factory=dict)
     frames: list = field(default_factory=list)
     scores: pd.DataFrame | None = None
+    tuning: dict = field(default_factory=dict)
 
     @property
     def splits(self) -> list[tuple[str, DatasetChoice, bool]]:
@@ -317,8 +321,10 @@ def extract_splits(job: Job, open_split=extract_or_reuse_split) -> None:
 
 
 def fit_detectors(job: Job) -> None:
-    """One stage per detector: fit it on the ID fit split (model-based ones only check the model)."""
+    """One stage per detector: fit it on the ID fit split (model-based ones only check the model), with the
+    parameters tuning chose when it was tuned."""
     for choice in job.config.detectors:
+        choice = tuned_choice(job, choice)
         with job.reporter.stage(f"fit {choice.name}") as stage, job.detector_may_fail(choice.name, "fit", stage):
             started = time.perf_counter()
             job.fitted[choice.name] = detector = fitted_detector(job, choice, stage)
@@ -326,6 +332,8 @@ def fit_detectors(job: Job) -> None:
                 "params": _logged_params(detector, choice),
                 "fit_s": time.perf_counter() - started,
             }
+            if choice.name in job.tuning:
+                job.detector_log[choice.name]["tuning"] = job.tuning[choice.name]
     require_a_detector(job)
 
 
@@ -456,6 +464,7 @@ STAGES = (
     load_model,
     load_data,
     extract_splits,
+    tune_detectors,
     fit_detectors,
     score_splits,
     save_detectors,

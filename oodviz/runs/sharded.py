@@ -295,6 +295,13 @@ def run_rank(world: World):
     failed detectors``. It joins the process group on the rank's device and leaves it at the end."""
 
     def pipeline(config, run, reporter) -> list[str]:
+        from oodviz.runs.tuning import tunes
+        from oodviz.runs.validation import ConfigError
+
+        if tunes(config):
+            raise ConfigError(
+                ["a sharded run does not tune on validation data: run it on one device, or unset id_val and ood_val"]
+            )
         job = start_job(config, run, reporter)
         job.device = reporter.device = rank_device(job.device, world)
         job.meta.update(device=str(job.device), world_size=world.size)
