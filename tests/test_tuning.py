@@ -126,6 +126,33 @@ def test_fitted_parameters_maximise_validation_auroc(tuned_run, name, key, grid,
     np.testing.assert_allclose([row["auroc"] for row in tuning["results"]], ours, atol=1e-9)
     assert [row["params"] for row in tuning["results"]] == [{key: v} for v in grid]
     assert tuning["chosen"] == {key: grid[int(np.argmax(ours))]}
+    assert tuning["fits"] == (1 if name == "knn" else len(grid))  # knn's k only changes the score: one fit
+
+
+def test_set_params_rescores_a_fitted_detector_as_a_new_fit(problem, tmp_path):
+    fitted = create("knn", k=5, bank_dir=str(tmp_path / "a")).fit(problem.fit_batches())
+    fresh = create("knn", k=20, bank_dir=str(tmp_path / "b")).fit(problem.fit_batches())
+    np.testing.assert_array_equal(
+        fitted.set_params(k=20).score(problem.batches(problem.eval_x)), fresh.score(problem.batches(problem.eval_x))
+    )
+    with pytest.raises(ValueError, match="chunk_size changes what fit learns; make a new detector and fit it"):
+        fitted.set_params(chunk_size=7)
+    with pytest.raises(ValueError, match="k=5000 exceeds the 1200 in-distribution samples"):
+        fitted.set_params(k=5000)
+    with pytest.raises(ValueError, match="k must be a positive integer"):
+        fitted.set_params(k=0)
+
+
+def test_first_and_last_subsamples_are_disjoint_parts_of_a_source():
+    from oodviz.data import load_dataset
+    from oodviz.data.base import subsample_indices
+
+    np.testing.assert_array_equal(subsample_indices(10, 3, "last"), [7, 8, 9])
+    fit = load_dataset("digits-train", subsample=800, subsample_mode="first")
+    val = load_dataset("digits-train", subsample=281, subsample_mode="last")
+    fit_items = {fit[i][2] for i in range(len(fit))}
+    val_items = {val[i][2] for i in range(len(val))}
+    assert len(fit_items) == 800 and len(val_items) == 281 and not fit_items & val_items
 
 
 def test_validation_warnings_name_the_overlap_and_the_fix():

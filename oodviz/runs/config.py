@@ -106,7 +106,7 @@ class RunConfig:
         data = dict(data)
         problems = [f"unknown setting {key!r}" for key in sorted(set(data) - set(cls.__dataclass_fields__), key=str)]
         for key in ("id_fit", "id_test", "id_val", "ood_val"):
-            if data.get(key) is not None:
+            if key in data and not (key in ("id_val", "ood_val") and data[key] is None):  # null: no validation split
                 data[key] = _choice(DatasetChoice, data[key], key, problems)
         for key, kind in (("ood", DatasetChoice), ("detectors", DetectorChoice)):
             if key not in data:

@@ -3,21 +3,23 @@ against an OOD validation set, before the detectors are fitted for the test sets
 
 A run tunes when its config names both validation splits, ``id_val`` (held-out ID images, not the ID test
 set) and ``ood_val`` (an OOD set that is not one of the test sets). Each detector then tries every point of its
-grid (``DetectorChoice.grid``: ``{parameter: [values]}``, the cartesian product in order; None = the detector's
-``default_grid`` less the parameters fixed in ``params``; ``{}`` = no tuning):
+grid (``DetectorChoice.grid``: ``{parameter: [values]}``, every combination, the parameters the fit uses varying
+slowest; None = the detector's ``default_grid`` less the parameters fixed in ``params``; ``{}`` = no tuning):
 
 - the validation splits are extracted once, like every split (their feature stores are reused by later runs);
-- per grid point the detector is fitted on the ID fit split's store (a detector with no fit, such as energy,
-  only rescores) and scores the two validation stores (model-based detectors, such as odin, rerun the model on
-  the validation images);
+- per grid point the detector is fitted on the ID fit split's store and scores the two validation stores
+  (model-based detectors, such as odin, rerun the model on the validation images); a point that changes only
+  parameters the fit does not use (every parameter of a detector with no fit, such as energy; knn's ``k``,
+  ash's and scale's percentile: the detector's ``score_params``) rescores the fitted detector instead;
 - AUROC (OOD positive, :func:`oodviz.metrics.ood_metrics`) on ``id_val`` vs ``ood_val`` ranks the points;
   the first of the best is chosen (ties go to the earlier grid point).
 
 ``tune_detectors`` is the pipeline's stage (``tune <name>``, one per detector with a grid); what it tried and
 chose lands in ``detectors.json`` under each detector's ``"tuning"``: ``grid``, ``results`` (``params`` and
-``auroc``, or ``error``, per point), ``chosen`` and its ``auroc``, and the ``validation`` sets. The fit stage
-then fits the chosen parameters. :func:`validation_warnings` says when a validation set is also a test set
-(the worker warns, the app shows it). :func:`tuning_problems` checks a config's grids before any work.
+``auroc``, or ``error``, per point), ``fits`` (how many fits it took), ``chosen`` and its ``auroc``, and the
+``validation`` sets. The fit stage then fits the chosen parameters. :func:`validation_warnings` says when a
+validation set is also a test set (the worker warns, the app shows it). :func:`tuning_problems` checks a config's
+grids before any work.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def tunes(config: RunConfig) -> bool:
 
 
 def validation_splits(config: RunConfig) -> list[tuple]:
-    """``(split, dataset choice, loaded as OOD)`` of the validation splits ``config`` extracts (none unless it tunes)."""
+    """``(split, dataset choice, loaded as OOD)`` of the validation splits of ``config`` (none unless it tunes)."""
     return [(split, getattr(config, key), as_ood) for split, key, as_ood in VALIDATION_SPLITS] if tunes(config) else []
 
 
@@ -137,13 +139,15 @@ def _grid_problems(choice: DetectorChoice, where: str, tuning: bool) -> list[str
     for key, values in grid.items():
         if key not in tunable:
             found.append(
-                f"{where}: grid names {key!r}, which is not a parameter to tune; its parameters: {', '.join(tunable) or 'none'}"
+                f"{where}: grid names {key!r}, which is not a parameter to tune; "
+                f"its parameters: {', '.join(tunable) or 'none'}"
             )
         elif key in choice.params:
             found.append(f"{where}: {key} is set in params and in grid; remove it from one of them")
         elif not isinstance(values, (list, tuple)) or not values:
             found.append(
-                f"{where}: grid.{key} must be a non-empty list of values, e.g. [{shown(getattr(cls(), key))}], got {shown(values)}"
+                f"{where}: grid.{key} must be a non-empty list of values, "
+                f"e.g. [{shown(getattr(cls(), key))}], got {shown(values)}"
             )
         elif len({shown(v) for v in values}) < len(values):
             found.append(f"{where}: grid.{key} lists a value twice; list each value once")
@@ -192,17 +196,32 @@ def tune_detectors(job: Job) -> None:
 
 
 def tune_detector(job: Job, choice: DetectorChoice, grid: dict[str, list], stage) -> dict:
-    """Fit and score every point of ``grid`` (on top of ``choice.params``); the ``detectors.json`` record."""
+    """Fit and score every point of ``grid`` (on top of ``choice.params``); the ``detectors.json`` record.
+
+    Parameters that only change the score (all of them for a detector with no fit; else the detector's
+    ``score_params``) vary fastest, and a point that differs from the previous one only in those rescores the
+    fitted detector (:meth:`~oodviz.detectors.Detector.set_params`) instead of fitting again; ``fits`` counts
+    the fits."""
+    from oodviz.detectors import detector_class
     from oodviz.engine import Cancelled
     from oodviz.metrics import ood_metrics
     from oodviz.runs.config import DetectorChoice
     from oodviz.runs.pipeline import fitted_detector
 
+    cls = detector_class(choice.name)
+    rescored = set(grid) if not cls.needs_fit else set(cls.score_params)
+    grid = {key: grid[key] for key in sorted(grid, key=lambda key: key in rescored)}  # stable: refit keys first
+    results, detector, fitted_for, fits = [], None, None, 0
     points = grid_points(grid)
-    results = []
     for done, point in enumerate(points, start=1):
+        refit = {key: value for key, value in point.items() if key not in rescored}
         try:
-            detector = fitted_detector(job, DetectorChoice(choice.name, {**choice.params, **point}), stage)
+            if detector is None or refit != fitted_for:
+                detector = None  # a failed fit leaves nothing to rescore
+                detector = fitted_detector(job, DetectorChoice(choice.name, {**choice.params, **point}), stage)
+                fitted_for, fits = refit, fits + 1
+            else:
+                detector.set_params(**{key: point[key] for key in rescored})
             id_scores, ood_scores = (
                 validation_scores(job, detector, split, stage) for split, _, _ in VALIDATION_SPLITS
             )
@@ -217,6 +236,7 @@ def tune_detector(job: Job, choice: DetectorChoice, grid: dict[str, list], stage
         "grid": grid,
         "results": results,
         "metric": "auroc",
+        "fits": fits,
         "validation": {"id": config.id_val.name, "ood": config.ood_val.name},
     }
     scored = [row for row in results if "auroc" in row]
