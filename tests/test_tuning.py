@@ -309,3 +309,27 @@ def test_the_readme_detector_table_lists_every_detector_with_its_grid_and_paper(
             assert listed and listed.group(1).strip() == ", ".join(map(str, values)), (name, key, grid)
         if not cls.default_grid:
             assert grid == "—", (name, grid)
+
+
+def test_a_sharded_run_refuses_to_tune_before_any_work(tmp_path):
+    from oodviz.distributed import World
+    from oodviz.runs.sharded import run_rank
+
+    run = RunDir.create(tmp_path, tuning_config().to_dict())
+    with pytest.raises(ConfigError, match="a sharded run does not tune on validation data"):
+        run_rank(World(0, 2, 0))(tuning_config(), run, None)
+    assert not (run.path / "meta.json").exists()
+
+
+def test_validation_folders_are_confined_to_the_data_dirs_like_every_split(tmp_path):
+    from oodviz.ui.access import AccessPolicy, PathRefused
+
+    allowed = (tmp_path / "allowed").resolve()
+    (allowed / "val").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    policy = AccessPolicy(serve_others=True, token="t" * 32, data_dirs=(allowed,))
+    inside = tuning_config(id_val=DatasetChoice("folder", {"path": "val"}))
+    assert policy.confine_config(inside).id_val.params["path"] == str(allowed / "val")
+    outside = tuning_config(ood_val=DatasetChoice("folder", {"path": str(tmp_path / "outside")}))
+    with pytest.raises(PathRefused, match="OOD validation folder"):
+        policy.confine_config(outside)
