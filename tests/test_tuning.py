@@ -27,6 +27,7 @@ from oodviz.runs.worker import execute
 REPO = Path(__file__).resolve().parent.parent
 REACT_GRID = [50.0, 90.0, 99.0]
 KNN_GRID = [1, 5, 20]
+ODIN_GRID = [1.0, 1000.0]
 
 
 def tuning_config(**changes) -> RunConfig:
@@ -41,6 +42,7 @@ def tuning_config(**changes) -> RunConfig:
             DetectorChoice("react", grid={"percentile": REACT_GRID}),
             DetectorChoice("knn", grid={"k": KNN_GRID}),
             DetectorChoice("msp"),  # nothing to tune
+            DetectorChoice("odin", grid={"temperature": ODIN_GRID}),  # model-based: reruns the model on the images
         ],
         batch_size=128,
         device="cpu",
@@ -71,7 +73,7 @@ def sklearn_auroc(id_scores, ood_scores) -> float:
 def test_the_run_tunes_every_gridded_detector_and_fits_the_choice(tuned_run):
     log = json.loads((tuned_run.path / "detectors.json").read_text())
     assert "tuning" not in log["msp"]  # no parameter: nothing tried
-    for name in ("energy", "react", "knn"):
+    for name in ("energy", "react", "knn", "odin"):
         tuning = log[name]["tuning"]
         assert tuning["validation"] == {"id": "digits-train", "ood": "digits-rotated"}
         assert {k: log[name]["params"][k] for k in tuning["chosen"]} == tuning["chosen"]  # fitted with the choice
@@ -80,7 +82,7 @@ def test_the_run_tunes_every_gridded_detector_and_fits_the_choice(tuned_run):
     }
     stages = [e["stage"] for e in tuned_run.read_events() if e.get("event") == "start"]
     assert stages == planned_stages(tuning_config())
-    assert {"tune energy", "tune react", "tune knn", "extract id_val", "extract ood_val"} <= set(stages)
+    assert {"tune energy", "tune react", "tune knn", "tune odin", "extract id_val", "extract ood_val"} <= set(stages)
     scores = pd.read_parquet(tuned_run.path / "scores.parquet")
     assert set(scores.dataset) == {
         "digits-test",
@@ -127,6 +129,33 @@ def test_fitted_parameters_maximise_validation_auroc(tuned_run, name, key, grid,
     assert [row["params"] for row in tuning["results"]] == [{key: v} for v in grid]
     assert tuning["chosen"] == {key: grid[int(np.argmax(ours))]}
     assert tuning["fits"] == (1 if name == "knn" else len(grid))  # knn's k only changes the score: one fit
+
+
+def test_odin_temperature_maximises_validation_auroc_on_the_images(tuned_run):
+    """odin reruns the model: here on the validation images through the public API, AUROC by sklearn."""
+    import torch
+
+    from oodviz import Batch
+    from oodviz.data import load_dataset
+    from oodviz.models import load_backbone
+
+    backbone = load_backbone("digits-cnn")
+    config = tuning_config()
+
+    def inputs(choice, as_ood):
+        dataset = load_dataset(
+            choice.name, subsample=choice.subsample, subsample_mode=choice.subsample_mode, as_ood=as_ood
+        )
+        return Batch(inputs=torch.stack([backbone.transform(dataset[i][0]) for i in range(len(dataset))]))
+
+    val_id, val_ood = inputs(config.id_val, False), inputs(config.ood_val, True)
+    ours = []
+    for temperature in ODIN_GRID:
+        odin = create("odin", model=backbone, temperature=temperature)
+        ours.append(sklearn_auroc(odin.score(val_id).numpy(), odin.score(val_ood).numpy()))
+    tuning = json.loads((tuned_run.path / "detectors.json").read_text())["odin"]["tuning"]
+    np.testing.assert_allclose([row["auroc"] for row in tuning["results"]], ours, atol=1e-6)
+    assert tuning["chosen"] == {"temperature": ODIN_GRID[int(np.argmax(ours))]} and tuning["fits"] == 1
 
 
 def test_set_params_rescores_a_fitted_detector_as_a_new_fit(problem, tmp_path):
@@ -189,7 +218,7 @@ def test_the_app_shows_the_choice_and_warns_when_validation_ood_is_a_test_set(tu
         if "validation AUROC" in d.value.columns and "chosen" in d.value.columns and "detector" in d.value.columns
     ]
     shown = table.set_index("detector")
-    assert list(shown.index) == ["energy", "react", "knn"]
+    assert list(shown.index) == ["energy", "react", "knn", "odin"]
     for name in shown.index:
         key, value = next(iter(log[name]["tuning"]["chosen"].items()))
         assert shown.loc[name, "chosen"] == f"{key}={value}"

@@ -1,8 +1,10 @@
 """RunConfig: everything that defines a run, as plain data that round-trips through JSON or TOML.
 
 ``RunConfig()`` is the bundled offline default: ``digits-cnn`` on scikit-learn's digits against
-every bundled OOD set, with every detector but ``mcd`` (it needs dropout layers, which most
-classifiers lack). ``validate()`` lists every problem at once, before any work starts.
+every bundled OOD set, with the default detectors of its backbone's family (:func:`default_detectors`: for a CNN
+every detector with ``in_defaults``, so not ``mcd``, which needs dropout layers most classifiers lack).
+``id_val`` and ``ood_val`` with ``DetectorChoice.grid`` make a run tune its detectors on validation data
+(:mod:`oodviz.runs.tuning`). ``validate()`` lists every problem at once, before any work starts.
 
 ``preset(name)`` returns a named ready-made config (:data:`PRESETS`): ``"digits"`` (= ``RunConfig()``)
 and ``"fashion-mnist"`` (``fashion-cnn`` on the real Fashion-MNIST, :func:`fashion_mnist_config`).
