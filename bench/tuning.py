@@ -35,7 +35,8 @@ def data(n: int, dim: int, n_val: int, seed: int = 0):
     centres = 2.0 * torch.randn(10, dim, generator=g)
     fit = centres[torch.arange(n) % 10] + torch.randn(n, dim, generator=g)
     val_id = centres[torch.arange(n_val) % 10] + torch.randn(n_val, dim, generator=g)
-    val_ood = 1.5 * torch.randn(n_val, dim, generator=g)
+    between = 0.5 * (centres[torch.arange(n_val) % 10] + centres[(torch.arange(n_val) + 1) % 10])
+    val_ood = between + torch.randn(n_val, dim, generator=g)  # between two classes: near OOD, AUROC below 1
     return batches(torch.relu(fit)), batches(torch.relu(val_id)), batches(torch.relu(val_ood))
 
 
