@@ -362,3 +362,27 @@ def test_validation_folders_are_confined_to_the_data_dirs_like_every_split(tmp_p
     outside = tuning_config(ood_val=DatasetChoice("folder", {"path": str(tmp_path / "outside")}))
     with pytest.raises(PathRefused, match="OOD validation folder"):
         policy.confine_config(outside)
+
+
+def test_the_tuning_tables_read_a_damaged_detectors_json_without_failing():
+    from oodviz.ui.tuning import grid_table, tuning_table
+
+    table = tuning_table({"knn": {"tuning": {"validation": "x", "results": 3}}, "msp": "garbage", "energy": {}})
+    assert table.to_dict("records") == [
+        {
+            "detector": "knn",
+            "chosen": "none (every point failed)",
+            "validation AUROC": None,
+            "points tried": 0,
+            "validation sets": "? vs ?",
+        }
+    ]
+    record = {
+        "chosen": {"k": 5},
+        "results": [{"params": {"k": 1}, "auroc": 0.5}, {"params": {"k": 5}, "auroc": 0.9}, 7],
+    }
+    assert grid_table(record).to_dict("records") == [
+        {"k": 1, "validation AUROC": 0.5, "error": "", "chosen": False},
+        {"k": 5, "validation AUROC": 0.9, "error": "", "chosen": True},
+    ]
+    assert tuning_table(None).empty

@@ -13,20 +13,20 @@ from oodviz.runs.validation import ConfigError
 
 def tuning_table(detectors: dict) -> pd.DataFrame:
     """One row per tuned detector of ``detectors.json``: the parameters chosen, their validation AUROC, the grid
-    size and the validation sets (empty when nothing was tuned)."""
+    size and the validation sets (empty when nothing was tuned; parts a damaged file lacks are left blank)."""
     rows = []
-    for name, entry in (detectors or {}).items():
+    for name, entry in (detectors if isinstance(detectors, dict) else {}).items():
         tuning = entry.get("tuning") if isinstance(entry, dict) else None
         if not isinstance(tuning, dict):
             continue
-        chosen = tuning.get("chosen")
+        chosen, validation = _table(tuning.get("chosen")), _table(tuning.get("validation"))
         rows.append(
             {
                 "detector": name,
                 "chosen": ", ".join(f"{k}={v}" for k, v in chosen.items()) if chosen else "none (every point failed)",
                 "validation AUROC": tuning.get("auroc"),
-                "points tried": len(tuning.get("results", [])),
-                "validation sets": f"{tuning['validation']['id']} vs {tuning['validation']['ood']}",
+                "points tried": len(_points(tuning)),
+                "validation sets": f"{validation.get('id', '?')} vs {validation.get('ood', '?')}",
             }
         )
     return pd.DataFrame(rows)
@@ -37,14 +37,23 @@ def grid_table(tuning: dict) -> pd.DataFrame:
     return pd.DataFrame(
         [
             {
-                **row["params"],
+                **_table(row.get("params")),
                 "validation AUROC": row.get("auroc"),
                 "error": row.get("error", ""),
-                "chosen": row["params"] == tuning.get("chosen"),
+                "chosen": row.get("params") == tuning.get("chosen"),
             }
-            for row in tuning.get("results", [])
+            for row in _points(tuning)
         ]
     )
+
+
+def _table(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _points(tuning: dict) -> list[dict]:
+    results = tuning.get("results")
+    return [row for row in results if isinstance(row, dict)] if isinstance(results, list) else []
 
 
 def config_warnings(config: dict) -> list[str]:
