@@ -15,9 +15,9 @@ from streamlit.testing.v1 import AppTest
 from oodviz.engine.store import FeatureStore
 from oodviz.layers import COMBINED, layer_column, layer_ranking, split_column
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
-from oodviz.runs.pipeline import feature_store_root
 from oodviz.runs.plan import planned_stages
 from oodviz.runs.rundir import RunDir
+from oodviz.runs.splits import feature_store_root
 from oodviz.runs.worker import execute
 from oodviz.ui.layers import HOW_TO
 

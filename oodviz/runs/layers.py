@@ -111,7 +111,7 @@ def extract_layers_split(job, split: str, choice, stage):
     """The stores of ``split`` at every layer, extracted in one pass or reused (``job.layer_stores[split]``);
     returns the first layer's, the split's main store. ValueError when the layers' stores disagree on the rows."""
     from oodviz.engine.layers import extract_layers_or_reuse
-    from oodviz.runs.pipeline import feature_store_root, store_key_params
+    from oodviz.runs.splits import feature_store_root, store_key_params
 
     stores = extract_layers_or_reuse(
         layer_views(job),

@@ -32,8 +32,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -56,6 +55,8 @@ from oodviz.runs.layers import combine_layers, detector_columns, extract_layers_
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
 from oodviz.runs.reporter import Reporter, Stage
 from oodviz.runs.rundir import RunDir, write_json
+from oodviz.runs.splits import feature_store_root, load_split, run_splits, split_group, store_key_params
+from oodviz.runs.tuning import tune_detectors, tuned_choice
 
 SCORE_BATCH = 4096
 
@@ -85,48 +86,6 @@ class Watched:
             self.stage.progress(done, self.batches.n, {})
 
 
-def feature_store_root(run: RunDir) -> Path:
-    """Stores are shared by every run under the same runs root, so a repeated split is extracted once."""
-    from oodviz.engine import STORES_DIRNAME
-
-    return run.path.parent / STORES_DIRNAME
-
-
-def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool, model_classes: list[str] | None = None):
-    """The dataset of one split; ``model_classes`` (the backbone's class names) lets an image folder with
-    ``class_map = "model"`` label its subfolders by the model's class indices."""
-    from oodviz.data import load_dataset
-
-    return load_dataset(
-        choice.name,
-        root=config.data_root,
-        download=config.download,
-        subsample=choice.subsample,
-        subsample_mode=choice.subsample_mode,
-        seed=config.seed,
-        as_ood=as_ood,
-        model_classes=model_classes,
-        **choice.params,
-    )
-
-
-def run_splits(config: RunConfig) -> list[tuple[str, DatasetChoice, bool]]:
-    """``(split, dataset choice, loaded as OOD)`` of every split ``config`` extracts: id_fit, id_test, ood:NAME."""
-    ood = [(f"ood:{choice.name}", choice, True) for choice in config.ood]
-    return [("id_fit", config.id_fit, False), ("id_test", config.id_test, False), *ood]
-
-
-def store_key_params(config: RunConfig, choice: DatasetChoice) -> dict:
-    """What, besides the backbone and the dataset object, determines a split's feature store."""
-    return {"dataset": asdict(choice), "data_root": str(Path(config.data_root).resolve()), "seed": config.seed}
-
-
-def _group(choice: DatasetChoice) -> str:
-    from oodviz.data import dataset_info
-
-    return choice.group or dataset_info(choice.name).group or "far"
-
-
 def _logged_params(det, choice: DetectorChoice) -> dict:
     """The parameters in force, less the model and the scratch bank directory the run chose itself."""
     return {k: v for k, v in det.get_params().items() if k != "model" and (k != "bank_dir" or k in choice.params)}
@@ -151,7 +110,8 @@ class Job:
     ``layer_stores``: split -> layer -> store in a run over several layers (:mod:`oodviz.runs.layers`);
     ``fitted``: the detectors still in the run, in config order, by result column; ``detector_log``: what becomes
     ``detectors.json``; ``frames``: the scores table of each scored split; ``scores``: all of them
-    (``scores.parquet``); ``meta``: what becomes ``meta.json``.
+    (``scores.parquet``); ``meta``: what becomes ``meta.json``; ``tuning``: per tuned detector, what tuning
+    on validation data tried and chose (:mod:`oodviz.runs.tuning`).
     """
 
     config: RunConfig
@@ -167,6 +127,7 @@ class Job:
     detector_log: dict = field(default_factory=dict)
     frames: list = field(default_factory=list)
     scores: pd.DataFrame | None = None
+    tuning: dict = field(default_factory=dict)
 
     @property
     def splits(self) -> list[tuple[str, DatasetChoice, bool]]:
@@ -319,7 +280,7 @@ def extract_splits(job: Job, open_split=None) -> None:
     job.meta["splits"] = {
         split: {
             "dataset": choice.name,
-            "group": _group(choice) if as_ood else None,
+            "group": split_group(choice) if as_ood else None,
             "n": job.stores[split].n,
             "store": job.stores[split].key,
             "reused": job.stores[split].reused,
@@ -332,8 +293,10 @@ def extract_splits(job: Job, open_split=None) -> None:
 
 def fit_detectors(job: Job) -> None:
     """One stage per detector (per detector and layer, :func:`oodviz.runs.layers.detector_columns`): fit it
-    on the ID fit split (model-based ones only check the model)."""
+    on the ID fit split (model-based ones only check the model), with the parameters tuning chose when it
+    was tuned (tuning reads the run's main layer; its choice holds for every layer)."""
     for column, choice, layer in detector_columns(job.config):
+        choice = tuned_choice(job, choice)
         with job.reporter.stage(f"fit {column}") as stage, job.detector_may_fail(column, "fit", stage):
             started = time.perf_counter()
             job.fitted[column] = detector = fitted_detector(job, choice, stage, layer)
@@ -341,6 +304,8 @@ def fit_detectors(job: Job) -> None:
                 "params": _logged_params(detector, choice),
                 "fit_s": time.perf_counter() - started,
             }
+            if choice.name in job.tuning:
+                job.detector_log[choice.name]["tuning"] = job.tuning[choice.name]
     require_a_detector(job)
 
 
@@ -460,7 +425,7 @@ def write_scores(job: Job) -> None:
 def write_metrics(job: Job) -> None:
     """``metrics.csv`` and ``per_class.csv`` from the scores (:mod:`oodviz.results`)."""
     with job.reporter.stage("metrics"):
-        groups = {choice.name: _group(choice) for choice in job.config.ood}
+        groups = {choice.name: split_group(choice) for choice in job.config.ood}
         backbone = job.backbone
         class_names = backbone.classes or [str(k) for k in range(backbone.num_classes)]
         write_table(job.run.path / "metrics.csv", metrics_table(job.scores, groups))
@@ -476,6 +441,7 @@ STAGES = (
     load_model,
     load_data,
     extract_splits,
+    tune_detectors,
     fit_detectors,
     score_splits,
     combine_layers,

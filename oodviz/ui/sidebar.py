@@ -7,6 +7,7 @@ import streamlit as st
 from oodviz.detectors import available, create
 from oodviz.engine import PRECISIONS
 from oodviz.models import POOLINGS, available_backbones, format_bytes
+from oodviz.runs.defaults import defaults_reason
 from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
 from oodviz.ui.explore import teaching_panel
@@ -112,6 +113,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             help="Higher score = more OOD for every detector. See 'What each detector does' below the form.",
         )
         slots["detectors"] = st.empty()
+        st.caption(f"{defaults_reason(backbone)} A run config without `detectors` gets this list.")
         with st.expander("Detector parameters"):
             detector_params = _detector_params(defaults)
 
