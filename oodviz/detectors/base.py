@@ -263,9 +263,8 @@ class Detector:
 
     def _accumulate(self, data: FitData, state: FitState) -> None:
         for batch in data:  # the head on the fit device, once it is known; the widths met so far
-            state.head, state.device, state.n_features, state.n_classes = (
-                data.head, data.device, data.n_features, data.n_classes
-            )
+            state.head, state.device = data.head, data.device
+            state.n_features, state.n_classes = data.n_features, data.n_classes
             self._update_state(state, batch)
             state.rows += len(batch)
 
