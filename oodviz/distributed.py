@@ -209,13 +209,26 @@ def fit_across_ranks(detector, batches, world: World, head=None, device=None):
     are sums (float64, Chan-style shifted sums for scatters), so this equals a fit of one process on all the rows
     in rank order up to float64 rounding, and every rank holds the same fitted detector. Gathering the states
     rather than an ``all_reduce`` keeps the shifted sums exact (a shifted scatter is not a plain sum) and costs
-    ``W`` states per rank, one ``D x D`` each at most. One process: an ordinary fit of ``batches``."""
+    ``W`` states per rank, one ``D x D`` each at most. One process: an ordinary fit of ``batches``.
+
+    A rank whose ``update`` raises still takes part in the gather (with its error), so no rank waits for it in
+    a collective: that rank raises its own error, every other rank a ValueError naming it."""
     from oodviz.detectors.protocol import load_merged, on_device
 
     target = torch.device("cpu") if device is None else torch.device(device)
     while True:
-        detector.update(batches, head=head, device=device)
-        states = all_gather(on_device(detector.state_dict(), "cpu"), world)
+        error = None
+        try:
+            detector.update(batches, head=head, device=device)
+            mine = on_device(detector.state_dict(), "cpu")
+        except Exception as raised:  # told to the other ranks, then raised here
+            error, mine = raised, f"rank {world.rank}: {type(raised).__name__}: {raised}"
+        states = all_gather(mine, world)
+        if error is not None:
+            raise error
+        failed = [state for state in states if isinstance(state, str)]
+        if failed:
+            raise ValueError(f"{detector.name}: the fit failed on another rank: {'; '.join(failed)}")
         load_merged(detector, [on_device(state, target) for state in states]).finalize()
         if not detector.fit_in_progress:
             return detector

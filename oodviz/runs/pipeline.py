@@ -316,12 +316,13 @@ def extract_splits(job: Job, open_split=extract_or_reuse_split) -> None:
     }
 
 
-def fit_detectors(job: Job) -> None:
-    """One stage per detector: fit it on the ID fit split (model-based ones only check the model)."""
+def fit_detectors(job: Job, fit_features=None) -> None:
+    """One stage per detector: fit it on the ID fit split (model-based ones only check the model).
+    ``fit_features(job, detector, stage)`` fits a feature-based one (default :func:`fit_on_store`)."""
     for choice in job.config.detectors:
         with job.reporter.stage(f"fit {choice.name}") as stage, job.detector_may_fail(choice.name, "fit", stage):
             started = time.perf_counter()
-            job.fitted[choice.name] = detector = fitted_detector(job, choice, stage)
+            job.fitted[choice.name] = detector = fitted_detector(job, choice, stage, fit_features or fit_on_store)
             job.detector_log[choice.name] = {
                 "params": _logged_params(detector, choice),
                 "fit_s": time.perf_counter() - started,
@@ -329,7 +330,7 @@ def fit_detectors(job: Job) -> None:
     require_a_detector(job)
 
 
-def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
+def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage, fit_features):
     from oodviz.detectors import create, detector_class
 
     if detector_class(choice.name).needs_model:
@@ -340,10 +341,15 @@ def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
             detector.fit(None)  # nothing to learn: checks that the method works with this model
         return detector
     detector = create(choice.name, **_with_scratch(choice, job.run))
-    fields = detector.fields_to_read(fitting=True)  # only what the detector uses is read from the store
+    fit_features(job, detector, stage)
+    return detector
+
+
+def fit_on_store(job: Job, detector, stage: Stage) -> None:
+    """Fit ``detector`` on the whole ID fit store, reading only the fields it uses."""
+    fields = detector.fields_to_read(fitting=True)
     batches = Watched(job.stores["id_fit"].batches(SCORE_BATCH, device=job.device, include=fields), stage)
     detector.fit(batches, head=job.backbone.head, device=job.device)
-    return detector
 
 
 def score_splits(job: Job) -> None:
