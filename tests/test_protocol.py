@@ -49,7 +49,9 @@ def fit_on_shards(name, shards, head):
 
 def fitted_float64(detector) -> dict:
     return {
-        k: v for k, v in vars(detector).items() if k.endswith("_") and isinstance(v, torch.Tensor) and v.is_floating_point()
+        k: v
+        for k, v in vars(detector).items()
+        if k.endswith("_") and isinstance(v, torch.Tensor) and v.is_floating_point()
     }
 
 
