@@ -14,7 +14,7 @@ MERGEABLE = [name for name in available() if detector_class(name).mergeable]
 
 
 def test_the_statistics_detectors_are_mergeable():
-    assert set(MERGEABLE) == {"mahalanobis", "rmd", "klm", "she", "gmm", "vim"}
+    assert set(MERGEABLE) == {"mahalanobis", "rmd", "klm", "she", "gmm", "vim", "dice", "fdbd", "nci"}
 
 
 def fit_data(n=900, d=24, c=5, offset=1e3, seed=0):
