@@ -43,7 +43,9 @@ def stores_by_key(root: Path) -> dict:
 
 
 def assert_same_scores(reference: Path, other: Path) -> None:
-    """Same rows in the same order; every detector's scores within 1e-5 relative (float32 scores)."""
+    """Same rows in the same order; every detector's scores within 1e-5 relative (float32 scores), or 1e-6 of the
+    largest score in absolute value: a fit split over ranks agrees in float64 to ~1e-15, but its float32
+    whitening may round one ulp apart, and rmd's score, a difference of two float32 distances, cancels."""
     a, b = pd.read_parquet(reference / "scores.parquet"), pd.read_parquet(other / "scores.parquet")
     assert list(a.columns) == list(b.columns)
     for column in ("split", "dataset", "index", "label", "prediction"):
@@ -51,7 +53,9 @@ def assert_same_scores(reference: Path, other: Path) -> None:
     detectors = [c for c in a.columns if a[c].dtype.kind == "f"]
     assert len(detectors) >= 19
     for name in detectors:
-        np.testing.assert_allclose(b[name].to_numpy(), a[name].to_numpy(), rtol=1e-5, atol=1e-7, err_msg=name)
+        expected = a[name].to_numpy()
+        atol = 1e-6 * np.abs(expected).max()
+        np.testing.assert_allclose(b[name].to_numpy(), expected, rtol=1e-5, atol=atol, err_msg=name)
 
 
 def rank_events(run: RunDir, rank: int) -> list[dict]:
@@ -263,8 +267,8 @@ shard = [Batch(features=x[r], logits=logits[r], labels=y[r]) for r in rows]
 for name in [n for n in available() if detector_class(n).mergeable]:
     detector = fit_across_ranks(create(name), shard, world, head=head, device="cpu")
     for key, value in vars(detector).items():
-        if key.endswith("_") and isinstance(value, torch.Tensor) and value.is_floating_point():
-            fitted[f"{name}.{key}"] = value.numpy()
+        if key.endswith("_") and (isinstance(value, float) or isinstance(value, torch.Tensor) and value.is_floating_point()):
+            fitted[f"{name}.{key}"] = np.asarray(value)
     fitted[f"{name}.scores"] = detector.score(Batch(features=x, logits=logits)).numpy()
 leave_world()
 np.savez(sys.argv[2], counts=moments.counts.numpy(), means=moments.means.numpy(), within=moments.within.numpy(),
@@ -319,15 +323,16 @@ def test_statistics_and_detector_fits_split_across_ranks_give_the_single_process
     ]  # fmt: skip
     head = (torch.from_numpy(weight), torch.from_numpy(bias))
     names = sorted({key.split(".")[0] for key in merged.files if "." in key})
-    assert names == ["dice", "fdbd", "gmm", "klm", "mahalanobis", "nci", "rmd", "she", "vim"]
+    assert names == ["dice", "fdbd", "gmm", "klm", "mahalanobis", "nci", "react", "rmd", "she", "tempscale", "vim"]
     for name in names:
         single = create(name).fit(batches, head=head)
         keys = [key for key in merged.files if key.startswith(f"{name}.") and key != f"{name}.scores"]
         assert keys
         for key in keys:
             np.testing.assert_array_equal(results[0][key], results[1][key], err_msg=key)  # the same on every rank
-            value = getattr(single, key.split(".", 1)[1]).numpy()
-            tolerance = 1e-9 if value.dtype == np.float64 else 1e-5  # float64 statistics; float32 whitenings
+            value = np.asarray(getattr(single, key.split(".", 1)[1]))
+            # float64 statistics (and numbers); float32 whitenings; vim's scale sums float32 projections
+            tolerance = 1e-6 if key == "vim.alpha_" else 1e-9 if value.dtype == np.float64 else 1e-5
             np.testing.assert_allclose(merged[key], value, rtol=0, atol=tolerance * np.abs(value).max(), err_msg=key)
         scores = single.score(Batch(features=torch.from_numpy(x), logits=torch.from_numpy(logits))).numpy()
         np.testing.assert_allclose(merged[f"{name}.scores"], scores, rtol=1e-5, atol=1e-5 * np.abs(scores).max())
