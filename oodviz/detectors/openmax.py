@@ -28,6 +28,10 @@ Also as pytorch-ood (the paper uses correctly classified samples only), the mean
 those of all training samples of each class. pytorch-ood rounds the translated tail to float32 (a
 step of ~0.001 at 10000); oodviz keeps it in float64, so the Weibull shapes differ by ~0.1% and the
 scores by a little (the tests hold the ranking and AUROC to the usual bounds).
+
+Not mergeable yet (the state protocol, :mod:`oodviz.detectors.protocol`): its class means merge, and its
+tails would as a top-``tailsize`` of the union, but that is not wired; in a run split over ranks every rank
+fits it on the whole store.
 """
 
 import math
