@@ -77,7 +77,7 @@ def assert_same_fit(whole, merged, batches):
             continue
         tolerance = 1e-9 if value.dtype == torch.float64 else 1e-5  # float32: whitenings, templates
         scale = float(value.abs().max()) or 1.0
-        np.testing.assert_allclose(other[key].numpy(), value.numpy(), rtol=0, atol=tolerance * scale, err_msg=key)
+        np.testing.assert_allclose(other[key].cpu().numpy(), value.numpy(), rtol=0, atol=tolerance * scale, err_msg=key)
     expected = whole.score(batches).numpy()
     np.testing.assert_allclose(merged.score(batches).numpy(), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
 
@@ -146,3 +146,13 @@ def test_a_detector_without_the_protocol_says_to_fit_on_all_the_data():
     batches, _ = fit_data(seed=5)
     with pytest.raises(ValueError, match="knn has no mergeable fit state .update.; fit it with fit"):
         create("knn").update(batches)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", MERGEABLE)
+def test_shards_merged_on_a_gpu_give_the_cpu_fit(name):
+    batches, head = fit_data(seed=6)
+    whole = create(name).fit(batches, head=head)
+    on_gpu = [[b.to("cuda") for b in batches[:6]], [b.to("cuda") for b in batches[6:]]]
+    merged, _ = fit_on_shards(name, on_gpu, tuple(t.cuda() for t in head))
+    assert_same_fit(whole, merged, batches)
