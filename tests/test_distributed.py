@@ -323,7 +323,20 @@ def test_statistics_and_detector_fits_split_across_ranks_give_the_single_process
     ]  # fmt: skip
     head = (torch.from_numpy(weight), torch.from_numpy(bias))
     names = sorted({key.split(".")[0] for key in merged.files if "." in key})
-    assert names == ["dice", "fdbd", "gmm", "klm", "mahalanobis", "nci", "react", "rmd", "she", "tempscale", "vim"]
+    assert names == [
+        "dice",
+        "fdbd",
+        "gmm",
+        "klm",
+        "mahalanobis",
+        "nci",
+        "openmax",
+        "react",
+        "rmd",
+        "she",
+        "tempscale",
+        "vim",
+    ]
     for name in names:
         single = create(name).fit(batches, head=head)
         keys = [key for key in merged.files if key.startswith(f"{name}.") and key != f"{name}.scores"]

@@ -26,6 +26,7 @@ def test_the_statistics_detectors_are_mergeable():
         "nci",
         "react",
         "tempscale",
+        "openmax",
     }
 
 

@@ -15,11 +15,11 @@ Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.w
   order as a single-process extraction, so either reuses the other's store whatever the world size. A rank
   that dies leaves shards in scratch only; the split's store is written only once every shard is complete.
 - **Fit.** A mergeable detector (the state protocol, :mod:`oodviz.detectors.protocol`: mahalanobis, rmd, klm,
-  she, gmm, vim) is fitted split: each rank updates on its contiguous rows of ``id_fit``, the float64 states are
-  gathered and merged in rank order on every rank, and every rank finalizes the same state, pass after pass
-  (:func:`~oodviz.distributed.fit_across_ranks`). Every other detector is fitted by every rank on the whole
-  store (a read of the memory-mapped store; the same float64 stream on every rank, so every rank holds the
-  same state).
+  she, gmm, vim, react, dice, fdbd, nci, tempscale, openmax) is fitted split: each rank updates on its
+  contiguous rows of ``id_fit``, the float64 states are gathered and merged in rank order on every rank, and
+  every rank finalizes the same state, pass after pass (:func:`~oodviz.distributed.fit_across_ranks`). Every
+  other detector is fitted by every rank on the whole store (a read of the memory-mapped store; the same
+  float64 stream on every rank, so every rank holds the same state).
 - **Scoring.** Each rank scores its contiguous rows of each split with the feature-based detectors; rank 0
   gathers the scores in rank order and writes them. Model-based detectors (odin, mcd) run on rank 0 over the
   whole split (mcd's dropout masks follow the batch sequence, so a shard would change them).
