@@ -16,6 +16,11 @@ Every detector is made with keyword parameters (``create(name, **params)``), fit
 Subclasses set the class attributes describing what they need and implement ``_fit`` (reading
 :class:`FitData`, possibly several times) and ``_score`` (one validated batch on the device).
 Fitted state lives in attributes ending in ``_``.
+
+A subclass with ``mergeable = True`` implements the state protocol instead of ``_fit``
+(:mod:`oodviz.detectors.protocol`): ``_new_parts`` (the accumulators of a pass), ``_update_state`` (one
+batch) and ``_finish_pass`` (read the merged state); its users get ``update`` / ``merge`` / ``finalize`` /
+``state_dict`` / ``load_state_dict``, and ``fit`` is ``update`` + ``finalize`` once per pass.
 """
 
 from __future__ import annotations
