@@ -14,6 +14,9 @@ torch's elastic launcher sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTE
   concatenated in rank order are exactly the rows, in the order, a single process extracts.
 - :func:`gather_to_root` / :func:`broadcast_from_root`: Python objects (numpy arrays, dicts) to rank 0
   and from it, through ``torch.distributed``'s object collectives.
+- :func:`fit_across_ranks`: the fit of a mergeable detector (:mod:`oodviz.detectors.protocol`) split over the
+  ranks: each updates on its rows, the states are gathered and merged in rank order on every rank, and every
+  rank finalizes the same state (once per fit pass).
 - :func:`merge_across_ranks`: the exact merge of a streaming statistic that each rank updated on its own
   shard (:class:`~oodviz.detectors.stats.ClassMoments`, :class:`~oodviz.detectors.stats.ClassMeans`: float64
   shifted sums, Chan-style), the same on every rank: the building block of a fit split across processes.
@@ -195,3 +198,37 @@ def merge_across_ranks(state, world: World):
     for other in others:
         merged.merge(other)
     return merged
+
+
+def fit_across_ranks(detector, batches, world: World, head=None, device=None):
+    """Fit a mergeable ``detector`` (``detector.mergeable``) on the union of every rank's ``batches``; returns it.
+
+    Per fit pass: ``update`` on this rank's ``batches`` (a re-iterable: a two-pass detector reads it again),
+    ``state_dict()`` to the CPU, gathered from every rank (``all_gather_object``), loaded and merged in rank order
+    on every rank (:func:`~oodviz.detectors.protocol.load_merged`) on ``device``, then ``finalize()``. The states
+    are sums (float64, Chan-style shifted sums for scatters), so this equals a fit of one process on all the rows
+    in rank order up to float64 rounding, and every rank holds the same fitted detector. Gathering the states
+    rather than an ``all_reduce`` keeps the shifted sums exact (a shifted scatter is not a plain sum) and costs
+    ``W`` states per rank, one ``D x D`` each at most. One process: an ordinary fit of ``batches``.
+
+    A rank whose ``update`` raises still takes part in the gather (with its error), so no rank waits for it in
+    a collective: that rank raises its own error, every other rank a ValueError naming it."""
+    from oodviz.detectors.protocol import load_merged, on_device
+
+    target = torch.device("cpu") if device is None else torch.device(device)
+    while True:
+        error = None
+        try:
+            detector.update(batches, head=head, device=device)
+            mine = on_device(detector.state_dict(), "cpu")
+        except Exception as raised:  # told to the other ranks, then raised here
+            error, mine = raised, f"rank {world.rank}: {type(raised).__name__}: {raised}"
+        states = all_gather(mine, world)
+        if error is not None:
+            raise error
+        failed = [state for state in states if isinstance(state, str)]
+        if failed:
+            raise ValueError(f"{detector.name}: the fit failed on another rank: {'; '.join(failed)}")
+        load_merged(detector, [on_device(state, target) for state in states]).finalize()
+        if not detector.fit_in_progress:
+            return detector

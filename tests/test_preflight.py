@@ -161,8 +161,11 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
 
     submitted = []
 
-    def submit(config, root):  # the real run would extract every digit through ViT-B/16: record, refuse
+    def submit(
+        config, root, nproc_per_node=1
+    ):  # the real run would extract every digit through ViT-B/16: record, refuse
         submitted.append(config)
+        assert nproc_per_node == 1  # no GPUs here: one process
         raise QueueFull("test: recorded, not queued")
 
     monkeypatch.setattr(oodviz.ui.main, "submit", submit)

@@ -35,6 +35,9 @@ the empirical CDF (OpenOOD draws 5,000 of its ID validation set at random); wher
 positive activation) the factor is 1, not ``0 / 0``; ties are broken by index (``torch.topk`` leaves
 them unspecified); the energy is formed in float64. Memory: ``O(N)`` floats for the CDF
 (4 bytes a sample), a batch of inputs and its gradient. Shapes: ``inputs`` ``[B, ...]`` -> ``[B]``.
+
+Not mergeable (the state protocol, :mod:`oodviz.detectors.protocol`): it runs the model on the fit images;
+in a run split over ranks every rank fits it on all the ID fit images (the same answer, without the speed-up).
 """
 
 from __future__ import annotations

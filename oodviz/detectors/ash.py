@@ -43,6 +43,8 @@ Deviations from the paper's code and pytorch-ood:
 pytorch-ood (whose default is 0.65). ``fit(batches, head=...)`` only stores the head: it
 reads the first in-distribution batch to check its width against the head and to settle the
 device, nothing more.
+
+Its fit keeps the head only: nothing to split over ranks (every rank fits it on the whole store at no cost).
 """
 
 import numpy as np

@@ -16,6 +16,11 @@ Every detector is made with keyword parameters (``create(name, **params)``), fit
 Subclasses set the class attributes describing what they need and implement ``_fit`` (reading
 :class:`FitData`, possibly several times) and ``_score`` (one validated batch on the device).
 Fitted state lives in attributes ending in ``_``.
+
+A subclass with ``mergeable = True`` implements the state protocol instead of ``_fit``
+(:mod:`oodviz.detectors.protocol`): ``_new_parts`` (the accumulators of a pass), ``_update_state`` (one
+batch) and ``_finish_pass`` (read the merged state); its users get ``update`` / ``merge`` / ``finalize`` /
+``state_dict`` / ``load_state_dict``, and ``fit`` is ``update`` + ``finalize`` once per pass.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.fitdata import FitData, Shapes, all_finite, iter_batches, row_chunks
 from oodviz.detectors.modelmemory import activation_bytes, rows_that_fit
+from oodviz.detectors.protocol import FitState
 from oodviz.models.placement import model_on_device
 
 __all__ = ["Detector", "FitData", "ModelDetector", "NotFittedError", "all_finite", "check_all_classes_seen"]
@@ -100,6 +106,9 @@ class Detector:
     #: parameters that only change ``score``: a fitted detector takes new values with :meth:`set_params`, no refit
     #: (tuning fits once per value of the other parameters and rescores for these)
     score_params: ClassVar[tuple[str, ...]] = ()
+    #: implements the state protocol (:mod:`oodviz.detectors.protocol`): ``update`` / ``merge`` / ``finalize`` /
+    #: ``state_dict``, so its fit can be split over shards and processes; the others fit on all the data at once
+    mergeable: ClassVar[bool] = False
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
@@ -179,10 +188,126 @@ class Detector:
                 f"{self.name} needs the classifier's final linear layer: call fit(batches, head=(weight [C, D], bias [C]))."
             )
         data = FitData(batches, device, self, head)
-        self._fit(data)
+        if self.mergeable:  # update + finalize, once per pass, over the same validated stream
+            self._fit_state = self._new_state(head, device)
+            while self._fit_state is not None:
+                self._accumulate(data, self._fit_state)
+                self.finalize()
+        else:
+            self._fit(data)
         self.n_features_in_ = data.n_features
         self.n_classes_ = data.n_classes
         return self
+
+    # -- the state protocol (mergeable detectors) ------------------------------------------------
+    @torch.no_grad()
+    def update(self, batches, head=None, device=None):
+        """Add in-distribution batches (OOD rows, label -1, are ignored) to the fit pass under way; returns self.
+
+        ``batches``, ``head`` and ``device`` as in :meth:`fit`; ``head`` and ``device`` are read by the first
+        ``update`` of a fit (later ones use them). A pass may see no row here (an empty shard)."""
+        self._require_mergeable("update")
+        state = self._fit_state = getattr(self, "_fit_state", None) or self._new_state(head, device)
+        shapes = Shapes(self.name, state.n_features, state.n_classes)
+        self._accumulate(FitData(batches, state.device, self, state.head, shapes, require_rows=False), state)
+        return self
+
+    def merge(self, other):
+        """Add the fit state of ``other`` (a detector of the same kind and parameters at the same pass, or its
+        :meth:`state_dict`) to this one's: the result is that of one detector that saw the rows of both
+        (float64 sums, exact up to rounding). ``other`` keeps its statistics. Returns self."""
+        self._require_mergeable("merge")
+        if isinstance(other, dict):
+            theirs = self._loaded_state(other)
+        elif type(other) is type(self) and other.get_params() == self.get_params():
+            theirs = getattr(other, "_fit_state", None) or self._new_state(None, None)
+        else:
+            raise ValueError(f"{self.name}.merge needs a {type(self).__name__} with the same parameters, got {other!r}")
+        mine = getattr(self, "_fit_state", None) or self._new_state(None, None)
+        self._fit_state = mine.merge(theirs, self.name)
+        return self
+
+    @torch.no_grad()
+    def finalize(self):
+        """End the pass under way: a detector on its last pass is then fitted; one with more passes keeps what
+        this pass gave and expects the next pass's ``update``-s over the same rows. Returns self."""
+        self._require_mergeable("finalize")
+        state = getattr(self, "_fit_state", None)
+        if state is None or state.rows == 0:
+            raise ValueError(
+                f"{self.name}.finalize: the pass saw no in-distribution samples; call update(batches) first."
+            )
+        if self._finish_pass(state):
+            self.n_features_in_, self.n_classes_ = state.n_features, state.n_classes
+            self._fit_state = None
+        else:
+            self._fit_state = FitState(
+                state.pass_index + 1, 0, state.n_features, state.n_classes, state.head, state.device,
+                self._new_parts(state.pass_index + 1),
+            )  # fmt: skip
+        return self
+
+    @property
+    def fit_in_progress(self) -> bool:
+        """A fit has started (``update``, ``merge`` or a finalized pass that is not the last) and is not done."""
+        return getattr(self, "_fit_state", None) is not None
+
+    def state_dict(self) -> dict:
+        """The fit pass under way as tensors and numbers: ``pass_index``, ``rows``, ``n_features``,
+        ``n_classes``, ``head`` and each accumulator's state (``parts``); the results of earlier passes stay
+        on the detector (every process that finalized them holds the same)."""
+        self._require_mergeable("state_dict")
+        state = getattr(self, "_fit_state", None) or self._new_state(None, None)
+        return {"detector": self.name, "params": self.get_params(), **state.state_dict()}
+
+    def load_state_dict(self, state: dict):
+        """Continue the fit pass ``state`` (a :meth:`state_dict`) describes; returns self."""
+        self._require_mergeable("load_state_dict")
+        self._fit_state = self._loaded_state(state)
+        return self
+
+    def _loaded_state(self, state: dict) -> FitState:
+        if state.get("detector") != self.name or state.get("params") != self.get_params():
+            raise ValueError(
+                f"{self.name}: the state is of {state.get('detector')!r} with {state.get('params')}, "
+                f"not of this detector ({self.get_params()})"
+            )
+        return FitState.from_state_dict(state, self._new_parts(state["pass_index"]))
+
+    def _require_mergeable(self, method: str) -> None:
+        if not self.mergeable:
+            raise ValueError(
+                f"{self.name} has no mergeable fit state ({method}); fit it with fit(batches) on all the data."
+            )
+
+    def _new_state(self, head, device) -> FitState:
+        head = None if head is None else _check_head(head)
+        if head is None and self.needs_head:
+            raise ValueError(
+                f"{self.name} needs the classifier's final linear layer: pass head=(weight [C, D], bias [C])."
+            )
+        device = None if device is None else torch.device(device)
+        widths = (None, None) if head is None else (head[0].shape[1], head[0].shape[0])
+        return FitState(0, 0, *widths, head, device, self._new_parts(0))
+
+    def _accumulate(self, data: FitData, state: FitState) -> None:
+        for batch in data:  # the head on the fit device, once it is known; the widths met so far
+            state.head, state.device = data.head, data.device
+            state.n_features, state.n_classes = data.n_features, data.n_classes
+            self._update_state(state, batch)
+            state.rows += len(batch)
+
+    def _new_parts(self, pass_index: int) -> dict:
+        """The empty accumulators of pass ``pass_index`` (mergeable detectors)."""
+        raise NotImplementedError
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        """Add one validated in-distribution batch (on the fit device) to ``state.parts``."""
+        raise NotImplementedError
+
+    def _finish_pass(self, state: FitState) -> bool:
+        """Read the merged ``state`` of a pass: set what it gives; True once the detector is fitted."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def score(self, batches, device=None) -> Tensor:

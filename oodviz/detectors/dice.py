@@ -3,7 +3,8 @@
 Sun & Li, *DICE: Leveraging Sparsification for Out-of-Distribution Detection*, ECCV 2022,
 https://arxiv.org/abs/2111.09805
 
-Fit, one streaming pass: the mean in-distribution feature ``m = 1/N sum_i x_i`` ``[D]``
+Fit, one streaming pass (a float64 sum that merges across shards,
+:class:`~oodviz.detectors.dice.FeatureMeanFit`): the mean in-distribution feature ``m = 1/N sum_i x_i`` ``[D]``
 (float64). With the head ``(W [C, D], b [C])``, the contribution of each weight is
 
     V = m ⊙ W,   V_kd = m_d W_kd                                   [C, D]
@@ -29,25 +30,41 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.base import Detector
+from oodviz.detectors.protocol import FitState, Sums
 from oodviz.detectors.react import energy, linear_quantile
 from oodviz.detectors.stats import ACCUMULATE, Scratch, row_blocks
 from oodviz.detectors.teaching import Teaching
 
 
-def feature_mean(data: FitData) -> Tensor:
-    """The mean in-distribution feature ``[D]`` (float64), streamed in one pass."""
-    total, n, scratch = None, 0, Scratch()
-    for batch in data:
+class FeatureMeanFit(Detector):
+    """Base of the detectors whose fit is the mean in-distribution feature ``[D]`` (float64) and the head (dice,
+    fdbd, nci): one streaming pass of a float64 feature sum, which merges across shards by addition (the state
+    protocol, :mod:`oodviz.detectors.protocol`). Subclasses implement :meth:`_fit_mean`."""
+
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        return {"feature_sum": Sums()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = Scratch()
         x = batch.features
         for block in row_blocks(len(x), x.shape[1]):  # float64 copies a block of rows at a time
-            part = scratch.as_dtype("rows", x[block], ACCUMULATE).sum(dim=0)
-            total = part if total is None else total.add_(part)
-        n += len(x)
-    return total / n
+            state.parts["feature_sum"].add(self._scratch.as_dtype("rows", x[block], ACCUMULATE).sum(dim=0))
+
+    def _finish_pass(self, state: FitState) -> bool:
+        self._scratch = None
+        self._fit_mean(state.parts["feature_sum"].value / state.rows, state.head)
+        return True
+
+    def _fit_mean(self, mean: Tensor, head: tuple[Tensor, Tensor]) -> None:
+        """Set the fitted state from the mean feature ``[D]`` (float64) and the head on the fit device."""
+        raise NotImplementedError
 
 
-class DICE(Detector):
+class DICE(FeatureMeanFit):
     name = "dice"
     summary = "Energy of the logits after zeroing the head weights with the smallest mean contribution."
     paper = "https://arxiv.org/abs/2111.09805"
@@ -74,9 +91,8 @@ class DICE(Detector):
             )
         self.sparsity = float(sparsity)
 
-    def _fit(self, data: FitData) -> None:
-        mean = feature_mean(data)
-        weight, bias = data.head
+    def _fit_mean(self, mean: Tensor, head: tuple[Tensor, Tensor]) -> None:
+        weight, bias = head
         contribution = mean[None, :] * weight.to(ACCUMULATE)  # [C, D] float64
         threshold = linear_quantile(contribution, self.sparsity)
         keep = contribution > threshold

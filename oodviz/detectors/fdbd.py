@@ -3,7 +3,8 @@
 Liu & Qin, *Fast Decision Boundary based Out-of-Distribution Detector*, ICML 2024,
 https://arxiv.org/abs/2312.11536
 
-Fit, one streaming pass: the mean in-distribution feature ``mu`` ``[D]`` (float64). With the
+Fit, one streaming pass (a float64 sum that merges across shards,
+:class:`~oodviz.detectors.dice.FeatureMeanFit`): the mean in-distribution feature ``mu`` ``[D]`` (float64). With the
 head ``(W [C, D], b [C])``, logits ``z = x W^T + b`` and the predicted class
 ``c = argmax_k z_k``, the distance of features ``x`` to the decision boundary between ``c``
 and class ``j`` is ``|z_c - z_j| / ||w_c - w_j||``, and
@@ -32,8 +33,7 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.dice import feature_mean
+from oodviz.detectors.dice import FeatureMeanFit
 from oodviz.detectors.stats import ACCUMULATE
 from oodviz.detectors.teaching import Teaching
 
@@ -68,7 +68,7 @@ def inverse_difference_norms(weight: Tensor, detector: str = "fdbd") -> Tensor:
     return inverse
 
 
-class FDBD(Detector):
+class FDBD(FeatureMeanFit):
     name = "fdbd"
     summary = "Mean distance to the decision boundaries over the distance to the mean feature (negated)."
     paper = "https://arxiv.org/abs/2312.11536"
@@ -81,11 +81,10 @@ class FDBD(Detector):
     inputs = ("features",)
     needs_head = True
 
-    def _fit(self, data: FitData) -> None:
-        if data.n_classes < 2:
-            raise ValueError(f"fdbd needs a head with at least 2 classes (decision boundaries), got C={data.n_classes}")
-        mean = feature_mean(data)
-        weight, bias = data.head
+    def _fit_mean(self, mean: Tensor, head: tuple[Tensor, Tensor]) -> None:
+        weight, bias = head
+        if len(weight) < 2:
+            raise ValueError(f"fdbd needs a head with at least 2 classes (decision boundaries), got C={len(weight)}")
         self.inverse_boundary_norms_ = inverse_difference_norms(weight, self.name)  # [C, C]
         self.feature_mean_ = mean.float()
         self.head_weight_, self.head_bias_ = weight, bias

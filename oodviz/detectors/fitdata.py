@@ -128,6 +128,9 @@ class FitData:
     moved there then). Shapes are checked against each other and against the head; labels
     against ``0..C-1`` where ``C`` is known; values for NaN and infinity.
 
+    ``shapes`` carries the widths of earlier calls (a detector's ``update``-s); ``require_rows=False`` lets a
+    pass see no in-distribution row (an empty shard) instead of raising.
+
     The checks that read the values (labels in range, finiteness) run on the first full pass
     only. A multi-pass fit (tempscale reads the data once per Newton step, up to 50 times) would
     otherwise re-read every batch for them on every pass. That is sound because the batches must
@@ -139,16 +142,25 @@ class FitData:
     costs one more on every pass (dropping them gives a data-dependent row count).
     """
 
-    def __init__(self, batches, device: torch.device | None, detector: Detector, head: Head | None):
+    def __init__(
+        self,
+        batches,
+        device: torch.device | None,
+        detector: Detector,
+        head: Head | None,
+        shapes: Shapes | None = None,
+        require_rows: bool = True,
+    ):
         self._batches = batches
         self.device = device
         self._head = head
         self._detector = detector
-        self._shapes = Shapes(
+        self._shapes = shapes or Shapes(
             detector.name,
             n_features=None if head is None else head[0].shape[1],
             n_classes=None if head is None else head[0].shape[0],
         )
+        self._require_rows = require_rows  # False: a pass may see no row (a detector's update on an empty shard)
         self._rows_per_pass: int | None = None
         self._seen: dict[tuple[int, int], tuple[int, bool]] = {}  # (batch index, chunk) -> (rows, has OOD rows)
 
@@ -209,7 +221,7 @@ class FitData:
                     continue
                 rows += len(batch)
                 yield batch
-        if rows == 0:
+        if rows == 0 and self._require_rows:
             raise ValueError(
                 f"{detector.name}.fit got no in-distribution samples: the batches were empty or every label was -1 (OOD)."
             )

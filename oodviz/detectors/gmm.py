@@ -21,8 +21,11 @@ with fewer samples than dimensions invertible. Score, with ``Sigma_k = L_k L_k^T
 the negative log-likelihood (higher = more OOD), in float64. The same formula, ``reg`` and float64
 as pytorch-ood 0.4 (which inverts the covariances; oodviz keeps ``L_k^-1``, the same numbers to
 rounding). Memory: ``C`` float64 ``D x D`` matrices (``8 C D^2`` bytes: 34 GB for ImageNet-1k with
-D = 2048; the pre-flight check refuses what does not fit), however many samples there are.
+D = 2048; the pre-flight check refuses what does not fit), however many samples there are. Shards merge
+exactly (:meth:`ClassScatters.merge`; the state protocol, :mod:`oodviz.detectors.protocol`).
 """
+
+from __future__ import annotations
 
 import math
 
@@ -30,7 +33,8 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
+from oodviz.detectors.base import Detector, check_all_classes_seen
+from oodviz.detectors.protocol import FitState
 from oodviz.detectors.stats import ACCUMULATE, inverse_cholesky_factor, row_blocks
 from oodviz.detectors.teaching import Teaching
 
@@ -75,6 +79,35 @@ class ClassScatters:
                 shifted = rows[block].to(ACCUMULATE) - self._shifts[label]
                 self._sums[label] += shifted.sum(dim=0)
                 self._scatters[label].addmm_(shifted.T, shifted)
+
+    def merge(self, other: ClassScatters) -> ClassScatters:
+        """Add the classes of a shard ``other`` saw: per class its ``n_b`` samples about our shift ``s`` sum to
+        ``n_b d`` and their scatter to ``S_b + n_b d d^T`` (``d = mu_b - s``, ``S_b`` about ``mu_b``); a class new
+        here takes ``mu_b`` as its shift. Exact, whatever the offset."""
+        if other.counts is None:
+            return self
+        device = other.counts.device if self.counts is None else self.counts.device
+        self._grow(len(other.counts), other._shifts.shape[1], device)
+        for label in torch.nonzero(other.counts).flatten().tolist():
+            n = other.counts[label].to(device)
+            mean = other.means[label].to(device)
+            if self.counts[label] == 0:
+                self._shifts[label] = mean
+            delta = mean - self._shifts[label]
+            self._sums[label] += n * delta
+            self._scatters[label] += other.scatter(label).to(device) + n * torch.outer(delta, delta)
+            self.counts[label] += n
+        return self
+
+    def state_dict(self) -> dict:
+        """``counts`` ``[C]``, ``shifts`` and shifted ``sums`` ``[C, D]``, shifted ``scatters`` ``[C, D, D]``."""
+        return {"counts": self.counts, "shifts": self._shifts, "sums": self._sums, "scatters": self._scatters}
+
+    def load_state_dict(self, state: dict) -> ClassScatters:
+        self.counts, self._shifts, self._sums, self._scatters = (
+            state["counts"], state["shifts"], state["sums"], state["scatters"]
+        )  # fmt: skip
+        return self
 
     @property
     def means(self) -> Tensor:
@@ -122,10 +155,16 @@ class GMM(Detector):
         factorised, the class shifts, sums and means."""
         return 8 * ((n_classes + 1) * n_features**2 + 3 * n_classes * n_features)
 
-    def _fit(self, data: FitData) -> None:
-        scatters = ClassScatters()
-        for batch in data:
-            scatters.update(batch.features, batch.labels)
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        return {"scatters": ClassScatters()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        state.parts["scatters"].update(batch.features, batch.labels)
+
+    def _finish_pass(self, state: FitState) -> bool:
+        scatters = state.parts["scatters"]
         check_all_classes_seen(self.name, scatters.empty_classes())
         counts = scatters.counts
         dim = scatters.means.shape[1]
@@ -146,6 +185,7 @@ class GMM(Detector):
         self.inverse_factors_ = scatters.storage  # [C, D, D] float64, L_k^-1 (lower triangular)
         # log pi_k - 1/2 (log det Sigma_k + D log 2 pi): the constant of each class's log-density
         self.log_constants_ = (counts / counts.sum()).log() - 0.5 * (log_dets + dim * math.log(2 * math.pi))
+        return True
 
     def log_likelihoods(self, features: Tensor) -> Tensor:
         """``log pi_k N(x | mu_k, Sigma_k)`` of each sample and class, ``[B, C]`` float64."""

@@ -30,6 +30,8 @@ Needs features, logits and the head (a feature detector: the model does not run 
 is required because the formula holds only for the features that are the head's input: ``fit``
 checks on its first batch that ``features @ W^T + b`` reproduces the logits, then stops reading.
 Shapes: ``features`` ``[B, D]``, ``logits`` ``[B, C]`` -> scores ``[B]``.
+
+Its fit checks the head on the first batch: nothing to split over ranks (every rank does it).
 """
 
 import torch

@@ -33,6 +33,9 @@ is one pass and no normalisation.
 ``layers``: module names (``model.named_modules()``) whose outputs are used, or None for every leaf
 module whose output is a feature map ``[B, C, H, W]``, found on the first fit batch. ``poles``: the
 largest ``p`` (the paper uses 1..10). Shapes: ``inputs`` ``[B, ...]`` -> scores ``[B]``.
+
+Not mergeable (the state protocol, :mod:`oodviz.detectors.protocol`): it runs the model on the fit images;
+in a run split over ranks every rank fits it on all the ID fit images (the same answer, without the speed-up).
 """
 
 from __future__ import annotations

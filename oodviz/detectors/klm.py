@@ -15,7 +15,8 @@ Score, with ``z`` the logits ``[B, C]``:
 computed for all ``k`` at once as ``sum_j p_j log p_j - p @ log(d)^T``. Higher = more OOD.
 The minimum runs over the classes predicted at least once in the fit data (as in the paper and
 pytorch-ood); classes never predicted are listed in ``unmatched_classes_`` and reported by a
-warning. Fit keeps per-class sums ``[C, C]`` in float64, whatever the number of samples.
+warning. Fit keeps per-class sums ``[C, C]`` in float64, whatever the number of samples; they merge
+exactly across shards (the state protocol, :mod:`oodviz.detectors.protocol`).
 """
 
 import warnings
@@ -24,7 +25,8 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.base import Detector
+from oodviz.detectors.protocol import FitState
 from oodviz.detectors.stats import ClassMeans, row_blocks
 from oodviz.detectors.teaching import Teaching
 
@@ -46,14 +48,20 @@ class KLMatching(Detector):
         """``8 x 2 x C^2``: the per-class sums of the softmax and their means (float64)."""
         return 8 * 2 * n_classes**2
 
-    def _fit(self, data: FitData) -> None:
-        sums = None
-        for batch in data:
-            if sums is None:
-                sums = ClassMeans(n_classes=batch.logits.shape[1])
-            for block in row_blocks(len(batch.logits), batch.logits.shape[1]):
-                p = batch.logits[block].float().softmax(dim=1)
-                sums.update(p, p.argmax(dim=1))
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        return {"posteriors": ClassMeans()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        sums = state.parts["posteriors"]
+        sums.n_classes = batch.logits.shape[1]
+        for block in row_blocks(len(batch.logits), batch.logits.shape[1]):
+            p = batch.logits[block].float().softmax(dim=1)
+            sums.update(p, p.argmax(dim=1))
+
+    def _finish_pass(self, state: FitState) -> bool:
+        sums = state.parts["posteriors"]
         matched = sums.counts > 0
         self.unmatched_classes_ = torch.nonzero(~matched).flatten().tolist()
         if self.unmatched_classes_:
@@ -65,6 +73,7 @@ class KLMatching(Detector):
             )
         self.templates_ = sums.means[matched].float()  # [K, C], K = classes predicted at least once
         self.template_classes_ = torch.nonzero(matched).flatten()
+        return True
 
     def _score(self, batch: Batch) -> Tensor:
         z = batch.logits.float()

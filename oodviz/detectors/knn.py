@@ -37,6 +37,11 @@ The top-k candidates of every query are the same as in a per-batch search, so th
 ``n_lists / 4`` are searched per query) search with FAISS (``pip install oodviz[faiss]``) on the CPU,
 inner product on the normalised vectors. Its index holds the bank in RAM (``N x D`` float32), built at
 each ``score`` call from the bank chunks; queries are staged and searched in blocks as above.
+
+Split over ranks (a run on several processes), knn is not mergeable: every rank's bank is the whole ID fit
+store, the memory map of the merged store (no copy per rank), and each rank scores its own rows against all of
+it, which is exact with no top-k merge. (Each rank searching a bank shard and an exact merge of the ``W`` top-k
+lists would divide the per-rank search by ``W`` but gather ``[N, k]`` per split; not done.)
 """
 
 import contextlib

@@ -37,10 +37,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
+from oodviz.detectors.base import Detector, check_all_classes_seen
+from oodviz.detectors.protocol import FitState
 from oodviz.detectors.stats import ClassMoments, inverse_cholesky_factor, row_blocks, symmetric_eigh
 from oodviz.detectors.teaching import Teaching
-from oodviz.detectors.widefit import FewRows
+from oodviz.detectors.widefit import ClassGaussianStream, FewRows
 
 
 def inverse_sqrt(covariance: Tensor, overwrite: bool = False) -> Tensor:
@@ -80,27 +81,6 @@ def l2_normalised(features: Tensor) -> Tensor:
     return F.normalize(features.float(), dim=1)
 
 
-def fit_class_moments(detector: Detector, data: FitData, normalize: bool = False) -> ClassMoments | FewRows:
-    """Stream the fit data (L2-normalised rows with ``normalize``) into per-class means and the within-class
-    scatter; every class in ``0..max label`` must occur. Up to ``D / 2`` samples the rows themselves are kept
-    instead (:class:`~oodviz.detectors.widefit.FewRows`, the Gram-matrix path)."""
-    # The classes are those of the labels, 0..max label: a 2-class image folder under a 1000-class
-    # ImageNet head has 2 class means, not 998 empty ones.
-    moments, few = ClassMoments(), FewRows()
-    for batch in data:
-        features = l2_normalised(batch.features) if normalize else batch.features
-        if few is not None and few.add(features, batch.labels):
-            continue
-        if few is not None:  # more than D / 2 rows: stream them all
-            for x, y in few.kept():
-                moments.update(x, y)
-            few = None
-        moments.update(features, batch.labels)
-    fitted = (moments if few is None else few).release()
-    check_all_classes_seen(detector.name, fitted.empty_classes())
-    return fitted
-
-
 class Mahalanobis(Detector):
     name = "mahalanobis"
     summary = (
@@ -132,8 +112,23 @@ class Mahalanobis(Detector):
         the class sums and means."""
         return int(8 * (cls.square_copies * n_features**2 + 2 * n_classes * n_features))
 
-    def _fit(self, data: FitData) -> None:
-        self._fit_gaussians(fit_class_moments(self, data, self.normalize))
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        # The classes are those of the labels, 0..max label: a 2-class image folder under a 1000-class
+        # ImageNet head has 2 class means, not 998 empty ones.
+        return {"gaussians": ClassGaussianStream()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        features = l2_normalised(batch.features) if self.normalize else batch.features
+        state.parts["gaussians"].update(features, batch.labels)
+
+    def _finish_pass(self, state: FitState) -> bool:
+        """Every class in ``0..max label`` must occur; up to ``D / 2`` samples the Gram path (:class:`FewRows`)."""
+        moments = state.parts["gaussians"].release()
+        check_all_classes_seen(self.name, moments.empty_classes())
+        self._fit_gaussians(moments)
+        return True
 
     def _fit_gaussians(self, moments: ClassMoments | FewRows) -> None:
         self.class_counts_ = moments.counts.long()

@@ -3,7 +3,8 @@
 Liu & Qin, *Detecting Out-of-Distribution Through the Lens of Neural Collapse*, CVPR 2025,
 https://arxiv.org/abs/2311.01479 (code: https://github.com/litianliu/NCI-OOD, in OpenOOD v1.5)
 
-Fit, one streaming pass: the global mean in-distribution feature ``mu_G`` ``[D]`` (float64).
+Fit, one streaming pass (a float64 sum that merges across shards,
+:class:`~oodviz.detectors.dice.FeatureMeanFit`): the global mean in-distribution feature ``mu_G`` ``[D]`` (float64).
 With the head ``(W [C, D], b [C])`` and the predicted class ``c = argmax_k (x W^T + b)_k``:
 
     pScore(x) = (x - mu_G) . w_c / ||x - mu_G||        proximity of the centred feature to w_c
@@ -28,13 +29,12 @@ import math
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.dice import feature_mean
+from oodviz.detectors.dice import FeatureMeanFit
 from oodviz.detectors.fdbd import MIN_DISTANCE
 from oodviz.detectors.teaching import Teaching
 
 
-class NCI(Detector):
+class NCI(FeatureMeanFit):
     name = "nci"
     summary = "Alignment of the centred features with the predicted class's weights, plus alpha * L1 norm (negated)."
     paper = "https://arxiv.org/abs/2311.01479"
@@ -54,10 +54,9 @@ class NCI(Detector):
             raise ValueError(f"nci: alpha (weight of the feature L1 norm) must be a finite number >= 0, got {alpha!r}")
         self.alpha = float(alpha)
 
-    def _fit(self, data: FitData) -> None:
-        mean = feature_mean(data)
+    def _fit_mean(self, mean: Tensor, head: tuple[Tensor, Tensor]) -> None:
         self.feature_mean_ = mean.float()
-        self.head_weight_, self.head_bias_ = data.head
+        self.head_weight_, self.head_bias_ = head
 
     def proximity(self, features: Tensor) -> Tensor:
         """``pScore`` ``[B]``: ``(x - mu_G) . w_c / ||x - mu_G||`` for the predicted class ``c``."""

@@ -23,6 +23,9 @@ to disk as the fit streams in (float32, ``bank_dir`` or a temporary directory re
 detector), read in chunks once per ``score`` call, on the GPU when it fits, or searched by FAISS with
 ``backend="faiss-flat"`` / ``"faiss-ivf"``. Memory: one bank chunk and the ``[N_queries, k]`` running
 top-k, whatever the size of the bank.
+
+Not mergeable (the state protocol, :mod:`oodviz.detectors.protocol`): like knn, in a run split over ranks
+every rank builds the bank from the whole ID fit store and scores its own rows against it (exact).
 """
 
 import torch

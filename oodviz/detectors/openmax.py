@@ -28,7 +28,13 @@ Also as pytorch-ood (the paper uses correctly classified samples only), the mean
 those of all training samples of each class. pytorch-ood rounds the translated tail to float32 (a
 step of ~0.001 at 10000); oodviz keeps it in float64, so the Weibull shapes differ by ~0.1% and the
 scores by a little (the tests hold the ranking and AUROC to the usual bounds).
+
+Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): pass 1's class sums merge by
+addition, and pass 2 (distances to the merged means) keeps per shard its ``tailsize`` largest per class,
+which merge exactly as the largest of the union (:class:`ClassTails`).
 """
+
+from __future__ import annotations
 
 import math
 
@@ -38,7 +44,8 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
+from oodviz.detectors.base import Detector, check_all_classes_seen
+from oodviz.detectors.protocol import FitState
 from oodviz.detectors.stats import ACCUMULATE, ClassMeans
 from oodviz.detectors.teaching import Teaching
 
@@ -69,6 +76,36 @@ def fit_weibull(samples: np.ndarray) -> tuple[float, float]:
     shape = scipy.optimize.brentq(score_equation, low, high, xtol=1e-12, rtol=4 * np.finfo(float).eps)
     scale = math.exp(top + math.log(np.exp(shape * (logs - top)).mean()) / shape)
     return shape, scale
+
+
+class ClassTails:
+    """The ``size`` largest values seen per class, ``[K, size]`` float64 (``-inf`` where a class has fewer);
+    shards merge exactly as the largest of the union."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.values: Tensor | None = None
+
+    def add(self, label: int, values: Tensor, n_classes: int) -> None:
+        if self.values is None:
+            self.values = torch.full((n_classes, self.size), -math.inf, dtype=ACCUMULATE, device=values.device)
+        self.values[label] = torch.topk(torch.cat([self.values[label], values.to(ACCUMULATE)]), self.size).values
+
+    def merge(self, other: ClassTails) -> ClassTails:
+        if other.values is not None:
+            if self.values is None:
+                self.values = other.values.clone()
+            else:
+                both = torch.cat([self.values, other.values.to(self.values.device)], dim=1)
+                self.values = torch.topk(both, self.size, dim=1).values
+        return self
+
+    def state_dict(self) -> dict:
+        return {"values": self.values}
+
+    def load_state_dict(self, state: dict) -> ClassTails:
+        self.values = state["values"]
+        return self
 
 
 class OpenMax(Detector):
@@ -119,17 +156,28 @@ class OpenMax(Detector):
             distance += (1 - self.euclid_weight) * (1 - cosine)
         return distance
 
-    def _fit(self, data: FitData) -> None:
-        sums = ClassMeans()
-        for batch in data:
-            sums.update(batch.logits, batch.labels)
-        check_all_classes_seen(self.name, sums.empty_classes())
-        means = sums.means  # [K, C] float64
-        tails = torch.full((len(means), self.tailsize), -math.inf, dtype=ACCUMULATE, device=means.device)
-        for batch in data:
-            for label in torch.unique(batch.labels).tolist():
-                own = self.distances(batch.logits[batch.labels == label], means[label : label + 1])[:, 0]
-                tails[label] = torch.topk(torch.cat([tails[label], own]), self.tailsize).values
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        """Pass 0: the class sums of the logits; pass 1: each class's ``tailsize`` largest distances."""
+        return {"means": ClassMeans()} if pass_index == 0 else {"tails": ClassTails(self.tailsize)}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        if state.pass_index == 0:
+            state.parts["means"].update(batch.logits, batch.labels)
+            return
+        tails = state.parts["tails"]
+        for label in torch.unique(batch.labels).tolist():
+            own = self.distances(batch.logits[batch.labels == label], self.class_means_[label : label + 1])[:, 0]
+            tails.add(label, own, len(self.class_means_))
+
+    def _finish_pass(self, state: FitState) -> bool:
+        if state.pass_index == 0:
+            sums = state.parts["means"]
+            check_all_classes_seen(self.name, sums.empty_classes())
+            self.class_means_ = sums.means  # [K, C] float64
+            return False
+        means, tails = self.class_means_, state.parts["tails"].values
         shapes, scales = [], []
         for label, tail in enumerate(tails.cpu().numpy()):
             tail = tail[np.isfinite(tail)]  # a class with fewer than tailsize samples: all of them
@@ -141,10 +189,10 @@ class OpenMax(Detector):
             shape, scale = fit_weibull(tail + TRANSLATION - tail.min())
             shapes.append(shape)
             scales.append(scale)
-        self.class_means_ = means
         self.tail_minima_ = tails.nan_to_num(neginf=math.inf).amin(dim=1)  # [K]
         self.weibull_shapes_ = torch.tensor(shapes, dtype=ACCUMULATE, device=means.device)  # [K]
         self.weibull_scales_ = torch.tensor(scales, dtype=ACCUMULATE, device=means.device)  # [K]
+        return True
 
     def weibull_cdf(self, distances: Tensor) -> Tensor:
         """``W_k(d)`` for distances ``[B, K]`` to each class mean."""

@@ -35,8 +35,14 @@ pytorch-ood: it calls ``np.percentile`` on the float32 array, which interpolates
 its threshold can differ from oodviz's by a float32 rounding (relative 6e-8). Activations of
 other dtypes are rounded to float32 first (float64 features lose digits beyond float32's).
 
+Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`), both passes' histograms are integer
+counts that merge by addition: pass 2 refines the bins located from the merged pass-1 counts, so the threshold is
+the same exact percentile of all the shards' activations.
+
 ``percentile`` is in percent, 0 to 100 (90 in the paper), not a fraction as in pytorch-ood.
 """
+
+from __future__ import annotations
 
 import math
 import warnings
@@ -46,7 +52,8 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.base import Detector
+from oodviz.detectors.protocol import FitState
 from oodviz.detectors.teaching import Teaching
 
 _HALF = 16  # bits per radix pass
@@ -131,6 +138,43 @@ class StreamingPercentile:
         self._targets: list[tuple[int, int]] | None = None  # (high bin, rank within bin) of each order statistic
         self._low: dict[int, Tensor | None] = {}  # high bin -> [65536] counts by lower 16 bits
         self._refined = 0  # values seen by refine
+
+    def merge(self, other: StreamingPercentile) -> StreamingPercentile:
+        """Add the counts of ``other``, which saw other values in the same pass (integer sums: exact). In pass 2
+        both must refine the same bins (copies of one :meth:`located` state)."""
+        if self._targets is None and other._targets is None:
+            if other._high is not None:
+                high = other._high.to(self._high.device) if self._high is not None else other._high.clone()
+                self._high = high if self._high is None else self._high.add_(high)
+            self.n += other.n
+            return self
+        if self._targets != other._targets or self.n != other.n:
+            raise ValueError("StreamingPercentile.merge: the states are not refining the same order statistics")
+        for high, counts in other._low.items():
+            if counts is not None:
+                current = self._low[high]
+                self._low[high] = counts.clone() if current is None else current.add_(counts.to(current.device))
+        self._refined += other._refined
+        return self
+
+    def located(self) -> StreamingPercentile:
+        """A new state for pass 2 over the same values: the order statistics located from this pass 1 (all of
+        it: merge the shards first), no value refined yet."""
+        if self._targets is None:
+            self._locate()
+        fresh = StreamingPercentile(self.percentile)
+        fresh.n, fresh._high, fresh._targets = self.n, self._high, list(self._targets)
+        fresh._low = dict.fromkeys(self._low)
+        return fresh
+
+    def state_dict(self) -> dict:
+        """``n``, the ``high`` histogram, and in pass 2 the ``targets`` and each refined bin's ``low`` histogram."""
+        return {"n": self.n, "high": self._high, "targets": self._targets, "low": self._low, "refined": self._refined}
+
+    def load_state_dict(self, state: dict) -> StreamingPercentile:
+        self.n, self._high, self._targets = state["n"], state["high"], state["targets"]
+        self._low, self._refined = dict(state["low"]), state["refined"]
+        return self
 
     def count(self, values: Tensor) -> None:
         """Pass 1: add ``values`` (any shape) to the histogram of upper key bits."""
@@ -221,14 +265,26 @@ class ReAct(Detector):
     def __init__(self, percentile: float = 90.0):
         self.percentile = check_percentile(self.name, percentile)
 
-    def _fit(self, data: FitData) -> None:
-        streaming = StreamingPercentile(self.percentile)
-        for batch in data:
-            streaming.count(batch.features)
-        for batch in data:
-            streaming.refine(batch.features)
-        self.threshold_ = streaming.result()
-        self.head_weight_, self.head_bias_ = data.head
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        """Pass 0 counts the upper key bits, pass 1 the lower ones in the bins pass 0's merged counts located."""
+        if pass_index == 0:
+            return {"percentile": StreamingPercentile(self.percentile)}
+        return {"percentile": self._pass_one.located()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        streaming = state.parts["percentile"]
+        (streaming.count if state.pass_index == 0 else streaming.refine)(batch.features)
+
+    def _finish_pass(self, state: FitState) -> bool:
+        if state.pass_index == 0:
+            self._pass_one = state.parts["percentile"]
+            return False
+        self.threshold_ = state.parts["percentile"].result()
+        self.head_weight_, self.head_bias_ = state.head
+        self._pass_one = None
+        return True
 
     def _score(self, batch: Batch) -> Tensor:
         clipped = batch.features.float().clamp(max=self.threshold_)

@@ -24,6 +24,8 @@ float64 (``exp(r) (x W^T) + b``), a score beyond the float32 range raising a Val
 ``s2 > 0`` the factor is at most ``exp(D / k)`` (the top-k mean is at least the overall mean).
 ``fit(batches, head=...)`` only stores the head, reading the first in-distribution batch to
 check its width and settle the device.
+
+Its fit keeps the head only: nothing to split over ranks (every rank fits it on the whole store at no cost).
 """
 
 import torch

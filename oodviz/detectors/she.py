@@ -13,13 +13,14 @@ Score, with features ``x`` ``[B, D]`` and the model's prediction ``k_hat = argma
 The paper's energy ``<x, m_k_hat>`` is high for in-distribution inputs, so it is negated:
 higher = more OOD. Predictions come from the batch's logits when present, otherwise from
 the head ``(W, b)`` given to ``fit``, as ``argmax(x W^T + b)``. Fit keeps per-class sums
-``[C, D]`` (float64).
+``[C, D]`` (float64), which merge exactly across shards (:mod:`oodviz.detectors.protocol`).
 """
 
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData, check_all_classes_seen
+from oodviz.detectors.base import Detector, check_all_classes_seen
+from oodviz.detectors.protocol import FitState
 from oodviz.detectors.stats import ClassMeans
 from oodviz.detectors.teaching import Teaching
 
@@ -47,15 +48,25 @@ class SHE(Detector):
             )
         return (batch.features.float() @ self.head_weight_.T + self.head_bias_).argmax(dim=1)
 
-    def _fit(self, data: FitData) -> None:
-        sums = ClassMeans(n_classes=data.n_classes)
-        for batch in data:
-            self.head_weight_, self.head_bias_ = data.head or (None, None)  # on the fit device
-            sums.update(batch.features, batch.labels, mask=self._predictions(batch) == batch.labels)
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        return {"patterns": ClassMeans()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        self.head_weight_, self.head_bias_ = state.head or (None, None)  # on the fit device
+        sums = state.parts["patterns"]
+        sums.n_classes = state.n_classes
+        sums.update(batch.features, batch.labels, mask=self._predictions(batch) == batch.labels)
+
+    def _finish_pass(self, state: FitState) -> bool:
+        sums = state.parts["patterns"]
         if sums.counts is None:
             raise ValueError("she cannot fit: no in-distribution sample is classified correctly; check the labels.")
-        check_all_classes_seen(self.name, sums.empty_classes(data.n_classes), "correctly classified samples")
+        check_all_classes_seen(self.name, sums.empty_classes(state.n_classes), "correctly classified samples")
         self.patterns_ = sums.means.float()  # [C, D]
+        self.head_weight_, self.head_bias_ = state.head or (None, None)
+        return True
 
     def _score(self, batch: Batch) -> Tensor:
         predicted = self._predictions(batch)

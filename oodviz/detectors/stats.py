@@ -175,6 +175,14 @@ class ClassMeans:
         self.sums[: len(other.sums)] += other.sums.to(self.sums.device)
         return self
 
+    def state_dict(self) -> dict:
+        """``counts`` ``[C]`` and ``sums`` ``[C, D]`` (float64, None before any row)."""
+        return {"counts": self.counts, "sums": self.sums}
+
+    def load_state_dict(self, state: dict) -> ClassMeans:
+        self.counts, self.sums = state["counts"], state["sums"]
+        return self
+
     @property
     def means(self) -> Tensor:
         """``[C, D]`` float64; rows of empty classes are NaN (check ``empty_classes`` first)."""
@@ -343,6 +351,19 @@ class ClassMoments:
             self._sums[block] += delta * n
             self._lower_only |= add_gram(self._scatter, delta.mul_(n.sqrt()))
         self.counts[: len(counts)] += counts
+        return self
+
+    def state_dict(self) -> dict:
+        """Settled: ``counts`` ``[C]``, the class ``means`` ``[C, D]`` and the within-class scatter ``within``
+        ``[D, D]`` (float64, both triangles; None before any row)."""
+        if self.counts is None:
+            return {"counts": None, "means": None, "within": None}
+        self.settle()
+        return {"counts": self.counts, "means": self._shifts, "within": self._scatter}
+
+    def load_state_dict(self, state: dict) -> ClassMoments:
+        self.counts, self._shifts, self._scatter = state["counts"], state["means"], state["within"]
+        self._sums, self._lower_only = None, False
         return self
 
     def release(self) -> ClassMoments:

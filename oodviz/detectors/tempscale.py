@@ -16,7 +16,9 @@ Why passes and not one pass into a summary: ``logsumexp(beta z_i)`` depends on e
 every row in a way no fixed-size statistic captures exactly (the linear term ``sum_i z_{i, y_i}``
 is the only part that reduces), so an exact fit either keeps the ``N x C`` logits or reads them
 again per step. oodviz reads them again; :class:`FitData` validates them (labels, finiteness) on
-the first pass only, so a later pass costs the arithmetic alone.
+the first pass only, so a later pass costs the arithmetic alone. Each pass's three sums merge across shards
+by addition (the state protocol, :mod:`oodviz.detectors.protocol`): every shard then takes the same Newton
+step from the merged sums, and the next pass evaluates the NLL there.
 
 Score:
 
@@ -32,40 +34,30 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.base import Detector
+from oodviz.detectors.protocol import FitState, Sums
 from oodviz.detectors.stats import ACCUMULATE
 from oodviz.detectors.teaching import Teaching
 
 _BETA_MIN, _BETA_MAX = 1e-3, 1e3  # T in [1e-3, 1e3]
 
 
-def _nll_derivatives(data: FitData, beta: float) -> tuple[float, float, float, int]:
-    """NLL(beta) summed over the fit data, its first and second derivative, and the sample count.
-
-    The three sums accumulate on the device in float64 (batch by batch, in order, as Python floats
-    would) and are read once per pass: one host sync a pass, none a batch.
-    """
-    sums = None  # [NLL, NLL', NLL''] float64 on the data's device
-    n = 0
-    for batch in data:
-        z = batch.logits.to(ACCUMULATE)
-        y = batch.labels
-        scaled = beta * z
-        log_norm = torch.logsumexp(scaled, dim=1)
-        p = torch.exp(scaled - log_norm[:, None])
-        mean_z = (p * z).sum(dim=1)
-        z_true = z.gather(1, y[:, None]).squeeze(1)
-        batch_sums = torch.stack(
-            [
-                (log_norm - beta * z_true).sum(),
-                (mean_z - z_true).sum(),
-                ((p * z * z).sum(dim=1) - mean_z**2).clamp(min=0).sum(),
-            ]
-        )
-        sums = batch_sums if sums is None else sums + batch_sums
-        n += len(y)
-    nll, grad, curv = sums.tolist()  # the pass's one host sync
-    return nll, grad, curv, n
+def nll_sums(logits: Tensor, labels: Tensor, beta: float) -> Tensor:
+    """``[NLL(beta), NLL'(beta), NLL''(beta)]`` summed over the rows of ``logits`` ``[B, C]``, float64 on their
+    device (read once per pass: one host sync a pass, none a batch)."""
+    z = logits.to(ACCUMULATE)
+    scaled = beta * z
+    log_norm = torch.logsumexp(scaled, dim=1)
+    p = torch.exp(scaled - log_norm[:, None])
+    mean_z = (p * z).sum(dim=1)
+    z_true = z.gather(1, labels[:, None]).squeeze(1)
+    return torch.stack(
+        [
+            (log_norm - beta * z_true).sum(),
+            (mean_z - z_true).sum(),
+            ((p * z * z).sum(dim=1) - mean_z**2).clamp(min=0).sum(),
+        ]
+    )
 
 
 class TemperatureScaling(Detector):
@@ -90,33 +82,59 @@ class TemperatureScaling(Detector):
         self.max_steps = int(max_steps)
         self.tol = float(tol)
 
-    def _fit(self, data: FitData) -> None:
-        beta = 1.0
-        nll, grad, curv, n = _nll_derivatives(data, beta)
-        for _ in range(self.max_steps):
-            if curv <= 0:  # every softmax one-hot: the NLL is flat in beta
-                break
-            step = -grad / curv
-            while True:
-                candidate = min(max(beta + step, _BETA_MIN), _BETA_MAX)
-                new = _nll_derivatives(data, candidate)
-                if new[0] <= nll + 1e-12 * abs(nll) or abs(step) < self.tol * beta:
-                    break
-                step /= 2  # damped Newton: never accept a step that raises the NLL
-            converged = abs(candidate - beta) <= self.tol * beta
-            beta, (nll, grad, curv, n) = candidate, new
-            if converged:
-                break
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        """One pass per NLL evaluation: the float64 sums ``[NLL, NLL', NLL'']`` at the pass's ``beta``."""
+        if pass_index == 0:
+            self._newton = None  # a new fit: pass 0 evaluates at beta = 1
+        return {"nll_sums": Sums()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        beta = 1.0 if self._newton is None else self._newton["candidate"]
+        state.parts["nll_sums"].add(nll_sums(batch.logits, batch.labels, beta))
+
+    def _finish_pass(self, state: FitState) -> bool:
+        """One step of the damped Newton iteration on the merged sums: True once it has converged (or run
+        ``max_steps`` steps); otherwise the next pass evaluates the NLL at ``self._newton["candidate"]``."""
+        nll, grad, curv = state.parts["nll_sums"].value.tolist()  # the pass's one host sync
+        newton = self._newton
+        if newton is None:  # pass 0, at beta = 1
+            self._newton = newton = {"beta": 1.0, "nll": nll, "grad": grad, "curv": curv, "steps": 0, "n": state.rows}
+            return self._propose(newton)
+        beta, step = newton["beta"], newton["step"]
+        if not (nll <= newton["nll"] + 1e-12 * abs(newton["nll"]) or abs(step) < self.tol * beta):
+            newton["step"] = step / 2  # damped Newton: never accept a step that raises the NLL
+            newton["candidate"] = min(max(beta + newton["step"], _BETA_MIN), _BETA_MAX)
+            return False
+        converged = abs(newton["candidate"] - beta) <= self.tol * beta
+        newton.update(beta=newton["candidate"], nll=nll, grad=grad, curv=curv, steps=newton["steps"] + 1)
+        if converged or newton["steps"] >= self.max_steps:
+            return self._set_temperature(newton)
+        return self._propose(newton)
+
+    def _propose(self, newton: dict) -> bool:
+        """The Newton step from ``beta``, or the end of the fit when the NLL is flat (every softmax one-hot)."""
+        if newton["curv"] <= 0:
+            return self._set_temperature(newton)
+        newton["step"] = -newton["grad"] / newton["curv"]
+        newton["candidate"] = min(max(newton["beta"] + newton["step"], _BETA_MIN), _BETA_MAX)
+        return False
+
+    def _set_temperature(self, newton: dict) -> bool:
+        beta = newton["beta"]
+        self._newton = None
         if beta in (_BETA_MIN, _BETA_MAX):
             warnings.warn(
                 f"tempscale: the NLL-optimal temperature lies outside [{1 / _BETA_MAX:g}, {1 / _BETA_MIN:g}]; "
                 f"using T={1 / beta:g}. The in-distribution data may be perfectly separated (or all wrong).",
-                stacklevel=3,
+                stacklevel=5,
             )
         self.temperature_ = 1.0 / beta
-        self.nll_ = nll / n
+        self.nll_ = newton["nll"] / newton["n"]
         if not math.isfinite(self.nll_):
             raise ValueError("tempscale: the NLL is not finite; check the logits for extreme values.")
+        return True
 
     def _score(self, batch: Batch) -> Tensor:
         return -(batch.logits.float() / self.temperature_).softmax(dim=1).amax(dim=1)

@@ -23,13 +23,18 @@ paper uses), else ``x W^T + b`` from the head. The origin is computed from the
 float64 copy of a batch is made a block of rows at a time.
 ``dim=None`` applies the paper's rule: 1000 for ``D >= 2048``, 512 for ``D >= 768``,
 otherwise ``D // 2``. Labels are not needed.
+
+Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): pass 1's ``S`` and pass 2's two
+sums are float64 sums that merge by addition; pass 2 runs after pass 1's merged state is finalized (every
+shard then projects on the same ``R``).
 """
 
 import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.base import Detector
+from oodviz.detectors.protocol import FitState, Sums
 from oodviz.detectors.stats import ACCUMULATE, Scratch, add_gram, row_blocks, symmetric_eigh, torch_on_one_thread
 from oodviz.detectors.teaching import Teaching
 
@@ -82,56 +87,87 @@ class ViM(Detector):
             raise ValueError(f"vim: dim (principal subspace dimension) must be a positive integer or None, got {dim}")
         self.dim = None if dim is None else int(dim)
 
-    def _fit(self, data: FitData) -> None:
-        n_features = data.n_features  # from the head
+    mergeable = True
+
+    def _new_parts(self, pass_index: int) -> dict:
+        """Pass 0: the uncentred second moment (lower triangle); pass 1: [sum of max logits, sum of residual norms]."""
+        return {"second_moment": Sums()} if pass_index == 0 else {"scale_sums": Sums()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = Scratch()
+        if state.pass_index == 0:
+            self._add_second_moment(state.parts["second_moment"], batch, self._origin(state))
+        else:
+            self._add_scale_sums(state.parts["scale_sums"], batch)
+
+    def _origin(self, state: FitState) -> Tensor:
+        """``u`` (float64) of ``state.head``, solved once per head."""
+        weight = state.head[0]
+        if getattr(self, "_head_origin", (None,))[0] is not weight:
+            self._head_origin = (weight, linear_origin(*state.head))
+        return self._head_origin[1]
+
+    def _subspace_dim(self, n_features: int) -> int:
         dim = default_dim(n_features) if self.dim is None else self.dim
         if not 0 < dim < n_features:
             raise ValueError(
                 f"vim: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
                 "choose a smaller principal subspace."
             )
-        second_moment, n, scratch = None, 0, Scratch()
-        for batch in data:
-            if second_moment is None:  # the head is on the fit device once the first batch is in
-                weight, bias = data.head
-                origin = linear_origin(weight, bias)  # [D] float64
-                second_moment = torch.zeros(n_features, n_features, dtype=ACCUMULATE, device=batch.device)
-            with torch_on_one_thread(batch.device):
-                for block in row_blocks(len(batch.features), n_features):
-                    x = batch.features[block]
-                    centred = scratch.get("centred", tuple(x.shape), ACCUMULATE, x.device).copy_(x)
-                    centred -= origin
-                    add_gram(second_moment, centred)  # the lower triangle is what symmetric_eigh reads
-            n += len(batch.features)
-        second_moment /= n
-        scratch = Scratch()  # pass 2 has float32 buffers of its own
-        # only the D - dim smallest eigenpairs: the residual space, without the D x D matrix of all eigenvectors
-        _, eigenvectors = symmetric_eigh(second_moment, overwrite=True, smallest=n_features - dim)
-        del second_moment
-        residual = eigenvectors.float()  # [D, D - dim]
-        del eigenvectors
-        origin = origin.float()
-        self.head_weight_, self.head_bias_ = weight, bias
+        return dim
+
+    def _add_second_moment(self, second_moment: Sums, batch: Batch, origin: Tensor) -> None:
+        n_features = batch.features.shape[1]
+        self._subspace_dim(n_features)
+        if second_moment.value is None:
+            second_moment.value = torch.zeros(n_features, n_features, dtype=ACCUMULATE, device=batch.device)
+        with torch_on_one_thread(batch.device):
+            for block in row_blocks(len(batch.features), n_features):
+                x = batch.features[block]
+                centred = self._scratch.get("centred", tuple(x.shape), ACCUMULATE, x.device).copy_(x)
+                centred -= origin
+                add_gram(second_moment.value, centred)  # the lower triangle is what symmetric_eigh reads
+
+    def _add_scale_sums(self, scale_sums: Sums, batch: Batch) -> None:
         # [sum of max logits, sum of residual norms]: each block's float32 sums are added in float64 on the
         # device, as a Python float would add them, and read once after the pass (no host sync per block)
-        sums = torch.zeros(2, dtype=ACCUMULATE, device=origin.device)
-        for batch in data:
-            for block in row_blocks(len(batch.features), max(n_features, len(bias))):
-                x = batch.features[block].float()
-                centred = torch.sub(x, origin, out=scratch.get("centred32", tuple(x.shape), torch.float32, x.device))
-                projected = torch.mm(
-                    centred, residual, out=scratch.get("residual", (len(x), residual.shape[1]), torch.float32, x.device)
-                )
-                sums[1] += torch.linalg.vector_norm(projected, dim=1).sum()
-                sums[0] += self._logits(batch, block, scratch).amax(dim=1).sum()
-        max_logit_sum, norm_sum = sums.tolist()
+        if scale_sums.value is None:
+            scale_sums.value = torch.zeros(2, dtype=ACCUMULATE, device=batch.device)
+        n_features, residual = batch.features.shape[1], self.residual_space_
+        for block in row_blocks(len(batch.features), max(n_features, len(self.head_bias_))):
+            x = batch.features[block].float()
+            scratch = self._scratch
+            centred = torch.sub(x, self.origin_, out=scratch.get("centred32", tuple(x.shape), torch.float32, x.device))
+            projected = torch.mm(
+                centred, residual, out=scratch.get("residual", (len(x), residual.shape[1]), torch.float32, x.device)
+            )
+            scale_sums.value[1] += torch.linalg.vector_norm(projected, dim=1).sum()
+            scale_sums.value[0] += self._logits(batch, block, scratch).amax(dim=1).sum()
+
+    def _finish_pass(self, state: FitState) -> bool:
+        self._scratch = None  # each pass has buffers of its own
+        n_features, n = state.n_features, state.rows
+        if state.pass_index == 0:
+            second_moment = state.parts["second_moment"].value.div_(n)
+            # only the D - dim smallest eigenpairs: the residual space, without the D x D matrix of all eigenvectors
+            smallest = n_features - self._subspace_dim(n_features)
+            _, eigenvectors = symmetric_eigh(second_moment, overwrite=True, smallest=smallest)
+            state.parts.clear()  # the second moment, destroyed by the decomposition
+            self.residual_space_ = eigenvectors.float()  # [D, D - dim]
+            del eigenvectors
+            self.origin_ = self._origin(state).float()
+            self.head_weight_, self.head_bias_ = state.head
+            return False
+        max_logit_sum, norm_sum = state.parts["scale_sums"].value.tolist()
         if norm_sum == 0:
             raise ValueError(
-                f"vim: the features have no component outside the top {dim} principal directions; choose a smaller dim."
+                f"vim: the features have no component outside the top {self._subspace_dim(n_features)} principal "
+                "directions; choose a smaller dim."
             )
-        self.origin_ = origin
-        self.residual_space_ = residual
         self.alpha_ = (max_logit_sum / n) / (norm_sum / n)
+        self._head_origin = None
+        return True
 
     def _logits(self, batch: Batch, rows: slice = slice(None), scratch: Scratch | None = None) -> Tensor:
         """The batch's own logits when it has them, else ``x W^T + b`` from the head (into ``scratch``'s buffer if given)."""

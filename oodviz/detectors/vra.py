@@ -31,6 +31,10 @@ the thresholds agree to a float32 rounding).
 
 ``lower_percentile`` and ``upper_percentile`` are in percent, 0 to 100 (pytorch-ood's fractions times
 100).
+
+Not mergeable yet (the state protocol, :mod:`oodviz.detectors.protocol`): its per-unit radix histograms would
+merge as counts, as react's do, but are not wired; in a run split over ranks every rank fits it on the whole
+store (the same answer, without the speed-up).
 """
 
 import math

@@ -41,6 +41,10 @@ Streaming and bounded: both passes read one batch at a time; ``W~`` (``4 r C D``
 ``C = 100, D = 2048``) is the fitted state; the perturbed logits of a batch are formed a few heads at a
 time (:data:`LOGIT_BLOCK_BYTES`), never all ``[B, r C]`` at once. Shapes: ``features`` ``[B, D]`` ->
 scores ``[B]``.
+
+Not mergeable yet (the state protocol, :mod:`oodviz.detectors.protocol`): its histograms over fixed ranges
+would merge as counts once pass 1's ranges are merged (min/max), but that is not wired; in a run split over
+ranks every rank fits it on the whole store.
 """
 
 from __future__ import annotations

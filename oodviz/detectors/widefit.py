@@ -28,7 +28,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from oodviz.detectors.stats import ACCUMULATE, ClassMeans, add_gram, mirror_lower, row_blocks, symmetric_eigh
+from oodviz.detectors.stats import (
+    ACCUMULATE,
+    ClassMeans,
+    ClassMoments,
+    add_gram,
+    mirror_lower,
+    row_blocks,
+    symmetric_eigh,
+)
 
 
 def gram_inverse_sqrt(centred: Tensor, n_samples: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -136,3 +144,59 @@ class FewRows:
         for block in row_blocks(len(centred), centred.shape[1]):
             torch.add(self._centred[block], offsets[self._y[block]], out=centred[block])
         return gram_inverse_sqrt(centred, len(self._y), dtype)
+
+
+class ClassGaussianStream:
+    """Class means and the within-class scatter of a stream, mergeable: the rows themselves while there are at
+    most ``D / 2`` (:class:`FewRows`, the Gram path), a :class:`~oodviz.detectors.stats.ClassMoments` beyond.
+
+    ``update(x [B, D], y [B])``; ``merge(other)`` adds ``other``'s rows (kept ones re-added here, in order, so
+    the path taken is that of one stream of both: the Gram path only when both together have at most ``D / 2``
+    rows); :meth:`release` gives the ``FewRows`` or the ``ClassMoments`` to read the statistics from.
+    """
+
+    def __init__(self):
+        self.few: FewRows | None = FewRows()
+        self.moments = ClassMoments()
+
+    def update(self, x: Tensor, y: Tensor) -> None:
+        if self.few is not None and self.few.add(x, y):
+            return
+        self._spill()
+        self.moments.update(x, y)
+
+    def _spill(self) -> None:
+        if self.few is not None:  # more than D / 2 rows: stream the kept ones, then everything
+            for x, y in self.few.kept():
+                self.moments.update(x, y)
+            self.few = None
+
+    def merge(self, other: ClassGaussianStream) -> ClassGaussianStream:
+        if other.few is not None:
+            for x, y in zip(other.few._features, other.few._labels, strict=True):
+                self.update(x, y)
+        else:
+            self._spill()
+            self.moments.merge(other.moments)
+        return self
+
+    def release(self) -> FewRows | ClassMoments:
+        return self.moments.release() if self.few is None else self.few.release()
+
+    def state_dict(self) -> dict:
+        """``rows`` ``[N, D]`` and ``labels`` ``[N]`` while on the Gram path (else None), and ``moments``."""
+        kept = self.few is not None and self.few.rows > 0
+        return {
+            "rows": torch.cat(self.few._features) if kept else None,
+            "labels": torch.cat(self.few._labels) if kept else None,
+            "gram_path": self.few is not None,
+            "moments": self.moments.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> ClassGaussianStream:
+        self.few = FewRows() if state["gram_path"] else None
+        if state["rows"] is not None:
+            self.few._features, self.few._labels = [state["rows"]], [state["labels"]]
+            self.few.rows = len(state["labels"])
+        self.moments.load_state_dict(state["moments"])
+        return self

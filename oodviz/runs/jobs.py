@@ -32,13 +32,13 @@ class QueueFull(ValueError):
     """``submit`` when :data:`MAX_QUEUED` runs are already waiting."""
 
 
-def _spawn(module: str, run: RunDir, new_session: bool) -> subprocess.Popen:
+def _spawn(module: str, run: RunDir, new_session: bool, args: tuple[str, ...] = ()) -> subprocess.Popen:
     from oodviz.runs.telemetry import job_environment
 
     log = open(run.log_path, "ab")
     env = job_environment(dict(os.environ, PYTHONUNBUFFERED="1"))  # cuda:N as the app lists it
     return subprocess.Popen(
-        [sys.executable, "-m", module, str(run.path.resolve())],
+        [sys.executable, "-m", module, str(run.path.resolve()), *args],
         stdin=subprocess.DEVNULL,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -47,11 +47,14 @@ def _spawn(module: str, run: RunDir, new_session: bool) -> subprocess.Popen:
     )
 
 
-def submit(config, runs_root: Path) -> RunDir:
-    """Validate ``config`` (a RunConfig), create its run directory and start it in the background.
+def submit(config, runs_root: Path, nproc_per_node: int = 1) -> RunDir:
+    """Validate ``config`` (a RunConfig), create its run directory and start it in the background, on
+    ``nproc_per_node`` processes of this machine (torchrun, :mod:`oodviz.runs.launch`; one per GPU) when above 1.
 
     :class:`QueueFull` when :data:`MAX_QUEUED` runs under ``runs_root`` are already waiting."""
     config.validate()
+    if int(nproc_per_node) != nproc_per_node or nproc_per_node < 1:
+        raise ValueError(f"nproc_per_node must be a positive integer, got {nproc_per_node!r}")
     queued = [run for run in list_runs(runs_root) if refresh(run).get("state") == "queued"]
     if len(queued) >= MAX_QUEUED:
         raise QueueFull(
@@ -59,6 +62,8 @@ def submit(config, runs_root: Path) -> RunDir:
             "wait for some to finish or cancel some"
         )
     run = RunDir.create(Path(runs_root), config.to_dict())
+    if nproc_per_node > 1:
+        run.write_status(nproc_per_node=int(nproc_per_node))
     # The supervisor forks and its first process exits at once, after recording the pid of the
     # second: waiting for it here leaves no zombie in a long-lived caller such as the app.
     _spawn("oodviz.runs.supervise", run, new_session=True).wait()
@@ -66,7 +71,11 @@ def submit(config, runs_root: Path) -> RunDir:
 
 
 def start_worker(run: RunDir) -> subprocess.Popen:
-    """Used by the supervisor: the worker runs in the supervisor's session, so a kill of the group stops both."""
+    """Used by the supervisor: the worker runs in the supervisor's session, so a kill of the group stops both.
+    A run submitted on several processes (``nproc_per_node`` in its status) gets torchrun's launcher instead."""
+    processes = int(run.read_status().get("nproc_per_node") or 1)
+    if processes > 1:
+        return _spawn("oodviz.runs.launch", run, new_session=False, args=(str(processes),))
     return _spawn("oodviz.runs.worker", run, new_session=False)
 
 

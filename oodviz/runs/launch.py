@@ -6,6 +6,9 @@ This is ``torchrun [options] -m oodviz.runs.worker RUN_DIR --echo`` called in-pr
 ``--rdzv-endpoint HOST:PORT`` (node 0's address), with the run directory on a filesystem every node
 sees (``--out``). No worker is restarted (``--max-restarts 0``): a rank that fails fails the run.
 
+``python -m oodviz.runs.launch RUN_DIR N`` runs an existing run directory on this machine's ``N`` processes: the
+app's supervisor starts it instead of the one-process worker for a run on "all N GPUs".
+
 When a rank fails, torch's agent stops the others and raises :class:`ChildFailedError`; :func:`launch`
 then records the run ``failed`` with the rank that failed first, its exit code or signal, and what it
 said (its ``rank`` event, :func:`oodviz.runs.sharded.rank_failure`).
@@ -14,6 +17,7 @@ said (its ``rank`` event, :func:`oodviz.runs.sharded.rank_failure`).
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -96,3 +100,15 @@ def launch(run: RunDir, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0
             run.remove_scratch()
     state = run.read_status().get("state")
     return state if state in FINAL_STATES else "failed"
+
+
+def main(argv: list[str]) -> int:
+    """``RUN_DIR N``: exit status 0 when the run ended done or cancelled, else 1."""
+    if len(argv) != 2 or not argv[1].isdigit() or int(argv[1]) < 1:
+        print("usage: python -m oodviz.runs.launch RUN_DIR NPROC_PER_NODE", file=sys.stderr)
+        return 2
+    return 0 if launch(RunDir(Path(argv[0])), int(argv[1])) in ("done", "cancelled") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -291,25 +291,26 @@ def extract_splits(job: Job, open_split=None) -> None:
         record_layers(job)
 
 
-def fit_detectors(job: Job) -> None:
+def fit_detectors(job: Job, fit_features=None) -> None:
     """One stage per detector (per detector and layer, :func:`oodviz.runs.layers.detector_columns`): fit it
     on the ID fit split (model-based ones only check the model), with the parameters tuning chose when it
-    was tuned (tuning reads the run's main layer; its choice holds for every layer)."""
+    was tuned (tuning reads the run's main layer; its choice holds for every layer).
+    ``fit_features(job, detector, stage, layer)`` fits a feature-based one (default :func:`fit_on_store`)."""
     for column, choice, layer in detector_columns(job.config):
         choice = tuned_choice(job, choice)
         with job.reporter.stage(f"fit {column}") as stage, job.detector_may_fail(column, "fit", stage):
             started = time.perf_counter()
-            job.fitted[column] = detector = fitted_detector(job, choice, stage, layer)
+            job.fitted[column] = detector = fitted_detector(job, choice, stage, layer, fit_features)
             job.detector_log[column] = {
                 "params": _logged_params(detector, choice),
                 "fit_s": time.perf_counter() - started,
             }
             if choice.name in job.tuning:
-                job.detector_log[choice.name]["tuning"] = job.tuning[choice.name]
+                job.detector_log[column]["tuning"] = job.tuning[choice.name]
     require_a_detector(job)
 
 
-def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage, layer: str | None = None):
+def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage, layer: str | None = None, fit_features=None):
     from oodviz.detectors import create, detector_class
 
     if detector_class(choice.name).needs_model:
@@ -321,11 +322,17 @@ def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage, layer: str |
         return detector
     column = choice.name if layer is None else layer_column(choice.name, layer)
     detector = create(choice.name, **_with_scratch(choice, job.run, column))
-    fields = detector.fields_to_read(fitting=True)  # only what the detector uses is read from the store
+    (fit_features or fit_on_store)(job, detector, stage, layer)
+    return detector
+
+
+def fit_on_store(job: Job, detector, stage: Stage, layer: str | None = None) -> None:
+    """Fit ``detector`` on the whole ID fit store (of ``layer``; None: the run's main one), reading only the
+    fields it uses."""
+    fields = detector.fields_to_read(fitting=True)
     store = job.store_of("id_fit", layer)
     batches = Watched(store.batches(SCORE_BATCH, device=job.device, include=fields), stage)
     detector.fit(batches, head=job.backbone.head if layer is None else store.head, device=job.device)
-    return detector
 
 
 def score_splits(job: Job) -> None:

@@ -14,8 +14,12 @@ Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.w
   shards in rank order into the split's store (:func:`merge_shards`): the same key, the same rows in the same
   order as a single-process extraction, so either reuses the other's store whatever the world size. A rank
   that dies leaves shards in scratch only; the split's store is written only once every shard is complete.
-- **Fit.** Every rank fits every detector on the whole store of ``id_fit`` (a read of the memory-mapped
-  store; the computation is the same float64 stream on every rank, so every rank holds the same state).
+- **Fit.** A mergeable detector (the state protocol, :mod:`oodviz.detectors.protocol`: mahalanobis, rmd, klm,
+  she, gmm, vim, react, dice, fdbd, nci, tempscale, openmax) is fitted split: each rank updates on its
+  contiguous rows of ``id_fit``, the float64 states are gathered and merged in rank order on every rank, and
+  every rank finalizes the same state, pass after pass (:func:`~oodviz.distributed.fit_across_ranks`). Every
+  other detector is fitted by every rank on the whole store (a read of the memory-mapped store; the same
+  float64 stream on every rank, so every rank holds the same state).
 - **Scoring.** Each rank scores its contiguous rows of each split with the feature-based detectors; rank 0
   gathers the scores in rank order and writes them. Model-based detectors (odin, mcd) run on rank 0 over the
   whole split (mcd's dropout masks follow the batch sequence, so a shard would change them).
@@ -41,6 +45,7 @@ from oodviz.distributed import (
     World,
     barrier,
     broadcast_from_root,
+    fit_across_ranks,
     gather_to_root,
     join_world,
     leave_world,
@@ -51,10 +56,12 @@ from oodviz.engine import Cancelled
 from oodviz.runs.pipeline import (
     SCORE_BATCH,
     Job,
+    Watched,
     extract_splits,
     failed_detectors,
     finite_scores,
     fit_detectors,
+    fit_on_store,
     load_data,
     load_model,
     score_with_models,
@@ -218,6 +225,31 @@ def store_rows(store, start: int, stop: int, device: torch.device):
         ).to(device)
 
 
+class ShardRows:
+    """Rows ``[start, stop)`` of ``store`` as a re-iterable of batches (:func:`store_rows`): a two-pass fit reads
+    them again."""
+
+    def __init__(self, store, start: int, stop: int, device: torch.device):
+        self.store, self.start, self.stop, self.device = store, start, stop, device
+        self.n = stop - start
+
+    def __iter__(self):
+        return store_rows(self.store, self.start, self.stop, self.device)
+
+
+def fit_sharded(job: Job, detector, stage, layer: str | None, world: World) -> None:
+    """A mergeable detector: fitted on this rank's rows of ``id_fit``, merged across the ranks; any other: on the
+    whole store, by every rank (a sharded run has one layer: ``layer`` is None)."""
+    if not (world.distributed and detector.mergeable):
+        fit_on_store(job, detector, stage, layer)
+        return
+    store = job.stores["id_fit"]
+    start, stop = shard_bounds(store.n, world.rank, world.size)
+    stage.note(f"fit split: rank {world.rank} of {world.size} updates on rows {start}..{stop - 1} of {store.n}")
+    rows = Watched(ShardRows(store, start, stop, job.device), stage)
+    fit_across_ranks(detector, rows, world, head=job.backbone.head, device=job.device)
+
+
 def score_shard(job: Job, split: str, world: World) -> tuple[dict, dict]:
     """``({name: scores of this rank's rows}, {name: error})`` for every feature-based detector on ``split``."""
     store = job.stores[split]
@@ -282,7 +314,7 @@ def sharded_stages(world: World) -> tuple:
         load_model,
         load_data,
         partial(extract_splits, open_split=partial(sharded_split, world=world)),
-        fit_detectors,
+        partial(fit_detectors, fit_features=partial(fit_sharded, world=world)),
         partial(score_sharded_splits, world=world),
         on_root(write_scores, world),
         on_root(write_metrics, world),

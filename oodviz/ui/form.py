@@ -124,6 +124,15 @@ def _subsample(n: int) -> int | None:
     return int(n) if n and n > 0 else None
 
 
+#: the device choice "every visible GPU, one process each" (offered when more than one GPU is visible)
+ALL_GPUS = "all GPUs"
+
+
+def processes_of(values: FormValues, gpu_count: int) -> int:
+    """How many processes the run starts: one per visible GPU for :data:`ALL_GPUS`, else one."""
+    return max(gpu_count, 1) if values.device == ALL_GPUS else 1
+
+
 def config_from_form(values: FormValues) -> RunConfig:
     """The RunConfig the sidebar describes (not validated: call ``problems()`` on it)."""
     if values.id_preset == FOLDER_PRESET:
@@ -157,7 +166,7 @@ def config_from_form(values: FormValues) -> RunConfig:
         id_test=test,
         ood=ood,
         detectors=detectors,
-        device=values.device,
+        device="cuda" if values.device == ALL_GPUS else values.device,
         batch_size=int(values.batch_size),
         precision=values.precision,
         data_root=values.data_root.strip() or "data",

@@ -18,6 +18,8 @@ from pathlib import Path
 #: Largest chunk one poll reads; a longer backlog is read over the next polls.
 MAX_READ_BYTES = 1 << 20
 MEMORY_KEYS = ("time", "stage", "event", "cpu_rss", "gpu_allocated", "gpu_reserved", "gpu_peak")
+#: what the per-rank table shows of each process of a run on several (its latest value of each)
+RANK_KEYS = ("stage", "device", "batch_size", "cpu_rss", "gpu_allocated", "gpu_peak")
 
 
 class EventTail:
@@ -26,7 +28,10 @@ class EventTail:
     - ``ended``: ``{stage: its end event}`` in order; ``started``: the first event's time (s since the epoch);
     - ``latest``: the last ``progress`` event; ``last``: the last event with a memory snapshot;
     - ``warnings``: the last ``keep_warnings`` distinct warning messages;
-    - ``queued``: the last message of the ``queued`` stage; ``memory``: the bounded memory samples.
+    - ``queued``: the last message of the ``queued`` stage; ``memory``: the bounded memory samples;
+    - ``ranks``: ``{rank: its latest RANK_KEYS}`` of a run on several processes (rank 0's from the run's own
+      events, the others' from their ``{"event": "rank", "rank": r, "kind": ...}`` events, which stay out of the
+      stages, progress and memory series, which are rank 0's); their warnings join ``warnings`` as ``rank r: ...``.
     """
 
     def __init__(self, path: Path, max_points: int = 300, keep_warnings: int = 5):
@@ -43,6 +48,7 @@ class EventTail:
         self.stride = 1
         self.seen = 0  # memory samples seen
         self.newest: dict | None = None
+        self.ranks: dict[int, dict] = {}
 
     def poll(self) -> int:
         """Read the complete lines appended since the last poll (a line still being written waits for the
@@ -64,8 +70,19 @@ class EventTail:
                 self.add(event)
         return len(complete)
 
+    def _add_rank(self, rank: int, event: dict) -> None:
+        entry = self.ranks.setdefault(rank, {})
+        entry.update({key: event[key] for key in RANK_KEYS if event.get(key) is not None})
+
     def add(self, event: dict) -> None:
         kind, stage = event.get("event"), event.get("stage")
+        if kind == "rank" and isinstance(event.get("rank"), int):
+            self._add_rank(event["rank"], event)
+            if event.get("kind") == "warning" and event.get("message"):
+                self.add({"event": "warning", "message": f"rank {event['rank']}: {event['message']}"})
+            return
+        if event.get("device") is not None:
+            self._add_rank(0, event)
         if self.started is None and event.get("time") is not None:
             self.started = float(event["time"])
         if kind == "end" and stage:

@@ -19,8 +19,9 @@ from oodviz.runs.config import ConfigError, RunConfig, preset
 from oodviz.runs.jobs import QueueFull, refresh, submit
 from oodviz.runs.plan import run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
+from oodviz.runs.telemetry import device_facts
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
-from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config
+from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config, processes_of
 from oodviz.ui.history import label_editor, past_runs, read_label
 from oodviz.ui.sidebar import RUN_ANYWAY, memory_estimate, render_form
 
@@ -112,13 +113,15 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
                 '"Run anyway, over this machine\'s limits" and start again.'
             )
             return
-        start_run(config, slots["form"])
+        gpus = sum(f["device"].startswith("cuda") for f in device_facts())
+        start_run(config, slots["form"], processes=processes_of(values, gpus))
 
 
-def start_run(config: RunConfig, place=st) -> None:
-    """Submit ``config`` and open its page; a refusal (an invalid config, a full queue) is shown in ``place``."""
+def start_run(config: RunConfig, place=st, processes: int = 1) -> None:
+    """Submit ``config`` (on ``processes`` processes: "all N GPUs") and open its page; a refusal (an invalid
+    config, a full queue) is shown in ``place``."""
     try:
-        run = submit(config, runs_root())
+        run = submit(config, runs_root(), nproc_per_node=processes)
     except (ConfigError, QueueFull) as error:
         place.error(str(error))
         return

@@ -11,7 +11,15 @@ from oodviz.runs.defaults import defaults_reason
 from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
 from oodviz.ui.explore import teaching_panel
-from oodviz.ui.form import FOLDER_PRESET, ID_PRESETS, OOD_CHOICES, FormValues, config_from_form, ood_label
+from oodviz.ui.form import (
+    ALL_GPUS,
+    FOLDER_PRESET,
+    ID_PRESETS,
+    OOD_CHOICES,
+    FormValues,
+    config_from_form,
+    ood_label,
+)
 
 USER_MODEL = "torchscript"
 #: the session-state key of the form's "run anyway" checkbox
@@ -119,8 +127,13 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
 
         st.subheader("Resources")
         facts = _devices()
-        devices = ["auto"] + [f["device"] for f in facts]
-        labels = {"auto": "auto — first GPU if any, else CPU", **{f["device"]: _device_label(f) for f in facts}}
+        gpus = sum(f["device"].startswith("cuda") for f in facts)
+        devices = ["auto"] + ([ALL_GPUS] if gpus > 1 else []) + [f["device"] for f in facts]
+        labels = {
+            "auto": "auto — first GPU if any, else CPU",
+            ALL_GPUS: f"all {gpus} GPUs — one process each (torchrun)",
+            **{f["device"]: _device_label(f) for f in facts},
+        }
         device = st.selectbox(
             "Device",
             devices,

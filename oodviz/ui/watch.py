@@ -65,6 +65,27 @@ def _memory_metrics(event: dict, config: RunConfig | None) -> None:
         cols[3].metric("GPU", "none")
 
 
+def rank_table(ranks: dict[int, dict]) -> pd.DataFrame:
+    """One row per process of the run: rank, stage, device, batch size, CPU RSS and GPU memory (latest)."""
+
+    def size(value) -> str:
+        return format_bytes(value) if value is not None else ""
+
+    rows = [
+        {
+            "rank": rank,
+            "stage": entry.get("stage") or "",
+            "device": entry.get("device") or "",
+            "batch size": entry.get("batch_size"),
+            "CPU RSS": size(entry.get("cpu_rss")),
+            "GPU allocated": size(entry.get("gpu_allocated")),
+            "GPU peak": size(entry.get("gpu_peak")),
+        }
+        for rank, entry in sorted(ranks.items())
+    ]
+    return pd.DataFrame(rows, columns=["rank", "stage", "device", "batch size", "CPU RSS", "GPU allocated", "GPU peak"])
+
+
 def _config(run: RunDir) -> RunConfig | None:
     try:
         return RunConfig.load(run.config_path)
@@ -106,6 +127,8 @@ def job_panel(run: RunDir) -> None:
         elif current:
             st.progress(0.0, text=f"{current}: starting…")
         _memory_metrics({**tail.last, **(latest or {})}, config)
+        if len(tail.ranks) > 1:  # a run on several processes: each one's device, batch size and memory
+            st.dataframe(rank_table(tail.ranks), hide_index=True, use_container_width=True)
         for warning in tail.warnings:
             st.warning(warning)
         if run.cancel_requested():
