@@ -426,7 +426,7 @@ def test_app_runs_the_preset_in_one_click(tmp_path, monkeypatch):
     class Submitted:
         run_id = "submitted"
 
-    def fake_submit(config, root):  # the real one starts a worker process
+    def fake_submit(config, root, nproc_per_node=1):  # the real one starts a worker process
         submitted.append(config)
         return Submitted()
 
