@@ -10,8 +10,7 @@ from oodviz.runs.config import RunConfig
 def planned_stages(config: RunConfig) -> list[str]:
     """``load model``, ``load data``, ``extract <split>`` per split, ``fit <detector>`` per detector, then per
     scored split (id_test, each OOD set) ``score <split> with <name>`` per model-based detector and
-    ``score <split>``, then ``save detectors`` and ``metrics`` (a sharded run saves no detectors: one stage
-    fewer)."""
+    ``score <split>``, then ``save detectors`` and ``metrics`` (a sharded run's rank 0 does the last two)."""
     from oodviz.detectors import detector_class
     from oodviz.runs.pipeline import run_splits
 
