@@ -53,7 +53,7 @@ def embed(features: np.ndarray, method: str, seed: int) -> tuple[np.ndarray, dic
     except ImportError:
         raise ValueError("the umap projection needs umap-learn: pip install 'oodviz[umap]'") from None
     neighbours = min(15, len(features) - 1)
-    return UMAP(n_components=2, n_neighbors=neighbours, random_state=seed).fit_transform(features), {
+    return UMAP(n_components=2, n_neighbors=neighbours, random_state=seed, n_jobs=1).fit_transform(features), {
         "n_neighbors": neighbours
     }
 

@@ -107,7 +107,7 @@ def test_a_runs_umap_projection_is_umap_learns_map_of_the_seeded_subsample(run_c
         if split != "id_fit":
             rows = frame[frame.dataset == entry["dataset"]]["index"].to_numpy()
             features.append(np.asarray(stores[split].features[np.searchsorted(stores[split].indices, rows)]))
-    expected = umap.UMAP(n_components=2, n_neighbors=15, random_state=5).fit_transform(
+    expected = umap.UMAP(n_components=2, n_neighbors=15, random_state=5, n_jobs=1).fit_transform(
         np.concatenate(features).astype(np.float32)
     )
     np.testing.assert_allclose(frame[["x", "y"]].to_numpy(), expected, atol=1e-4)

@@ -85,6 +85,7 @@ def roc_chart(results, detector: str, curves: dict, title: str, colors, dataset:
     for trace in fig.data:
         if trace.customdata is not None:  # a curve (not the chance line): its points clickable
             trace.update(mode="lines+markers", marker={"size": 5})
+    fig.update_layout(dragmode="select")  # a drag draws a box over points; a click picks one
     event = chart(fig, key, use_container_width=True, on_select="rerun", selection_mode=("points", "box", "lasso"))
     chosen = selected_curve_thresholds(curves, selection_of(event))
     if not chosen:
@@ -106,7 +107,7 @@ def operating_point_gallery(results, detector: str, threshold: float, ood_set: s
     n_id = int((results.scores.split == ID_SPLIT).sum())
     n_ood = int((results.scores.dataset == ood_set).sum() if ood_set else 0)
     st.markdown(
-        f"**{detector} at threshold {threshold:.6g}** (ID vs {ood_set}): {len(flagged):,} of {n_id:,} ID images "
+        f"**{detector} at threshold {threshold:.9g}** (ID vs {ood_set}): {len(flagged):,} of {n_id:,} ID images "
         f"flagged as OOD (FPR {len(flagged) / max(n_id, 1):.3f}), {len(missed):,} of {n_ood:,} {ood_set} images "
         f"accepted as ID (TPR {1 - len(missed) / max(n_ood, 1):.3f}); nearest the threshold first"
     )
