@@ -35,6 +35,11 @@ def drag(page, box: dict, start: float, stop: float, top: float = 0.02, bottom: 
     page.mouse.up()
 
 
+def paragraph(page, pattern: str):
+    """The markdown paragraph whose text starts with ``pattern`` (a bold start is an element of its own)."""
+    return page.locator('[data-testid="stMarkdownContainer"] p').filter(has_text=re.compile(pattern)).first
+
+
 def gallery_captions(page) -> list[str]:
     """The captions of every image shown, read once every image is decoded (a rerun may swap them)."""
     return page.wait_for_function(
@@ -56,7 +61,7 @@ def test_a_box_on_the_histogram_shows_the_images_whose_scores_lie_in_it(page, ap
     assert page.locator('[data-testid="stImage"]').count() == 0  # no gallery before a selection
     area = histogram.locator(".nsewdrag").first.bounding_box()
     drag(page, area, 0.40, 0.65)
-    heading = page.get_by_text(re.compile(r"^Images with a \w+ score in \["))
+    heading = paragraph(page, r"^Images with a \w+ score in \[")
     heading.wait_for(timeout=60_000)
     detector, low, high, total = re.match(
         r"^Images with a (\w+) score in \[(\S+), (\S+)\]: ([\d,]+)", heading.inner_text()
@@ -97,7 +102,7 @@ def test_a_click_on_a_roc_point_shows_the_images_wrong_at_its_threshold(page, ap
     points = roc.locator("g.trace.scatter").first.locator("path.point")
     points.first.wait_for(timeout=60_000)
     points.nth(points.count() // 3).click(force=True)
-    heading = page.get_by_text(re.compile(r"^\w+ at threshold "))
+    heading = paragraph(page, r"^\w+ at threshold ")
     heading.wait_for(timeout=60_000)
     detector, threshold, ood_set, flagged, n_id, missed, n_ood = re.match(
         r"^(\w+) at threshold (\S+) \(ID vs (\S+)\): ([\d,]+) of ([\d,]+) ID .* ([\d,]+) of ([\d,]+) \S+ images accepted",
@@ -137,8 +142,8 @@ def test_the_feature_map_names_a_hovered_point_and_shows_the_images_of_a_box(pag
     page.mouse.move(*where)
     hover = chart.locator(".hoverlayer .hovertext")
     hover.first.wait_for(timeout=30_000)
-    named = re.match(r"^(\S+) #(\d+)\s*true (\S+) · predicted (\S+)", hover.first.inner_text())
-    assert named, hover.first.inner_text()
+    named = re.match(r"^(\S+) #(\d+)\s*true (\S+) · predicted (\S+)", hover.first.text_content())
+    assert named, hover.first.text_content()
     dataset, index = named.group(1), int(named.group(2))
     hovered = frame[(frame.dataset == dataset) & (frame["index"] == index)]
     assert len(hovered) == 1 and str(hovered.prediction.item()) == named.group(4)  # digits: the class name is the digit
@@ -146,7 +151,7 @@ def test_the_feature_map_names_a_hovered_point_and_shows_the_images_of_a_box(pag
     chart.locator('[data-title="Box Select"]').click(force=True)  # a box, not the map's default lasso
     ranges = chart.evaluate("gd => [gd._fullLayout.xaxis.range, gd._fullLayout.yaxis.range]")
     drag(page, area, 0.3, 0.7, top=0.3, bottom=0.7)
-    heading = page.get_by_text(re.compile(r"^[\d,]+ selected point\(s\)"))
+    heading = paragraph(page, r"^[\d,]+ selected point\(s\)")
     heading.wait_for(timeout=60_000)
     selected = int(heading.inner_text().split(" ")[0].replace(",", ""))
     (x0, x1), (y0, y1) = ranges

@@ -85,13 +85,12 @@ def roc_chart(results, detector: str, curves: dict, title: str, colors, dataset:
     for trace in fig.data:
         if trace.customdata is not None:  # a curve (not the chance line): its points clickable
             trace.update(mode="lines+markers", marker={"size": 5})
-    fig.update_layout(dragmode="select")  # a drag draws a box over points; a click picks one
     event = chart(fig, key, use_container_width=True, on_select="rerun", selection_mode=("points", "box", "lasso"))
     chosen = selected_curve_thresholds(curves, selection_of(event))
     if not chosen:
         st.caption(
-            "Click a point of a curve to see the images wrong at its threshold; drag a box over several points "
-            "to see the images between their thresholds."
+            "Click a point of a curve to see the images wrong at its threshold; with Box Select (the chart's "
+            "toolbar), drag over several points to see the images between their thresholds."
         )
     for label, (low, high) in chosen.items():
         scored_by, ood_set = (label, dataset) if dataset is not None else (detector, label)

@@ -180,12 +180,20 @@ def projection_view(
 
 
 def report_download(results: Results) -> None:
-    """A button that builds the self-contained HTML report (:func:`oodviz.report.report_html`) and offers it."""
+    """A button that builds the self-contained HTML report (:func:`oodviz.report.report_html`) and offers it;
+    with each figure also as PNG and SVG downloads when ticked (offered where kaleido and Chromium are)."""
+    from oodviz.export import kaleido_problem
     from oodviz.report import report_html
 
+    with_files = kaleido_problem() is None and st.checkbox(
+        "with each figure as PNG and SVG", key="report-figure-files", help="Drawn by kaleido in Chromium: slower"
+    )
     if st.button("Build the HTML report", key="build-report"):
         with st.spinner("Building the report..."):
-            st.session_state[f"report-html:{results.path}"] = report_html(results.path)
+            try:
+                st.session_state[f"report-html:{results.path}"] = report_html(results.path, figure_files=with_files)
+            except RuntimeError as error:  # kaleido could not draw the figures: say why, build none
+                st.error(f"The figures could not be drawn as files: {error}")
     if f"report-html:{results.path}" in st.session_state:
         st.download_button(
             "Download report.html",
