@@ -163,3 +163,31 @@ def test_the_feature_map_names_a_hovered_point_and_shows_the_images_of_a_box(pag
     assert 0 < inside(0.01) <= selected <= inside(-0.01)  # the points in the box, give or take its edge pixels
     assert gallery_captions(page)
     shoot(page, tmp_path, "projection-selection")
+
+
+def test_a_figure_downloads_as_png_and_svg_where_kaleido_works(page, app_url, run_copy, tmp_path):  # noqa: F811
+    import io
+    import xml.etree.ElementTree as ElementTree
+
+    from PIL import Image
+
+    from oodviz.export import kaleido_problem
+
+    if kaleido_problem() is not None:
+        pytest.skip(kaleido_problem())
+    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.get_by_role("tab", name="Risk–coverage").click(timeout=120_000)
+    chart = page.locator(".js-plotly-plot").filter(has_text="coverage").first
+    chart.wait_for(timeout=60_000)
+    page.get_by_role("button", name="Export PNG / SVG").click()
+    with page.expect_download(timeout=120_000) as png:
+        page.get_by_role("button", name="Download PNG").click(timeout=120_000)
+    image = Image.open(io.BytesIO(png.value.path().read_bytes()))
+    assert png.value.suggested_filename == "risk-coverage.png" and image.format == "PNG"
+    layout = chart.evaluate("gd => [gd.layout.width || 900, gd.layout.height]")
+    assert image.size[1] == layout[1]  # the figure's own height; its width the layout's or 900 px
+    pixels = np.asarray(image.convert("L"))
+    assert pixels.min() < 100 and (pixels > 250).mean() > 0.5  # dark lines and text on a white page
+    with page.expect_download(timeout=60_000) as svg:
+        page.get_by_role("button", name="Download SVG").click()
+    assert ElementTree.parse(svg.value.path()).getroot().tag.endswith("svg")
