@@ -347,13 +347,7 @@ def cmd_report(args) -> int:
     from oodviz.report import write_report
 
     try:
-        path = write_report(
-            Path(args.run),
-            args.output,
-            detectors=args.detector or None,
-            gallery_size=args.gallery,
-            figure_files=args.figure_files,
-        )
+        path = write_report(Path(args.run), args.output, args.detector or None, args.gallery, args.figure_files)
     except (ValueError, OSError, RuntimeError) as error:  # RuntimeError: kaleido could not draw the figures
         print(f"oodviz report: {error}", file=sys.stderr)
         return 2
@@ -471,12 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         "project", help="compute a run's 2-D map of the ID test and OOD features (PCA, or t-SNE/UMAP on a subsample)"
     )
     project.add_argument("run", help="a finished run directory (its feature stores must still exist)")
-    project.add_argument(
-        "--method",
-        choices=["pca", "tsne", "umap"],
-        default="pca",
-        help="pca (default: every sample), tsne or umap (umap-learn installed) on a seeded subsample",
-    )
+    methods = "pca (default: every sample), tsne or umap (umap-learn installed) on a seeded subsample"
+    project.add_argument("--method", choices=["pca", "tsne", "umap"], default="pca", help=methods)
     project.add_argument(
         "--max-points", type=int, default=2000, help="t-SNE's or UMAP's seeded subsample (default: 2000)"
     )
