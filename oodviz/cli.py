@@ -312,7 +312,8 @@ def cmd_store(args) -> int:
 
 def cmd_score(args) -> int:
     """Score image files with a run's model and saved detectors (:func:`oodviz.scoring.score_images`): a table
-    on stdout (or ``--out`` CSV); exit 1 when some file could not be read, 2 when the run cannot score."""
+    on stdout (or ``--out`` CSV); exit 1 when some file could not be read or some detector could not be
+    loaded (the others scored, the reasons on stderr), 2 when the run cannot score."""
     from oodviz.scoring import RunNotScorableError, score_images
 
     try:
@@ -322,6 +323,8 @@ def cmd_score(args) -> int:
         return 2
     for path, why in scored.unreadable.items():
         print(f"unreadable: {path}: {why}", file=sys.stderr)
+    for name, why in scored.not_loaded.items():
+        print(f"not loaded: {name}: {why} (scored with the others)", file=sys.stderr)
     table = scored.table
     if args.out:
         table.to_csv(args.out, index=False)
@@ -336,7 +339,7 @@ def cmd_score(args) -> int:
         "verdict OOD when score >= the threshold that flags 95% of the run's OOD samples",
         file=sys.stderr,
     )
-    return 1 if scored.unreadable else 0
+    return 1 if scored.unreadable or scored.not_loaded else 0
 
 
 def cmd_report(args) -> int:
@@ -344,8 +347,8 @@ def cmd_report(args) -> int:
     from oodviz.report import write_report
 
     try:
-        path = write_report(Path(args.run), args.output, detectors=args.detector or None, gallery_size=args.gallery)
-    except (ValueError, OSError) as error:
+        path = write_report(Path(args.run), args.output, args.detector or None, args.gallery, args.figure_files)
+    except (ValueError, OSError, RuntimeError) as error:  # RuntimeError: kaleido could not draw the figures
         print(f"oodviz report: {error}", file=sys.stderr)
         return 2
     print(f"report: {path} ({format_bytes(path.stat().st_size)}; opens offline in any browser)", file=sys.stderr)
@@ -434,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
         help="score image files with a finished run's model and saved detectors",
         description="Per image and detector: the prediction, the score (higher = more OOD), its percentile among "
         "the run's ID test scores and the verdict at the run's threshold (95%% of its OOD samples flagged).",
-        epilog="exit status: 0 every image scored; 1 some file unreadable (the others scored); 2 the run cannot score",
+        epilog="exit status: 0 every image scored; 1 some file unreadable or some detector not loaded (the others scored); 2 the run cannot score",
     )
     score.add_argument("run", help="a finished run directory")
     score.add_argument("images", nargs="+", help="image files")
@@ -451,14 +454,23 @@ def main(argv: list[str] | None = None) -> int:
         "--detector", action="append", metavar="NAME", help="a detector to give a section (repeatable; default: all)"
     )
     report.add_argument("--gallery", type=int, default=8, help="images per failure gallery (default: 8)")
+    report.add_argument(
+        "--figure-files",
+        action="store_true",
+        help="also offer each figure as PNG and SVG downloads in the report (kaleido 1.x and Chromium: "
+        "pip install 'oodviz[export]'; slower, larger file)",
+    )
     report.set_defaults(func=cmd_report)
     project = commands.add_parser(
-        "project", help="compute a run's 2-D map of the ID test and OOD features (PCA, or t-SNE on a subsample)"
+        "project", help="compute a run's 2-D map of the ID test and OOD features (PCA, or t-SNE/UMAP on a subsample)"
     )
     project.add_argument("run", help="a finished run directory (its feature stores must still exist)")
-    project.add_argument("--method", choices=["pca", "tsne"], default="pca", help="pca (default: every sample) or tsne")
-    project.add_argument("--max-points", type=int, default=2000, help="t-SNE's seeded subsample (default: 2000)")
-    project.add_argument("--seed", type=int, default=0, help="t-SNE's seed and subsample seed (default: 0)")
+    methods = "pca (default: every sample), tsne or umap (umap-learn installed) on a seeded subsample"
+    project.add_argument("--method", choices=["pca", "tsne", "umap"], default="pca", help=methods)
+    project.add_argument(
+        "--max-points", type=int, default=2000, help="t-SNE's or UMAP's seeded subsample (default: 2000)"
+    )
+    project.add_argument("--seed", type=int, default=0, help="t-SNE's or UMAP's seed and subsample seed (default: 0)")
     project.set_defaults(func=cmd_project)
     store = commands.add_parser("store", help="check or list the feature stores the runs share")
     store_commands = store.add_subparsers(dest="store_command", required=True)

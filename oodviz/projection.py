@@ -13,6 +13,9 @@
 - ``"tsne"``: scikit-learn's t-SNE (``init="pca"``, ``random_state=seed``) of a seeded subsample of
   ``max_points`` samples drawn uniformly from the ID test and OOD rows together (all of them when
   fewer); t-SNE is ``O(n^2)``-ish and keeps its input in memory, hence the subsample.
+- ``"umap"``: umap-learn's UMAP (``n_neighbors=min(15, n - 1)``, ``random_state=seed``) of the same
+  seeded subsample; only when ``umap-learn`` is installed (``pip install 'oodviz[umap]'``,
+  :func:`available_methods`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,34 @@ import pandas as pd
 from oodviz.results import ID_SPLIT, OOD_SPLIT, write_table
 from oodviz.runs.rundir import read_json_object, write_json
 
-METHODS = ("pca", "tsne")
+METHODS = ("pca", "tsne", "umap")
 PROJECTION_COLUMNS = ("split", "dataset", "index", "label", "prediction", "x", "y")
 BATCH_ROWS = 8192
+
+
+def available_methods() -> list[str]:
+    """The methods of :data:`METHODS` this installation can run (``umap`` needs ``umap-learn``)."""
+    from importlib.util import find_spec
+
+    return [m for m in METHODS if m != "umap" or find_spec("umap") is not None]
+
+
+def embed(features: np.ndarray, method: str, seed: int) -> tuple[np.ndarray, dict]:
+    """``(xy [n, 2], how it was made)``: the t-SNE or UMAP map of ``features`` ``[n, D]`` (see the module
+    docstring for the parameters)."""
+    if method == "tsne":
+        from sklearn.manifold import TSNE
+
+        tsne = TSNE(n_components=2, init="pca", random_state=seed, perplexity=min(30.0, (len(features) - 1) / 3))
+        return tsne.fit_transform(features), {"perplexity": tsne.perplexity}
+    try:
+        from umap import UMAP
+    except ImportError:
+        raise ValueError("the umap projection needs umap-learn: pip install 'oodviz[umap]'") from None
+    neighbours = min(15, len(features) - 1)
+    return UMAP(n_components=2, n_neighbors=neighbours, random_state=seed, n_jobs=1).fit_transform(features), {
+        "n_neighbors": neighbours
+    }
 
 
 def projection_path(run_dir, method: str) -> Path:
@@ -111,8 +139,6 @@ def project_run(run_dir, method: str = "pca", max_points: int = 2000, seed: int 
             xy = np.concatenate([(block - mean) @ components.T for block in _blocks(store.features)])
             frames.append(_frame(store, kind, dataset, np.arange(store.n), xy))
     else:
-        from sklearn.manifold import TSNE
-
         sizes = [stores[split].n for split, _, _ in projected]
         chosen = np.sort(np.random.default_rng(seed).permutation(sum(sizes))[: int(max_points)])
         starts = np.concatenate([[0], np.cumsum(sizes)])
@@ -121,10 +147,9 @@ def project_run(run_dir, method: str = "pca", max_points: int = 2000, seed: int 
             [np.asarray(stores[s].features[rows], dtype=np.float32) for (s, _, _), rows in zip(projected, picks)]
         )
         if len(features) < 5:
-            raise ValueError(f"t-SNE needs at least 5 samples, got {len(features)}")
-        tsne = TSNE(n_components=2, init="pca", random_state=seed, perplexity=min(30.0, (len(features) - 1) / 3))
-        xy = tsne.fit_transform(features)
-        info.update(max_points=int(max_points), seed=seed, perplexity=tsne.perplexity)
+            raise ValueError(f"{method} needs at least 5 samples, got {len(features)}")
+        xy, how = embed(features, method, seed)
+        info.update(max_points=int(max_points), seed=seed, **how)
         offset = 0
         for (split, kind, dataset), rows in zip(projected, picks, strict=True):
             frames.append(_frame(stores[split], kind, dataset, rows, xy[offset : offset + len(rows)]))

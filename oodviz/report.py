@@ -2,7 +2,9 @@
 
 The file needs no network and no oodviz to open: plotly.js is inlined once, every figure travels as its
 Plotly JSON (drawn by ``Plotly.newPlot`` when the page loads; each figure's toolbar exports it as PNG),
-and the failure galleries' thumbnails are PNG data URIs. It holds the run's config and environment
+and the failure galleries' thumbnails are PNG data URIs. With ``figure_files=True`` (``oodviz report
+--figure-files``) each figure is also drawn by kaleido in the system's Chromium (:mod:`oodviz.export`) and
+offered below it as PNG and SVG downloads (data URIs: the file stays self-contained, and larger). It holds the run's config and environment
 (versions, device, wall time and peak memory per stage), the metrics table (near/far means and every
 OOD dataset), the AUROC heatmap, the risk–coverage curves and, per detector, the score histogram, the
 ROC and PR-Out curves against every OOD dataset, the per-class false alarms and the two failure galleries, after what the detector does
@@ -77,6 +79,7 @@ class _Page:
     def __init__(self):
         self.parts: list[str] = []
         self.n_figures = 0
+        self.figures: list[tuple[int, go.Figure, str]] = []  # (place of its download links in parts, figure, name)
 
     def add(self, markup: str) -> None:
         self.parts.append(markup)
@@ -91,6 +94,21 @@ class _Page:
             f'<div class="{FIGURE_CLASS}" id="figure-{self.n_figures}" data-name="{html.escape(name)}"></div>'
             f'<script type="application/json">{_script_json(fig.to_json())}</script>'
         )
+        self.figures.append((len(self.parts), fig, f"figure-{self.n_figures}-{name.replace(' ', '-')}"))
+        self.parts.append("")  # its PNG and SVG download links, when asked for
+
+    def add_figure_files(self) -> None:
+        """Every figure drawn as PNG and SVG (one browser session) and linked below it as downloads."""
+        from oodviz.export import figure_images
+
+        images = figure_images([fig for _, fig, _ in self.figures])
+        for (place, _, name), files in zip(self.figures, images, strict=True):
+            links = [
+                f'<a download="{html.escape(name)}.{fmt}" href="data:{mime};base64,'
+                f'{base64.b64encode(files[fmt]).decode("ascii")}">{fmt.upper()}</a>'
+                for fmt, mime in (("png", "image/png"), ("svg", "image/svg+xml"))
+            ]
+            self.parts[place] = f'<p class="figure-files">Download: {" · ".join(links)}</p>'
 
     def table(self, frame: pd.DataFrame, digits: int = 3) -> None:
         self.parts.append(frame.to_html(index=False, float_format=lambda v: f"{v:.{digits}f}", border=0, na_rep="–"))
@@ -223,9 +241,10 @@ def _detector_section(page: _Page, results: Results, detector: str, gallery_size
     page.add("</details>")
 
 
-def report_html(run_dir, detectors=None, gallery_size: int = 8) -> str:
+def report_html(run_dir, detectors=None, gallery_size: int = 8, figure_files: bool = False) -> str:
     """The report of the finished run ``run_dir`` as one HTML document (see the module docstring);
-    ``detectors``: the detectors given a section (default: all, the first one opened)."""
+    ``detectors``: the detectors given a section (default: all, the first one opened); ``figure_files``:
+    each figure also as PNG and SVG downloads (RuntimeError saying why when they cannot be drawn here)."""
     from plotly.offline import get_plotlyjs
 
     results = load_results(run_dir)
@@ -246,6 +265,8 @@ def report_html(run_dir, detectors=None, gallery_size: int = 8) -> str:
     page.text("h2", "Detectors")
     for position, detector in enumerate(chosen):
         _detector_section(page, results, detector, gallery_size, opened=position == 0)
+    if figure_files:
+        page.add_figure_files()
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
         f"<style>{STYLE}</style><script>{get_plotlyjs()}</script></head>\n<body>\n"
@@ -254,8 +275,8 @@ def report_html(run_dir, detectors=None, gallery_size: int = 8) -> str:
     )
 
 
-def write_report(run_dir, out, detectors=None, gallery_size: int = 8) -> Path:
+def write_report(run_dir, out, detectors=None, gallery_size: int = 8, figure_files: bool = False) -> Path:
     """Write :func:`report_html` of ``run_dir`` to ``out`` (atomically) and return its path."""
     out = Path(out)
-    write_atomic(out, report_html(run_dir, detectors, gallery_size).encode("utf-8"))
+    write_atomic(out, report_html(run_dir, detectors, gallery_size, figure_files).encode("utf-8"))
     return out

@@ -118,10 +118,37 @@ class FileListSource(Source):
 @dataclass
 class ScoredImages:
     """``table``: :data:`SCORED_COLUMNS`, one row per readable image and detector (images in the order
-    given, detectors in the run's order); ``unreadable``: file -> why it could not be decoded."""
+    given, detectors in the run's order); ``unreadable``: file -> why it could not be decoded;
+    ``not_loaded``: detector -> why it could not be loaded (the others scored)."""
 
     table: pd.DataFrame
     unreadable: dict[str, str] = field(default_factory=dict)
+    not_loaded: dict[str, str] = field(default_factory=dict)
+
+
+def load_saved_detectors(run_dir, names, backbone, detectors_log: dict | None) -> tuple[dict, dict[str, str]]:
+    """``({name: detector}, {name: why not})``: each of ``names`` loaded from ``<run_dir>/detectors/`` (the
+    model-based ones given ``backbone``). A detector that was not saved (its ``save_error`` in the run's
+    ``detectors.json``), or whose files are missing, damaged or changed, is left out with why, so that one
+    bad detector does not cost the others; :class:`RunNotScorableError` when none loads."""
+    from oodviz.detectors import detector_class, load
+
+    loaded, failed = {}, {}
+    for name in names:
+        directory = detectors_dir(run_dir) / name
+        save_error = ((detectors_log or {}).get(name) or {}).get("save_error")
+        if save_error and not directory.is_dir():
+            failed[name] = f"the run could not save it ({save_error})"
+            continue
+        objects = {"model": backbone} if detector_class(name).needs_model else {}
+        try:
+            loaded[name] = load(directory, **objects)
+        except (OSError, ValueError) as error:  # DetectorFileError is a ValueError
+            failed[name] = f"{type(error).__name__}: {error}"
+    if not loaded:
+        reasons = "; ".join(f"{name}: {why}" for name, why in failed.items())
+        raise RunNotScorableError(f"no saved detector of run {run_dir} could be loaded ({reasons})")
+    return loaded, failed
 
 
 def _check_run(run_dir, detector: str | None):
@@ -146,9 +173,6 @@ def _check_run(run_dir, detector: str | None):
                 f"score reads the run's main features only ({', '.join(names) or 'none saved'})"
             )
         names = [detector]
-    missing = [n for n in names if not (saved / n).is_dir()]
-    if missing:
-        raise RunNotScorableError(f"run {run_dir} has scores but no saved detector for {', '.join(missing)}")
     return results, names
 
 
@@ -179,8 +203,8 @@ def _readable(paths) -> tuple[list[str], dict[str, str]]:
 def score_images(run_dir, paths, detector: str | None = None, device: str = "cpu") -> ScoredImages:
     """Score the image files ``paths`` with the finished run ``run_dir``'s model and saved detectors
     (all of them, or ``detector``); see the module docstring for what each row says.
-    :class:`RunNotScorableError` for a run that cannot score; unreadable files are listed, not fatal."""
-    from oodviz.detectors import detector_class, load
+    :class:`RunNotScorableError` for a run that cannot score; unreadable files and detectors that cannot
+    be loaded (:func:`load_saved_detectors`) are listed, not fatal."""
     from oodviz.engine import extract, score_inputs
     from oodviz.models import parse_device
     from oodviz.runs.config import RunConfig
@@ -194,9 +218,11 @@ def score_images(run_dir, paths, detector: str | None = None, device: str = "cpu
     if problem:
         raise RunNotScorableError(f"{detectors_dir(run_dir) / BACKBONE_FILE}: {problem}")
     backbone = _run_backbone(config, identity)
+    detectors, not_loaded = load_saved_detectors(run_dir, names, backbone, results.detectors)
+    names = list(detectors)
     files, unreadable = _readable(paths)
     if not files:
-        return ScoredImages(pd.DataFrame(columns=list(SCORED_COLUMNS)), unreadable)
+        return ScoredImages(pd.DataFrame(columns=list(SCORED_COLUMNS)), unreadable, not_loaded)
     device = parse_device(device)
     dataset = ImageDataset("images", FileListSource(files))
     options = {"device": device, "batch_size": config.batch_size, "precision": config.precision}
@@ -207,17 +233,13 @@ def score_images(run_dir, paths, detector: str | None = None, device: str = "cpu
         logits = torch.from_numpy(np.array(store.logits, dtype=np.float32))
         rows = np.asarray(store.indices)
         per_detector = {}
-        for name in names:
-            if detector_class(name).needs_model:
-                model_detector = load(detectors_dir(run_dir) / name, model=backbone)
-                scored = score_inputs(
-                    lambda b, d=model_detector: d.score(b, device=device), backbone, dataset, **options
-                )
+        for name, saved in detectors.items():
+            if saved.needs_model:
+                scored = score_inputs(lambda b, d=saved: d.score(b, device=device), backbone, dataset, **options)
                 if not np.array_equal(scored.indices, rows):
                     raise ValueError(f"{name}: the images read differently for the model pass; score them again")
                 per_detector[name] = scored.scores.numpy()
             else:
-                saved = load(detectors_dir(run_dir) / name)
                 per_detector[name] = saved.score(store.batches(SCORE_BATCH, device=device), device=device).numpy()
     probabilities = logits.softmax(dim=1)
     predictions = probabilities.argmax(dim=1).numpy()
@@ -242,4 +264,4 @@ def score_images(run_dir, paths, detector: str | None = None, device: str = "cpu
                     "verdict": "OOD" if float(score) >= threshold else "ID",
                 }
             )
-    return ScoredImages(pd.DataFrame(table, columns=list(SCORED_COLUMNS)), unreadable)
+    return ScoredImages(pd.DataFrame(table, columns=list(SCORED_COLUMNS)), unreadable, not_loaded)

@@ -58,6 +58,24 @@ def assert_same_scores(reference: Path, other: Path) -> None:
         np.testing.assert_allclose(b[name].to_numpy(), expected, rtol=1e-5, atol=atol, err_msg=name)
 
 
+def assert_saved_detectors_score_like_the_run(run: Path) -> None:
+    """Every feature detector saved in ``run/detectors`` (by rank 0) scores the run's ID test store to the
+    bits of its ``scores.parquet``, as a single-process run's do (tests/test_scoring.py)."""
+    from oodviz.detectors import detector_class, load
+    from oodviz.engine import STORES_DIRNAME, open_store
+    from oodviz.results import ID_SPLIT, load_results
+    from oodviz.scoring import detectors_dir
+
+    results = load_results(run)
+    store = open_store(run.parent / STORES_DIRNAME, results.meta["splits"]["id_test"]["store"])
+    stored = results.scores[results.scores.split == ID_SPLIT]
+    saved = sorted(p.name for p in detectors_dir(run).iterdir() if p.is_dir())
+    assert saved == sorted(results.detectors)
+    for name in (n for n in saved if not detector_class(n).needs_model):
+        scores = load(detectors_dir(run) / name).score(store.batches(4096)).numpy()
+        assert np.array_equal(scores, stored[name].to_numpy()), name
+
+
 def rank_events(run: RunDir, rank: int) -> list[dict]:
     return [e for e in run.read_events() if e.get("event") == "rank" and e.get("rank") == rank]
 
@@ -136,6 +154,7 @@ def test_two_processes_extract_the_same_stores_and_give_the_same_scores_as_one(d
             np.testing.assert_array_equal(store.array(name), single[key].array(name), err_msg=f"{key} {name}")
         assert store.verify(full=True) == []
     assert_same_scores(default_run.path, out)
+    assert_saved_detectors_score_like_the_run(out)
     run = RunDir(out)
     assert run.read_status()["state"] == "done"
     ends = [e for e in rank_events(run, 1) if e.get("kind") == "end"]

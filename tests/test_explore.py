@@ -158,6 +158,7 @@ def views(run_path: str):
 
 def test_the_views_render_a_real_run(default_run, tmp_path):
     from oodviz.analysis import ORACLE, risk_coverage_curves
+    from oodviz.export import kaleido_problem
     from oodviz.projection import project_run
 
     copy = default_run.path.parent / f"explore-{tmp_path.name}"
@@ -172,7 +173,8 @@ def test_the_views_render_a_real_run(default_run, tmp_path):
         curves = risk_coverage_curves(pd.read_parquet(copy / "scores.parquet"))
         assert list(aurc.index) == ["msp", "knn", ORACLE]
         assert aurc.loc["knn", "AURC"] == curves["knn"]["aurc"]
-        assert [b.label for b in app.button] == ["Build the HTML report"]
+        exports = ["Export PNG / SVG"] * 2 if kaleido_problem() is None else []  # offered only where it works
+        assert [b.label for b in app.button] == [*exports, "Build the HTML report"]
     finally:
         shutil.rmtree(copy)
 
@@ -197,4 +199,4 @@ def test_a_box_on_the_histogram_shows_the_images_in_that_score_range_per_set(app
     expected = sum(min(12, n) for n in counts.values())
     assert len(captions) == expected
     first = inside[inside.dataset == next(iter(counts))].sort_values(detector, kind="stable")[detector].head(12)
-    assert [c.rsplit("· ", 1)[1] for c in captions[: len(first)]] == [f"{v:.3g}" for v in first]
+    assert [c.rsplit("· ", 1)[1] for c in captions[: len(first)]] == [f"{v:.4g}" for v in first]

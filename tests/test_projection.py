@@ -87,8 +87,42 @@ def test_a_runs_tsne_projection_embeds_a_seeded_subsample_with_as_many_points_as
     )
     np.testing.assert_allclose(frame[["x", "y"]].to_numpy(), expected, atol=1e-4)
     assert frame.split.nunique() == 2 and frame.dataset.nunique() == len(meta) - 1  # every set is represented
-    with pytest.raises(ValueError, match="method must be one of pca, tsne"):
-        project_run(run_copy, "umap")
+    with pytest.raises(ValueError, match="method must be one of pca, tsne, umap"):
+        project_run(run_copy, "isomap")
+
+
+def test_a_runs_umap_projection_is_umap_learns_map_of_the_seeded_subsample(run_copy):
+    """The same subsample as t-SNE's for the same seed, embedded by umap-learn with the same parameters."""
+    umap = pytest.importorskip("umap", reason="umap-learn is not installed (pip install 'oodviz[umap]')")
+    frame = project_run(run_copy, "umap", max_points=120, seed=5)
+    assert len(frame) == 120 and tuple(frame.columns) == PROJECTION_COLUMNS
+    assert pd.read_parquet(projection_path(run_copy, "umap")).equals(frame)
+    same_rows = project_run(run_copy, "tsne", max_points=120, seed=5)
+    keys = ["split", "dataset", "index", "label", "prediction"]
+    assert frame[keys].equals(same_rows[keys])
+    stores = stores_of(run_copy)
+    meta = json.loads((run_copy / "meta.json").read_text())["splits"]
+    features = []
+    for split, entry in meta.items():
+        if split != "id_fit":
+            rows = frame[frame.dataset == entry["dataset"]]["index"].to_numpy()
+            features.append(np.asarray(stores[split].features[np.searchsorted(stores[split].indices, rows)]))
+    expected = umap.UMAP(n_components=2, n_neighbors=15, random_state=5, n_jobs=1).fit_transform(
+        np.concatenate(features).astype(np.float32)
+    )
+    np.testing.assert_allclose(frame[["x", "y"]].to_numpy(), expected, atol=1e-4)
+    assert json.loads(projection_path(run_copy, "umap").with_suffix(".json").read_text())["n_neighbors"] == 15
+
+
+def test_without_umap_learn_the_umap_projection_is_refused_and_not_offered(run_copy, monkeypatch):
+    import sys
+
+    from oodviz.projection import available_methods
+
+    monkeypatch.setitem(sys.modules, "umap", None)  # as if umap-learn were not installed
+    assert available_methods() == ["pca", "tsne"]
+    with pytest.raises(ValueError, match=r"needs umap-learn: pip install 'oodviz\[umap\]'"):
+        project_run(run_copy, "umap", max_points=50)
 
 
 def test_oodviz_project_writes_the_projection(run_copy, tmp_path):

@@ -135,3 +135,45 @@ def test_scores_of_the_model_detectors_match_the_run(default_run, default_result
     stored = default_results.scores
     expected = stored[(stored.split == ID_SPLIT) & (stored["index"] == SHOWN[0])]["odin"].item()
     assert scored.table.score.item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_oodviz_score_scores_with_the_detectors_that_load_and_says_why_the_others_did_not(
+    default_run, default_results, image_files, tmp_path
+):
+    """knn's manifest removed, a mahalanobis state file changed, energy never saved (its ``save_error`` in
+    detectors.json): those three are named with why, every other detector gives the score it gives when every
+    detector loads."""
+    import json
+
+    copy = tmp_path / "damaged"
+    shutil.copytree(default_run.path, copy)
+    saved = copy / "detectors"
+    (saved / "knn" / "detector.json").unlink()
+    state = next(p for p in (saved / "mahalanobis").iterdir() if p.suffix in (".npy", ".safetensors"))
+    state.write_bytes(state.read_bytes()[:-8] + b"\0" * 8)
+    shutil.rmtree(saved / "energy")
+    log = json.loads((copy / "detectors.json").read_text())
+    log["energy"]["save_error"] = "OSError: [Errno 28] No space left on device"
+    (copy / "detectors.json").write_text(json.dumps(log))
+
+    result = oodviz_score(copy, image_files[0], "--out", tmp_path / "s.csv", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "not loaded: knn: DetectorFileError:" in result.stderr and "does not exist" in result.stderr
+    assert "not loaded: mahalanobis: DetectorFileError:" in result.stderr and "changed" in result.stderr
+    assert "not loaded: energy: the run could not save it (OSError: [Errno 28]" in result.stderr
+    table = pd.read_csv(tmp_path / "s.csv")
+    expected = [n for n in default_results.detectors if n not in ("knn", "mahalanobis", "energy")]
+    assert list(table.detector) == expected
+    intact = oodviz_score(default_run.path, image_files[0], "--out", tmp_path / "all.csv", cwd=tmp_path)
+    assert intact.returncode == 0, intact.stderr
+    reference = pd.read_csv(tmp_path / "all.csv").set_index("detector").loc[expected]
+    assert np.array_equal(table.score.to_numpy(), reference.score.to_numpy())
+
+    for name in expected:  # none left: the run cannot score, each reason said
+        shutil.rmtree(saved / name)
+    result = oodviz_score(copy, image_files[0], cwd=tmp_path)
+    assert (
+        result.returncode == 2
+        and "no saved detector of run" in result.stderr
+        and "knn: DetectorFileError" in result.stderr
+    )

@@ -12,8 +12,7 @@ def planned_stages(config: RunConfig) -> list[str]:
     when the run tunes (:mod:`oodviz.runs.tuning`), ``fit <column>`` per detector (per detector and layer in a
     run over several layers), then per scored split (id_test, each OOD set) ``score <split> with <name>`` per
     model-based detector and ``score <split>``, then (several layers with mahalanobis) ``combine mahalanobis over
-    layers``, ``save detectors`` and ``metrics`` (a sharded run saves no detectors: one stage
-    fewer)."""
+    layers``, ``save detectors`` and ``metrics`` (a sharded run's rank 0 does the last two)."""
     from oodviz.detectors import detector_class
     from oodviz.runs.layers import COMBINE_STAGE, combines_layers, detector_columns
     from oodviz.runs.splits import run_splits

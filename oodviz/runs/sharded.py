@@ -23,6 +23,8 @@ Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.w
 - **Scoring.** Each rank scores its contiguous rows of each split with the feature-based detectors; rank 0
   gathers the scores in rank order and writes them. Model-based detectors (odin, mcd) run on rank 0 over the
   whole split (mcd's dropout masks follow the batch sequence, so a shard would change them).
+- **Saved detectors.** Rank 0 saves every detector that scored (its state is every rank's) under
+  ``<run>/detectors/`` as a single-process run does, for ``oodviz score``.
 - **Faults.** A rank that raises records why (its ``rank`` event) and exits non-zero; the launcher then stops
   the others, and rank 0, stopped by SIGTERM, marks the run failed naming that rank. A hang in a collective
   ends after ``OODVIZ_DIST_TIMEOUT_S``. Cancel (the run's ``cancel`` file) stops every rank at its next batch.
@@ -64,6 +66,7 @@ from oodviz.runs.pipeline import (
     fit_on_store,
     load_data,
     load_model,
+    save_detectors,
     score_with_models,
     start_job,
     store_key_params,
@@ -316,6 +319,7 @@ def sharded_stages(world: World) -> tuple:
         partial(extract_splits, open_split=partial(sharded_split, world=world)),
         partial(fit_detectors, fit_features=partial(fit_sharded, world=world)),
         partial(score_sharded_splits, world=world),
+        on_root(save_detectors, world),
         on_root(write_scores, world),
         on_root(write_metrics, world),
         on_root(write_meta, world),

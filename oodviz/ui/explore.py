@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -21,10 +22,13 @@ from oodviz.analysis import risk_coverage_curves
 from oodviz.detectors import describe, detector_class
 from oodviz.layers import split_column
 from oodviz.plots_risk import risk_coverage_figure
-from oodviz.projection import METHODS, projection_path
+from oodviz.projection import available_methods, projection_path
 from oodviz.results import Results, detectors_of, read_table
 from oodviz.runs.rundir import read_json_object
 from oodviz.scoring import detectors_dir
+from oodviz.selection import selected_samples
+from oodviz.ui.chart_selection import hover_text, projection_selection_gallery
+from oodviz.ui.figure_export import chart
 
 SUBPROCESS_TIMEOUT_S = 600
 
@@ -49,7 +53,7 @@ def risk_coverage_view(results: Results, detectors=None) -> None:
     """Risk–coverage curves of the chosen detectors (default: all) on the ID test set, and their AURC table."""
     names = detectors or detectors_of(results.scores)
     curves = risk_coverage_curves(results.scores, names)
-    st.plotly_chart(risk_coverage_figure(curves), width="stretch")
+    chart(risk_coverage_figure(curves), "risk-coverage", width="stretch")
     table = pd.DataFrame(
         {
             "AURC": [c["aurc"] for c in curves.values()],
@@ -95,7 +99,7 @@ def probe_view(results: Results, key: str = "probe") -> None:
         st.error(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "scoring failed")
         return
     for line in result.stderr.splitlines():
-        if line.startswith("unreadable:"):
+        if line.startswith(("unreadable:", "not loaded:")):
             st.warning(line)
     for file, rows in table.groupby("file", sort=False):
         left, right = st.columns([1, 4])
@@ -109,19 +113,23 @@ def probe_view(results: Results, key: str = "probe") -> None:
 
 
 def stored_projection_matches(path: Path, method: str, max_points: int) -> bool:
-    """Whether ``path`` holds the ``method`` map asked for: PCA projects every sample; a t-SNE map is
-    reused only when it was made from the same ``max_points`` subsample size."""
+    """Whether ``path`` holds the ``method`` map asked for: PCA projects every sample; a t-SNE or UMAP map
+    is reused only when it was made from the same ``max_points`` subsample size."""
     if not path.exists():
         return False
-    if method != "tsne":
+    if method == "pca":
         return True
     info, _ = read_json_object(path.with_suffix(".json"))
     return info.get("max_points") == max_points
 
 
-def projection_view(results: Results, method: str = "pca", color_by: str = "dataset", max_points: int = 2000) -> None:
+def projection_view(
+    results: Results, method: str = "pca", color_by: str = "dataset", max_points: int = 2000, detector=None
+) -> None:
     """The run's 2-D feature map (computed on request by ``oodviz project`` in a subprocess), coloured by
-    ``color_by``: ``"dataset"``, ``"label"`` or a detector's score; t-SNE on ``max_points`` samples."""
+    ``color_by``: ``"dataset"``, ``"label"`` or a detector's score; t-SNE or UMAP on ``max_points`` samples.
+    Hovering a point names its image (set, index, true class, prediction); selecting points shows their
+    images with ``detector``'s score (default: the ``color_by`` detector, else the run's first)."""
     path = projection_path(results.path, method)
     if not stored_projection_matches(path, method, max_points):
         if st.button(f"Compute the {method.upper()} map", key=f"project-{method}"):
@@ -137,33 +145,58 @@ def projection_view(results: Results, method: str = "pca", color_by: str = "data
         st.error(f"{path.name} cannot be read; compute it again")
         return
     if color_by not in ("dataset", "label"):
-        frame = frame.merge(results.scores[["split", "dataset", "index", color_by]], on=["split", "dataset", "index"])
+        keys = ["split", "dataset", "index"]
+        frame = frame.merge(results.scores[[*keys, color_by]], on=keys).reset_index(drop=True)
+    hover = np.array(hover_text(frame, results.class_names), dtype=object)
     fig = go.Figure()
+    point = {"mode": "markers", "hovertemplate": "%{hovertext}<extra></extra>"}  # customdata: the row in frame
     if color_by in ("dataset", "label"):
         for value, rows in frame.groupby(color_by, sort=False):
-            fig.add_trace(go.Scattergl(x=rows.x, y=rows.y, mode="markers", name=str(value), marker={"size": 4}))
+            at = rows.index.to_numpy()
+            fig.add_trace(
+                go.Scattergl(
+                    x=rows.x, y=rows.y, name=str(value), marker={"size": 4}, customdata=at, hovertext=hover[at], **point
+                )
+            )
     else:
+        colorbar = {"size": 4, "color": frame[color_by], "colorscale": "Viridis", "colorbar": {"title": color_by}}
         fig.add_trace(
             go.Scattergl(
-                x=frame.x,
-                y=frame.y,
-                mode="markers",
-                marker={"size": 4, "color": frame[color_by], "colorscale": "Viridis", "colorbar": {"title": color_by}},
+                x=frame.x, y=frame.y, marker=colorbar, customdata=np.arange(len(frame)), hovertext=hover, **point
             )
         )
     fig.update_layout(
-        template="plotly_white", height=500, title=f"{method.upper()} of the features ({len(frame):,} points)"
+        template="plotly_white",
+        height=500,
+        title=f"{method.upper()} of the features ({len(frame):,} points)",
+        dragmode="lasso",
     )
-    st.plotly_chart(fig, width="stretch")
+    event = chart(
+        fig,
+        f"projection-{method}-{color_by}",
+        width="stretch",
+        on_select="rerun",
+        selection_mode=("points", "box", "lasso"),
+    )
+    shown_by = detector or (color_by if color_by not in ("dataset", "label") else detectors_of(results.scores)[0])
+    projection_selection_gallery(results, selected_samples(frame, (event or {}).get("selection")), shown_by)
 
 
 def report_download(results: Results) -> None:
-    """A button that builds the self-contained HTML report (:func:`oodviz.report.report_html`) and offers it."""
+    """A button that builds the self-contained HTML report (:func:`oodviz.report.report_html`) and offers it;
+    with each figure also as PNG and SVG downloads when ticked (offered where kaleido and Chromium are)."""
+    from oodviz.export import kaleido_problem
     from oodviz.report import report_html
 
+    with_files = kaleido_problem() is None and st.checkbox(
+        "with each figure as PNG and SVG", key="report-figure-files", help="Drawn by kaleido in Chromium: slower"
+    )
     if st.button("Build the HTML report", key="build-report"):
         with st.spinner("Building the report..."):
-            st.session_state[f"report-html:{results.path}"] = report_html(results.path)
+            try:
+                st.session_state[f"report-html:{results.path}"] = report_html(results.path, figure_files=with_files)
+            except RuntimeError as error:  # kaleido could not draw the figures: say why, build none
+                st.error(f"The figures could not be drawn as files: {error}")
     if f"report-html:{results.path}" in st.session_state:
         st.download_button(
             "Download report.html",
@@ -188,13 +221,17 @@ def probe_tab(page) -> None:
 
 def feature_space_tab(page) -> None:
     c1, c2, c3 = st.columns(3)
-    method = c1.segmented_control("Projection", list(METHODS), default="pca", key="projection-method") or "pca"
+    methods = available_methods()
+    method = c1.segmented_control("Projection", methods, default="pca", key="projection-method") or "pca"
     color_by = c2.selectbox(
         "Colour by", ["dataset", "label", *page.detectors], key="projection-color", help="label: the ID true class"
     )
     max_points = 2000
-    if method == "tsne":
+    if method != "pca":
         max_points = int(
-            c3.number_input("t-SNE points (seeded subsample)", 50, 20000, 2000, step=250, key="projection-points")
+            c3.number_input(f"{method} points (seeded subsample)", 50, 20000, 2000, step=250, key="projection-points")
         )
-    projection_view(page.results, method, color_by, max_points)
+    if "umap" not in methods:
+        c3.caption("UMAP: pip install 'oodviz[umap]'")
+    detector = color_by if color_by in page.detectors else page.best
+    projection_view(page.results, method, color_by, max_points, detector=detector)

@@ -32,7 +32,9 @@ from oodviz.results import (
 from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import thumbnails
 from oodviz.ui.access import show_server_details
+from oodviz.ui.chart_selection import histogram_selection_gallery, roc_chart
 from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab, teaching_panel
+from oodviz.ui.figure_export import chart
 from oodviz.ui.layers import layers_tab
 from oodviz.ui.tuning import tuning_panel, validation_warning
 
@@ -239,7 +241,7 @@ def metrics_tab(page: Page) -> None:
     column = {"AUROC": "auroc", "FPR95": "fpr95"}[metric]
     grid = per_set.pivot(index="detector", columns="ood_dataset", values=column)
     grid = grid.loc[list(dict.fromkeys(per_set.detector)), list(dict.fromkeys(per_set.ood_dataset))]
-    st.plotly_chart(
+    chart(
         plots.metrics_heatmap(grid, metric, higher_is_better=metric == "AUROC"),
         use_container_width=True,
         key=f"heatmap-{metric}",
@@ -254,7 +256,7 @@ def histogram_tab(page: Page) -> None:
         st.segmented_control("Heights", list(plots.HISTOGRAM_MODES), default="density", key="histogram-mode")
         or "density"
     )
-    event = st.plotly_chart(
+    event = chart(
         plots.histogram_figure(
             hist,
             threshold=page.threshold,
@@ -265,15 +267,10 @@ def histogram_tab(page: Page) -> None:
         ),
         use_container_width=True,
         on_select="rerun",
-        selection_mode=("box",),
+        selection_mode=("box", "lasso"),
         key=f"histogram-{page.detector}-{mode}",
     )
-    boxes = (event or {}).get("selection", {}).get("box", [])  # a dict: the state as set or as sent
-    if boxes:
-        low, high = sorted(boxes[0]["x"])
-        range_gallery(page, float(low), float(high))
-    else:
-        st.caption("Drag a box over the histogram to see the images in that score range.")
+    histogram_selection_gallery(page.results, page.detector, event)
     counts = analysis.counts_at_threshold(scores, page.detector, page.threshold)
     c1, c2 = st.columns(2)
     ids, total = counts["id"], counts["total"]
@@ -288,21 +285,6 @@ def histogram_tab(page: Page) -> None:
     )
     table = analysis.counts_table(counts).rename(columns={"wrong": "count", "wrong_rate": "rate"})
     st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, use_container_width=True)
-
-
-def range_gallery(page: Page, low: float, high: float) -> None:
-    """The images whose score lies in ``[low, high]``, per set (ID test first), lowest score first."""
-    ranked_id, ranked_ood = _failures(str(page.run.path), page.finished, page.detector, None, None)
-    st.markdown(f"**Images with a {page.detector} score in [{low:.4g}, {high:.4g}]** (true class → prediction · score)")
-    for ranked in (ranked_id.iloc[::-1], ranked_ood):
-        inside = ranked[(ranked.score >= low) & (ranked.score <= high)]
-        for dataset, rows in inside.groupby("dataset", sort=False):
-            shown = rows.head(GALLERY_SIZE)
-            st.caption(f"{dataset}: {len(rows):,} in range; the {len(shown)} lowest")
-            _gallery(
-                thumbnails(page.results, shown),
-                [f"{r.class_name} → {r.predicted_name} · {r.score:.3g}" for r in shown.itertuples()],
-            )
 
 
 # -- curves ---------------------------------------------------------------------------------------
@@ -322,9 +304,12 @@ def curves_tab(page: Page) -> None:
         names = detectors_of(scores)
         curves = {name: _curves(path, page.finished, name, dataset, curve_points(len(names))) for name in names}
         colors, title = None, f"{dataset}: one curve per detector"
-    st.plotly_chart(plots.roc_figure(curves, title=f"ROC — {title}", colors=colors), use_container_width=True)
-    st.plotly_chart(
-        plots.pr_figure(curves, title=f"PR (OOD positive) — {title}", colors=colors), use_container_width=True
+    one_set = None if mode == "OOD sets for this detector" else dataset
+    roc_chart(page.results, page.detector, curves, title, colors, one_set, key=f"roc-{page.detector}-{one_set}")
+    chart(
+        plots.pr_figure(curves, title=f"PR (OOD positive) — {title}", colors=colors),
+        key=f"pr-{page.detector}-{one_set}",
+        use_container_width=True,
     )
 
 

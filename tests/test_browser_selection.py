@@ -1,0 +1,193 @@
+"""From a chart to its images, in a real browser (Debian's Chromium) on a copy of the default run: a box dragged
+over the score histogram, a click on a ROC point, a box on the feature-space map, each checked against the
+run's scores.parquet (and projection file)."""
+
+import re
+import shutil
+
+import numpy as np
+import pandas as pd
+import pytest
+from conftest import chromium
+from test_browser import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
+
+pytestmark = chromium
+
+#: the 4 significant digits of a gallery caption's score ("true class → prediction · score")
+CAPTION_SCORE = re.compile(r"· (-?[\d.]+(?:e[-+]?\d+)?)$")
+
+
+@pytest.fixture(scope="module")
+def run_copy(default_run, runs_root):  # noqa: F811
+    shutil.copytree(default_run.path, runs_root / "selection-copy")
+    shutil.copytree(default_run.path.parent / ".features", runs_root / ".features", dirs_exist_ok=True)
+    return runs_root / "selection-copy"
+
+
+def drag(page, box: dict, start: float, stop: float, top: float = 0.02, bottom: float = 0.98) -> None:
+    """Drag the mouse over the plot area ``box`` from fraction ``start`` to ``stop`` of its width."""
+    x0, x1 = box["x"] + box["width"] * start, box["x"] + box["width"] * stop
+    y0, y1 = box["y"] + box["height"] * top, box["y"] + box["height"] * bottom
+    page.mouse.move(x0, y0)
+    page.mouse.down()
+    page.mouse.move((x0 + x1) / 2, (y0 + y1) / 2, steps=5)
+    page.mouse.move(x1, y1, steps=5)
+    page.mouse.up()
+
+
+def paragraph(page, pattern: str):
+    """The markdown paragraph whose text starts with ``pattern`` (a bold start is an element of its own)."""
+    return page.locator('[data-testid="stMarkdownContainer"] p').filter(has_text=re.compile(pattern)).first
+
+
+def gallery_captions(page) -> list[str]:
+    """The captions of every image shown, read once every image is decoded (a rerun may swap them)."""
+    return page.wait_for_function(
+        "() => { const imgs = [...document.querySelectorAll('[data-testid=stImage]')];"
+        " return imgs.length > 0 && imgs.every(e => { const i = e.querySelector('img'); return i && i.complete"
+        " && i.naturalWidth > 0; }) && imgs.map(e => e.innerText.trim()); }",
+        timeout=60_000,
+    ).json_value()
+
+
+def test_a_box_on_the_histogram_shows_the_images_whose_scores_lie_in_it(page, app_url, run_copy, tmp_path):  # noqa: F811
+    scores = pd.read_parquet(run_copy / "scores.parquet")
+    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.get_by_role("tab", name="Score histograms").click(timeout=120_000)
+    histogram = page.locator(".js-plotly-plot").first
+    histogram.wait_for(timeout=60_000)
+    hint = page.get_by_text("Drag a box (or a lasso) over the histogram")
+    hint.wait_for(timeout=60_000)
+    assert page.locator('[data-testid="stImage"]').count() == 0  # no gallery before a selection
+    area = histogram.locator(".nsewdrag").first.bounding_box()
+    drag(page, area, 0.40, 0.65)
+    heading = paragraph(page, r"^Images with a \w+ score in \[")
+    heading.wait_for(timeout=60_000)
+    detector, low, high, total = re.match(
+        r"^Images with a (\w+) score in \[(\S+), (\S+)\]: ([\d,]+)", heading.inner_text()
+    ).groups()
+    low, high, total = float(low), float(high), int(total.replace(",", ""))
+    # the range is the dragged one: 40% to 65% of the axis, give or take a few pixels
+    axis = histogram.evaluate("gd => gd._fullLayout.xaxis.range")
+    span = axis[1] - axis[0]
+    assert low == pytest.approx(axis[0] + 0.40 * span, abs=0.02 * span)
+    assert high == pytest.approx(axis[0] + 0.65 * span, abs=0.02 * span)
+    # every set's count in range is scores.parquet's (the range printed to 6 digits: a sample on an edge may move)
+    values = scores[detector].to_numpy(dtype=np.float64)
+    edge = 1e-5 * max(abs(low), abs(high), 1.0)
+    inside = scores[(values >= low - edge) & (values <= high + edge)]
+    surely = scores[(values >= low + edge) & (values <= high - edge)]
+    assert len(surely) <= total <= len(inside) and total > 0
+    for dataset in inside.dataset.unique():
+        shown = page.get_by_text(re.compile(rf"^{re.escape(dataset)}: [\d,]+ in range"))
+        count = int(re.match(r".*: ([\d,]+) in range", shown.inner_text()).group(1).replace(",", ""))
+        assert (surely.dataset == dataset).sum() <= count <= (inside.dataset == dataset).sum(), dataset
+    captions = gallery_captions(page)
+    assert len(captions) >= 12
+    for caption in captions:  # each image's score lies in the range and is a score of the set it names
+        score = float(CAPTION_SCORE.search(caption).group(1))
+        assert low - 1e-3 * abs(low) - edge <= score <= high + 1e-3 * abs(high) + edge, caption
+        truth = caption.split(" → ")[0]
+        rows = scores[scores.dataset == truth] if truth in set(scores.dataset) else scores[scores.split == "id_test"]
+        assert np.isclose(rows[detector].to_numpy(dtype=np.float64), score, rtol=1e-3).any(), caption
+    shoot(page, tmp_path, "histogram-selection")
+
+
+def test_a_click_on_a_roc_point_shows_the_images_wrong_at_its_threshold(page, app_url, run_copy, tmp_path):  # noqa: F811
+    scores = pd.read_parquet(run_copy / "scores.parquet")
+    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.get_by_role("tab", name="ROC / PR").click(timeout=120_000)
+    roc = page.locator(".js-plotly-plot").filter(has_text="ROC").first
+    roc.wait_for(timeout=60_000)
+    points = roc.locator("g.trace.scatter").first.locator("path.point")
+    points.first.wait_for(timeout=60_000)
+    points.nth(points.count() // 3).click(force=True)
+    heading = paragraph(page, r"^\w+ at threshold ")
+    heading.wait_for(timeout=60_000)
+    detector, threshold, ood_set, flagged, n_id, missed, n_ood = re.match(
+        r"^(\w+) at threshold (\S+) \(ID vs (\S+)\): ([\d,]+) of ([\d,]+) ID .* ([\d,]+) of ([\d,]+) \S+ images accepted",
+        heading.inner_text(),
+    ).groups()
+    threshold = float(threshold)
+    ids = scores.loc[scores.split == "id_test", detector].to_numpy(dtype=np.float64)
+    ood = scores.loc[scores.dataset == ood_set, detector].to_numpy(dtype=np.float32)  # the ROC's own float32 scores
+    assert int(n_id.replace(",", "")) == len(ids) and int(n_ood.replace(",", "")) == len(ood)
+    # the threshold is printed to 9 digits: a float32 score round-trips, so the counts are exact
+    threshold32 = np.float32(threshold)
+    assert int(flagged.replace(",", "")) == int((ids.astype(np.float32) >= threshold32).sum())
+    assert int(missed.replace(",", "")) == int((ood < threshold32).sum())
+    captions = gallery_captions(page)
+    assert captions
+    for caption in captions:
+        truth, score = caption.split(" → ")[0], float(CAPTION_SCORE.search(caption).group(1))
+        assert (score < threshold * (1 + 1e-3)) if truth == ood_set else (score >= threshold * (1 - 1e-3)), caption
+    shoot(page, tmp_path, "roc-selection")
+
+
+def test_the_feature_map_names_a_hovered_point_and_shows_the_images_of_a_box(page, app_url, run_copy, tmp_path):  # noqa: F811
+    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.get_by_role("tab", name="Feature space").click(timeout=120_000)
+    page.get_by_role("button", name="Compute the PCA map").click(timeout=60_000)
+    chart = page.locator(".js-plotly-plot").filter(has_text="PCA of the features")
+    chart.wait_for(timeout=120_000)
+    frame = pd.read_parquet(run_copy / "projection-pca.parquet")
+    page.get_by_text("Select points on the map").wait_for(timeout=60_000)
+    area = chart.locator(".nsewdrag").first.bounding_box()
+    row = frame.iloc[len(frame) // 2]
+    where = chart.evaluate(
+        "(gd, p) => { const L = gd._fullLayout, r = gd.getBoundingClientRect();"
+        " return [r.left + L._size.l + L.xaxis.l2p(p[0]), r.top + L._size.t + L.yaxis.l2p(p[1])]; }",
+        [float(row.x), float(row.y)],
+    )
+    page.mouse.move(*where)
+    hover = chart.locator(".hoverlayer .hovertext")
+    hover.first.wait_for(timeout=30_000)
+    named = re.match(r"^(\S+) #(\d+)\s*true (\S+) · predicted (\S+)", hover.first.text_content())
+    assert named, hover.first.text_content()
+    dataset, index = named.group(1), int(named.group(2))
+    hovered = frame[(frame.dataset == dataset) & (frame["index"] == index)]
+    assert len(hovered) == 1 and str(hovered.prediction.item()) == named.group(4)  # digits: the class name is the digit
+    assert np.hypot(hovered.x.item() - row.x, hovered.y.item() - row.y) < 0.05 * np.ptp(frame.x)  # the point under it
+    chart.locator('[data-title="Box Select"]').click(force=True)  # a box, not the map's default lasso
+    ranges = chart.evaluate("gd => [gd._fullLayout.xaxis.range, gd._fullLayout.yaxis.range]")
+    drag(page, area, 0.3, 0.7, top=0.3, bottom=0.7)
+    heading = paragraph(page, r"^[\d,]+ selected point\(s\)")
+    heading.wait_for(timeout=60_000)
+    selected = int(heading.inner_text().split(" ")[0].replace(",", ""))
+    (x0, x1), (y0, y1) = ranges
+
+    def inside(margin: float) -> int:
+        xs, ys = (frame.x - x0) / (x1 - x0), (frame.y - y0) / (y1 - y0)  # y axis: 0 at the bottom
+        return int(((xs >= 0.3 + margin) & (xs <= 0.7 - margin) & (ys >= 0.3 + margin) & (ys <= 0.7 - margin)).sum())
+
+    assert 0 < inside(0.01) <= selected <= inside(-0.01)  # the points in the box, give or take its edge pixels
+    assert gallery_captions(page)
+    shoot(page, tmp_path, "projection-selection")
+
+
+def test_a_figure_downloads_as_png_and_svg_where_kaleido_works(page, app_url, run_copy, tmp_path):  # noqa: F811
+    import io
+    import xml.etree.ElementTree as ElementTree
+
+    from PIL import Image
+
+    from oodviz.export import kaleido_problem
+
+    if kaleido_problem() is not None:
+        pytest.skip(kaleido_problem())
+    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.get_by_role("tab", name="Risk–coverage").click(timeout=120_000)
+    chart = page.locator(".js-plotly-plot").filter(has_text="coverage").first
+    chart.wait_for(timeout=60_000)
+    page.get_by_role("button", name="Export PNG / SVG").click()
+    with page.expect_download(timeout=120_000) as png:
+        page.get_by_role("button", name="Download PNG").click(timeout=120_000)
+    image = Image.open(io.BytesIO(png.value.path().read_bytes()))
+    assert png.value.suggested_filename == "risk-coverage.png" and image.format == "PNG"
+    layout = chart.evaluate("gd => [gd.layout.width || 900, gd.layout.height]")
+    assert image.size[1] == layout[1]  # the figure's own height; its width the layout's or 900 px
+    pixels = np.asarray(image.convert("L"))
+    assert pixels.min() < 100 and (pixels > 250).mean() > 0.5  # dark lines and text on a white page
+    with page.expect_download(timeout=60_000) as svg:
+        page.get_by_role("button", name="Download SVG").click()
+    assert ElementTree.parse(svg.value.path()).getroot().tag.endswith("svg")
