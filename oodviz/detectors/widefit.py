@@ -18,9 +18,12 @@ rounding apart). This is an exact path, not shrinkage: the scores equal those of
 :class:`FewRows` keeps copies of the first rows of a fit stream while there are at most ``D / 2`` of
 them (``N x D`` in the features' dtype: at most a quarter of ``D^2`` float64 for float32 features) and
 hands them to a :class:`~oodviz.detectors.stats.ClassMoments` as soon as the stream is longer, so a
-long stream streams as before. Kept to ``D / 2`` rows, the Gram path's temporaries (the kept rows, one
-``N x D`` float64 copy of them centred, ``G`` or ``U``; ``S`` is made in float32 a block at a time) stay
-within ``1.5 x D^2 x 8`` bytes beyond the fitted state.
+long stream streams as before. No ``D x D`` matrix is formed on this path (mahalanobis and rmd keep no
+``covariance_`` then): the fit holds the kept rows, one ``N x D`` float64 copy of them centred (rmd: a
+second one for the call that whitens the total covariance), ``G`` and ``U`` ``[N, N]`` float64 and ``S``
+(float32, made a block at a time), at most ``24 N D + 16 N^2`` bytes for float32 features (``1.5 x D^2 x 8``
+at ``N = D / 2``), and far less for few rows: 96 rows of ``D = 151,296`` need 0.3 GiB where the
+``D x D`` covariance alone is 171 GiB.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from oodviz.detectors.stats import ACCUMULATE, ClassMeans, add_gram, mirror_lower, row_blocks, symmetric_eigh
+from oodviz.detectors.stats import ACCUMULATE, ClassMeans, row_blocks, symmetric_eigh
 
 
 def gram_inverse_sqrt(centred: Tensor, n_samples: int, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -110,19 +113,6 @@ class FewRows:
 
     def empty_classes(self, n_classes: int | None = None) -> list[int]:
         return self._means.empty_classes(n_classes)
-
-    @property
-    def within(self) -> Tensor:
-        """The within-class scatter ``sum_i (x_i - mu_{y_i})(x_i - mu_{y_i})^T`` ``[D, D]`` float64 (a new tensor)."""
-        centred = self._centred
-        dim = centred.shape[1]
-        scatter = torch.zeros(dim, dim, dtype=ACCUMULATE, device=centred.device)
-        lower_only = False
-        for block in row_blocks(len(centred), dim):
-            lower_only |= add_gram(scatter, centred[block])
-        if lower_only:
-            mirror_lower(scatter)
-        return scatter
 
     def inverse_sqrt_within(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``S`` ``[D, k]``, ``S S^T = Sigma^+`` for the tied class covariance ``Sigma = W / N``."""
