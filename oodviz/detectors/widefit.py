@@ -82,17 +82,26 @@ class FewRows:
         return kept
 
     def release(self) -> FewRows:
-        """Join the kept rows, compute the class means in float64 and keep the rows only centred on them
-        (``x_i - mu_{y_i}``, ``[N, D]`` float64): the one copy of the data the Gram path holds."""
-        x, self._y = torch.cat(self._features), torch.cat(self._labels)
-        self._features, self._labels = [], []
+        """Compute the class means in float64 and keep the rows only centred on them (``x_i - mu_{y_i}``,
+        ``[N, D]`` float64): the one copy of the data the Gram path holds; each kept batch is let go as soon
+        as its rows are copied (the rows are never joined in their own dtype)."""
+        self._y = torch.cat(self._labels)
         self._means = ClassMeans()
-        self._means.update(x, self._y)
+        for x, y in zip(self._features, self._labels, strict=True):
+            self._means.update(x, y)
         means = self.means
-        self._centred = torch.empty(x.shape, dtype=ACCUMULATE, device=x.device)
-        for block in row_blocks(len(x), x.shape[1]):
-            self._centred[block] = x[block]
-            self._centred[block] -= means[self._y[block]]
+        first = self._features[0]
+        self._centred = torch.empty(self.rows, first.shape[1], dtype=ACCUMULATE, device=first.device)
+        del first
+        start = 0
+        while self._features:
+            x, y = self._features.pop(0), self._labels.pop(0)
+            for block in row_blocks(len(x), x.shape[1]):
+                rows = slice(start + block.start, start + block.stop)
+                self._centred[rows] = x[block]
+                self._centred[rows] -= means[y[block]]
+            start += len(x)
+            del x, y
         return self
 
     @property
