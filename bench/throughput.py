@@ -10,8 +10,8 @@ extraction reaches. Two data paths are measured side by side, each the best of `
 - "after": the path a run takes now: array-backed sets (digits, Fashion-MNIST-like arrays) transformed a batch
   at a time as tensors; the image folder (resnet18) read by ``num_workers="auto"`` DataLoader workers.
 
-Data: digits-cnn on ``digits-train`` (1,081 8x8 images); fashion-cnn on 28x28 uniform noise (``noise-uniform``,
-array-backed like Fashion-MNIST, whose files are not on every machine); resnet18 (random weights) on a folder
+Data: digits-cnn on ``digits-train`` (1,081 8x8 images); fashion-cnn on 8,192 random 28x28 pixel arrays held
+in an ``ArraySource``, the source type of the Fashion-MNIST sets (whose files are not on every machine); resnet18 (random weights) on a folder
 of generated 64x64 PNGs, resized to 224 by its transform. Torch runs ``--threads`` intra-op threads (default 1,
 as the issue measured)::
 
@@ -29,6 +29,8 @@ import numpy as np
 import torch
 
 from oodviz.data import load_dataset
+from oodviz.data.base import ImageDataset
+from oodviz.data.bundled import ArraySource
 from oodviz.engine import extract
 from oodviz.models import load_backbone
 
@@ -61,8 +63,9 @@ def _image_folder(root: Path, n: int) -> Path:
 def _dataset(model: str, n: int | None, root: Path):
     if model == "digits-cnn":
         return load_dataset("digits-train", subsample=n)
-    if model == "fashion-cnn":
-        return load_dataset("noise-uniform", n=n, size=28)
+    if model == "fashion-cnn":  # in-memory 28x28 pixels: the Fashion-MNIST sets' own source type
+        pixels = np.random.default_rng(0).integers(0, 256, (n, 28, 28), dtype=np.uint8)
+        return ImageDataset("fashion-like", ArraySource(pixels, np.zeros(n, np.int64), [str(c) for c in range(8)]))
     return load_dataset("folder", path=str(_image_folder(root, n)))
 
 
