@@ -87,6 +87,8 @@ def cmd_run(args) -> int:
             config = preset(args.preset)
         else:
             config = RunConfig.load(args.config) if args.config else RunConfig()
+        if args.num_workers is not None:
+            config.num_workers = int(args.num_workers) if args.num_workers.isdigit() else args.num_workers
         config.validate()
     except ConfigError as error:
         print(error, file=sys.stderr)
@@ -389,6 +391,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     run.add_argument("--out", help="the run directory to create (default: a new one under --runs-root)")
     run.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT), help="where runs live (default: ./runs)")
+    run.add_argument(
+        "--num-workers",
+        metavar="N|auto",
+        help="DataLoader workers for image folders and torchvision sets (overrides the config's num_workers; "
+        "auto: from the CPU cores, 0 for the in-memory datasets)",
+    )
     run.add_argument(
         "--force",
         action="store_true",

@@ -57,7 +57,6 @@ def test_gram_whitening_equals_the_d_by_d_pseudo_inverse_in_float64():
     s = rows.inverse_sqrt_within(torch.float64)
     assert s.shape == (160, 60 - 3)  # rank N - C: the class means take C directions
     np.testing.assert_allclose((s @ s.T).numpy(), _pinv(within), rtol=1e-9, atol=1e-12 * np.abs(_pinv(within)).max())
-    np.testing.assert_allclose(rows.within.numpy(), centred.T @ centred, rtol=1e-12, atol=1e-12)
     total = x.numpy() - x.numpy().mean(0)
     s0 = rows.inverse_sqrt_total(torch.float64)
     np.testing.assert_allclose((s0 @ s0.T).numpy(), _pinv(total.T @ total / len(x)), rtol=1e-9, atol=1e-9)
@@ -77,7 +76,7 @@ def test_mahalanobis_and_rmd_with_fewer_samples_than_dimensions_never_decompose_
     precision = _pinv(centred.T @ centred / 60)
     distance = np.min([np.einsum("nd,de,ne->n", q - m, precision, q - m) for m in means], axis=0)
     np.testing.assert_allclose(maha.score(Batch(torch.from_numpy(q).float())).numpy(), distance, rtol=2e-4)
-    np.testing.assert_allclose(maha.covariance_.numpy(), centred.T @ centred / 60, rtol=1e-6, atol=1e-9)
+    assert not hasattr(maha, "covariance_") and not hasattr(rmd, "covariance_")  # no D x D matrix on this path
     total = x64 - x64.mean(0)
     background = np.einsum("nd,de,ne->n", q - x64.mean(0), _pinv(total.T @ total / 60), q - x64.mean(0))
     np.testing.assert_allclose(rmd.score(Batch(torch.from_numpy(q).float())).numpy(), distance - background, rtol=2e-3)

@@ -4,7 +4,9 @@ A *source* is the full underlying dataset: ``len(source)`` images, each loaded b
 ``source.load(i) -> (PIL image, label)`` (label ``-1`` when the source has none), plus
 ``source.labels`` (int64 ``[len(source)]``), ``source.classes`` and ``source.item_name(i)``.
 Sources that read files raise :class:`UnreadableImageError` for a file that cannot be
-decoded.
+decoded. *Array-backed* sources (images held in or generated as arrays) also serve many items
+at once without PIL: ``source.arrays(indices) -> uint8 [b, H, W] or [b, H, W, 3]``, the pixels
+``load`` would have wrapped in a PIL image (``None`` for every other source).
 
 :class:`ImageDataset` is what :func:`oodviz.data.load_dataset` hands out. It adds subsampling
 (``source_index`` always points into the full source), OOD relabelling (``as_ood``), an
@@ -51,6 +53,11 @@ class Source:
     def item_name(self, index: int) -> str:
         """A human-readable identifier of item ``index`` (a file path where there is one)."""
         return f"#{index}"
+
+    def arrays(self, indices: np.ndarray) -> np.ndarray | None:
+        """uint8 ``[b, H, W]`` (mode ``"L"``) or ``[b, H, W, 3]`` (``"RGB"``): the pixels of items ``indices``,
+        exactly those ``load`` serves, for array-backed sources; ``None`` (the default) for the others."""
+        return None
 
 
 def subsample_indices(n: int, subsample: int | None, mode: str = "first", seed: int = 0) -> np.ndarray:
@@ -136,6 +143,22 @@ class ImageDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.source_indices)
+
+    def arrays(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Items ``start..stop-1`` of this view at once: ``(pixels uint8 [b, H, W(, 3)], labels int64 [b],
+        source_indices int64 [b])``, the same items ``self[i]`` gives one by one, without PIL; ``None`` when
+        the source is not array-backed or this view has its own transform."""
+        if self.transform is not None:
+            return None
+        source_indices = self.source_indices[start:stop]
+        pixels = self.source.arrays(source_indices)
+        if pixels is None:
+            return None
+        if self.as_ood:
+            labels = np.full(len(source_indices), OOD_LABEL, dtype=np.int64)
+        else:
+            labels = np.asarray(self.source.labels, dtype=np.int64)[source_indices]
+        return pixels, labels, source_indices
 
     def _position(self, index) -> int:
         i = operator.index(index)

@@ -99,6 +99,9 @@ class ArraySource(Source):
         # uint8 [H, W] -> mode "L", [H, W, 3] -> "RGB" (Pillow infers it; its mode= argument is deprecated)
         return Image.fromarray(array), int(self._labels[index])
 
+    def arrays(self, indices: np.ndarray) -> np.ndarray:
+        return self.images[np.asarray(indices, dtype=np.int64)]
+
     def item_name(self, index: int) -> str:
         return self._names[index] if self._names is not None else f"#{index}"
 

@@ -73,6 +73,13 @@ class NoiseSource(Source):
     def load(self, index: int) -> tuple[Image.Image, int]:
         return Image.fromarray(self.array(index)), -1
 
+    def arrays(self, indices: np.ndarray) -> np.ndarray:
+        shape = (self.height, self.width) if self.channels == 1 else (self.height, self.width, 3)
+        out = np.empty((len(indices), *shape), dtype=np.uint8)
+        for row, index in enumerate(indices):
+            out[row] = self.array(int(index))
+        return out
+
     def item_name(self, index: int) -> str:
         return f"{self.kind} noise #{index} (seed {self.noise_seed})"
 

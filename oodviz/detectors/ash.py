@@ -29,15 +29,16 @@ computes.
 Deviations from the paper's code and pytorch-ood:
 
 - Ties at the pruning boundary are broken by unit index (the lower index is kept), the same on
-  every device and batch size; ``torch.topk`` (paper code, pytorch-ood) leaves the choice
-  unspecified. It matters where the ``k``-th largest value is shared, which post-ReLU features
+  every device and batch size (:func:`top_k_mask`: ``torch.topk`` for the ``k``-th value, no sort);
+  ``torch.topk`` (paper code, pytorch-ood) leaves the choice unspecified. It matters where the ``k``-th largest value is shared, which post-ReLU features
   make common for zeros: ASH-B then fills different (zero) units, so its score differs;
   ASH-P and ASH-S only differ for equal non-zero values.
 - ASH-S, outside its assumption of non-negative features: where ``s2 <= 0`` the factor is set
   to 1 instead of ``exp(s1 / s2)`` (for non-negative features this is an all-zero sample, on
   which the factor has no effect). For ``s2 > 0`` the factor is at most ``exp(D / k)``.
-- ASH-S forms the scaled logits in float64 (``exp(s1/s2) (x_kept W^T) + b``), so a large factor
-  does not overflow float32 on the way; a score beyond the float32 range raises a ValueError.
+- ASH-S forms the scaled logits ``exp(s1/s2) (x_kept W^T) + b`` in float32 and again in float64 when
+  that overflows, so a large factor does not overflow float32 on the way; a score beyond the float32
+  range raises a ValueError.
 
 ``percentile`` is in percent (default 90, OpenOOD v1.5's setting), not a fraction as in
 pytorch-ood (whose default is 0.65). ``fit(batches, head=...)`` only stores the head: it
@@ -83,10 +84,33 @@ def top_k(features: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return values[:, :k], indices[:, :k]
 
 
+def top_k_mask(features: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """bool ``[B, D]``: each row's ``k`` largest entries, ties at the ``k``-th value going to the lower indices
+    (the entries :func:`top_k` picks), found by ``torch.topk`` without a sort; and their sum ``[B]``. A row with
+    more than ``k`` entries at or above its ``k``-th value (a tie there) is redone with a running count of the
+    tied entries (ties do not change the sum)."""
+    values = torch.topk(features, k, dim=1, sorted=False).values  # [B, k]
+    kth = values.amin(dim=1, keepdim=True)  # [B, 1]
+    keep = features >= kth
+    # int32 sum: torch sums a bool tensor in int64 through a slow path (~100x slower on a CPU)
+    tied = torch.nonzero(keep.sum(dim=1, dtype=torch.int32) > k).flatten()
+    if len(tied):
+        rows, row_kth = features[tied], kth[tied]
+        above = rows > row_kth
+        at_kth = rows == row_kth
+        left = k - above.sum(dim=1, keepdim=True, dtype=torch.int32)  # tied entries still to keep
+        keep[tied] = above | (at_kth & (at_kth.cumsum(dim=1, dtype=torch.int32) <= left))
+    return keep, values.sum(dim=1)
+
+
 def scaled_energy(features: Tensor, log_factor: Tensor, weight: Tensor, bias: Tensor, detector: str) -> Tensor:
-    """``-logsumexp(exp(r) (x W^T) + b)`` ``[B]`` in float64, for features ``x`` ``[B, D]`` and ``r`` ``[B]``."""
-    raw = (features @ weight.T).double()  # [B, C], the head without its bias
-    logits = torch.exp(log_factor.double())[:, None] * raw + bias.double()
+    """``-logsumexp(exp(r) (x W^T) + b)`` ``[B]`` for features ``x`` ``[B, D]`` and ``r`` ``[B]``: in float32, and
+    again in float64 when a float32 score is not finite (``exp(r)`` or a logit beyond the float32 range)."""
+    raw = features @ weight.T  # [B, C], the head without its bias
+    scores = torch.logsumexp(torch.addcmul(bias, torch.exp(log_factor.float())[:, None], raw), dim=1).neg_()
+    if bool(torch.isfinite(scores).all()):  # float32 is enough unless the factor overflowed it on the way
+        return scores
+    logits = torch.exp(log_factor.double())[:, None] * raw.double() + bias.double()
     scores = -torch.logsumexp(logits, dim=1)
     if not bool((scores.abs() <= _FLOAT32_MAX).all()):
         raise ValueError(
@@ -144,13 +168,14 @@ class ASH(Detector):
         """The shaped features ``[B, D]`` (before any ASH-S factor) and ``log`` of the ASH-S factor ``[B]``."""
         x = features.float()
         k = check_kept(self.name, x.shape[1], self.percentile)
-        values, indices = top_k(x, k)
+        kept, kept_sum = top_k_mask(x, k)
         total = x.sum(dim=1)
         if self.variant == "b":
-            values = (total / k)[:, None].expand(-1, k)
-        shaped = torch.zeros_like(x).scatter_(1, indices, values)
+            shaped = kept.to(x.dtype).mul_((total / k)[:, None])
+        else:
+            shaped = torch.where(kept, x, 0.0)
         if self.variant == "s":
-            return shaped, log_scale(total, values.sum(dim=1))
+            return shaped, log_scale(total, kept_sum)
         return shaped, torch.zeros(len(x), dtype=torch.float64, device=x.device)
 
     def _score(self, batch: Batch) -> Tensor:

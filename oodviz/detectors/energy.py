@@ -38,4 +38,7 @@ class Energy(Detector):
 
     def _score(self, batch: Batch) -> Tensor:
         t = self.temperature
-        return -t * torch.logsumexp(batch.logits.float() / t, dim=1)
+        logits = batch.logits.float()
+        if t == 1.0:  # the paper's setting: no [B, C] copy for the division
+            return torch.logsumexp(logits, dim=1).neg_()
+        return -t * torch.logsumexp(logits / t, dim=1)

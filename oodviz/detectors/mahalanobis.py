@@ -131,10 +131,16 @@ class Mahalanobis(Detector):
         return True
 
     def _fit_gaussians(self, moments: ClassMoments | FewRows) -> None:
+        """Class means, and the whitening of the tied covariance: ``covariance_`` ``[D, D]`` float64 when it was
+        streamed (``N > D / 2``); the Gram path (``N <= D / 2``) whitens from the ``N x N`` Gram matrix and never
+        forms the ``D x D`` covariance (``Sigma = S (S^T S)^-2 S^T`` from the whitening ``S`` if one needs it)."""
         self.class_counts_ = moments.counts.long()
         self.class_means_ = moments.means  # [C, D] float64
+        if isinstance(moments, FewRows):
+            self._set_whitening(moments.grand_mean, moments.inverse_sqrt_within())
+            return
         self.covariance_ = moments.within.div_(moments.total)  # [D, D] float64, in place: no copy
-        self._set_whitening(moments.grand_mean, moments.inverse_sqrt_within() if isinstance(moments, FewRows) else None)
+        self._set_whitening(moments.grand_mean)
 
     def _set_whitening(self, center: Tensor, whitening: Tensor | None = None) -> None:
         """Centre, whitening ``S`` (``inverse_sqrt(covariance_)`` unless given) and the whitened class means."""

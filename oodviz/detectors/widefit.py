@@ -18,9 +18,12 @@ rounding apart). This is an exact path, not shrinkage: the scores equal those of
 :class:`FewRows` keeps copies of the first rows of a fit stream while there are at most ``D / 2`` of
 them (``N x D`` in the features' dtype: at most a quarter of ``D^2`` float64 for float32 features) and
 hands them to a :class:`~oodviz.detectors.stats.ClassMoments` as soon as the stream is longer, so a
-long stream streams as before. Kept to ``D / 2`` rows, the Gram path's temporaries (the kept rows, one
-``N x D`` float64 copy of them centred, ``G`` or ``U``; ``S`` is made in float32 a block at a time) stay
-within ``1.5 x D^2 x 8`` bytes beyond the fitted state.
+long stream streams as before. No ``D x D`` matrix is formed on this path (mahalanobis and rmd keep no
+``covariance_`` then): the fit holds the kept rows, one ``N x D`` float64 copy of them centred (rmd: a
+second one for the call that whitens the total covariance), ``G`` and ``U`` ``[N, N]`` float64 and ``S``
+(float32, made a block at a time), at most ``24 N D + 16 N^2`` bytes for float32 features (``1.5 x D^2 x 8``
+at ``N = D / 2``), and far less for few rows: 96 rows of ``D = 151,296`` need 0.3 GiB where the
+``D x D`` covariance alone is 171 GiB.
 """
 
 from __future__ import annotations
@@ -32,8 +35,6 @@ from oodviz.detectors.stats import (
     ACCUMULATE,
     ClassMeans,
     ClassMoments,
-    add_gram,
-    mirror_lower,
     row_blocks,
     symmetric_eigh,
 )
@@ -87,17 +88,26 @@ class FewRows:
         return kept
 
     def release(self) -> FewRows:
-        """Join the kept rows, compute the class means in float64 and keep the rows only centred on them
-        (``x_i - mu_{y_i}``, ``[N, D]`` float64): the one copy of the data the Gram path holds."""
-        x, self._y = torch.cat(self._features), torch.cat(self._labels)
-        self._features, self._labels = [], []
+        """Compute the class means in float64 and keep the rows only centred on them (``x_i - mu_{y_i}``,
+        ``[N, D]`` float64): the one copy of the data the Gram path holds; each kept batch is let go as soon
+        as its rows are copied (the rows are never joined in their own dtype)."""
+        self._y = torch.cat(self._labels)
         self._means = ClassMeans()
-        self._means.update(x, self._y)
+        for x, y in zip(self._features, self._labels, strict=True):
+            self._means.update(x, y)
         means = self.means
-        self._centred = torch.empty(x.shape, dtype=ACCUMULATE, device=x.device)
-        for block in row_blocks(len(x), x.shape[1]):
-            self._centred[block] = x[block]
-            self._centred[block] -= means[self._y[block]]
+        first = self._features[0]
+        self._centred = torch.empty(self.rows, first.shape[1], dtype=ACCUMULATE, device=first.device)
+        del first
+        start = 0
+        while self._features:
+            x, y = self._features.pop(0), self._labels.pop(0)
+            for block in row_blocks(len(x), x.shape[1]):
+                rows = slice(start + block.start, start + block.stop)
+                self._centred[rows] = x[block]
+                self._centred[rows] -= means[y[block]]
+            start += len(x)
+            del x, y
         return self
 
     @property
@@ -118,19 +128,6 @@ class FewRows:
 
     def empty_classes(self, n_classes: int | None = None) -> list[int]:
         return self._means.empty_classes(n_classes)
-
-    @property
-    def within(self) -> Tensor:
-        """The within-class scatter ``sum_i (x_i - mu_{y_i})(x_i - mu_{y_i})^T`` ``[D, D]`` float64 (a new tensor)."""
-        centred = self._centred
-        dim = centred.shape[1]
-        scatter = torch.zeros(dim, dim, dtype=ACCUMULATE, device=centred.device)
-        lower_only = False
-        for block in row_blocks(len(centred), dim):
-            lower_only |= add_gram(scatter, centred[block])
-        if lower_only:
-            mirror_lower(scatter)
-        return scatter
 
     def inverse_sqrt_within(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``S`` ``[D, k]``, ``S S^T = Sigma^+`` for the tied class covariance ``Sigma = W / N``."""

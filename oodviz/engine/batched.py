@@ -10,8 +10,10 @@
 
 - **The data.** A DataLoader reads the dataset in order through ``backbone.transform``; unreadable
   items (``None``) are dropped and counted, so every pass over a dataset gives the same rows in the
-  same order (:func:`make_loader`). Its worker processes are shut down when the pass ends, also
-  after an error or a cancel.
+  same order (:func:`make_loader`). Array-backed datasets (bundled digits, Fashion-MNIST, generated
+  noise) whose transform has a ``batch`` method are transformed a whole batch at a time as tensors, in
+  this process; the others are read by ``num_workers`` persistent worker processes (``"auto"``:
+  :func:`auto_workers`), shut down when the pass ends, also after an error or a cancel.
 - **The model.** ``backbone.model`` is on the device in eval mode for the whole ``with`` block and
   put back exactly as it was afterwards (:func:`oodviz.models.placement.model_on_device`);
   autocast follows ``precision`` (:data:`PRECISIONS`) around ``submit``.
@@ -41,6 +43,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from oodviz.engine.loading import AUTO_WORKERS, ArrayBatches, auto_workers, batch_transform
 from oodviz.models.memory import format_bytes
 from oodviz.models.placement import model_on_device
 
@@ -123,8 +126,13 @@ def check_pass_options(batch_size, num_workers, precision) -> None:
     """A ValueError naming the fix when ``batch_size``, ``num_workers`` or ``precision`` is not usable."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers must be a non-negative integer (0 = load in this process), got {num_workers!r}")
+    if num_workers != AUTO_WORKERS and (
+        isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0
+    ):
+        raise ValueError(
+            f"num_workers must be a non-negative integer (0 = load in this process) or {AUTO_WORKERS!r}, "
+            f"got {num_workers!r}"
+        )
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {tuple(PRECISIONS)}, got {precision!r}")
 
@@ -229,10 +237,16 @@ def make_loader(
     batches, and a note when shared memory is short (:func:`prefetch_factor`, also logged as a warning).
 
     ``transform`` turns each image into a tensor; unreadable items (``None``) are dropped and
-    counted, so every pass over the same dataset gives the same rows in the same order. On CUDA
-    the batches come in pinned memory (asynchronous copies to the device). Worker processes read
-    ahead as many batches as fit in the free shared memory (one item is read here to size a batch).
+    counted, so every pass over the same dataset gives the same rows in the same order. An array-backed
+    dataset with a batch transform (:func:`batch_transform`) is read and transformed a batch at a time in
+    this process, whatever ``num_workers`` says. On CUDA the batches come in pinned memory (asynchronous
+    copies to the device). Worker processes are persistent and read ahead as many batches as fit in the
+    free shared memory (one item is read here to size a batch).
     """
+    pin = device.type == "cuda"
+    batch = batch_transform(dataset, transform)
+    if batch is not None:
+        return DataLoader(ArrayBatches(dataset, batch, batch_size), batch_size=None, pin_memory=pin), None
     items = _Items(dataset, transform)
     factor, note = None, None
     if num_workers > 0:
@@ -245,8 +259,9 @@ def make_loader(
         shuffle=False,
         num_workers=num_workers,
         collate_fn=_collate,
-        pin_memory=device.type == "cuda",
+        pin_memory=pin,
         prefetch_factor=factor,
+        persistent_workers=num_workers > 0,
     )
     return loader, note
 
@@ -347,7 +362,9 @@ class BatchedPass:
     :param dataset: ``len(dataset)``, ``dataset[i] -> (image, label, source_index)`` or ``None`` for
         an unreadable image, ``name``
     :param device: a checked ``torch.device`` (:func:`oodviz.models.placement.parse_device`)
-    :param batch_size: rows per batch, halved on out-of-memory; :param num_workers: DataLoader workers
+    :param batch_size: rows per batch, halved on out-of-memory
+    :param num_workers: DataLoader workers, or ``"auto"`` (:func:`auto_workers`); the number in force is
+        ``self.num_workers``
     :param precision: a key of :data:`PRECISIONS`; :param channels_last: 4-D weights channels-last for the block
     :param activity: what the pass does, e.g. ``"extracting resnet18 features"`` (in messages)
     :param stage: the ``stage`` of the progress reported after every batch
@@ -381,6 +398,8 @@ class BatchedPass:
                 f"dataset {dataset.name!r} is empty, nothing to do ({activity}); check its path and subsample"
             )
         self.backbone, self.dataset, self.device = backbone, dataset, device
+        if num_workers == AUTO_WORKERS:
+            num_workers = auto_workers(dataset, getattr(backbone, "transform", None), device)
         self.batch_size, self.num_workers, self.precision = batch_size, num_workers, precision
         self.channels_last, self.activity, self.stage = channels_last, activity, stage
         self.progress, self.should_cancel, self.info = progress, should_cancel, info

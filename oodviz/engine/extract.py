@@ -180,7 +180,7 @@ def extract(
     *,
     device="cpu",
     batch_size: int = 256,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
     precision: str = "fp32",
     channels_last: bool = False,
     feature_dtype: str = "float32",
@@ -201,7 +201,10 @@ def extract(
         parameters, subsample, seed, transform description, ...), JSON-able; see :func:`key_spec`
     :param device: where the model runs (``"cpu"``, ``"cuda"``, ``"cuda:1"``)
     :param batch_size: samples per forward pass; halved automatically on CUDA out-of-memory
-    :param num_workers: DataLoader worker processes that read and transform images (0 = this process)
+    :param num_workers: DataLoader worker processes that read and transform images (0 = this process;
+        ``"auto"``: :func:`oodviz.engine.batched.auto_workers`); array-backed datasets whose transform has a
+        ``batch`` method are transformed a batch at a time in this process instead (the number in force is
+        recorded in ``meta.json``)
     :param precision: ``"fp32"``, or ``"bf16"`` / ``"fp16"`` autocast (part of the key)
     :param channels_last: run 4-D inputs and weights in channels-last memory format (faster convnets on CUDA)
     :param feature_dtype: ``"float32"`` or ``"float16"`` for ``features.npy`` (logits stay float32)
@@ -304,7 +307,7 @@ def extract(
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
             "precision": precision,
             "channels_last": channels_last,
-            "num_workers": num_workers,
+            "num_workers": batched.num_workers,
             "batch_size_requested": batch_size,
             "batch_size_in_force": batched.backoff.in_force,
             "oom_backoffs": batched.backoff.backoffs,
@@ -365,7 +368,7 @@ def extract_or_reuse(
     *,
     device="cpu",
     batch_size: int = 256,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
     precision: str = "fp32",
     channels_last: bool = False,
     feature_dtype: str = "float32",

@@ -53,7 +53,7 @@ def score_inputs(
     *,
     device="cpu",
     batch_size: int = 256,
-    num_workers: int = 0,
+    num_workers: int | str = 0,
     precision: str = "fp32",
     progress: Progress | None = None,
     should_cancel: Callable[[], bool] | None = None,

@@ -120,6 +120,14 @@ class DigitsTransform:
         values = np.asarray(grey, dtype=np.float32) * (16.0 / 255.0)
         return normalize_digits(values)
 
+    def batch(self, pixels: np.ndarray) -> Tensor | None:
+        """Many images at once, as tensors: uint8 greyscale ``[b, 8, 8]`` -> float32 ``[b, 1, 8, 8]``, the same
+        numbers as ``self(Image.fromarray(pixels[i]))`` for every ``i``; ``None`` for other sizes or RGB
+        pixels (those need PIL's resize or greyscale conversion: transform them one by one)."""
+        if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[1:] != self.size[::-1]:
+            return None
+        return normalize_digits(torch.from_numpy(pixels).float() * (16.0 / 255.0))
+
     def __repr__(self) -> str:
         return f"DigitsTransform(greyscale, resize 8x8 box, 0..255 -> 0..16, mean={DIGITS_MEAN}, std={DIGITS_STD})"
 

@@ -65,6 +65,14 @@ class FashionTransform:
             grey = grey.resize(self.size, Image.Resampling.BILINEAR)
         return normalize_fashion(np.asarray(grey, dtype=np.uint8))
 
+    def batch(self, pixels: np.ndarray) -> Tensor | None:
+        """Many images at once, as tensors: uint8 greyscale ``[b, 28, 28]`` -> float32 ``[b, 1, 28, 28]``, the
+        same numbers as ``self(Image.fromarray(pixels[i]))`` for every ``i``; ``None`` for other sizes or RGB
+        pixels (those need PIL's resize or greyscale conversion: transform them one by one)."""
+        if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[1:] != self.size[::-1]:
+            return None
+        return normalize_fashion(torch.from_numpy(pixels))
+
     def __repr__(self) -> str:
         return f"FashionTransform(greyscale, resize 28x28 bilinear, p / 255, mean={FASHION_MEAN}, std={FASHION_STD})"
 

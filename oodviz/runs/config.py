@@ -20,6 +20,7 @@ from pathlib import Path
 from oodviz.data.base import SUBSAMPLE_MODES
 from oodviz.data.registry import GROUPS
 from oodviz.engine import FEATURE_DTYPES, PRECISIONS
+from oodviz.engine.loading import AUTO_WORKERS
 from oodviz.models import POOLINGS, device_problem
 from oodviz.params import describe, matches, non_finite, param_problems, shown
 from oodviz.runs.tuning import tuning_problems
@@ -82,7 +83,9 @@ class RunConfig:
     device: str = "auto"  # "auto" = the first GPU if there is one, else the CPU
     batch_size: int = 256
     precision: str = "fp32"
-    num_workers: int = 0
+    #: DataLoader workers reading image folders and torchvision sets; "auto" = a function of the CPU cores and
+    #: the dataset (0 for the in-memory sets, transformed a batch at a time: oodviz.engine.loading.auto_workers)
+    num_workers: int | str = "auto"
     seed: int = 0
     data_root: str = "data"
     download: bool = False
@@ -176,6 +179,10 @@ class RunConfig:
         if problem := device_problem(self.device) or device_problem_here(self.device):
             found.append(problem)
         limits = {"batch_size": (1, MAX_BATCH_SIZE), "num_workers": (0, cpu_count()), "seed": (0, None)}
+        if "num_workers" not in wrong and isinstance(self.num_workers, str):
+            if self.num_workers != AUTO_WORKERS:
+                found.append(f"num_workers must be an integer >= 0 or {AUTO_WORKERS!r}, got {self.num_workers!r}")
+            wrong["num_workers"] = ""  # "auto" or reported: no bounds to check
         for key, (low, high) in limits.items():
             value = getattr(self, key)
             if key in wrong:
@@ -254,7 +261,7 @@ _FIELD_TYPES = {
     "detectors": list,
     "batch_size": int,
     "precision": str,
-    "num_workers": int,
+    "num_workers": int | str,
     "seed": int,
     "data_root": str,
     "download": bool,
