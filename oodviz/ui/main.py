@@ -256,7 +256,7 @@ def page() -> None:
     values, action, slots = render_form(form_defaults())
     header, home = st.columns([4, 1], vertical_alignment="bottom")
     header.title("oodviz")
-    if home.button("All runs", use_container_width=True):
+    if home.button("All runs", width="stretch"):
         open_run(None)
         st.rerun()
     handle_form(values, action, slots)

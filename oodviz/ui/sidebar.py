@@ -142,8 +142,8 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             "tick this to start regardless.",
         )
         # one under the other: side by side their labels are cut at 1000 px
-        start = st.form_submit_button("Start run", type="primary", use_container_width=True)
-        estimate = st.form_submit_button("Estimate memory", use_container_width=True)
+        start = st.form_submit_button("Start run", type="primary", width="stretch")
+        estimate = st.form_submit_button("Estimate memory", width="stretch")
         slots["form"], slots["estimate"] = st.empty(), st.empty()
 
     with st.sidebar.expander("What each detector does"):

@@ -127,14 +127,14 @@ def job_panel(run: RunDir) -> None:
                     columns=["stage", "seconds", "peak CPU RSS"],
                 ),
                 hide_index=True,
-                use_container_width=True,
+                width="stretch",
             )
 
     @st.fragment(run_every=MEMORY_POLL_S if running else None)
     def memory_chart():
         timeline = memory_timeline(_tail(run).memory)
         if len(timeline) > 1:
-            st.plotly_chart(memory_figure(timeline), use_container_width=True, key="memory-live")
+            st.plotly_chart(memory_figure(timeline), width="stretch", key="memory-live")
 
     panel()
     memory_chart()
