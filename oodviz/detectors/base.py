@@ -94,6 +94,8 @@ class Detector:
     needs_model: ClassVar[bool] = False
     #: part of the default detector list of a run (``RunConfig().detectors``)
     in_defaults: ClassVar[bool] = True
+    #: the values a string parameter takes, ``{"variant": ("b", "p", "s")}`` (an editor offers them as a choice)
+    param_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:

@@ -20,9 +20,18 @@ from oodviz.runs.jobs import QueueFull, refresh, submit
 from oodviz.runs.plan import run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
-from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config
+from oodviz.ui.fixes import (
+    ESTIMATE_NEXT,
+    RUN_ANYWAY,
+    fix_buttons,
+    over_limits,
+    prefilled,
+    refuse_start,
+    store_estimate,
+)
+from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config, suggested_fixes
 from oodviz.ui.history import label_editor, past_runs, read_label
-from oodviz.ui.sidebar import RUN_ANYWAY, memory_estimate, render_form
+from oodviz.ui.sidebar import memory_estimate, render_form
 
 
 def runs_root() -> Path:
@@ -69,30 +78,18 @@ def confined_config(config: RunConfig) -> RunConfig | None:
         return None
 
 
-def show_estimate(config, place) -> bool:
-    """Show the run's estimate in ``place`` (beside Start); True when it is over the machine's limits
-    (the pre-flight table and the fixes shown as a warning)."""
-    try:
-        _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
-    except Exception as error:  # a missing dataset or weight file: say what, keep the app running
-        place.error(f"Could not estimate the run's size: {error}")
-        return False
-    with place.container():
-        st.markdown("**Estimated feature store**")
-        st.code(description, language=None)
-        if refusal:
-            st.warning(refusal)
-    return refusal is not None
-
-
 def plain(text: str) -> str:
     """``text`` shown as typed in Streamlit's markdown: a path's ``_a_`` stays, not in italics."""
     return re.sub(r"([\\`*_{}\[\]<>#|~$])", r"\\\1", text)
 
 
 def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
-    """On Estimate or Start: check the whole form first (:func:`form_problems`) and show every problem
-    under its field; only a form without problems is estimated, and started (nothing is created before)."""
+    """On Estimate or Start (or after a fix filled the form): check the whole form first
+    (:func:`form_problems`) and show every problem under its field; only a form without problems is estimated
+    (kept beside Start, :mod:`oodviz.ui.fixes`), and started when it fits or "Run anyway" is ticked (nothing is
+    created before)."""
+    if action is None and st.session_state.pop(ESTIMATE_NEXT, False):
+        action = "estimate"
     if action is None:
         return
     problems = form_problems(values, AccessPolicy.from_env())
@@ -104,15 +101,18 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
             slots["form"].error(f"Fix first: {count} problem(s), shown under their fields above.")
         return
     config = AccessPolicy.from_env().confine_config(config_from_form(values))
-    over = show_estimate(config, slots["estimate"])
+    try:
+        _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
+    except Exception as error:  # a missing dataset or weight file: say what, keep the app running
+        store_estimate(values, error=str(error))
+    else:
+        store_estimate(values, description, refusal)
     if action == "start":
-        if over and not st.session_state.get(RUN_ANYWAY):
-            slots["form"].error(
-                "Not started: the run is over this machine's limits (below). Apply a fix, or tick "
-                '"Run anyway, over this machine\'s limits" and start again.'
-            )
+        if not over_limits(values) or st.session_state.get(RUN_ANYWAY):
+            start_run(config, slots["form"])
             return
-        start_run(config, slots["form"])
+        refuse_start()
+    st.rerun()  # the sidebar draws the estimate beside Start, and Start off when over the limits
 
 
 def start_run(config: RunConfig, place=st) -> None:
@@ -155,7 +155,7 @@ def run_warnings(run: RunDir, limit: int = 8) -> list[str]:
     return list(dict.fromkeys(messages))[-limit:]
 
 
-def run_page(run: RunDir) -> None:
+def run_page(run: RunDir, values: FormValues) -> None:
     from oodviz.ui.results import results_page
     from oodviz.ui.watch import job_panel
 
@@ -182,10 +182,17 @@ def run_page(run: RunDir) -> None:
         st.warning(message)
     if state == "failed":
         st.error(f"The run failed: {status.get('error') or 'no error was recorded (was the worker killed?)'}")
+        said = " ".join([status.get("error") or "", *run_warnings(run)])
+        try:
+            ran = form_values_from_config(RunConfig.load(run.config_path))
+        except (ValueError, OSError):  # a config this version cannot read: the fixes apply to the form as it is
+            ran = values
         st.info(
-            "To retry with a fix: the sidebar holds this run's choices. Change what the error names "
-            "and press Start run (a new run; this one is kept)."
+            "To retry: the sidebar holds this run's choices. Change what the error names and press Start run "
+            "(a new run; this one is kept)."
+            + (" Or fill the form with a fix the error names:" if suggested_fixes(said, ran) else "")
         )
+        fix_buttons(said, values, st, "Retry with: ", "retry-fix", base=ran)
         if status.get("detail") and show_server_details():
             with st.expander("Details"):
                 st.code(status["detail"])
@@ -239,7 +246,11 @@ def main() -> None:
 
 
 def form_defaults() -> FormValues:
-    """The sidebar's starting values: those of the run in the URL (to rerun it with changes), else the default."""
+    """The sidebar's starting values: those a fix filled in on this page, else those of the run in the URL (to
+    rerun it with changes), else the default."""
+    filled = prefilled()
+    if filled is not None:
+        return filled
     try:
         path = url_run_path()
     except PathRefused:  # the run page says so
@@ -262,7 +273,7 @@ def page() -> None:
     handle_form(values, action, slots)
     run = current_run()
     if run is not None:
-        run_page(run)
+        run_page(run, values)
         return
     landing(values)
     st.subheader("Past runs")
