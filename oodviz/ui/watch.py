@@ -113,8 +113,12 @@ def job_panel(run: RunDir) -> None:
         elif st.button("Cancel run", key=f"cancel-{run.run_id}"):
             cancel(run)
             st.rerun(scope="fragment")
-        with st.expander(f"Finished stages ({len(tail.ended)} of {len(plan)})"):
-            st.dataframe(
+        # the table only while its expander is open: a closed one costs a poll nothing however many stages ended
+        stages = st.expander(
+            f"Finished stages ({len(tail.ended)} of {len(plan)})", key=f"stages-{run.run_id}", on_change="rerun"
+        )
+        if stages.open:
+            stages.dataframe(
                 pd.DataFrame(
                     [
                         {
