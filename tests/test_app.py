@@ -93,7 +93,7 @@ def test_a_run_config_becomes_the_form_that_makes_it_again(name):
     assert config_from_form(values) == config
     assert values.id_preset == {
         "digits": "digits (bundled, 8x8)",
-        "fashion-mnist": "Fashion-MNIST, 8 classes (for fashion-cnn)",
+        "fashion-mnist": "Fashion-MNIST, 8 classes",
     }.get(name, FOLDER_PRESET)
 
 

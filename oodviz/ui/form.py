@@ -10,7 +10,7 @@ from oodviz.runs.config import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunCo
 #: ID presets: label -> (fit split, test split). Torchvision sets use their train/test splits.
 ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
     "digits (bundled, 8x8)": (DatasetChoice("digits-train"), DatasetChoice("digits-test")),
-    "Fashion-MNIST, 8 classes (for fashion-cnn)": (
+    "Fashion-MNIST, 8 classes": (
         DatasetChoice("fashion-mnist-id", {"split": "train"}),
         DatasetChoice("fashion-mnist-id", {"split": "test"}),
     ),
@@ -22,7 +22,7 @@ ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
 FOLDER_PRESET = "image folders (your own)"
 #: Side of the ID preset's images; the generated OOD sets (photo patches, noise) are made that size.
 PRESET_IMAGE_SIZE = {
-    "Fashion-MNIST, 8 classes (for fashion-cnn)": 28,
+    "Fashion-MNIST, 8 classes": 28,
     **{f"{name} (torchvision files)": 28 for name in ("mnist", "fashion-mnist", "kmnist")},
     **{f"{name} (torchvision files)": 32 for name in ("cifar10", "cifar100")},
 }

@@ -123,13 +123,25 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
 
         st.subheader("Data")
         presets = list(ID_PRESETS) + [FOLDER_PRESET]
-        id_preset = st.selectbox("In-distribution", presets, index=presets.index(defaults.id_preset))
+        id_preset = st.selectbox(
+            "In-distribution",
+            presets,
+            index=presets.index(defaults.id_preset),
+            help="Fashion-MNIST, 8 classes: the classes fashion-cnn was trained on (Shirt and Ankle boot are the "
+            "held-out OOD set).",
+        )
         slots["id_preset"] = st.empty()
         fit_folder = st.text_input("ID fit folder (image folders only)", defaults.fit_folder)
         slots["fit_folder"] = st.empty()
         test_folder = st.text_input("ID test folder (image folders only)", defaults.test_folder)
         slots["test_folder"] = st.empty()
-        ood = st.multiselect("OOD datasets", list(OOD_CHOICES), default=defaults.ood, format_func=ood_label)
+        ood = st.multiselect(
+            "OOD datasets",
+            list(OOD_CHOICES),
+            default=defaults.ood,
+            help="Each set's group and source (the names alone fit the chips at 1000 px):\n\n"
+            + "\n".join(f"- {ood_label(name)}" for name in OOD_CHOICES),
+        )
         slots["ood"] = st.empty()
         ood_folder = st.text_input("Extra OOD image folder (optional)", defaults.ood_folder)
         slots["ood_folder"] = st.empty()
