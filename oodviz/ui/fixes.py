@@ -86,7 +86,7 @@ def fix_buttons(message: str, values: FormValues, place, prefix: str, key: str, 
         change = {k: v for k, v in asdict(fix.values).items() if getattr(base, k) != v}
         if all(getattr(values, k) == v for k, v in change.items()):
             continue
-        if place.button(prefix + fix.label, key=f"{key}-{i}", width="stretch"):
+        if place.button(prefix + fix.label, key=f"{key}-{i}", width="stretch", wrap=True):  # long labels wrap
             apply_fix(FormFix(fix.label, replace(values, **change)))
 
 
