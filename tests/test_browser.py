@@ -397,6 +397,8 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     grid = page.locator('[data-testid="stDataFrame"]').first
     grid.wait_for(timeout=120_000)
     order = list(runs_table(runs_root).run)
+    page.wait_for_function(IDLE, timeout=120_000)
+    assert page.evaluate(CUT_TEXTS) == []  # the landing page's buttons and chips too
 
     def pick(*names):  # the row markers of the run list (a canvas): one click each toggles a row
         grid.scroll_into_view_if_needed()

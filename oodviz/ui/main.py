@@ -136,7 +136,7 @@ def landing(values: FormValues) -> None:
         "digits, photo patches and noise; it reads Debian's `dataset-fashion-mnist`, the files in the sidebar's data "
         "root, or downloads them where the sidebar allows downloads."
     )
-    default, fashion, _ = st.columns([1, 1, 3])
+    default = fashion = st.container(horizontal=True)  # each button as wide as its label: none is cut
     if default.button("Run the default", type="primary"):
         start_run(config_from_form(FormValues()))
     if fashion.button("Run Fashion-MNIST"):
