@@ -77,7 +77,7 @@ def app_url(runs_root):
 def shoot(page, tmp_path, name):
     page.wait_for_timeout(1500)  # let the data grids (canvas) and charts finish drawing
     path = tmp_path / f"{name}.png"
-    page.screenshot(path=str(path))
+    page.screenshot(path=str(path), timeout=90_000)  # a loaded machine draws slowly
     if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, SCREENSHOTS / f"{name}.png")
@@ -97,7 +97,7 @@ def progress_texts(page) -> str:
 
 def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     page.goto(app_url)
-    page.get_by_role("button", name="Run the default").wait_for(timeout=60_000)
+    page.get_by_role("button", name="Run the default").wait_for(timeout=120_000)  # a cold server: slow first load
     shoot(page, tmp_path, "landing")
     run_id = start_default(page, app_url)
     page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
@@ -415,6 +415,7 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     scatter.wait_for(timeout=60_000)
     assert warning.bounding_box()["y"] < scatter.bounding_box()["y"]  # said before anything is shown
     assert scatter.get_by_text("Mean AUROC over 2 shared OOD set(s)").count()  # the two sets both runs have
+    warning.evaluate("element => element.scrollIntoView({block: 'center'})")
     shoot(page, tmp_path, "compare-other-data")
 
     pick("cmp-a", "cmp-other")  # unselect both
@@ -432,5 +433,6 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     assert sorted(points["text"]) == ["energy", "mahalanobis", "msp"]  # the detectors both runs have
     for name, x, y in zip(points["text"], points["x"], points["y"]):
         assert x == pytest.approx(expected_a[name], abs=1e-9) and y == pytest.approx(expected_b[name], abs=1e-9)
+    page.get_by_text(re.compile(r"^Compare cmp-")).evaluate("element => element.scrollIntoView()")
     shoot(page, tmp_path, "compare")
     assert other.is_dir()
