@@ -117,7 +117,7 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     stages = {int(k) for text in seen for k in re.findall(r"Stage (\d+) of 46", text)}
     assert len(stages) >= 2 and all(1 <= k <= 46 for k in stages), seen  # the whole run's stages, counted
     assert any(re.search(r"run ETA \d+:\d\d", text) for text in seen), seen
-    page.get_by_text("Best detector per column").wait_for(timeout=60_000)
+    page.get_by_text("Best detector per column").wait_for(timeout=300_000)  # a loaded machine: minutes
     table = page.locator('[data-testid="stDataFrame"]').first
     assert table.is_visible()
     shoot(page, tmp_path, "metrics")
