@@ -136,10 +136,10 @@ def landing(values: FormValues) -> None:
         "digits, photo patches and noise; it reads Debian's `dataset-fashion-mnist`, the files in the sidebar's data "
         "root, or downloads them where the sidebar allows downloads."
     )
-    default = fashion = st.container(horizontal=True)  # each button as wide as its label: none is cut
-    if default.button("Run the default", type="primary"):
+    buttons = st.container(horizontal=True)  # each button as wide as its label: none is cut
+    if buttons.button("Run the default", type="primary"):
         start_run(config_from_form(FormValues()))
-    if fashion.button("Run Fashion-MNIST"):
+    if buttons.button("Run Fashion-MNIST"):
         config = preset("fashion-mnist")
         config.data_root, config.download = values.data_root.strip() or "data", bool(values.download)
         config = confined_config(config)
