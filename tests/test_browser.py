@@ -119,7 +119,7 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     assert any(re.search(r"run ETA \d+:\d\d", text) for text in seen), seen
     page.get_by_text("Best detector per column").wait_for(timeout=300_000)  # a loaded machine: minutes
     table = page.locator('[data-testid="stDataFrame"]').first
-    assert table.is_visible()
+    table.wait_for(state="visible", timeout=60_000)  # the grid is laid out after its caption on a loaded machine
     shoot(page, tmp_path, "metrics")
 
     page.get_by_role("tab", name="Score histograms").click()
