@@ -76,7 +76,7 @@ def _stores(run_dir) -> tuple[dict, list[tuple[str, str, str]]]:
     projected = [
         (split, ID_SPLIT if split == "id_test" else OOD_SPLIT, entry["dataset"])
         for split, entry in meta["splits"].items()
-        if split != "id_fit"
+        if split == "id_test" or split.startswith("ood:")  # not id_fit, nor a tuning run's validation splits
     ]
     return stores, projected
 

@@ -5,7 +5,8 @@ with this module, so each table is computed in one place. Files in a run directo
 
 - ``scores.parquet``: one row per sample of every scored split: ``split`` (``id_test`` or
   ``ood``), ``dataset``, ``index`` (the sample's *source index* in its dataset, as stored by the
-  engine), ``label`` (-1 for OOD), ``prediction``, and one float column per fitted detector;
+  engine), ``label`` (-1 for OOD), ``prediction``, and one float column per fitted detector (in a run
+  over several layers, ``"<detector>@<layer>"`` for those scored per layer: :mod:`oodviz.layers`);
 - ``metrics.csv`` (:func:`metrics_table`): one row per detector and OOD dataset, then one per
   detector and near/far group (the mean over that group's datasets, ``ood_dataset`` =
   ``"near (mean)"``): ``detector, ood_dataset, group, auroc, aupr_in, aupr_out, fpr95,

@@ -30,6 +30,7 @@ import torch
 from oodviz.data.base import ImageDataset, Source, UnreadableImageError
 from oodviz.data.folders import read_image
 from oodviz.detectors.persist import referenced_files
+from oodviz.layers import split_column
 from oodviz.results import ID_SPLIT, check_detector, default_threshold, detectors_of, load_results
 from oodviz.runs.rundir import write_json
 
@@ -135,9 +136,15 @@ def _check_run(run_dir, detector: str | None):
             f"run {run_dir} has no saved detectors ({saved}/ is missing: a run made before oodviz saved them); "
             "run its config again (oodviz run RUN/config.json)"
         )
-    names = detectors_of(results.scores)
+    # a run over several layers saves only the detectors of its main features (oodviz.runs.layers)
+    names = [name for name in detectors_of(results.scores) if split_column(name)[1] is None]
     if detector is not None:
         check_detector(results.scores, detector)
+        if split_column(detector)[1] is not None:
+            raise RunNotScorableError(
+                f"{detector} was fitted on layer {split_column(detector)[1]!r} of a run over several layers; oodviz "
+                f"score reads the run's main features only ({', '.join(names) or 'none saved'})"
+            )
         names = [detector]
     missing = [n for n in names if not (saved / n).is_dir()]
     if missing:

@@ -87,8 +87,8 @@ def test_registry_errors_name_the_fix():
         load_dataset("digit-test")
     with pytest.raises(ValueError, match="has no parameter.*colour.*its parameters: n, size, channels, noise_seed"):
         load_dataset("noise-gaussian", colour=3)
-    with pytest.raises(ValueError, match="subsample_mode must be one of first, random"):
-        load_dataset("digits-test", subsample=5, subsample_mode="last")
+    with pytest.raises(ValueError, match="subsample_mode must be one of first, random, last"):
+        load_dataset("digits-test", subsample=5, subsample_mode="middle")
 
 
 # -- bundled digits -------------------------------------------------------------------------

@@ -64,6 +64,7 @@ def test_the_new_tabs_are_offered(app):
         "Risk–coverage",
         "Probe images",
         "Feature space",
+        "Which layer?",
         "Run details",
     ]
     assert [b.label for b in app.button if b.label == "Build the HTML report"]

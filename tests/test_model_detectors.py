@@ -512,9 +512,10 @@ def test_a_run_with_model_detectors_scores_them_in_store_order(tmp_path):
     import json
 
     from oodviz.models import load_backbone
-    from oodviz.runs.pipeline import load_split, run_pipeline
+    from oodviz.runs.pipeline import run_pipeline
     from oodviz.runs.reporter import Reporter
     from oodviz.runs.rundir import RunDir
+    from oodviz.runs.splits import load_split
 
     config = RunConfig(
         ood=[DatasetChoice("digits-heldout"), DatasetChoice("noise-uniform", params={"n": 200})],

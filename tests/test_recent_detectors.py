@@ -407,9 +407,10 @@ def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
 
     from oodviz.models import load_backbone
     from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
-    from oodviz.runs.pipeline import load_split, run_pipeline
+    from oodviz.runs.pipeline import run_pipeline
     from oodviz.runs.reporter import Reporter
     from oodviz.runs.rundir import RunDir
+    from oodviz.runs.splits import load_split
 
     names = ["msp", "adascale", "gram"]
     gram_params = {"layers": ["features.3", "features.6"], "poles": 2}

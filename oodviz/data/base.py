@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 
 from oodviz.batch import OOD_LABEL
 
-SUBSAMPLE_MODES = ("first", "random")
+SUBSAMPLE_MODES = ("first", "random", "last")
 
 
 class UnreadableImageError(OSError):
@@ -56,7 +56,8 @@ class Source:
 def subsample_indices(n: int, subsample: int | None, mode: str = "first", seed: int = 0) -> np.ndarray:
     """Indices into a source of ``n`` items, int64 ``[min(n, subsample)]``, in increasing order.
 
-    ``mode="first"`` keeps the first ``subsample`` items; ``mode="random"`` draws ``subsample``
+    ``mode="first"`` keeps the first ``subsample`` items; ``mode="last"`` the last ones (with ``"first"`` on the
+    same source: two disjoint splits, e.g. fit and validation); ``mode="random"`` draws ``subsample``
     distinct items with ``numpy.random.default_rng(seed)`` (same seed, same items). A
     ``subsample`` of ``None`` or at least ``n`` keeps every item.
     """
@@ -72,6 +73,8 @@ def subsample_indices(n: int, subsample: int | None, mode: str = "first", seed: 
         return np.arange(n, dtype=np.int64)
     if mode == "first":
         return np.arange(subsample, dtype=np.int64)
+    if mode == "last":
+        return np.arange(n - subsample, n, dtype=np.int64)
     rng = np.random.default_rng(seed)
     return np.sort(rng.choice(n, size=int(subsample), replace=False)).astype(np.int64)
 

@@ -115,6 +115,8 @@ class ASH(Detector):
     param_choices = {"variant": VARIANTS}
     summary = "Energy after pruning each sample's lowest activations; the rest binarised (b), kept (p) or scaled (s)."
     paper = "https://arxiv.org/abs/2209.09858"
+    default_grid = {"percentile": (65.0, 70.0, 75.0, 80.0, 85.0, 90.0, 95.0)}
+    score_params = ("variant", "percentile")
     teaching = Teaching(
         formula=r"s(x) = -\log \sum_k e^{(\mathrm{shape}_p(x) W^\top + b)_k}",
         citation="Djurisic et al., *Extremely Simple Activation Shaping for Out-of-Distribution Detection*, ICLR 2023",

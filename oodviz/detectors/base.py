@@ -94,6 +94,12 @@ class Detector:
     needs_model: ClassVar[bool] = False
     #: part of the default detector list of a run (``RunConfig().detectors``)
     in_defaults: ClassVar[bool] = True
+    #: the values a run tries for each parameter when it tunes on validation data, ``{parameter: (values, ...)}``
+    #: (:mod:`oodviz.runs.tuning`; empty: nothing worth tuning). The grid is the cartesian product, tried in order.
+    default_grid: ClassVar[dict[str, tuple]] = {}
+    #: parameters that only change ``score``: a fitted detector takes new values with :meth:`set_params`, no refit
+    #: (tuning fits once per value of the other parameters and rescores for these)
+    score_params: ClassVar[tuple[str, ...]] = ()
     #: the values a string parameter takes, ``{"variant": ("b", "p", "s")}`` (an editor offers them as a choice)
     param_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
 
@@ -116,6 +122,24 @@ class Detector:
     def get_params(self) -> dict:
         """The constructor parameters and their current values."""
         return {name: getattr(self, name) for name in self.param_names()}
+
+    def set_params(self, **params):
+        """Change parameters in place and return self; the values are checked (and normalised) by the constructor.
+        A fitted detector keeps its fitted state, so only :attr:`score_params` may change after ``fit``
+        (ValueError for another: fit again instead)."""
+        if hasattr(self, "n_features_in_") and (refit := sorted(set(params) - set(self.score_params))):
+            raise ValueError(
+                f"{self.name}: {', '.join(refit)} changes what fit learns; make a new detector and fit it "
+                f"(only {', '.join(self.score_params) or 'no parameter'} can change after fit)"
+            )
+        checked = type(self)(**{**self.get_params(), **params})
+        for name in params:
+            setattr(self, name, getattr(checked, name))
+        self._check_fitted_params()
+        return self
+
+    def _check_fitted_params(self) -> None:
+        """ValueError when a fitted detector's parameters no longer fit its fitted state (knn: ``k`` above the bank)."""
 
     def __repr__(self) -> str:
         params = ", ".join(f"{k}={v!r}" for k, v in self.get_params().items())

@@ -51,6 +51,7 @@ class DICE(Detector):
     name = "dice"
     summary = "Energy of the logits after zeroing the head weights with the smallest mean contribution."
     paper = "https://arxiv.org/abs/2111.09805"
+    default_grid = {"sparsity": (0.5, 0.7, 0.9)}
     teaching = Teaching(
         formula=r"s(x) = -\log \sum_k e^{(x (W \odot M)^\top + b)_k},\quad M = [\bar x \odot W > t]",
         citation="Sun & Li, *DICE: Leveraging Sparsification for Out-of-Distribution Detection*, ECCV 2022",

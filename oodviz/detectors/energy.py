@@ -21,6 +21,7 @@ class Energy(Detector):
     name = "energy"
     summary = "Free energy of the logits, -T logsumexp(z/T): a smoother maximum logit."
     paper = "https://arxiv.org/abs/2010.03759"
+    default_grid = {"temperature": (0.5, 1.0, 2.0, 5.0, 10.0)}
     teaching = Teaching(
         formula=r"s(x) = -T \log \sum_k e^{z_k(x)/T}",
         citation="Liu et al., *Energy-based Out-of-distribution Detection*, NeurIPS 2020",

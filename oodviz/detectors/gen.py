@@ -24,6 +24,7 @@ class GEN(Detector):
     name = "gen"
     summary = "Generalized entropy of the top-M softmax probabilities."
     paper = "https://arxiv.org/abs/2303.04115"
+    default_grid = {"gamma": (0.01, 0.05, 0.1, 0.5, 0.9)}
     teaching = Teaching(
         formula=r"s(x) = \sum_{j=1}^{M} p_{(j)}^{\gamma} (1 - p_{(j)})^{\gamma}",
         citation="Liu, Lochman & Zach, *GEN: Pushing the Limits of Softmax-Based Out-of-Distribution Detection*, CVPR 2023",

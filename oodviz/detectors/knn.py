@@ -70,6 +70,8 @@ class KNN(Detector):
     param_choices = {"backend": BACKENDS}
     summary = "Distance to the k-th nearest in-distribution feature (L2-normalised)."
     paper = "https://arxiv.org/abs/2204.06507"
+    default_grid = {"k": (1, 5, 10, 20, 50, 100, 200)}
+    score_params = ("k",)
     teaching = Teaching(
         formula=r"s(x) = \big\| z - z_{(k)} \big\|,\quad z = x / \|x\|",
         citation="Sun et al., *Out-of-Distribution Detection with Deep Nearest Neighbors*, ICML 2022",
@@ -120,15 +122,22 @@ class KNN(Detector):
         """The bank rows written for fit features ``[b, D]``: float32, L2-normalised."""
         return _normalise(features)
 
+    def _check_k(self, bank_rows: int) -> None:
+        if bank_rows < self.k:
+            raise ValueError(
+                f"{self.name}: k={self.k} exceeds the {bank_rows} in-distribution samples; choose k <= {bank_rows}."
+            )
+
+    def _check_fitted_params(self) -> None:
+        if hasattr(self, "bank_"):
+            self._check_k(len(self.bank_))
+
     def _query_extra(self, batch) -> Tensor | None:
         """Per-query numbers the final score needs besides the similarities (``[B]``, kept on the CPU), or None."""
         return None
 
     def _keep_bank(self, bank: np.ndarray, normalised: bool) -> None:
-        if len(bank) < self.k:
-            raise ValueError(
-                f"{self.name}: k={self.k} exceeds the {len(bank)} in-distribution samples; choose k <= {len(bank)}."
-            )
+        self._check_k(len(bank))
         self.bank_ = bank  # [N, D] memory map
         self.bank_path_ = str(bank.filename)
         self.bank_normalised_ = normalised  # False: the feature store's raw features, normalised as read

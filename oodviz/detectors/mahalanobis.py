@@ -108,6 +108,7 @@ class Mahalanobis(Detector):
         "normalize=True: of the L2-normalised features (MDS++)."
     )
     paper = "https://arxiv.org/abs/1807.03888"
+    default_grid = {"normalize": (False, True)}
     teaching = Teaching(
         formula=r"s(x) = \min_k (x - \mu_k)^\top \Sigma^{-1} (x - \mu_k)",
         citation="Lee et al., *A Simple Unified Framework for Detecting Out-of-Distribution Samples and Adversarial Attacks*, NeurIPS 2018",

@@ -38,6 +38,8 @@ class NCI(Detector):
     name = "nci"
     summary = "Alignment of the centred features with the predicted class's weights, plus alpha * L1 norm (negated)."
     paper = "https://arxiv.org/abs/2311.01479"
+    default_grid = {"alpha": (0.0001, 0.001, 0.01, 0.1)}
+    score_params = ("alpha",)
     teaching = Teaching(
         formula=r"s(x) = -\Big(\frac{(x - \mu_G) \cdot w_c}{\|x - \mu_G\|} + \alpha \|x\|_1\Big)",
         citation="Liu & Qin, *Detecting Out-of-Distribution Through the Lens of Neural Collapse*, CVPR 2025",

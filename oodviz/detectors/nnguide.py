@@ -43,6 +43,8 @@ class NNGuide(KNN):
     name = "nnguide"
     summary = "Energy times the mean similarity to the k nearest confidence-scaled training features."
     paper = "https://arxiv.org/abs/2309.14888"
+    default_grid = {"k": (1, 10, 50, 100)}
+    score_params = ("k",)
     teaching = Teaching(
         formula=r"s(x) = -E(x) \cdot \frac{1}{k} \sum_{i \in \mathrm{top}_k} \langle z, g_i \rangle,\quad E(x) = \log \sum_c e^{(x W^\top + b)_c},\quad g_i = E(x_i)\, x_i / \|x_i\|",
         citation="Park, Jung & Teoh, *Nearest Neighbor Guidance for Out-of-Distribution Detection*, ICCV 2023",

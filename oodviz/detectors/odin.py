@@ -121,6 +121,7 @@ class ODIN(ModelDetector):
     name = "odin"
     summary = "Negative max softmax at temperature T of the input nudged by epsilon towards higher confidence (runs the model)."
     paper = "https://arxiv.org/abs/1706.02690"
+    default_grid = {"temperature": (1.0, 10.0, 100.0, 1000.0), "epsilon": (0.0014, 0.0028)}
     teaching = Teaching(
         formula=r"s(x) = -\max_k \operatorname{softmax}\big(f(x')/T\big)_k,\quad x' = x - \varepsilon\, \operatorname{sign}(-\nabla_x \log S_{\hat y}(x;T))",
         citation="Liang, Li & Srikant, *Enhancing The Reliability of Out-of-distribution Image Detection in Neural Networks*, ICLR 2018",

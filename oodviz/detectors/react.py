@@ -207,6 +207,7 @@ class ReAct(Detector):
     name = "react"
     summary = "Energy of the logits after clipping the features at a percentile of the training activations."
     paper = "https://arxiv.org/abs/2111.12797"
+    default_grid = {"percentile": (80.0, 85.0, 90.0, 95.0, 99.0)}
     teaching = Teaching(
         formula=r"s(x) = -\log \sum_k e^{(\min(x, c) W^\top + b)_k}",
         citation="Sun, Guo & Li, *ReAct: Out-of-distribution Detection With Rectified Activations*, NeurIPS 2021",

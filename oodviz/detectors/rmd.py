@@ -38,6 +38,7 @@ class RelativeMahalanobis(Mahalanobis):
         "normalize=True: of the L2-normalised features (RMDS++)."
     )
     paper = "https://arxiv.org/abs/2106.09022"
+    default_grid = {"normalize": (False, True)}
     teaching = Teaching(
         formula=r"s(x) = \min_k \mathrm{MD}_k(x) - \mathrm{MD}_0(x)",
         citation="Ren et al., *A Simple Fix to Mahalanobis Distance for Improving Near-OOD Detection*, 2021",

@@ -40,6 +40,8 @@ class SCALE(Detector):
     name = "scale"
     summary = "Energy of the features scaled by exp(sum of all / sum of the top activations) of each sample."
     paper = "https://arxiv.org/abs/2310.00227"
+    default_grid = {"percentile": (65.0, 70.0, 75.0, 80.0, 85.0, 90.0, 95.0)}
+    score_params = ("percentile",)
     teaching = Teaching(
         formula=r"s(x) = -\log \sum_k e^{(e^{s_1/s_2} x W^\top + b)_k}",
         citation="Xu et al., *Scaling for Training Time and Post-hoc Out-of-distribution Detection Enhancement*, ICLR 2024",

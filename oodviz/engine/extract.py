@@ -187,6 +187,7 @@ def extract(
     progress: Progress | None = None,
     should_cancel: Callable[[], bool] | None = None,
     sync: bool = True,
+    make_writer: Callable = StoreWriter,
 ) -> FeatureStore:
     """Run ``backbone`` over ``dataset`` and write the split to ``<store_root>/<key>/``; returns it opened.
 
@@ -209,6 +210,9 @@ def extract(
     :param should_cancel: checked before every batch; when it returns True, :class:`Cancelled` is
         raised and nothing is stored
     :param sync: fsync the files before the final rename (crash-safe; turn off for throwaway stores)
+    :param make_writer: ``make_writer(store_root, key, capacity, D, C, feature_dtype)``, a :class:`StoreWriter`
+        or an object with its ``rows`` / ``append`` / ``commit`` / ``abort`` (one store per layer:
+        :mod:`oodviz.engine.layers`)
     :raises Cancelled: when ``should_cancel()`` said so
     :raises torch.cuda.OutOfMemoryError: when even one sample does not fit on the device
     """
@@ -251,7 +255,7 @@ def extract(
                 nonlocal writer, nonfinite
                 outputs.wait()
                 if writer is None:
-                    writer = StoreWriter(store_root, key, total, run.feature_dim, run.num_classes, feature_dtype)
+                    writer = make_writer(store_root, key, total, run.feature_dim, run.num_classes, feature_dtype)
                 writer.append(outputs.features, outputs.logits, outputs.labels, outputs.indices, outputs.predictions)
                 nonfinite += outputs.nonfinite
 

@@ -164,6 +164,19 @@ def available_backbones() -> list[str]:
     return list(ARCHITECTURES)
 
 
+#: Registry architectures built from attention blocks over patch tokens; every other one is a CNN.
+TRANSFORMERS = ("vit_b_16", "swin_t")
+BACKBONE_FAMILIES = ("cnn", "transformer")
+
+
+def backbone_family(name) -> str:
+    """``"transformer"`` for the registry's vision transformers (:data:`TRANSFORMERS`: ViT, Swin), else
+    ``"cnn"`` (the bundled CNNs, ResNets, ConvNeXt, EfficientNet, MobileNet, and a user's own model file,
+    whose architecture oodviz cannot see). Case and surrounding spaces are ignored; any other value is a CNN."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    return "transformer" if key in TRANSFORMERS else "cnn"
+
+
 def architecture(name: str) -> Architecture:
     """The architecture registered as ``name`` (case and surrounding spaces ignored), or a ValueError
     listing the names, with close matches, and the ways to load a model of one's own."""

@@ -31,7 +31,7 @@ exactly as it was given. ``features_and_logits`` runs on the device of ``x``; mo
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -357,7 +357,7 @@ class Backbone:
                 raw, logits = self._run_output_contract(x)
             else:
                 raw, logits = self._run_hooked(x)
-            features = pool_features(raw, self.pooling, self._is_channels_last())
+            features = self.pool(raw)
         if logits.ndim != 2 or len(logits) != len(x):
             raise ValueError(
                 f"{self.name}: the model returned logits of shape {tuple(logits.shape)} for {len(x)} inputs; "
@@ -365,16 +365,33 @@ class Backbone:
             )
         return raw, features.float(), logits.float()
 
-    def _run_hooked(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    @contextmanager
+    def capture(self) -> Iterator[list]:
+        """Hook this backbone's feature source for the body of a ``with``: the yielded list receives its raw
+        output at every call (the head's input for penultimate features, the layer's output otherwise); the
+        hook is removed on exit. Several views of one model (:meth:`with_layer`) capturing at once read their
+        features in one forward pass; :meth:`captured_features` turns what one captured into features."""
+        if self.source == "output":
+            raise ValueError(f"{self.name}: a model without hooks cannot capture a layer's output")
         captured: list = []
         if self.source == "penultimate":
             handle = self._hooked.register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
         else:
             handle = self._hooked.register_forward_hook(lambda _m, _args, out: captured.append(out))
         try:
-            out = self.model(x)
+            yield captured
         finally:
             handle.remove()
+
+    def captured_features(self, captured: list) -> Tensor:
+        """Features ``[B, D]`` (float32, pooled) from what :meth:`capture` collected in one forward pass."""
+        return self.pool(self._captured_output(captured))
+
+    def pool(self, raw: Tensor) -> Tensor:
+        """This backbone's features ``[B, D]`` (float32) from its layer's raw output ``[B, ...]``."""
+        return pool_features(raw, self.pooling, self._is_channels_last()).float()
+
+    def _captured_output(self, captured: list) -> Tensor:
         what = f"layer {self.layer!r}" if self.source == "layer" else f"head {self._head_name!r}"
         if not captured:
             raise ValueError(
@@ -387,6 +404,12 @@ class Backbone:
                 f"{self.name}: {what} returns a {type(raw).__name__}, not a tensor; "
                 "choose a layer whose output is one tensor"
             )
+        return raw
+
+    def _run_hooked(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        with self.capture() as captured:
+            out = self.model(x)
+        raw = self._captured_output(captured)
         logits = out[-1] if isinstance(out, (tuple, list)) else out
         if not isinstance(logits, Tensor):
             raise ValueError(f"{self.name}: the model returned a {type(out).__name__}; expected logits [B, C]")

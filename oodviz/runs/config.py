@@ -1,8 +1,10 @@
 """RunConfig: everything that defines a run, as plain data that round-trips through JSON or TOML.
 
 ``RunConfig()`` is the bundled offline default: ``digits-cnn`` on scikit-learn's digits against
-every bundled OOD set, with every detector but ``mcd`` (it needs dropout layers, which most
-classifiers lack). ``validate()`` lists every problem at once, before any work starts.
+every bundled OOD set, with the default detectors of its backbone's family (:func:`default_detectors`: for a CNN
+every detector with ``in_defaults``, so not ``mcd``, which needs dropout layers most classifiers lack).
+``id_val`` and ``ood_val`` with ``DetectorChoice.grid`` make a run tune its detectors on validation data
+(:mod:`oodviz.runs.tuning`). ``validate()`` lists every problem at once, before any work starts.
 
 ``preset(name)`` returns a named ready-made config (:data:`PRESETS`): ``"digits"`` (= ``RunConfig()``)
 and ``"fashion-mnist"`` (``fashion-cnn`` on the real Fashion-MNIST, :func:`fashion_mnist_config`).
@@ -20,6 +22,7 @@ from oodviz.data.registry import GROUPS
 from oodviz.engine import FEATURE_DTYPES, PRECISIONS
 from oodviz.models import POOLINGS, device_problem
 from oodviz.params import describe, matches, non_finite, param_problems, shown
+from oodviz.runs.tuning import tuning_problems
 from oodviz.runs.validation import MAX_BATCH_SIZE, ConfigError, cpu_count, device_problem_here, read_config_file
 
 DEFAULT_OOD = (
@@ -45,17 +48,20 @@ class DatasetChoice:
 
 @dataclass
 class DetectorChoice:
-    """A detector from ``oodviz.detectors`` with its parameters."""
+    """A detector from ``oodviz.detectors`` with its parameters and, for a run that tunes on validation data
+    (:mod:`oodviz.runs.tuning`), the values to try: ``grid`` ``{parameter: [values]}``; None = the detector's
+    ``default_grid`` less the parameters set in ``params``, ``{}`` = no tuning."""
 
     name: str
     params: dict = field(default_factory=dict)
+    grid: dict | None = None
 
 
-def _default_detectors() -> list[DetectorChoice]:
-    from oodviz.detectors import available, detector_class
+def default_detectors(backbone) -> list[DetectorChoice]:
+    """The default detectors of ``backbone``'s family and their parameters (:mod:`oodviz.runs.defaults`)."""
+    from oodviz.runs.defaults import default_detector_params
 
-    # Every detector except those most classifiers cannot support (mcd needs dropout layers).
-    return [DetectorChoice(name) for name in available() if detector_class(name).in_defaults]
+    return [DetectorChoice(name, params) for name, params in default_detector_params(backbone).items()]
 
 
 @dataclass
@@ -64,11 +70,15 @@ class RunConfig:
     weights: str = "default"  # "default" (pretrained / bundled) or "random" (a dry run)
     checkpoint: str | None = None  # a TorchScript file or a state dict for the backbone's architecture
     layer: str | None = None  # None = the penultimate layer
+    #: several layers in one forward pass (module names, or "penultimate"); [] = one layer, ``layer``
+    #: (:mod:`oodviz.runs.layers`)
+    layers: list = field(default_factory=list)
     pooling: str = "avg"
     id_fit: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-train"))
     id_test: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-test"))
     ood: list[DatasetChoice] = field(default_factory=lambda: [DatasetChoice(name) for name in DEFAULT_OOD])
-    detectors: list[DetectorChoice] = field(default_factory=_default_detectors)
+    #: None = the default detectors of the backbone's family (:func:`default_detectors`)
+    detectors: list[DetectorChoice] | None = None
     device: str = "auto"  # "auto" = the first GPU if there is one, else the CPU
     batch_size: int = 256
     precision: str = "fp32"
@@ -80,6 +90,13 @@ class RunConfig:
     #: an extra cap (GiB) on the disk the new feature stores may take, below the free disk; None = the disk's own
     #: free space (the pre-flight check, :mod:`oodviz.runs.preflight`, compares with the machine's real limits)
     memory_budget_gb: float | None = None
+    #: tuning on validation data (:mod:`oodviz.runs.tuning`): held-out ID images and an OOD set that is not a test set
+    id_val: DatasetChoice | None = None
+    ood_val: DatasetChoice | None = None
+
+    def __post_init__(self):
+        if self.detectors is None:
+            self.detectors = default_detectors(self.backbone)
 
     # -- serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -93,8 +110,8 @@ class RunConfig:
             raise ConfigError([f"a run config is a table of settings, got {shown(data)}"])
         data = dict(data)
         problems = [f"unknown setting {key!r}" for key in sorted(set(data) - set(cls.__dataclass_fields__), key=str)]
-        for key in ("id_fit", "id_test"):
-            if key in data:
+        for key in ("id_fit", "id_test", "id_val", "ood_val"):
+            if key in data and not (key in ("id_val", "ood_val") and data[key] is None):  # null: no validation split
                 data[key] = _choice(DatasetChoice, data[key], key, problems)
         for key, kind in (("ood", DatasetChoice), ("detectors", DetectorChoice)):
             if key not in data:
@@ -134,8 +151,13 @@ class RunConfig:
         found = list(wrong.values())
         model_found = self._model_problems(wrong)
         found += model_found
+        if "layers" not in wrong and self.layers:
+            from oodviz.runs.layers import layers_problems
+
+            found += layers_problems(self, model_known=not ({"backbone", "layer"} & set(wrong)) and not model_found)
         named = [("id_fit", self.id_fit), ("id_test", self.id_test)]
         named += [(f"ood[{i}]", d) for i, d in enumerate(self.ood)] if "ood" not in wrong else []
+        named += [(key, getattr(self, key)) for key in ("id_val", "ood_val") if getattr(self, key) is not None]
         model_known = not ({"backbone", "weights", "checkpoint"} & set(wrong)) and not model_found
         for where, choice in named:
             found += _dataset_problems(choice, where, self if model_known else None)
@@ -172,7 +194,7 @@ class RunConfig:
                 found.append(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
         if "memory_budget_gb" not in wrong and self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
             found.append(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}")
-        return found
+        return found + tuning_problems(self, detectors_checked="detectors" not in wrong)
 
     def _model_problems(self, wrong: dict[str, str]) -> list[str]:
         """The backbone, its weights, checkpoint file and layer."""
@@ -226,6 +248,7 @@ _FIELD_TYPES = {
     "weights": str,
     "checkpoint": str | None,
     "layer": str | None,
+    "layers": list,
     "pooling": str,
     "ood": list,
     "detectors": list,

@@ -32,8 +32,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -41,6 +40,7 @@ import torch
 
 import oodviz
 from oodviz.engine import Cancelled
+from oodviz.layers import layer_column, split_column
 from oodviz.results import (
     ID_SPLIT,
     OOD_SPLIT,
@@ -51,9 +51,12 @@ from oodviz.results import (
     write_table,
 )
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.layers import combine_layers, detector_columns, extract_layers_split, record_layers
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
 from oodviz.runs.reporter import Reporter, Stage
 from oodviz.runs.rundir import RunDir, write_json
+from oodviz.runs.splits import feature_store_root, load_split, run_splits, split_group, store_key_params
+from oodviz.runs.tuning import tune_detectors, tuned_choice
 
 SCORE_BATCH = 4096
 
@@ -83,60 +86,19 @@ class Watched:
             self.stage.progress(done, self.batches.n, {})
 
 
-def feature_store_root(run: RunDir) -> Path:
-    """Stores are shared by every run under the same runs root, so a repeated split is extracted once."""
-    from oodviz.engine import STORES_DIRNAME
-
-    return run.path.parent / STORES_DIRNAME
-
-
-def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool, model_classes: list[str] | None = None):
-    """The dataset of one split; ``model_classes`` (the backbone's class names) lets an image folder with
-    ``class_map = "model"`` label its subfolders by the model's class indices."""
-    from oodviz.data import load_dataset
-
-    return load_dataset(
-        choice.name,
-        root=config.data_root,
-        download=config.download,
-        subsample=choice.subsample,
-        subsample_mode=choice.subsample_mode,
-        seed=config.seed,
-        as_ood=as_ood,
-        model_classes=model_classes,
-        **choice.params,
-    )
-
-
-def run_splits(config: RunConfig) -> list[tuple[str, DatasetChoice, bool]]:
-    """``(split, dataset choice, loaded as OOD)`` of every split ``config`` extracts: id_fit, id_test, ood:NAME."""
-    ood = [(f"ood:{choice.name}", choice, True) for choice in config.ood]
-    return [("id_fit", config.id_fit, False), ("id_test", config.id_test, False), *ood]
-
-
-def store_key_params(config: RunConfig, choice: DatasetChoice) -> dict:
-    """What, besides the backbone and the dataset object, determines a split's feature store."""
-    return {"dataset": asdict(choice), "data_root": str(Path(config.data_root).resolve()), "seed": config.seed}
-
-
-def _group(choice: DatasetChoice) -> str:
-    from oodviz.data import dataset_info
-
-    return choice.group or dataset_info(choice.name).group or "far"
-
-
 def _logged_params(det, choice: DetectorChoice) -> dict:
     """The parameters in force, less the model and the scratch bank directory the run chose itself."""
     return {k: v for k, v in det.get_params().items() if k != "model" and (k != "bank_dir" or k in choice.params)}
 
 
-def _with_scratch(choice: DetectorChoice, run: RunDir) -> dict:
-    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory
-    unless the config chose a place: removed when the worker ends, even when it is killed."""
+def _with_scratch(choice: DetectorChoice, run: RunDir, column: str) -> dict:
+    """The detector's parameters, with files it keeps (knn's bank) in the run's scratch directory, in a folder
+    of its result ``column`` (one per layer), unless the config chose a place: removed when the worker ends,
+    even when it is killed."""
     from oodviz.detectors import detector_class
 
     if "bank_dir" in detector_class(choice.name).param_names() and not choice.params.get("bank_dir"):
-        return {**choice.params, "bank_dir": str(run.scratch_path / choice.name)}
+        return {**choice.params, "bank_dir": str(run.scratch_path / column)}
     return dict(choice.params)
 
 
@@ -145,9 +107,11 @@ class Job:
     """What the stages of one run share; each stage reads what the earlier ones left here.
 
     ``datasets`` and ``stores`` are keyed by split (``id_fit``, ``id_test``, ``ood:<name>``);
-    ``fitted``: the detectors still in the run, in config order; ``detector_log``: what becomes
+    ``layer_stores``: split -> layer -> store in a run over several layers (:mod:`oodviz.runs.layers`);
+    ``fitted``: the detectors still in the run, in config order, by result column; ``detector_log``: what becomes
     ``detectors.json``; ``frames``: the scores table of each scored split; ``scores``: all of them
-    (``scores.parquet``); ``meta``: what becomes ``meta.json``.
+    (``scores.parquet``); ``meta``: what becomes ``meta.json``; ``tuning``: per tuned detector, what tuning
+    on validation data tried and chose (:mod:`oodviz.runs.tuning`).
     """
 
     config: RunConfig
@@ -158,15 +122,21 @@ class Job:
     backbone: object = None
     datasets: dict = field(default_factory=dict)
     stores: dict = field(default_factory=dict)
+    layer_stores: dict = field(default_factory=dict)
     fitted: dict = field(default_factory=dict)
     detector_log: dict = field(default_factory=dict)
     frames: list = field(default_factory=list)
     scores: pd.DataFrame | None = None
+    tuning: dict = field(default_factory=dict)
 
     @property
     def splits(self) -> list[tuple[str, DatasetChoice, bool]]:
         """``(split, dataset choice, loaded as OOD)`` of every split the run extracts."""
         return run_splits(self.config)
+
+    def store_of(self, split: str, layer: str | None):
+        """The feature store of ``split`` at ``layer``; ``None``: the split's main store."""
+        return self.stores[split] if layer is None else self.layer_stores[split][layer]
 
     @property
     def scored_splits(self) -> list[tuple[str, str, str]]:
@@ -197,7 +167,7 @@ class Job:
         except Cancelled:
             raise
         except Exception as error:  # one detector failing must not stop the others
-            choice = next(c for c in self.config.detectors if c.name == name)
+            choice = next(c for c in self.config.detectors if c.name == split_column(name)[0])
             entry = self.detector_log.setdefault(
                 name, {"params": {k: v for k, v in choice.params.items() if k != "model"}}
             )
@@ -292,9 +262,12 @@ def extract_or_reuse_split(job: Job, split: str, choice: DatasetChoice, stage: S
     )
 
 
-def extract_splits(job: Job, open_split=extract_or_reuse_split) -> None:
+def extract_splits(job: Job, open_split=None) -> None:
     """One stage per split: its feature store, extracted or reused (by ``open_split(job, split, choice, stage)``;
-    a sharded run passes its own, :mod:`oodviz.runs.sharded`); the splits go into ``meta``."""
+    a sharded run passes its own, :mod:`oodviz.runs.sharded`; by default every layer of a run over several
+    layers in one pass, :mod:`oodviz.runs.layers`); the splits go into ``meta``."""
+    if open_split is None:
+        open_split = extract_layers_split if job.config.layers else extract_or_reuse_split
     for split, choice, _ in job.splits:
         with job.reporter.stage(f"extract {split}") as stage:
             store = open_split(job, split, choice, stage)
@@ -307,29 +280,36 @@ def extract_splits(job: Job, open_split=extract_or_reuse_split) -> None:
     job.meta["splits"] = {
         split: {
             "dataset": choice.name,
-            "group": _group(choice) if as_ood else None,
+            "group": split_group(choice) if as_ood else None,
             "n": job.stores[split].n,
             "store": job.stores[split].key,
             "reused": job.stores[split].reused,
         }
         for split, choice, as_ood in job.splits
     }
+    if job.layer_stores:
+        record_layers(job)
 
 
 def fit_detectors(job: Job) -> None:
-    """One stage per detector: fit it on the ID fit split (model-based ones only check the model)."""
-    for choice in job.config.detectors:
-        with job.reporter.stage(f"fit {choice.name}") as stage, job.detector_may_fail(choice.name, "fit", stage):
+    """One stage per detector (per detector and layer, :func:`oodviz.runs.layers.detector_columns`): fit it
+    on the ID fit split (model-based ones only check the model), with the parameters tuning chose when it
+    was tuned (tuning reads the run's main layer; its choice holds for every layer)."""
+    for column, choice, layer in detector_columns(job.config):
+        choice = tuned_choice(job, choice)
+        with job.reporter.stage(f"fit {column}") as stage, job.detector_may_fail(column, "fit", stage):
             started = time.perf_counter()
-            job.fitted[choice.name] = detector = fitted_detector(job, choice, stage)
-            job.detector_log[choice.name] = {
+            job.fitted[column] = detector = fitted_detector(job, choice, stage, layer)
+            job.detector_log[column] = {
                 "params": _logged_params(detector, choice),
                 "fit_s": time.perf_counter() - started,
             }
+            if choice.name in job.tuning:
+                job.detector_log[choice.name]["tuning"] = job.tuning[choice.name]
     require_a_detector(job)
 
 
-def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
+def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage, layer: str | None = None):
     from oodviz.detectors import create, detector_class
 
     if detector_class(choice.name).needs_model:
@@ -339,10 +319,12 @@ def fitted_detector(job: Job, choice: DetectorChoice, stage: Stage):
         else:
             detector.fit(None)  # nothing to learn: checks that the method works with this model
         return detector
-    detector = create(choice.name, **_with_scratch(choice, job.run))
+    column = choice.name if layer is None else layer_column(choice.name, layer)
+    detector = create(choice.name, **_with_scratch(choice, job.run, column))
     fields = detector.fields_to_read(fitting=True)  # only what the detector uses is read from the store
-    batches = Watched(job.stores["id_fit"].batches(SCORE_BATCH, device=job.device, include=fields), stage)
-    detector.fit(batches, head=job.backbone.head, device=job.device)
+    store = job.store_of("id_fit", layer)
+    batches = Watched(store.batches(SCORE_BATCH, device=job.device, include=fields), stage)
+    detector.fit(batches, head=job.backbone.head if layer is None else store.head, device=job.device)
     return detector
 
 
@@ -384,7 +366,8 @@ def split_scores(job: Job, split: str, kind: str, dataset: str, model_scores: di
             else:
                 with job.detector_may_fail(name, f"score {split}", stage):
                     fields = job.fitted[name].fields_to_read(fitting=False)
-                    batches = store.batches(SCORE_BATCH, device=job.device, include=fields)
+                    layer = split_column(name)[1]
+                    batches = job.store_of(split, layer).batches(SCORE_BATCH, device=job.device, include=fields)
                     values = job.fitted[name].score(batches, device=job.device).numpy()
                     frame[name] = finite_scores(job.fitted[name], name, split, values)
             stage.progress(done, len(names), {})
@@ -410,8 +393,8 @@ def require_a_detector(job: Job) -> None:
 
 
 def failed_detectors(job: Job) -> list[str]:
-    """Detectors of the config that failed to fit or to score, in config order."""
-    return [c.name for c in job.config.detectors if "error" in job.detector_log.get(c.name, {})]
+    """Detectors (result columns) that failed to fit or to score, in config order."""
+    return [name for name, entry in job.detector_log.items() if "error" in entry]
 
 
 def save_detectors(job: Job) -> None:
@@ -420,18 +403,20 @@ def save_detectors(job: Job) -> None:
     from oodviz.scoring import save_run_detectors
 
     with job.reporter.stage("save detectors") as stage:
-        failed = save_run_detectors(job.run.path, job.backbone, job.fitted, job.run.scratch_path)
+        # per-layer detectors read other features than the run's main ones, which oodviz score extracts
+        main = {name: det for name, det in job.fitted.items() if split_column(name)[1] is None}
+        failed = save_run_detectors(job.run.path, job.backbone, main, job.run.scratch_path)
         for name, error in failed.items():
             job.detector_log[name]["save_error"] = error
             job.reporter.warn(f"{name} could not be saved (oodviz score will not have it): {error}")
-        stage.note(f"saved {len(job.fitted) - len(failed)} detector(s) in {job.run.path.name}/detectors")
+        stage.note(f"saved {len(main) - len(failed)} detector(s) in {job.run.path.name}/detectors")
 
 
 def write_scores(job: Job) -> None:
     """``scores.parquet`` (only the detectors that scored every split) and ``detectors.json``."""
     require_a_detector(job)
     scores = pd.concat(job.frames, ignore_index=True)
-    partial = [name for name in detectors_of(scores) if name not in job.fitted]
+    partial = [name for name in detectors_of(scores) if "error" in job.detector_log.get(name, {})]
     job.scores = scores.drop(columns=partial)  # scored some splits, then failed: keep no partial column
     write_table(job.run.path / "scores.parquet", job.scores)
     write_json(job.run.path / "detectors.json", job.detector_log)
@@ -440,7 +425,7 @@ def write_scores(job: Job) -> None:
 def write_metrics(job: Job) -> None:
     """``metrics.csv`` and ``per_class.csv`` from the scores (:mod:`oodviz.results`)."""
     with job.reporter.stage("metrics"):
-        groups = {choice.name: _group(choice) for choice in job.config.ood}
+        groups = {choice.name: split_group(choice) for choice in job.config.ood}
         backbone = job.backbone
         class_names = backbone.classes or [str(k) for k in range(backbone.num_classes)]
         write_table(job.run.path / "metrics.csv", metrics_table(job.scores, groups))
@@ -456,8 +441,10 @@ STAGES = (
     load_model,
     load_data,
     extract_splits,
+    tune_detectors,
     fit_detectors,
     score_splits,
+    combine_layers,
     save_detectors,
     write_scores,
     write_metrics,

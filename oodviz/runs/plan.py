@@ -8,25 +8,32 @@ from oodviz.runs.config import RunConfig
 
 
 def planned_stages(config: RunConfig) -> list[str]:
-    """``load model``, ``load data``, ``extract <split>`` per split, ``fit <detector>`` per detector, then per
-    scored split (id_test, each OOD set) ``score <split> with <name>`` per model-based detector and
-    ``score <split>``, then ``save detectors`` and ``metrics`` (a sharded run saves no detectors: one stage
+    """``load model``, ``load data``, ``extract <split>`` per split, ``tune <detector>`` per detector with a grid
+    when the run tunes (:mod:`oodviz.runs.tuning`), ``fit <column>`` per detector (per detector and layer in a
+    run over several layers), then per scored split (id_test, each OOD set) ``score <split> with <name>`` per
+    model-based detector and ``score <split>``, then (several layers with mahalanobis) ``combine mahalanobis over
+    layers``, ``save detectors`` and ``metrics`` (a sharded run saves no detectors: one stage
     fewer)."""
     from oodviz.detectors import detector_class
-    from oodviz.runs.pipeline import run_splits
+    from oodviz.runs.layers import COMBINE_STAGE, combines_layers, detector_columns
+    from oodviz.runs.splits import run_splits
+    from oodviz.runs.tuning import detector_grid, tunes, validation_splits
 
     splits = [split for split, _, _ in run_splits(config)]
     model_based = [c.name for c in config.detectors if detector_class(c.name).needs_model]
     stages = ["load model", "load data", *(f"extract {split}" for split in splits)]
-    stages += [f"fit {choice.name}" for choice in config.detectors]
-    for split in splits[1:]:  # every split but id_fit is scored
+    stages += [f"tune {choice.name}" for choice in config.detectors if tunes(config) and detector_grid(choice)]
+    stages += [f"fit {column}" for column, _, _ in detector_columns(config)]
+    validation = [split for split, _, _ in validation_splits(config)]
+    for split in [s for s in splits[1:] if s not in validation]:  # id_test and the OOD sets are scored
         stages += [f"score {split} with {name}" for name in model_based] + [f"score {split}"]
+    stages += [COMBINE_STAGE] if combines_layers(config) else []
     return stages + ["save detectors", "metrics"]
 
 
 def run_headline(config: RunConfig) -> str:
     """One line saying what a run runs: backbone (and layer), ID set, OOD sets, detector count."""
-    layer = f" ({config.layer})" if config.layer else ""
+    layer = f" ({config.layer or ', '.join(config.layers)})" if config.layer or config.layers else ""
     ood = ", ".join(
         choice.params.get("path", choice.name) if choice.name == "folder" else choice.name for choice in config.ood
     )

@@ -166,7 +166,7 @@ def fixes(estimate: dict, report: Preflight, fits: list[tuple[str, int]], limits
 def splits_to_extract(config, backbone, datasets: dict, chosen: list, store_root) -> list[str]:
     """The splits of ``chosen`` (``(split, dataset choice, as OOD)``) with no finished store under ``store_root``."""
     from oodviz.engine.store import find_store, store_key
-    from oodviz.runs.pipeline import store_key_params
+    from oodviz.runs.splits import store_key_params
 
     return [
         split
@@ -190,7 +190,8 @@ def preflight(config, runs_root) -> Preflight:
     datasets for their sizes; stores already under ``runs_root/.features`` cost no disk."""
     from oodviz.engine import STORES_DIRNAME
     from oodviz.models import estimate_memory
-    from oodviz.runs.pipeline import load_split, resolve_device, run_splits
+    from oodviz.runs.pipeline import resolve_device
+    from oodviz.runs.splits import load_split, run_splits
 
     backbone = config.load_backbone()
     chosen = run_splits(config)

@@ -53,7 +53,6 @@ from oodviz.runs.pipeline import (
     Job,
     extract_splits,
     failed_detectors,
-    feature_store_root,
     finite_scores,
     fit_detectors,
     load_data,
@@ -66,6 +65,7 @@ from oodviz.runs.pipeline import (
     write_scores,
 )
 from oodviz.runs.rundir import RunDir
+from oodviz.runs.splits import feature_store_root
 
 MERGE_ROWS = 16384  # rows copied per step when shards are concatenated
 
@@ -295,6 +295,15 @@ def run_rank(world: World):
     failed detectors``. It joins the process group on the rank's device and leaves it at the end."""
 
     def pipeline(config, run, reporter) -> list[str]:
+        from oodviz.runs.tuning import tunes
+        from oodviz.runs.validation import ConfigError
+
+        if config.layers:
+            raise ConfigError(["a sharded run extracts one layer: run layers = [...] without torchrun, or one layer"])
+        if tunes(config):
+            raise ConfigError(
+                ["a sharded run does not tune on validation data: run it on one device, or unset id_val and ood_val"]
+            )
         job = start_job(config, run, reporter)
         job.device = reporter.device = rank_device(job.device, world)
         job.meta.update(device=str(job.device), world_size=world.size)

@@ -131,6 +131,8 @@ class AccessPolicy:
                 return typed
 
         splits = [("ID fit", confined.id_fit), ("ID test", confined.id_test), *[("OOD", c) for c in confined.ood]]
+        validation = (("ID validation", confined.id_val), ("OOD validation", confined.ood_val))
+        splits += [(label, choice) for label, choice in validation if choice is not None]
         for label, choice in splits:
             if "path" in choice.params:
                 choice.params["path"] = check(f"{label} folder", str(choice.params["path"]))

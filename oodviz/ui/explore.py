@@ -19,6 +19,7 @@ import streamlit as st
 
 from oodviz.analysis import risk_coverage_curves
 from oodviz.detectors import describe, detector_class
+from oodviz.layers import split_column
 from oodviz.plots_risk import risk_coverage_figure
 from oodviz.projection import METHODS, projection_path
 from oodviz.results import Results, detectors_of, read_table
@@ -29,7 +30,9 @@ SUBPROCESS_TIMEOUT_S = 600
 
 
 def teaching_panel(detector: str) -> None:
-    """What ``detector`` does: its formula, paper, inputs and when it fails (from its own module)."""
+    """What ``detector`` does: its formula, paper, inputs and when it fails (from its own module); a per-layer
+    result column (``"knn@features.4"``, :mod:`oodviz.layers`) shows its detector's."""
+    detector = split_column(detector)[0]
     try:
         about = describe(detector)
     except ValueError:  # a detector module without its teaching metadata yet: its one-line summary

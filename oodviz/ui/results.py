@@ -33,6 +33,8 @@ from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import thumbnails
 from oodviz.ui.access import show_server_details
 from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab, teaching_panel
+from oodviz.ui.layers import layers_tab
+from oodviz.ui.tuning import tuning_panel, validation_warning
 
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
@@ -416,6 +418,7 @@ def run_details(page: Page) -> None:
         if "error" in stages:
             shown["error"] = stages["error"].fillna("").to_numpy()
         st.dataframe(shown, hide_index=True, width="stretch")
+    tuning_panel(results)
     st.json(results.config, expanded=False)
 
 
@@ -439,6 +442,7 @@ RESULT_TABS: list[tuple[str, Callable[[Page], None], str | None]] = [
     ("Risk–coverage", risk_coverage_tab, None),
     ("Probe images", probe_tab, None),
     ("Feature space", feature_space_tab, None),
+    ("Which layer?", layers_tab, None),
     ("Run details", run_details, None),
 ]
 
@@ -456,6 +460,7 @@ def results_page(run: RunDir) -> None:
         run, finished, results, detectors_of(results.scores), best, plots.color_map(ood_datasets_of(results.scores))
     )
     detector_failures(results)
+    validation_warning(results)
     results_area(page)
 
 

@@ -9,6 +9,7 @@ import streamlit as st
 from oodviz.detectors import available
 from oodviz.engine import FEATURE_DTYPES, PRECISIONS
 from oodviz.models import POOLINGS, available_backbones, format_bytes
+from oodviz.runs.defaults import defaults_reason
 from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
 from oodviz.ui.explore import teaching_panel
@@ -116,7 +117,8 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             "Feature layer",
             defaults.layer,
             placeholder="penultimate",
-            help="A module name, e.g. layer3; blank = the penultimate layer.",
+            help="A module name, e.g. layer3; blank = the penultimate layer. Several, separated by commas "
+            "(layer2, layer3, penultimate), are extracted in one pass and compared in the results' Which layer? tab.",
         )
         pooling = c2.selectbox("Pooling", list(POOLINGS), index=list(POOLINGS).index(defaults.pooling))
         slots["layer"], slots["pooling"] = c1.empty(), c2.empty()
@@ -162,6 +164,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             help="Higher score = more OOD for every detector. See 'What each detector does' below the form.",
         )
         slots["detectors"] = st.empty()
+        st.caption(f"{defaults_reason(backbone)} A run config without `detectors` gets this list.")
         with st.expander("Detector parameters"):
             detector_params = _detector_params(defaults, generation)
 

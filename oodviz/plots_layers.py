@@ -1,0 +1,55 @@
+"""The "which layer?" figure: a pure Plotly function of :func:`oodviz.layers.layer_ranking`.
+
+One line per detector across the run's layers (in the order given, the combined score last), at the
+mean AUROC over the OOD datasets; the best layer of each detector is marked. This module never
+imports streamlit.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from oodviz.plots import HEIGHT, OOD_COLORS, TEMPLATE
+
+
+def layer_ranking_figure(
+    ranking: pd.DataFrame, layers: list[str], title: str = "Which layer? (mean AUROC)"
+) -> go.Figure:
+    """``ranking``: :func:`oodviz.layers.layer_ranking`; ``layers``: the x axis order (the run's layers,
+    then :data:`oodviz.layers.COMBINED` when the table has it). A detector's best layer (rank 1) is a
+    larger marker; hovering a point shows its AUROC, FPR95 and rank."""
+    fig = go.Figure()
+    colors = iter(OOD_COLORS * (1 + ranking.detector.nunique() // len(OOD_COLORS)))
+    for detector, rows in ranking.groupby("detector", sort=False):
+        rows = rows.set_index("layer").reindex([layer for layer in layers if layer in set(rows.layer)])
+        fig.add_trace(
+            go.Scatter(
+                x=list(rows.index),
+                y=rows.auroc,
+                mode="lines+markers",
+                name=detector,
+                line={"color": next(colors)},
+                marker={"size": [14 if rank == 1 else 7 for rank in rows["rank"]]},
+                customdata=rows[["fpr95", "rank"]].to_numpy(),
+                hovertemplate=(
+                    f"{detector} at %{{x}}<br>AUROC %{{y:.4f}}<br>FPR95 %{{customdata[0]:.4f}}"
+                    "<br>rank %{customdata[1]}<extra></extra>"
+                ),
+            )
+        )
+    fig.update_layout(
+        template=TEMPLATE,
+        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
+        height=HEIGHT,
+        margin={"l": 55, "r": 15, "t": 45, "b": 45},
+        legend={"font": {"size": 11}},
+        xaxis={
+            "title": "layer (shallow to deep)",
+            "type": "category",
+            "categoryorder": "array",
+            "categoryarray": layers,
+        },
+        yaxis={"title": "mean AUROC over the OOD sets (higher is better)"},
+    )
+    return fig

@@ -1,0 +1,185 @@
+"""A run over several layers (``RunConfig.layers``): validation, extraction, detector columns, combined Mahalanobis.
+
+``layers = ["features.0", "features.3", "penultimate"]`` extracts every split once, hooking every layer in
+the same forward pass (:func:`oodviz.engine.layers.extract_layers_or_reuse`): one feature store per layer,
+the same rows in each. ``"penultimate"`` names the head's input (the default features). The first layer's
+store is the split's main store (its logits, labels, predictions and row order are every layer's).
+
+What the run scores (:func:`detector_columns`):
+
+- a detector that reads features: once per layer, column ``"<name>@<layer>"`` (:mod:`oodviz.layers`);
+  one that needs the classifier's head only at ``"penultimate"`` (the head maps no other layer to logits);
+- a detector that reads only the logits, or runs the model itself (the run's backbone, ``layer`` unset):
+  once, under its plain name;
+- with ``mahalanobis`` at two or more layers: ``"mahalanobis@combined"``, the sum of the per-layer scores
+  standardised on the ID fit split (:func:`combine_layers`, :func:`oodviz.layers.combine_standardised`).
+
+``meta.json["layers"]`` records the layers, each layer's store per split and the detectors left out at a
+layer. Per-layer detectors are not saved for ``oodviz score`` (it scores the run's main features).
+"""
+
+from __future__ import annotations
+
+import difflib
+
+from oodviz.layers import COMBINED, COMBINED_DETECTOR, PENULTIMATE, layer_column, reads_features
+
+#: the stage of :func:`combine_layers`
+COMBINE_STAGE = f"combine {COMBINED_DETECTOR} over layers"
+#: what the multi-layer Mahalanobis records in ``detectors.json``
+COMBINED_FORMULA = "sum over layers l of (s_l(x) - mean_l) / std_l; mean_l, std_l (ddof=0) of s_l on the ID fit split"
+
+
+def layers_problems(config, model_known: bool) -> list[str]:
+    """What is wrong with ``config.layers`` (names, duplicates, and ``layer`` set beside it); the names are
+    checked against the model's layers when ``model_known`` (the backbone is valid)."""
+    from oodviz.models import architecture_layer_names
+    from oodviz.models.registry import USER_MODEL_NAMES
+
+    found = []
+    bad = [name for name in config.layers if not isinstance(name, str) or not name]
+    if bad:
+        return [f"layers must be a list of layer names (or {PENULTIMATE!r}), got {bad!r}"]
+    for name in sorted({n for n in config.layers if config.layers.count(n) > 1}):
+        found.append(f"layers lists {name!r} twice")
+    if config.layer is not None:
+        found.append(
+            f"set layer or layers, not both: put {config.layer!r} in layers (layers = [...] compares several layers)"
+        )
+    if not model_known:
+        return found
+    if config.backbone in USER_MODEL_NAMES:
+        return [*found, f"layers are not supported for {config.backbone} models (hooks cannot be attached to them)"]
+    names = architecture_layer_names(config.backbone)
+    for name in config.layers:
+        if name != PENULTIMATE and name not in names:
+            close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
+            found.append(
+                f"layers: {config.backbone} has no layer {name!r}"
+                + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
+                + f" ({PENULTIMATE!r} names the head's input)"
+            )
+    return found
+
+
+def detector_columns(config) -> list[tuple[str, object, str | None]]:
+    """``(result column, DetectorChoice, layer or None)`` of every detector the run fits, in config order
+    (per layer in ``config.layers`` order); ``layer`` is ``None`` for a detector scored on the main store."""
+    from oodviz.detectors import detector_class
+
+    if not config.layers:
+        return [(choice.name, choice, None) for choice in config.detectors]
+    columns = []
+    for choice in config.detectors:
+        kind = detector_class(choice.name)
+        if not reads_features(kind):
+            columns.append((choice.name, choice, None))
+            continue
+        for layer in config.layers:
+            if layer == PENULTIMATE or not kind.needs_head:
+                columns.append((layer_column(choice.name, layer), choice, layer))
+    return columns
+
+
+def headless_skips(config) -> dict[str, list[str]]:
+    """Detector -> the layers it is left out at: it needs the head, which maps only the penultimate features."""
+    scored = {column for column, _, _ in detector_columns(config)}
+    skips = {
+        choice.name: [layer for layer in config.layers if layer_column(choice.name, layer) not in scored]
+        for choice in config.detectors
+        if choice.name not in scored
+    }
+    return {name: layers for name, layers in skips.items() if layers}
+
+
+def combines_layers(config) -> bool:
+    """Whether the run plans ``mahalanobis@combined``: mahalanobis at two or more layers (:func:`combine_layers`)."""
+    columns = [column for column, choice, _ in detector_columns(config) if choice.name == COMBINED_DETECTOR]
+    return len(config.layers) > 1 and len(columns) > 1
+
+
+def layer_views(job) -> dict:
+    """Layer name -> a view of the run's model (:meth:`~oodviz.models.Backbone.with_layer`) with its features."""
+    pooling = job.config.pooling
+    return {
+        layer: job.backbone.with_layer(None if layer == PENULTIMATE else layer, pooling=pooling)
+        for layer in job.config.layers
+    }
+
+
+def extract_layers_split(job, split: str, choice, stage):
+    """The stores of ``split`` at every layer, extracted in one pass or reused (``job.layer_stores[split]``);
+    returns the first layer's, the split's main store. ValueError when the layers' stores disagree on the rows."""
+    from oodviz.engine.layers import extract_layers_or_reuse
+    from oodviz.runs.splits import feature_store_root, store_key_params
+
+    stores = extract_layers_or_reuse(
+        layer_views(job),
+        job.datasets[split],
+        feature_store_root(job.run),
+        key_params=store_key_params(job.config, choice),
+        feature_dtype=job.config.feature_dtype,
+        **job.model_pass_options(stage),
+    )
+    first = next(iter(stores.values()))
+    for layer, store in stores.items():
+        if store.reuse_warning and store is not first:  # the first's is the split's, warned by extract_splits
+            job.reporter.warn(f"{split} at {layer}: {store.reuse_warning}")
+        if store.n != first.n or not (store.indices == first.indices).all():
+            raise ValueError(
+                f"{split}: the store of layer {layer!r} ({store.key}) has other rows than that of "
+                f"{job.config.layers[0]!r} ({first.key}); delete one of them and run again"
+            )
+    job.layer_stores[split] = stores
+    return first
+
+
+def record_layers(job) -> None:
+    """``meta.json["layers"]``: the layers, their store per split, the detectors left out at a layer (warned)."""
+    skipped = headless_skips(job.config)
+    for name, layers in skipped.items():
+        job.reporter.warn(f"{name} needs the classifier's head, so it is scored at {PENULTIMATE!r} only, not {layers}")
+    job.meta["layers"] = {
+        "layers": list(job.config.layers),
+        "stores": {
+            layer: {split: stores[layer].key for split, stores in job.layer_stores.items()}
+            for layer in job.config.layers
+        },
+        "skipped_needs_head": skipped,
+    }
+
+
+def combine_layers(job) -> None:
+    """Stage ``combine mahalanobis over layers``: when ``mahalanobis`` scored two or more layers, the column
+    ``"mahalanobis@combined"`` of every scored split (:func:`oodviz.layers.combine_standardised`, standardised
+    on each layer's scores of the ID fit split); its layers, means and standard deviations go into
+    ``detectors.json``. Nothing to do in a single-layer run."""
+    from oodviz.layers import combine_standardised
+    from oodviz.runs.pipeline import SCORE_BATCH
+
+    parts = {
+        layer: layer_column(COMBINED_DETECTOR, layer)
+        for layer in job.config.layers
+        if layer_column(COMBINED_DETECTOR, layer) in job.fitted
+    }
+    if len(parts) < 2:
+        return
+    name = layer_column(COMBINED_DETECTOR, COMBINED)
+    with (
+        job.reporter.stage(COMBINE_STAGE) as stage,
+        job.detector_may_fail(name, "combine the layers", stage),
+    ):
+        reference = {}
+        for done, (layer, column) in enumerate(parts.items(), start=1):
+            detector = job.fitted[column]
+            batches = job.store_of("id_fit", layer).batches(
+                SCORE_BATCH, device=job.device, include=detector.fields_to_read(fitting=False)
+            )
+            reference[layer] = detector.score(batches, device=job.device).numpy()
+            stage.progress(done, len(parts), {})
+        for frame in job.frames:
+            frame[name], stats = combine_standardised(
+                {layer: frame[column].to_numpy() for layer, column in parts.items()}, reference
+            )
+        job.detector_log[name] = {"layers": list(parts), "standardised_on": "id_fit", "stats": stats}
+        job.detector_log[name]["formula"] = COMBINED_FORMULA

@@ -1,0 +1,54 @@
+"""The splits of a run: which datasets it extracts, under which store key, where the stores live."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from oodviz.runs.config import DatasetChoice, RunConfig
+from oodviz.runs.rundir import RunDir
+from oodviz.runs.tuning import validation_splits
+
+
+def feature_store_root(run: RunDir) -> Path:
+    """Stores are shared by every run under the same runs root, so a repeated split is extracted once."""
+    from oodviz.engine import STORES_DIRNAME
+
+    return run.path.parent / STORES_DIRNAME
+
+
+def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool, model_classes: list[str] | None = None):
+    """The dataset of one split; ``model_classes`` (the backbone's class names) lets an image folder with
+    ``class_map = "model"`` label its subfolders by the model's class indices."""
+    from oodviz.data import load_dataset
+
+    return load_dataset(
+        choice.name,
+        root=config.data_root,
+        download=config.download,
+        subsample=choice.subsample,
+        subsample_mode=choice.subsample_mode,
+        seed=config.seed,
+        as_ood=as_ood,
+        model_classes=model_classes,
+        **choice.params,
+    )
+
+
+def run_splits(config: RunConfig) -> list[tuple[str, DatasetChoice, bool]]:
+    """``(split, dataset choice, loaded as OOD)`` of every split ``config`` extracts: id_fit, id_test, ood:NAME,
+    and id_val, ood_val when it tunes (:mod:`oodviz.runs.tuning`)."""
+    ood = [(f"ood:{choice.name}", choice, True) for choice in config.ood]
+    return [("id_fit", config.id_fit, False), ("id_test", config.id_test, False), *ood, *validation_splits(config)]
+
+
+def store_key_params(config: RunConfig, choice: DatasetChoice) -> dict:
+    """What, besides the backbone and the dataset object, determines a split's feature store."""
+    return {"dataset": asdict(choice), "data_root": str(Path(config.data_root).resolve()), "seed": config.seed}
+
+
+def split_group(choice: DatasetChoice) -> str:
+    """The OOD group (near/far) a dataset's results are averaged in: the config's choice, else the dataset's."""
+    from oodviz.data import dataset_info
+
+    return choice.group or dataset_info(choice.name).group or "far"

@@ -1,0 +1,38 @@
+"""The "Which layer?" tab of a run over several layers (``RunConfig.layers``): per detector, its layers ranked
+by mean AUROC over the OOD sets (:func:`oodviz.layers.layer_ranking`), as a figure and a table."""
+
+from __future__ import annotations
+
+import streamlit as st
+
+from oodviz.layers import COMBINED, COMBINED_DETECTOR, layer_ranking
+from oodviz.plots_layers import layer_ranking_figure
+
+HOW_TO = (
+    'This run scored one layer. Set `layers = ["<layer>", ..., "penultimate"]` in the run config (a TOML or JSON '
+    "file, `oodviz run --config`) to extract several layers in one pass and compare them here."
+)
+
+
+def layers_tab(page) -> None:
+    """The figure and the table of :func:`oodviz.layers.layer_ranking` for ``page.results``; a hint when the run
+    has one layer."""
+    layers = list(page.results.config.get("layers") or [])
+    ranking = layer_ranking(page.results.metrics, layers or None)
+    if ranking.empty:
+        st.info(HOW_TO)
+        return
+    shown = [*layers, COMBINED] if (ranking.layer == COMBINED).any() else layers
+    st.caption(
+        "Each detector that reads features was fitted and scored at every layer; rank 1 = the highest AUROC "
+        "(mean over the OOD sets). Detectors that read only the logits, or run the model, are the same at every "
+        f"layer and not listed. **{COMBINED}** ({COMBINED_DETECTOR} only): the sum of the per-layer scores, each "
+        "standardised on the ID fit split (Lee et al. 2018)."
+    )
+    st.plotly_chart(layer_ranking_figure(ranking, shown), width="stretch", key="layer-ranking")
+    table = ranking.rename(columns={"auroc": "mean AUROC", "fpr95": "mean FPR95"})
+    st.dataframe(
+        table.style.format({"mean AUROC": "{:.4f}", "mean FPR95": "{:.4f}"}),
+        hide_index=True,
+        width="stretch",
+    )

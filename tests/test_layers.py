@@ -1,0 +1,274 @@
+"""Several layers in one pass (issue 17.3): one store per layer with the same rows, per-layer scores equal to a
+single-layer run's, the combined Mahalanobis against a float64 formula written here, the "which layer?" view."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from oodviz.engine.store import FeatureStore
+from oodviz.layers import COMBINED, layer_column, layer_ranking, split_column
+from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.plan import planned_stages
+from oodviz.runs.rundir import RunDir
+from oodviz.runs.splits import feature_store_root
+from oodviz.runs.worker import execute
+from oodviz.ui.layers import HOW_TO
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+LAYERS = ["features.1", "features.4", "penultimate"]
+
+
+def small_config(**changes) -> RunConfig:
+    config = RunConfig(
+        ood=[DatasetChoice("digits-heldout"), DatasetChoice("noise-uniform", params={"n": 200})],
+        detectors=[
+            DetectorChoice("msp"),
+            DetectorChoice("mahalanobis"),
+            DetectorChoice("knn", {"k": 5}),
+            DetectorChoice("vim", {"dim": 16}),
+        ],
+        batch_size=128,
+    )
+    for key, value in changes.items():
+        setattr(config, key, value)
+    return config
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A run over three layers, and single-layer runs at features.4 and at the penultimate layer, under
+    separate roots (no store shared: each run extracts its own)."""
+    made = {}
+    for name, config in {
+        "layers": small_config(layers=list(LAYERS)),
+        "features.4": small_config(
+            layer="features.4", detectors=[DetectorChoice("mahalanobis"), DetectorChoice("knn", {"k": 5})]
+        ),
+        "penultimate": small_config(),
+    }.items():
+        run = RunDir.create(tmp_path_factory.mktemp(name.replace(".", "-")), config.validate().to_dict())
+        assert execute(run) == "done", run.read_status()
+        made[name] = run.path
+    return made
+
+
+def _stores(run_path, layer: str) -> dict[str, FeatureStore]:
+    meta = json.loads((run_path / "meta.json").read_text())
+    root = feature_store_root(RunDir(run_path))
+    return {split: FeatureStore(root / key) for split, key in meta["layers"]["stores"][layer].items()}
+
+
+def test_one_store_per_layer_with_the_same_rows(runs):
+    stores = {layer: _stores(runs["layers"], layer) for layer in LAYERS}
+    assert {stores[layer]["id_fit"].feature_dim for layer in LAYERS} == {16, 32, 64}
+    first = stores[LAYERS[0]]
+    for layer in LAYERS[1:]:
+        assert set(stores[layer]) == set(first) == {"id_fit", "id_test", "ood:digits-heldout", "ood:noise-uniform"}
+        for split, store in stores[layer].items():
+            assert store.key != first[split].key and store.meta["key_spec"]["backbone"].get("layer") == (
+                None if layer == "penultimate" else layer
+            )
+            for name in ("indices", "labels", "predictions", "logits"):
+                np.testing.assert_array_equal(getattr(store, name), getattr(first[split], name))
+    assert stores["penultimate"]["id_fit"].head is not None and stores["features.1"]["id_fit"].head is None
+
+
+def test_per_layer_scores_equal_single_layer_runs(runs):
+    scores = pd.read_parquet(runs["layers"] / "scores.parquet")
+    columns = list(scores.columns[5:])
+    # msp reads logits only: once; vim needs the head: at the penultimate layer only; the others per layer
+    assert columns == [
+        "msp",
+        *(layer_column("mahalanobis", layer) for layer in LAYERS),
+        *(layer_column("knn", layer) for layer in LAYERS),
+        layer_column("vim", "penultimate"),
+        layer_column("mahalanobis", COMBINED),
+    ]
+    for single, layer in (("features.4", "features.4"), ("penultimate", "penultimate")):
+        other = pd.read_parquet(runs[single] / "scores.parquet")
+        pd.testing.assert_frame_equal(scores.iloc[:, :5], other.iloc[:, :5])
+        for detector in ("mahalanobis", "knn"):
+            np.testing.assert_array_equal(scores[layer_column(detector, layer)], other[detector])
+    np.testing.assert_array_equal(scores["msp"], pd.read_parquet(runs["penultimate"] / "scores.parquet")["msp"])
+    meta = json.loads((runs["layers"] / "meta.json").read_text())
+    assert meta["layers"]["skipped_needs_head"] == {"vim": ["features.1", "features.4"]}
+    run = RunDir(runs["layers"])
+    ends = [e["stage"] for e in run.read_events() if e.get("event") == "end"]
+    assert ends == planned_stages(RunConfig.load(run.config_path))  # the app's "stage k of N" plan
+    assert "vim needs the classifier's head" in " ".join(
+        e["message"] for e in run.read_events() if e["event"] == "warning"
+    )
+
+
+def _mahalanobis_float64(fit: FeatureStore, rows: np.ndarray) -> np.ndarray:
+    """min_c (x - mu_c)^T Sigma^+ (x - mu_c) in float64: Sigma the covariance pooled over classes (ddof=0), its
+    pseudo-inverse keeping eigenvalues above D * eps * lambda_max (oodviz's documented cutoff). The layers are
+    well conditioned (features.0, the first conv's pooled output, is not: its covariance has rank < D, and float32
+    and float64 then disagree in the near-null directions)."""
+    x, y = np.asarray(fit.features, dtype=np.float64), np.asarray(fit.labels)
+    classes = np.unique(y)
+    means = np.stack([x[y == c].mean(axis=0) for c in classes])
+    centred = x - means[np.searchsorted(classes, y)]
+    values, vectors = np.linalg.eigh(centred.T @ centred / len(x))
+    keep = values > x.shape[1] * np.finfo(np.float64).eps * values.max()
+    precision = (vectors[:, keep] / values[keep]) @ vectors[:, keep].T
+    diff = rows[:, None, :] - means[None]
+    return np.einsum("ncd,de,nce->nc", diff, precision, diff).min(axis=1)
+
+
+def test_combined_mahalanobis_is_the_sum_of_standardised_layer_scores(runs):
+    scores = pd.read_parquet(runs["layers"] / "scores.parquet")
+    expected = np.zeros(len(scores))
+    for layer in LAYERS:
+        stores = _stores(runs["layers"], layer)
+        fit = stores["id_fit"]
+        reference = _mahalanobis_float64(fit, np.asarray(fit.features, dtype=np.float64))
+        rows = np.concatenate(
+            [
+                np.asarray(stores[s].features, dtype=np.float64)
+                for s in ("id_test", "ood:digits-heldout", "ood:noise-uniform")
+            ]
+        )
+        layer_scores = _mahalanobis_float64(fit, rows)
+        # float32 features and scores in the run (measured: relative error below 4e-6)
+        np.testing.assert_allclose(scores[layer_column("mahalanobis", layer)], layer_scores, rtol=2e-5)
+        expected += (layer_scores - reference.mean()) / reference.std()
+    combined = scores[layer_column("mahalanobis", COMBINED)].to_numpy()
+    np.testing.assert_allclose(combined, expected, rtol=0, atol=2e-6 * np.abs(expected).max())  # measured: 2.2e-7
+    log = json.loads((runs["layers"] / "detectors.json").read_text())[layer_column("mahalanobis", COMBINED)]
+    assert log["layers"] == LAYERS and log["standardised_on"] == "id_fit"
+    # exactly the formula on the stored per-layer columns, with the recorded ID fit means and deviations
+    exact = sum(
+        (scores[layer_column("mahalanobis", layer)].to_numpy(np.float64) - log["stats"][layer]["mean"])
+        / log["stats"][layer]["std"]
+        for layer in LAYERS
+    )
+    np.testing.assert_allclose(combined, exact, rtol=1e-12, atol=1e-12)
+    for layer in LAYERS:
+        fit = _stores(runs["layers"], layer)["id_fit"]
+        reference = _mahalanobis_float64(fit, np.asarray(fit.features, dtype=np.float64))
+        assert log["stats"][layer]["mean"] == pytest.approx(reference.mean(), rel=1e-4)
+        assert log["stats"][layer]["std"] == pytest.approx(reference.std(), rel=1e-4)
+
+
+def test_which_layer_table_ranks_layers_by_mean_auroc(runs):
+    metrics = pd.read_csv(runs["layers"] / "metrics.csv")
+    ranking = layer_ranking(metrics, LAYERS)
+    assert list(ranking.detector.unique()) == ["mahalanobis", "knn", "vim"]
+    for detector, rows in ranking.groupby("detector", sort=False):
+        per_dataset = metrics[~metrics.ood_dataset.str.endswith(" (mean)")]
+        for row in rows.itertuples():
+            mine = per_dataset[per_dataset.detector == layer_column(detector, row.layer)]
+            assert row.auroc == pytest.approx(mine.auroc.mean(), abs=1e-12)
+        assert list(rows["rank"]) == list(range(1, len(rows) + 1))
+        assert list(rows.auroc) == sorted(rows.auroc, reverse=True)
+    assert set(ranking[ranking.detector == "mahalanobis"].layer) == {*LAYERS, COMBINED}
+    assert split_column("msp") == ("msp", None) and split_column("knn@features.1") == ("knn", "features.1")
+
+
+def test_config_refuses_unknown_duplicate_and_mixed_layers():
+    problems = small_config(layers=["features.4", "features.4", "featurs.0"], layer="features.1").problems()
+    assert "layers lists 'features.4' twice" in problems
+    assert any("set layer or layers, not both" in p for p in problems)
+    assert any("has no layer 'featurs.0'; did you mean 'features.0'" in p for p in problems)
+    assert small_config(layers=list(LAYERS)).problems() == []
+    assert RunConfig.from_dict(small_config().to_dict()).layers == []  # a single-layer config is unchanged
+
+
+def _app(run_path, monkeypatch, tab: str) -> AppTest:
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(run_path.parent))
+    app = AppTest.from_file(APP, default_timeout=120)
+    app.query_params["run"] = run_path.name
+    app.run()
+    app.session_state["results-tab"] = tab
+    app.run()
+    assert not app.exception
+    return app
+
+
+def test_the_which_layer_tab_draws_the_ranking(runs, monkeypatch):
+    app = _app(runs["layers"], monkeypatch, "Which layer?")
+    metrics = pd.read_csv(runs["layers"] / "metrics.csv")
+    expected = layer_ranking(metrics, LAYERS)
+    shown = app.dataframe[0].value
+    assert list(shown.columns) == ["detector", "layer", "mean AUROC", "mean FPR95", "rank"]
+    np.testing.assert_array_equal(shown["mean AUROC"], expected.auroc)
+    assert list(shown.layer) == list(expected.layer) and list(shown.detector) == list(expected.detector)
+    [chart] = app.get("plotly_chart")
+    figure = json.loads(chart.proto.spec)
+    assert [trace["name"] for trace in figure["data"]] == ["mahalanobis", "knn", "vim"]
+    mahalanobis = figure["data"][0]
+    assert mahalanobis["x"] == [*LAYERS, COMBINED]  # shallow to deep, the combined score last
+    by_layer = expected[expected.detector == "mahalanobis"].set_index("layer")
+    np.testing.assert_allclose(_values(mahalanobis["y"]), by_layer.loc[mahalanobis["x"], "auroc"], rtol=0, atol=0)
+    best = by_layer.index[by_layer["rank"] == 1][0]
+    assert _values(mahalanobis["marker"]["size"]).tolist() == [14 if x == best else 7 for x in mahalanobis["x"]]
+
+
+def test_the_which_layer_tab_says_how_to_compare_layers_in_a_single_layer_run(runs, monkeypatch):
+    app = _app(runs["penultimate"], monkeypatch, "Which layer?")
+    assert [i.value for i in app.info] == [HOW_TO] and not app.get("plotly_chart")
+
+
+def _values(array) -> np.ndarray:
+    """A plotly JSON array: a list, or ``{"dtype", "bdata"}`` (base64 of the raw values)."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"])
+    return np.asarray(array)
+
+
+def test_only_the_missing_layers_are_extracted_and_equal_single_layer_stores(tmp_path):
+    """A layer whose store exists is reused; the others come from one pass and equal single-layer extractions."""
+    from oodviz.data import load_dataset
+    from oodviz.engine import extract_or_reuse
+    from oodviz.engine.layers import extract_layers_or_reuse
+
+    backbone = RunConfig().load_backbone()
+    dataset = load_dataset("digits-test", subsample=100)
+    views = {"features.1": backbone.with_layer("features.1"), "features.4": backbone.with_layer("features.4", "max")}
+    views["penultimate"] = backbone
+    before = extract_or_reuse(views["features.4"], dataset, tmp_path / "a", {"k": 1})
+    stores = extract_layers_or_reuse(views, dataset, tmp_path / "a", {"k": 1}, batch_size=32)
+    assert [s.reused for s in stores.values()] == [False, True, False]
+    assert stores["features.4"].path == before.path
+    for layer, view in views.items():
+        alone = extract_or_reuse(view, dataset, tmp_path / "b", {"k": 1}, batch_size=7)
+        assert alone.key == stores[layer].key
+        for name in ("features", "logits", "labels", "predictions", "indices"):
+            np.testing.assert_array_equal(getattr(alone, name), getattr(stores[layer], name))
+    assert stores["penultimate"].meta["backbone"]["layer"] is None
+    assert stores["features.1"].meta["backbone"]["layer"] == "features.1"
+
+
+def test_the_sidebar_takes_several_layers_separated_by_commas():
+    from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
+
+    config = config_from_form(FormValues(layer="features.1, features.4,penultimate"))
+    assert (config.layer, config.layers) == (None, LAYERS) and config.problems() == []
+    assert form_values_from_config(config).layer == "features.1, features.4, penultimate"
+    single = config_from_form(FormValues(layer=" features.4 "))
+    assert (single.layer, single.layers) == ("features.4", [])
+    assert form_values_from_config(single).layer == "features.4"
+
+
+def test_oodviz_score_scores_a_multi_layer_runs_main_detectors(runs, tmp_path):
+    """Per-layer detectors are not saved; oodviz score uses the others (msp here), as the run scored them."""
+    from oodviz.data import load_dataset
+    from oodviz.scoring import RunNotScorableError, score_images
+
+    image, _, index = load_dataset("digits-test")[0]
+    image.save(tmp_path / "digit.png")
+    scored = score_images(runs["layers"], [tmp_path / "digit.png"]).table
+    assert list(scored.detector) == ["msp"]
+    scores = pd.read_parquet(runs["layers"] / "scores.parquet")
+    row = scores[(scores.split == "id_test") & (scores["index"] == index)]
+    assert scored.score.iloc[0] == pytest.approx(row.msp.iloc[0], abs=1e-6)
+    with pytest.raises(RunNotScorableError, match="fitted on layer 'features.1'"):
+        score_images(runs["layers"], [tmp_path / "digit.png"], detector="knn@features.1")
