@@ -227,8 +227,8 @@ def access_granted(policy: AccessPolicy) -> bool:
     return False
 
 
-#: At a 1000 px window: narrower side margins, so that the eight result tabs fit on one line (and wrap
-#: rather than scroll where they still do not), and sidebar chips in a smaller font, so no name is cut.
+#: At a 1000 px window: narrower side margins (the first eight result tabs fit on one line), result tabs that
+#: wrap rather than scroll out of sight, and sidebar chips in a smaller font, so no name is cut.
 PAGE_STYLE = """<style>
 [data-testid="stMainBlockContainer"] { padding-left: 1.5rem; padding-right: 1.5rem; }
 [role="tablist"] { flex-wrap: wrap; column-gap: 0.5rem; }
