@@ -10,7 +10,7 @@ Serves ``app.py`` with ``streamlit run`` on a runs root holding one finished run
   sent for it over the websocket (median of 20 steps, on the histogram tab and on the failure cases tab);
 - **bytes per tab**: what the server sent for a tab switch (its charts and tables), and how many charts;
 - **live panel**: a default run started from the page; the websocket bytes per second and per poll
-  (every second) in its first and its last 10 seconds.
+  (every second; the median of 1 s buckets) in its first and its last 10 seconds.
 
 Usage::
 
@@ -153,9 +153,10 @@ def measure_results(url: str, run_id: str, repeats: int) -> dict:
     return out
 
 
-def measure_live(url: str, seconds: float = 10.0) -> dict:
+def measure_live(url: str, runs_root: Path, seconds: float = 10.0) -> dict:
     """Start the default run from the page; websocket bytes per second and per poll in its first and last
-    ``seconds`` (the last window ends when the run's results appear)."""
+    ``seconds`` (the last window ends when the worker finished, from the run's ``status.json``: the results
+    page drawn after it is left out)."""
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -168,18 +169,29 @@ def measure_live(url: str, seconds: float = 10.0) -> dict:
         page.get_by_text("Stage ").first.wait_for(timeout=60_000)
         first = time.monotonic()
         page.get_by_text(TAB_READY["Metrics"]).wait_for(timeout=900_000)
-        done = time.monotonic()
+        run_id = page.url.split("run=")[1].split("&")[0]
         browser.close()
+    status = json.loads((runs_root / run_id / "status.json").read_text())
+    done = status["finished"] - (time.time() - time.monotonic())  # the worker's end, on the frames' clock
 
     def window(start: float, end: float) -> dict:
-        frames = [n for t, n in wire.frames if start <= t < end]
-        return {"bytes_per_s": round(sum(frames) / max(end - start, 1e-9))}  # the panel polls once a second
+        """Bytes per second, and per poll: the median of the 1 s buckets (the panel polls once a second; the
+        memory chart, redrawn every 10 s, is in one bucket of ten)."""
+        frames = [(t, n) for t, n in wire.frames if start <= t < end]
+        buckets = [0] * max(int(end - start), 1)
+        for t, n in frames:
+            buckets[min(int(t - start), len(buckets) - 1)] += n
+        return {
+            "bytes_per_s": round(sum(n for _, n in frames) / max(end - start, 1e-9)),
+            "bytes_per_poll_median": int(statistics.median(buckets)),
+            "bytes_per_second": buckets,
+        }
 
-    last_start = max(done - 1.0 - seconds, first + seconds)
+    last_start = max(done - seconds, first + seconds)
     return {
         "run_s": round(done - first, 1),
         "first_window": window(first, first + seconds),
-        "last_window": window(last_start, done - 1.0),  # the results page itself is left out
+        "last_window": window(last_start, done),
     }
 
 
@@ -194,6 +206,7 @@ def main() -> None:
     parser.add_argument("--run", type=Path, help="a finished run directory (default: a fresh default run)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-live", action="store_true", help="skip the live panel measurement")
+    parser.add_argument("--live-only", action="store_true", help="only the live panel measurement")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="oodviz-app-bench-") as tmp:
         root = Path(tmp) / "runs"
@@ -202,9 +215,11 @@ def main() -> None:
         shutil.copytree(source, root / "bench")
         server, url = serve(root)
         try:
-            result = {"run": str(source.name), **measure_results(url, "bench", args.repeats)}
+            result = {"run": str(source.name)}
+            if not args.live_only:
+                result.update(measure_results(url, "bench", args.repeats))
             if not args.no_live:
-                result["live"] = measure_live(url)
+                result["live"] = measure_live(url, root)
         finally:
             server.terminate()
             server.wait(timeout=30)

@@ -93,7 +93,7 @@ def test_a_run_config_becomes_the_form_that_makes_it_again(name):
     assert config_from_form(values) == config
     assert values.id_preset == {
         "digits": "digits (bundled, 8x8)",
-        "fashion-mnist": "Fashion-MNIST, 8 classes (for fashion-cnn)",
+        "fashion-mnist": "Fashion-MNIST, 8 classes",
     }.get(name, FOLDER_PRESET)
 
 
@@ -224,6 +224,62 @@ def test_a_failed_run_shows_a_readable_error_with_details_folded(app, runs_root)
     assert any("The run failed: ValueError: vim: dim=64" in e.value for e in app.error)
     assert any(x.label == "Details" for x in app.expander)
     shutil.rmtree(failed)
+
+
+def test_a_failed_run_offers_the_fixes_its_error_names_and_a_click_fills_the_form(app, runs_root):
+    """The OOM killer's message names a smaller batch: "Retry with" fills the sidebar with the run's choices and
+    a quarter of its batch size, estimates it, and starts nothing."""
+    from oodviz.runs.rundir import RunDir
+
+    failed = runs_root / "r-oom"
+    shutil.copytree(runs_root / "r1", failed)
+    (failed / "metrics.csv").unlink()
+    RunDir(failed).write_status(
+        state="failed", error="worker was killed by signal 9 (SIGKILL) — likely out of memory (the kernel's OOM killer)"
+    )
+    before = sorted(p.name for p in runs_root.iterdir())
+    app.query_params["run"] = "r-oom"
+    app.run()
+    retry = [b for b in app.button if b.label.startswith("Retry with: ")]
+    assert [b.label for b in retry] == ["Retry with: Batch size 256 → 64"]
+    retry[0].click().run()
+    assert not app.exception
+    assert [n for n in app.sidebar.number_input if n.label == "Batch size"][0].value == 64
+    detectors = [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value
+    assert detectors == [d.name for d in RunConfig.load(failed / "config.json").detectors]
+    assert any(s.value.startswith("Applied: Batch size 256 → 64") for s in app.sidebar.success)
+    assert any(c.value.startswith("Fits this machine's") for c in app.sidebar.caption)  # estimated at once
+    assert not [b for b in app.button if b.label.startswith("Retry with: ")]  # applied: nothing left to offer
+    assert sorted(p.name for p in runs_root.iterdir()) == before
+    shutil.rmtree(failed)
+
+
+def test_the_parameter_editor_sets_choices_booleans_and_numbers(app, runs_root, monkeypatch):
+    """Non-numeric detector parameters are edited as what they are (a choice, a checkbox); only the values
+    changed from the detector's defaults go into the config."""
+    import oodviz.ui.main
+    from oodviz.runs.jobs import QueueFull
+
+    submitted = []
+
+    def submit(config, root):
+        submitted.append(config)
+        raise QueueFull("test: recorded, not queued")
+
+    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    app.run()
+    [box for box in app.sidebar.selectbox if box.label == "ash: variant"][0].set_value("p")
+    assert [box.options for box in app.sidebar.selectbox if box.label == "knn: backend"] == [
+        ["exact", "faiss-flat", "faiss-ivf"]
+    ]
+    [box for box in app.sidebar.checkbox if box.label == "mahalanobis: normalize"][0].check()
+    [n for n in app.sidebar.number_input if n.label == "energy: temperature"][0].set_value(2.5)
+    assert [n.value for n in app.sidebar.number_input if n.label == "vim: dim"] == [None]  # blank: automatic
+    [b for b in app.sidebar.button if b.label == "Start run"][0].click().run()
+    assert not app.exception
+    (config,) = submitted
+    params = {d.name: d.params for d in config.detectors if d.params}
+    assert params == {"ash": {"variant": "p"}, "mahalanobis": {"normalize": True}, "energy": {"temperature": 2.5}}
 
 
 def test_a_finished_runs_warnings_are_shown_above_its_results(app, runs_root):

@@ -5,6 +5,7 @@ failure gallery with images; cancel a run; reload mid-run and reattach. Screensh
 go to the test's tmp dir, and to assets/screenshots/ with OODVIZ_UPDATE_SCREENSHOTS=1 (README).
 """
 
+import json
 import os
 import re
 import shutil
@@ -23,6 +24,7 @@ REPO = Path(__file__).resolve().parent.parent
 SCREENSHOTS = REPO / "assets" / "screenshots"
 
 pytestmark = chromium
+IDLE = "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')"  # no rerun under way
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +37,8 @@ def app_url(runs_root):
     runs = runs_root
     port = free_port()
     env = dict(os.environ, OODVIZ_RUNS_ROOT=str(runs))
+    if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):  # README screenshots: no server paths (this machine's tmp)
+        env["OODVIZ_SERVE_OTHERS"] = "1"
     server = subprocess.Popen(
         [
             sys.executable,
@@ -73,7 +77,7 @@ def app_url(runs_root):
 def shoot(page, tmp_path, name):
     page.wait_for_timeout(1500)  # let the data grids (canvas) and charts finish drawing
     path = tmp_path / f"{name}.png"
-    page.screenshot(path=str(path))
+    page.screenshot(path=str(path), timeout=90_000)  # a loaded machine draws slowly
     if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         shutil.copy(path, SCREENSHOTS / f"{name}.png")
@@ -93,7 +97,7 @@ def progress_texts(page) -> str:
 
 def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     page.goto(app_url)
-    page.get_by_role("button", name="Run the default").wait_for(timeout=60_000)
+    page.get_by_role("button", name="Run the default").wait_for(timeout=120_000)  # a cold server: slow first load
     shoot(page, tmp_path, "landing")
     run_id = start_default(page, app_url)
     page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
@@ -113,9 +117,9 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     stages = {int(k) for text in seen for k in re.findall(r"Stage (\d+) of 46", text)}
     assert len(stages) >= 2 and all(1 <= k <= 46 for k in stages), seen  # the whole run's stages, counted
     assert any(re.search(r"run ETA \d+:\d\d", text) for text in seen), seen
-    page.get_by_text("Best detector per column").wait_for(timeout=60_000)
+    page.get_by_text("Best detector per column").wait_for(timeout=300_000)  # a loaded machine: minutes
     table = page.locator('[data-testid="stDataFrame"]').first
-    assert table.is_visible()
+    table.wait_for(state="visible", timeout=60_000)  # the grid is laid out after its caption on a loaded machine
     shoot(page, tmp_path, "metrics")
 
     page.get_by_role("tab", name="Score histograms").click()
@@ -336,3 +340,102 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
     page.wait_for_timeout(1000)  # the expander's opening animation
     sidebar.get_by_text("Fails when").evaluate("element => element.scrollIntoView({block: 'end'})")
     assert sidebar.get_by_text("Fails when").is_visible()
+
+
+#: Leaf elements whose text the browser cuts with an ellipsis (labels, chips, buttons, tabs).
+CUT_TEXTS = """() => [...document.querySelectorAll('p, span, label, button, div')]
+  .filter(e => e.children.length === 0 && e.textContent.trim() && e.scrollWidth > e.clientWidth + 1
+               && getComputedStyle(e).textOverflow === 'ellipsis')
+  .map(e => e.textContent.trim())"""
+
+
+def cli_run(runs_root: Path, name: str, config: dict) -> Path:
+    """A real run made by ``oodviz run CONFIG --out runs_root/name`` (the default data unless ``config`` says)."""
+    path = runs_root.parent / f"{name}.json"
+    path.write_text(json.dumps(config))
+    out = runs_root / name
+    done = subprocess.run(
+        [sys.executable, "-m", "oodviz.cli", "run", str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
+def mean_auroc(run: Path, sets: list[str]) -> pd.Series:
+    """Per detector, the mean AUROC over ``sets``: from the run's metrics.csv (the reference for the scatter)."""
+    metrics = pd.read_csv(run / "metrics.csv")
+    return metrics[metrics.ood_dataset.isin(sets)].groupby("detector").auroc.mean()
+
+
+def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_root, default_run, tmp_path):
+    """Every result tab in sight (eight on one line; with "Which layer?" the row wraps) and no cut label at 1000 px; comparing two runs on other OOD sets says so
+    above everything, two on the same data show the per-detector scatter of their mean AUROCs."""
+    from oodviz.ui.history import runs_table
+    from oodviz.ui.results import RESULT_TABS
+
+    a = runs_root / "cmp-a"
+    shutil.copytree(default_run.path, a)
+    same = cli_run(runs_root, "cmp-same", {"detectors": ["msp", "energy", "mahalanobis"], "batch_size": 64})
+    other = cli_run(
+        runs_root, "cmp-other", {"detectors": ["msp", "energy"], "ood": ["noise-gaussian", "photo-patches"]}
+    )
+    page.set_viewport_size({"width": 1000, "height": 1000})
+    page.goto(f"{app_url}/?run=cmp-a")
+    page.get_by_text("Best detector per column").wait_for(timeout=120_000)
+    page.wait_for_function(IDLE, timeout=120_000)
+    tabs = page.get_by_role("tablist").first
+    assert tabs.evaluate("e => e.scrollWidth <= e.clientWidth")  # nothing scrolled out of sight
+    boxes = [tab.bounding_box() for tab in page.get_by_role("tab").all()]
+    assert (
+        len(boxes) == len(RESULT_TABS) and len({round(b["y"]) for b in boxes}) <= 2
+    )  # every tab, wrapped at most once
+    assert all(b["x"] >= 300 and b["x"] + b["width"] <= 1000 for b in boxes)  # right of the sidebar, in the window
+    assert page.evaluate(CUT_TEXTS) == []
+    shoot(page, tmp_path, "tabs-1000px")
+
+    page.goto(app_url)
+    grid = page.locator('[data-testid="stDataFrame"]').first
+    grid.wait_for(timeout=120_000)
+    order = list(runs_table(runs_root).run)
+    page.wait_for_function(IDLE, timeout=120_000)
+    assert page.evaluate(CUT_TEXTS) == []  # the landing page's buttons and chips too
+
+    def pick(*names):  # the row markers of the run list (a canvas): one click each toggles a row
+        grid.scroll_into_view_if_needed()
+        box = grid.bounding_box()
+        for name in names:
+            page.mouse.click(box["x"] + 15, box["y"] + 35 + 35 * order.index(name) + 17)
+            page.wait_for_timeout(300)
+
+    pick("cmp-a", "cmp-other")
+    warning = page.get_by_text("These runs are on different data")
+    warning.wait_for(timeout=60_000)
+    assert "the OOD sets differ" in warning.inner_text()
+    scatter = page.locator(".js-plotly-plot").filter(has_text="Mean AUROC over")
+    scatter.wait_for(timeout=60_000)
+    assert warning.bounding_box()["y"] < scatter.bounding_box()["y"]  # said before anything is shown
+    assert scatter.get_by_text("Mean AUROC over 2 shared OOD set(s)").count()  # the two sets both runs have
+    warning.evaluate("element => element.scrollIntoView({block: 'center'})")
+    shoot(page, tmp_path, "compare-other-data")
+
+    pick("cmp-a", "cmp-other")  # unselect both
+    page.get_by_text("Select two runs to compare them.").wait_for(timeout=60_000)
+    pick("cmp-a", "cmp-same")
+    scatter = page.locator(".js-plotly-plot").filter(has_text="Mean AUROC over 6 shared OOD set(s)")
+    scatter.wait_for(timeout=60_000)
+    assert not page.get_by_text("These runs are on different data").count()
+    first, second = sorted(("cmp-a", "cmp-same"), key=order.index)  # A is the upper row
+    points = scatter.evaluate(
+        "e => { const t = e.data[1]; return {x: Array.from(t.x), y: Array.from(t.y), text: Array.from(t.text)}; }"
+    )
+    sets = [name for name in pd.read_csv(same / "metrics.csv").ood_dataset.unique() if not name.endswith(" (mean)")]
+    expected_a, expected_b = mean_auroc(runs_root / first, sets), mean_auroc(runs_root / second, sets)
+    assert sorted(points["text"]) == ["energy", "mahalanobis", "msp"]  # the detectors both runs have
+    for name, x, y in zip(points["text"], points["x"], points["y"]):
+        assert x == pytest.approx(expected_a[name], abs=1e-9) and y == pytest.approx(expected_b[name], abs=1e-9)
+    page.get_by_text(re.compile(r"^Compare cmp-")).evaluate("element => element.scrollIntoView()")
+    shoot(page, tmp_path, "compare")
+    assert other.is_dir()

@@ -23,8 +23,10 @@ def test_histogram_figure_bars_and_threshold_line(scores):
     assert [t.name for t in fig.data] == ["ID (id-set)", "far-set", "near-set"]
     for trace in fig.data:
         assert trace.type == "bar" and trace.opacity == pytest.approx(0.55)
-        np.testing.assert_allclose(np.asarray(trace.x), (edges[:-1] + edges[1:]) / 2)
-        np.testing.assert_allclose(np.asarray(trace.width), np.diff(edges))
+        centres = trace.x0 + trace.dx * np.arange(len(trace.y))  # equal bins: x0 + i dx, no x array sent
+        assert trace.x is None
+        np.testing.assert_allclose(centres, (edges[:-1] + edges[1:]) / 2)
+        np.testing.assert_allclose(np.full(len(trace.y), trace.width), np.diff(edges))
         np.testing.assert_array_equal(np.asarray(trace.y), hist["counts"][trace.name])
     assert fig.layout.barmode == "overlay"
     (line,) = fig.layout.shapes

@@ -182,7 +182,57 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     shown = " ".join(w.value for w in app.sidebar.warning)
     assert "fit mahalanobis (D=151,296" in shown and "pooling='avg' gives D=768 instead of 151,296" in shown
     assert any("Not started" in e.value for e in app.sidebar.error) and submitted == []
-    [box for box in app.sidebar.checkbox if box.label.startswith("Run anyway")][0].check()
-    [button for button in app.sidebar.button if button.label == "Start run"][0].click().run()
+
+    def button(label):
+        return [b for b in app.sidebar.button if b.label == label][0]
+
+    assert button("Start run").disabled  # over the limit: Start is off, the fixes are buttons
+    assert not button("Estimate memory").disabled
+    [box for box in app.sidebar.checkbox if box.label.startswith("Run anyway")][0].check().run()
+    assert not button("Start run").disabled
+    button("Start run").click().run()
     assert [c.pooling for c in submitted] == ["none"]
     assert any("recorded, not queued" in e.value for e in app.sidebar.error)
+    button("Fix: Pool the features (pooling avg)").click().run()  # fills the form, estimates it again
+    assert not app.exception
+    assert [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].value == "avg"
+    assert [text for text in app.sidebar.text_input if text.label == "Feature layer"][0].value == VIT_UNPOOLED["layer"]
+    assert any(s.value.startswith("Applied: Pool the features") for s in app.sidebar.success)
+    assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
+    assert not button("Start run").disabled and not [b for b in app.sidebar.button if b.label.startswith("Fix:")]
+
+
+def test_the_fixes_a_refusal_names_become_changes_of_the_form():
+    """Each fix of a pre-flight refusal (or a failed run's error) is the form with one change: pooled, the
+    detectors over the memory left out, every split at most half the largest, float16, a quarter of the batch."""
+    from dataclasses import replace
+
+    from oodviz.ui.form import FormValues, suggested_fixes
+
+    config = RunConfig(
+        pooling="none", detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis"), DetectorChoice("energy")]
+    )
+    estimate = estimate_of(151_296, 1000, {"id_fit": 50_000, "id_test": 1_000, "ood:noise": 1_000}, pooled=768)
+    report = assess(config, estimate, {"disk": 8 * GiB, "ram": 16 * GiB})
+    values = FormValues(pooling="none", detectors=["msp", "mahalanobis", "energy"], test_subsample=500)
+    fixes = suggested_fixes(report.message(), values)
+    assert [(f.label, f.values) for f in fixes] == [
+        ("Pool the features (pooling avg)", replace(values, pooling="avg")),
+        ("Leave out mahalanobis", replace(values, detectors=["msp", "energy"])),
+        (
+            "Subsample every split to at most 25,000 images",
+            replace(values, fit_subsample=25_000, test_subsample=500, ood_subsample=25_000),
+        ),
+        ("Store the features as float16", replace(values, feature_dtype="float16")),
+    ]
+    applied = fixes[0].values
+    assert [f.label for f in suggested_fixes(report.message(), applied)][0] == "Leave out mahalanobis"
+    oom = "worker was killed by signal 9 (SIGKILL) — likely out of memory (the kernel's OOM killer)"
+    assert [(f.label, f.values.batch_size) for f in suggested_fixes(oom, values)] == [("Batch size 256 → 64", 64)]
+    assert suggested_fixes("ValueError: vim: dim=64 must be between 1 and D-1", values) == []
+    assert (
+        suggested_fixes(
+            "every detector failed (mahalanobis: leave out mahalanobis)", replace(values, detectors=["mahalanobis"])
+        )
+        == []
+    )

@@ -138,6 +138,7 @@ def store_head(detector: Detector, data: FitData) -> None:
 
 class ASH(Detector):
     name = "ash"
+    param_choices = {"variant": VARIANTS}
     summary = "Energy after pruning each sample's lowest activations; the rest binarised (b), kept (p) or scaled (s)."
     paper = "https://arxiv.org/abs/2209.09858"
     default_grid = {"percentile": (65.0, 70.0, 75.0, 80.0, 85.0, 90.0, 95.0)}

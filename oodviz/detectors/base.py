@@ -109,6 +109,8 @@ class Detector:
     #: implements the state protocol (:mod:`oodviz.detectors.protocol`): ``update`` / ``merge`` / ``finalize`` /
     #: ``state_dict``, so its fit can be split over shards and processes; the others fit on all the data at once
     mergeable: ClassVar[bool] = False
+    #: the values a string parameter takes, ``{"variant": ("b", "p", "s")}`` (an editor offers them as a choice)
+    param_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:

@@ -80,6 +80,7 @@ def _normalise(x: Tensor) -> Tensor:
 
 class KNN(Detector):
     name = "knn"
+    param_choices = {"backend": BACKENDS}
     summary = "Distance to the k-th nearest in-distribution feature (L2-normalised)."
     paper = "https://arxiv.org/abs/2204.06507"
     default_grid = {"k": (1, 5, 10, 20, 50, 100, 200)}

@@ -102,6 +102,7 @@ class _DropoutOn:
 
 class MCD(ModelDetector):
     name = "mcd"
+    param_choices = {"mode": MODES}
     summary = (
         "Negative max of the mean softmax over forward passes with dropout on (runs the model; needs dropout layers)."
     )

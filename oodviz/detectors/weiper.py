@@ -130,6 +130,7 @@ def symmetric_kl(reference: Tensor, densities: Tensor, eps: float) -> Tensor:
 
 class WeiPer(Detector):
     name = "weiper"
+    param_choices = {"variant": VARIANTS}
     summary = "Histogram KL to the training mean of the features and of many randomly perturbed class projections."
     paper = "https://arxiv.org/abs/2405.17164"
     teaching = Teaching(

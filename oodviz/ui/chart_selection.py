@@ -40,7 +40,7 @@ def gallery(results, rows: pd.DataFrame, empty: str = "None.") -> None:
         return
     cols = st.columns(COLUMNS)
     for i, (image, row) in enumerate(zip(thumbnails(results, rows), rows.itertuples())):
-        cols[i % COLUMNS].image(image, caption=sample_caption(row), use_container_width=True)
+        cols[i % COLUMNS].image(image, caption=sample_caption(row), width="stretch")
 
 
 def galleries_per_set(results, table: pd.DataFrame, what: str) -> None:
@@ -85,7 +85,7 @@ def roc_chart(results, detector: str, curves: dict, title: str, colors, dataset:
     for trace in fig.data:
         if trace.customdata is not None:  # a curve (not the chance line): its points clickable
             trace.update(mode="lines+markers", marker={"size": 5})
-    event = chart(fig, key, use_container_width=True, on_select="rerun", selection_mode=("points", "box", "lasso"))
+    event = chart(fig, key, width="stretch", on_select="rerun", selection_mode=("points", "box", "lasso"))
     chosen = selected_curve_thresholds(curves, selection_of(event))
     if not chosen:
         st.caption(

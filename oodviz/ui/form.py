@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 
 from oodviz.runs.config import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
 
 #: ID presets: label -> (fit split, test split). Torchvision sets use their train/test splits.
 ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
     "digits (bundled, 8x8)": (DatasetChoice("digits-train"), DatasetChoice("digits-test")),
-    "Fashion-MNIST, 8 classes (for fashion-cnn)": (
+    "Fashion-MNIST, 8 classes": (
         DatasetChoice("fashion-mnist-id", {"split": "train"}),
         DatasetChoice("fashion-mnist-id", {"split": "test"}),
     ),
@@ -21,7 +22,7 @@ ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
 FOLDER_PRESET = "image folders (your own)"
 #: Side of the ID preset's images; the generated OOD sets (photo patches, noise) are made that size.
 PRESET_IMAGE_SIZE = {
-    "Fashion-MNIST, 8 classes (for fashion-cnn)": 28,
+    "Fashion-MNIST, 8 classes": 28,
     **{f"{name} (torchvision files)": 28 for name in ("mnist", "fashion-mnist", "kmnist")},
     **{f"{name} (torchvision files)": 32 for name in ("cifar10", "cifar100")},
 }
@@ -72,6 +73,7 @@ class FormValues:
     device: str = "auto"
     batch_size: int = 256
     precision: str = "fp32"
+    feature_dtype: str = "float32"
     fit_subsample: int = 0  # 0 = all
     test_subsample: int = 0
     ood_subsample: int = 0
@@ -112,6 +114,7 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         device=config.device,
         batch_size=config.batch_size,
         precision=config.precision,
+        feature_dtype=config.feature_dtype,
         fit_subsample=config.id_fit.subsample or 0,
         test_subsample=config.id_test.subsample or 0,
         ood_subsample=subsamples[0] if subsamples else 0,
@@ -169,6 +172,7 @@ def config_from_form(values: FormValues) -> RunConfig:
         device="cuda" if values.device == ALL_GPUS else values.device,
         batch_size=int(values.batch_size),
         precision=values.precision,
+        feature_dtype=values.feature_dtype,
         data_root=values.data_root.strip() or "data",
         download=bool(values.download),
     )
@@ -191,6 +195,7 @@ FORM_FIELDS = (
     "device",
     "batch_size",
     "precision",
+    "feature_dtype",
     "form",
 )
 #: A problem of the config goes under the first field whose word it starts with (or, failing that, names).
@@ -205,6 +210,7 @@ _FIELD_WORDS = (
     ("device", "device"),
     ("batch_size", "batch_size"),
     ("precision", "precision"),
+    ("feature_dtype", "feature_dtype"),
     ("data root", "data_root"),
     ("data_root", "data_root"),
 )
@@ -283,3 +289,103 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
             continue  # the folder's own message says it better
         found.setdefault(name, []).append(problem)
     return found
+
+
+@dataclass(frozen=True)
+class FormFix:
+    """A change of the form that a message names: ``label`` says it (a button's text), ``values`` is the form
+    with it applied."""
+
+    label: str
+    values: FormValues
+
+
+#: lower-case fragments of messages that a smaller batch may cure: allocation failures, the OOM killer
+_OUT_OF_MEMORY = ("out of memory", "can't allocate", "cannot allocate", "memoryerror", "sigkill", "smaller batch")
+_LEAVE_OUT = re.compile(r"leave out ([a-z0-9_]+(?:, [a-z0-9_]+)*)")
+_LARGEST_SPLIT = re.compile(r"subsample the largest splits \((\w+): ([\d,]+) samples\)")
+
+
+def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
+    """The fixes that ``message`` names (a failed run's error and warnings, or a pre-flight refusal:
+    :meth:`~oodviz.runs.preflight.Preflight.message`) as changes of the form ``values``, in this order:
+
+    - "pool" with ``pooling="none"``: ``pooling="avg"``;
+    - "leave out A, B": those detectors out (when others remain);
+    - "subsample the largest splits (S: N samples)": every split at most ``N // 2`` images;
+    - "float16": ``feature_dtype="float16"``;
+    - an allocation failure or the OOM killer (:data:`_OUT_OF_MEMORY`): a quarter of the batch size.
+
+    A fix that would change nothing is left out; an empty list when the message names none."""
+    lower = message.lower()
+    found = []
+    if "pool" in lower and values.pooling == "none":
+        found.append(FormFix("Pool the features (pooling avg)", replace(values, pooling="avg")))
+    named = {name for match in _LEAVE_OUT.finditer(lower) for name in match.group(1).split(", ")}
+    dropped = [name for name in values.detectors if name in named]
+    if dropped and len(dropped) < len(values.detectors):
+        kept = [name for name in values.detectors if name not in named]
+        found.append(FormFix(f"Leave out {', '.join(dropped)}", replace(values, detectors=kept)))
+    largest = _LARGEST_SPLIT.search(lower)
+    if largest:
+        cap = max(int(largest.group(2).replace(",", "")) // 2, 1)
+        capped = {
+            key: min(getattr(values, key) or cap, cap) for key in ("fit_subsample", "test_subsample", "ood_subsample")
+        }
+        if any(capped[key] != getattr(values, key) for key in capped):
+            found.append(FormFix(f"Subsample every split to at most {cap:,} images", replace(values, **capped)))
+    if "float16" in lower and values.feature_dtype != "float16":
+        found.append(FormFix("Store the features as float16", replace(values, feature_dtype="float16")))
+    if any(marker in lower for marker in _OUT_OF_MEMORY) and values.batch_size > 1:
+        smaller = max(values.batch_size // 4, 1)
+        found.append(FormFix(f"Batch size {values.batch_size:,} → {smaller:,}", replace(values, batch_size=smaller)))
+    return found
+
+
+@dataclass(frozen=True)
+class ParamField:
+    """How the form edits one detector parameter: ``kind`` is ``"int"``, ``"float"`` (``optional``: blank =
+    the detector's automatic choice, None), ``"bool"`` or ``"choice"`` (one of ``choices``)."""
+
+    name: str
+    kind: str
+    default: object
+    optional: bool = False
+    choices: tuple = ()
+
+
+def param_fields(detector: str) -> list[ParamField]:
+    """The parameters of ``detector`` a browser user may edit, from its constructor's signature: numbers (also
+    ``int | None``), booleans and the strings of :attr:`~oodviz.detectors.Detector.param_choices`. Paths
+    (``bank_dir``), module names, lists and the model are left to config files."""
+    import inspect
+    import types
+    import typing
+
+    from oodviz.detectors import detector_class
+
+    cls = detector_class(detector)
+    try:
+        parameters = inspect.signature(cls.__init__, eval_str=True).parameters
+    except (NameError, TypeError):
+        parameters = inspect.signature(cls.__init__).parameters
+    fields = []
+    for name in cls.param_names():
+        parameter = parameters[name]
+        annotation, default = parameter.annotation, parameter.default
+        options = (
+            set(typing.get_args(annotation))
+            if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+            else set()
+        )
+        if name in cls.param_choices:
+            fields.append(ParamField(name, "choice", default, choices=tuple(cls.param_choices[name])))
+        elif annotation is bool or isinstance(default, bool):
+            fields.append(ParamField(name, "bool", bool(default)))
+        elif annotation in (int, float) or (annotation is parameter.empty and type(default) in (int, float)):
+            number = annotation if annotation in (int, float) else type(default)
+            fields.append(ParamField(name, number.__name__, default))
+        elif options in ({int, type(None)}, {float, type(None)}):
+            kind = "int" if int in options else "float"
+            fields.append(ParamField(name, kind, default, optional=True))
+    return fields

@@ -98,7 +98,7 @@ def past_runs(root: Path, open_run: Callable[[str | None], None]) -> None:
     chosen = st.dataframe(
         table.style.format({"mean AUROC": "{:.3f}", "mean FPR95": "{:.3f}"}, na_rep="—"),
         hide_index=True,
-        use_container_width=True,
+        width="stretch",
         on_select="rerun",
         selection_mode="multi-row",
         key=runs_table_key(list(table.run)),
@@ -221,7 +221,7 @@ def compare(root: Path, a_id: str, b_id: str) -> None:
     if diff.empty:
         st.caption("Same config: differences come from randomness or the software version.")
     else:
-        st.dataframe(diff, hide_index=True, use_container_width=True)
+        st.dataframe(diff, hide_index=True, width="stretch")
     table = compare_runs(a, b)
     per_set = table[~table.ood_dataset.str.endswith(" (mean)")]
     if per_set.empty:
@@ -231,7 +231,7 @@ def compare(root: Path, a_id: str, b_id: str) -> None:
     sets = sorted(per_set.ood_dataset.unique())
     st.plotly_chart(
         plots.compare_scatter(means, f"Mean AUROC over {len(sets)} shared OOD set(s)", a_id, b_id),
-        use_container_width=True,
+        width="stretch",
     )
     shown = per_set.rename(columns={"ood_dataset": "OOD dataset"})
-    st.dataframe(shown.style.format(precision=3), hide_index=True, use_container_width=True)
+    st.dataframe(shown.style.format(precision=3), hide_index=True, width="stretch")

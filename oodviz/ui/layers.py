@@ -29,10 +29,10 @@ def layers_tab(page) -> None:
         f"layer and not listed. **{COMBINED}** ({COMBINED_DETECTOR} only): the sum of the per-layer scores, each "
         "standardised on the ID fit split (Lee et al. 2018)."
     )
-    st.plotly_chart(layer_ranking_figure(ranking, shown), use_container_width=True, key="layer-ranking")
+    st.plotly_chart(layer_ranking_figure(ranking, shown), width="stretch", key="layer-ranking")
     table = ranking.rename(columns={"auroc": "mean AUROC", "fpr95": "mean FPR95"})
     st.dataframe(
         table.style.format({"mean AUROC": "{:.4f}", "mean FPR95": "{:.4f}"}),
         hide_index=True,
-        use_container_width=True,
+        width="stretch",
     )

@@ -21,9 +21,25 @@ from oodviz.runs.plan import run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
 from oodviz.runs.telemetry import device_facts
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
-from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config, processes_of
+from oodviz.ui.fixes import (
+    ESTIMATE_NEXT,
+    RUN_ANYWAY,
+    fix_buttons,
+    over_limits,
+    prefilled,
+    refuse_start,
+    store_estimate,
+)
+from oodviz.ui.form import (
+    FormValues,
+    config_from_form,
+    form_problems,
+    form_values_from_config,
+    processes_of,
+    suggested_fixes,
+)
 from oodviz.ui.history import label_editor, past_runs, read_label
-from oodviz.ui.sidebar import RUN_ANYWAY, memory_estimate, render_form
+from oodviz.ui.sidebar import memory_estimate, render_form
 
 
 def runs_root() -> Path:
@@ -70,30 +86,18 @@ def confined_config(config: RunConfig) -> RunConfig | None:
         return None
 
 
-def show_estimate(config, place) -> bool:
-    """Show the run's estimate in ``place`` (beside Start); True when it is over the machine's limits
-    (the pre-flight table and the fixes shown as a warning)."""
-    try:
-        _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
-    except Exception as error:  # a missing dataset or weight file: say what, keep the app running
-        place.error(f"Could not estimate the run's size: {error}")
-        return False
-    with place.container():
-        st.markdown("**Estimated feature store**")
-        st.code(description, language=None)
-        if refusal:
-            st.warning(refusal)
-    return refusal is not None
-
-
 def plain(text: str) -> str:
     """``text`` shown as typed in Streamlit's markdown: a path's ``_a_`` stays, not in italics."""
     return re.sub(r"([\\`*_{}\[\]<>#|~$])", r"\\\1", text)
 
 
 def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
-    """On Estimate or Start: check the whole form first (:func:`form_problems`) and show every problem
-    under its field; only a form without problems is estimated, and started (nothing is created before)."""
+    """On Estimate or Start (or after a fix filled the form): check the whole form first
+    (:func:`form_problems`) and show every problem under its field; only a form without problems is estimated
+    (kept beside Start, :mod:`oodviz.ui.fixes`), and started when it fits or "Run anyway" is ticked (nothing is
+    created before)."""
+    if action is None and st.session_state.pop(ESTIMATE_NEXT, False):
+        action = "estimate"
     if action is None:
         return
     problems = form_problems(values, AccessPolicy.from_env())
@@ -105,16 +109,19 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
             slots["form"].error(f"Fix first: {count} problem(s), shown under their fields above.")
         return
     config = AccessPolicy.from_env().confine_config(config_from_form(values))
-    over = show_estimate(config, slots["estimate"])
+    try:
+        _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
+    except Exception as error:  # a missing dataset or weight file: say what, keep the app running
+        store_estimate(values, error=str(error))
+    else:
+        store_estimate(values, description, refusal)
     if action == "start":
-        if over and not st.session_state.get(RUN_ANYWAY):
-            slots["form"].error(
-                "Not started: the run is over this machine's limits (below). Apply a fix, or tick "
-                '"Run anyway, over this machine\'s limits" and start again.'
-            )
+        if not over_limits(values) or st.session_state.get(RUN_ANYWAY):
+            gpus = sum(f["device"].startswith("cuda") for f in device_facts())
+            start_run(config, slots["form"], processes=processes_of(values, gpus))
             return
-        gpus = sum(f["device"].startswith("cuda") for f in device_facts())
-        start_run(config, slots["form"], processes=processes_of(values, gpus))
+        refuse_start()
+    st.rerun()  # the sidebar draws the estimate beside Start, and Start off when over the limits
 
 
 def start_run(config: RunConfig, place=st, processes: int = 1) -> None:
@@ -139,10 +146,10 @@ def landing(values: FormValues) -> None:
         "digits, photo patches and noise; it reads Debian's `dataset-fashion-mnist`, the files in the sidebar's data "
         "root, or downloads them where the sidebar allows downloads."
     )
-    default, fashion, _ = st.columns([1, 1, 3])
-    if default.button("Run the default", type="primary"):
+    buttons = st.container(horizontal=True)  # each button as wide as its label: none is cut
+    if buttons.button("Run the default", type="primary"):
         start_run(config_from_form(FormValues()))
-    if fashion.button("Run Fashion-MNIST"):
+    if buttons.button("Run Fashion-MNIST"):
         config = preset("fashion-mnist")
         config.data_root, config.download = values.data_root.strip() or "data", bool(values.download)
         config = confined_config(config)
@@ -158,7 +165,7 @@ def run_warnings(run: RunDir, limit: int = 8) -> list[str]:
     return list(dict.fromkeys(messages))[-limit:]
 
 
-def run_page(run: RunDir) -> None:
+def run_page(run: RunDir, values: FormValues) -> None:
     from oodviz.ui.results import results_page
     from oodviz.ui.watch import job_panel
 
@@ -185,10 +192,17 @@ def run_page(run: RunDir) -> None:
         st.warning(message)
     if state == "failed":
         st.error(f"The run failed: {status.get('error') or 'no error was recorded (was the worker killed?)'}")
+        said = " ".join([status.get("error") or "", *run_warnings(run)])
+        try:
+            ran = form_values_from_config(RunConfig.load(run.config_path))
+        except (ValueError, OSError):  # a config this version cannot read: the fixes apply to the form as it is
+            ran = values
         st.info(
-            "To retry with a fix: the sidebar holds this run's choices. Change what the error names "
-            "and press Start run (a new run; this one is kept)."
+            "To retry: the sidebar holds this run's choices. Change what the error names and press Start run "
+            "(a new run; this one is kept)."
+            + (" Or fill the form with a fix the error names:" if suggested_fixes(said, ran) else "")
         )
+        fix_buttons(said, values, st, "Retry with: ", "retry-fix", base=ran)
         if status.get("detail") and show_server_details():
             with st.expander("Details"):
                 st.code(status["detail"])
@@ -223,8 +237,18 @@ def access_granted(policy: AccessPolicy) -> bool:
     return False
 
 
+#: At a 1000 px window: narrower side margins (the first eight result tabs fit on one line), result tabs that
+#: wrap rather than scroll out of sight, and sidebar chips in a smaller font, so no name is cut.
+PAGE_STYLE = """<style>
+[data-testid="stMainBlockContainer"] { padding-left: 1.5rem; padding-right: 1.5rem; }
+[role="tablist"] { flex-wrap: wrap; column-gap: 0.5rem; }
+[data-testid="stMultiSelectTagsContainer"] span { font-size: 0.75rem; }
+</style>"""
+
+
 def main() -> None:
     st.set_page_config(page_title="oodviz", page_icon="🔍", layout="wide")
+    st.html(PAGE_STYLE)
     if not access_granted(AccessPolicy.from_env()):
         return
     try:
@@ -242,7 +266,11 @@ def main() -> None:
 
 
 def form_defaults() -> FormValues:
-    """The sidebar's starting values: those of the run in the URL (to rerun it with changes), else the default."""
+    """The sidebar's starting values: those a fix filled in on this page, else those of the run in the URL (to
+    rerun it with changes), else the default."""
+    filled = prefilled()
+    if filled is not None:
+        return filled
     try:
         path = url_run_path()
     except PathRefused:  # the run page says so
@@ -259,13 +287,13 @@ def page() -> None:
     values, action, slots = render_form(form_defaults())
     header, home = st.columns([4, 1], vertical_alignment="bottom")
     header.title("oodviz")
-    if home.button("All runs", use_container_width=True):
+    if home.button("All runs", width="stretch"):
         open_run(None)
         st.rerun()
     handle_form(values, action, slots)
     run = current_run()
     if run is not None:
-        run_page(run)
+        run_page(run, values)
         return
     landing(values)
     st.subheader("Past runs")

@@ -234,7 +234,7 @@ def metrics_tab(page: Page) -> None:
         note = "Best detector per column highlighted in green (each column is one metric on one group of sets)."
     numbers = [c for c in shown.columns if c.startswith(tuple(METRIC_COLUMNS.values()))]
     styled = styled.format(dict.fromkeys(numbers, "{:.3f}"), na_rep="n/a")
-    st.dataframe(styled, hide_index=True, use_container_width=True, height=min(38 + 35 * len(shown), 700))
+    st.dataframe(styled, hide_index=True, width="stretch", height=min(38 + 35 * len(shown), 700))
     st.caption(note)
     st.download_button("Download metrics.csv", metrics.to_csv(index=False), "metrics.csv", "text/csv")
     metric = st.segmented_control("Heatmap", ["AUROC", "FPR95"], default="AUROC", key="heatmap-metric") or "AUROC"
@@ -243,7 +243,7 @@ def metrics_tab(page: Page) -> None:
     grid = grid.loc[list(dict.fromkeys(per_set.detector)), list(dict.fromkeys(per_set.ood_dataset))]
     chart(
         plots.metrics_heatmap(grid, metric, higher_is_better=metric == "AUROC"),
-        use_container_width=True,
+        width="stretch",
         key=f"heatmap-{metric}",
     )
 
@@ -265,7 +265,7 @@ def histogram_tab(page: Page) -> None:
             colors=page.colors,
             mode=mode,
         ),
-        use_container_width=True,
+        width="stretch",
         on_select="rerun",
         selection_mode=("box", "lasso"),
         key=f"histogram-{page.detector}-{mode}",
@@ -284,7 +284,7 @@ def histogram_tab(page: Page) -> None:
         help=f"Worst OOD set: {worst[0]}, {worst[1]['miss_rate']:.1%} missed.",
     )
     table = analysis.counts_table(counts).rename(columns={"wrong": "count", "wrong_rate": "rate"})
-    st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, use_container_width=True)
+    st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, width="stretch")
 
 
 # -- curves ---------------------------------------------------------------------------------------
@@ -309,7 +309,7 @@ def curves_tab(page: Page) -> None:
     chart(
         plots.pr_figure(curves, title=f"PR (OOD positive) — {title}", colors=colors),
         key=f"pr-{page.detector}-{one_set}",
-        use_container_width=True,
+        width="stretch",
     )
 
 
@@ -320,7 +320,7 @@ def _gallery(images, captions, columns=6) -> None:
         return
     cols = st.columns(columns)
     for i, (image, caption) in enumerate(zip(images, captions)):
-        cols[i % columns].image(image, caption=caption, use_container_width=True)
+        cols[i % columns].image(image, caption=caption, width="stretch")
 
 
 def gallery_rows(ranked: pd.DataFrame, wrong: pd.Series, nearest: bool, k: int = GALLERY_SIZE) -> pd.DataFrame:
@@ -345,12 +345,12 @@ def failures_tab(page: Page) -> None:
     selection = c1.dataframe(
         table.style.format({"classifier accuracy": "{:.1%}", "false-alarm rate": "{:.1%}", "mean score": "{:.4g}"}),
         hide_index=True,
-        use_container_width=True,
+        width="stretch",
         on_select="rerun",
         selection_mode="single-row",
         key=f"classes-{page.detector}",
     )
-    c2.plotly_chart(plots.per_class_bar(per_class), use_container_width=True)
+    c2.plotly_chart(plots.per_class_bar(per_class), width="stretch")
     rows = selection.selection.rows if selection else []
     id_class = int(per_class.iloc[rows[0]]["class"]) if rows else None
     g1, g2 = st.columns(2)
@@ -404,7 +404,7 @@ def run_details(page: Page) -> None:
             shown["peak CPU RSS"] = [format_bytes(v) for v in stages["peak_cpu_rss"]]
         if "error" in stages:
             shown["error"] = stages["error"].fillna("").to_numpy()
-        st.dataframe(shown, hide_index=True, use_container_width=True)
+        st.dataframe(shown, hide_index=True, width="stretch")
     tuning_panel(results)
     st.json(results.config, expanded=False)
 

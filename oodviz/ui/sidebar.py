@@ -2,28 +2,31 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import streamlit as st
 
-from oodviz.detectors import available, create
-from oodviz.engine import PRECISIONS
+from oodviz.detectors import available
+from oodviz.engine import FEATURE_DTYPES, PRECISIONS
 from oodviz.models import POOLINGS, available_backbones, format_bytes
 from oodviz.runs.defaults import defaults_reason
 from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
 from oodviz.ui.explore import teaching_panel
+from oodviz.ui.fixes import estimate_panel, form_key, start_blocked
 from oodviz.ui.form import (
     ALL_GPUS,
     FOLDER_PRESET,
     ID_PRESETS,
     OOD_CHOICES,
     FormValues,
+    ParamField,
     config_from_form,
     ood_label,
+    param_fields,
 )
 
 USER_MODEL = "torchscript"
-#: the session-state key of the form's "run anyway" checkbox
-RUN_ANYWAY = "run-anyway"
 
 
 def _device_label(fact: dict) -> str:
@@ -37,19 +40,46 @@ def _devices() -> list[dict]:
     return device_facts()
 
 
-def _detector_params(defaults: FormValues) -> dict[str, dict]:
+def _param_input(place, detector: str, field: ParamField, value, generation: str):
+    """One widget for one detector parameter (see :func:`~oodviz.ui.form.param_fields`)."""
+    label, key = f"{detector}: {field.name}", f"param-{detector}-{field.name}-{generation}"
+    if field.kind == "choice":
+        options = list(field.choices)
+        return place.selectbox(label, options, index=options.index(value) if value in options else 0, key=key)
+    if field.kind == "bool":
+        return place.checkbox(label, bool(value), key=key)
+    number = int if field.kind == "int" else float
+    return place.number_input(
+        label,
+        value=None if value is None else number(value),
+        step=1 if number is int else None,
+        format="%d" if number is int else "%g",
+        placeholder="automatic",
+        key=key,
+        help="Blank: the detector chooses (see its docstring)." if field.optional else None,
+    )
+
+
+def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
+    """Every detector's editable parameters, two to a row; only the values that differ from the detector's
+    defaults are returned (a blank optional number is its default, None)."""
     params = {}
     for name in available():
-        values = create(name).get_params()
-        editable = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        if not editable:
+        fields = param_fields(name)
+        if not fields:
             continue
-        cols = st.columns(len(editable))
-        params[name] = {}
-        for col, (key, value) in zip(cols, editable.items()):
-            chosen = defaults.detector_params.get(name, {}).get(key, value)
-            step = 1 if isinstance(value, int) else None
-            params[name][key] = col.number_input(f"{name}: {key}", value=chosen, step=step, key=f"param-{name}-{key}")
+        chosen = {}
+        for start in range(0, len(fields), 2):
+            row = fields[start : start + 2]
+            for col, field in zip(st.columns(2), row):
+                default = defaults.detector_params.get(name, {}).get(field.name, field.default)
+                value = _param_input(col, name, field, default, generation)
+                if value is None and not field.optional:
+                    value = field.default
+                if value != field.default:
+                    chosen[field.name] = value
+        if chosen:
+            params[name] = chosen
     return params
 
 
@@ -59,7 +89,9 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
     the checks say about it."""
     st.sidebar.header("Choose")
     slots = {}
-    with st.sidebar.form("choose", enter_to_submit=False, border=False):
+    # the form's key follows its defaults: another run's or a fix's values make new widgets that show them
+    generation = hashlib.sha1(form_key(defaults).encode()).hexdigest()[:10]
+    with st.sidebar.form(f"choose-{generation}", enter_to_submit=False, border=False):
         st.subheader("Model")
         backbones = available_backbones() + [USER_MODEL]
         backbone = st.selectbox(
@@ -94,13 +126,25 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
 
         st.subheader("Data")
         presets = list(ID_PRESETS) + [FOLDER_PRESET]
-        id_preset = st.selectbox("In-distribution", presets, index=presets.index(defaults.id_preset))
+        id_preset = st.selectbox(
+            "In-distribution",
+            presets,
+            index=presets.index(defaults.id_preset),
+            help="Fashion-MNIST, 8 classes: the classes fashion-cnn was trained on (Shirt and Ankle boot are the "
+            "held-out OOD set).",
+        )
         slots["id_preset"] = st.empty()
         fit_folder = st.text_input("ID fit folder (image folders only)", defaults.fit_folder)
         slots["fit_folder"] = st.empty()
         test_folder = st.text_input("ID test folder (image folders only)", defaults.test_folder)
         slots["test_folder"] = st.empty()
-        ood = st.multiselect("OOD datasets", list(OOD_CHOICES), default=defaults.ood, format_func=ood_label)
+        ood = st.multiselect(
+            "OOD datasets",
+            list(OOD_CHOICES),
+            default=defaults.ood,
+            help="Each set's group and source (the names alone fit the chips at 1000 px):\n\n"
+            + "\n".join(f"- {ood_label(name)}" for name in OOD_CHOICES),
+        )
         slots["ood"] = st.empty()
         ood_folder = st.text_input("Extra OOD image folder (optional)", defaults.ood_folder)
         slots["ood_folder"] = st.empty()
@@ -123,7 +167,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         slots["detectors"] = st.empty()
         st.caption(f"{defaults_reason(backbone)} A run config without `detectors` gets this list.")
         with st.expander("Detector parameters"):
-            detector_params = _detector_params(defaults)
+            detector_params = _detector_params(defaults, generation)
 
         st.subheader("Resources")
         facts = _devices()
@@ -150,44 +194,48 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             help="bf16/fp16 autocast applies on GPUs only.",
         )
         slots["batch_size"], slots["precision"] = r1.empty(), r2.empty()
+        feature_dtype = st.selectbox(
+            "Features on disk",
+            list(FEATURE_DTYPES),
+            index=list(FEATURE_DTYPES).index(defaults.feature_dtype),
+            format_func=lambda d: "float16 (half the disk)" if d == "float16" else d,
+            help="float16 halves the size of the feature stores.",
+        )
+        slots["feature_dtype"] = st.empty()
 
-        st.checkbox(
-            "Run anyway, over this machine's limits",
-            key=RUN_ANYWAY,
-            help="Start is refused while the estimate beside it is over the free disk, RAM or GPU memory; "
-            "tick this to start regardless.",
+        values = FormValues(
+            backbone=backbone,
+            weights=weights,
+            checkpoint=checkpoint,
+            layer=layer,
+            pooling=pooling,
+            id_preset=id_preset,
+            fit_folder=fit_folder,
+            test_folder=test_folder,
+            ood=ood,
+            ood_folder=ood_folder,
+            detectors=detectors,
+            detector_params=detector_params,
+            device=device,
+            batch_size=int(batch_size),
+            precision=precision,
+            feature_dtype=feature_dtype,
+            fit_subsample=int(fit_subsample),
+            test_subsample=int(test_subsample),
+            ood_subsample=int(ood_subsample),
+            data_root=data_root,
+            download=download,
         )
         # one under the other: side by side their labels are cut at 1000 px
-        start = st.form_submit_button("Start run", type="primary", use_container_width=True)
-        estimate = st.form_submit_button("Estimate memory", use_container_width=True)
-        slots["form"], slots["estimate"] = st.empty(), st.empty()
+        start = st.form_submit_button("Start run", type="primary", width="stretch", disabled=start_blocked(values))
+        estimate = st.form_submit_button("Estimate memory", width="stretch")
+        slots["form"] = st.empty()
+    estimate_panel(values)
 
     with st.sidebar.expander("What each detector does"):
         chosen = detectors[0] if detectors else available()[0]
         teaching_panel(st.selectbox("Explain", available(), index=available().index(chosen), key="teach-detector"))
 
-    values = FormValues(
-        backbone=backbone,
-        weights=weights,
-        checkpoint=checkpoint,
-        layer=layer,
-        pooling=pooling,
-        id_preset=id_preset,
-        fit_folder=fit_folder,
-        test_folder=test_folder,
-        ood=ood,
-        ood_folder=ood_folder,
-        detectors=detectors,
-        detector_params=detector_params,
-        device=device,
-        batch_size=int(batch_size),
-        precision=precision,
-        fit_subsample=int(fit_subsample),
-        test_subsample=int(test_subsample),
-        ood_subsample=int(ood_subsample),
-        data_root=data_root,
-        download=download,
-    )
     return values, "start" if start else "estimate" if estimate else None, slots
 
 
@@ -200,4 +248,4 @@ def memory_estimate(config_json: str, runs_root: str) -> tuple[dict, str, str | 
     return estimate_in_subprocess(config_json, runs_root=runs_root)
 
 
-__all__ = ["RUN_ANYWAY", "config_from_form", "memory_estimate", "render_form"]
+__all__ = ["config_from_form", "memory_estimate", "render_form"]

@@ -76,7 +76,7 @@ def tuning_panel(results) -> None:
     if table.empty:
         return
     st.markdown("**Tuned on validation data** (each detector's parameters chosen by validation AUROC, OOD positive)")
-    st.dataframe(table, hide_index=True, use_container_width=True)
+    st.dataframe(table, hide_index=True, width="stretch")
     for name in table["detector"]:
         with st.expander(f"{name}: every grid point"):
-            st.dataframe(grid_table(results.detectors[name]["tuning"]), hide_index=True, use_container_width=True)
+            st.dataframe(grid_table(results.detectors[name]["tuning"]), hide_index=True, width="stretch")

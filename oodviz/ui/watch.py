@@ -128,7 +128,7 @@ def job_panel(run: RunDir) -> None:
             st.progress(0.0, text=f"{current}: starting…")
         _memory_metrics({**tail.last, **(latest or {})}, config)
         if len(tail.ranks) > 1:  # a run on several processes: each one's device, batch size and memory
-            st.dataframe(rank_table(tail.ranks), hide_index=True, use_container_width=True)
+            st.dataframe(rank_table(tail.ranks), hide_index=True, width="stretch")
         for warning in tail.warnings:
             st.warning(warning)
         if run.cancel_requested():
@@ -136,8 +136,12 @@ def job_panel(run: RunDir) -> None:
         elif st.button("Cancel run", key=f"cancel-{run.run_id}"):
             cancel(run)
             st.rerun(scope="fragment")
-        with st.expander(f"Finished stages ({len(tail.ended)} of {len(plan)})"):
-            st.dataframe(
+        # the table only while its expander is open: a closed one costs a poll nothing however many stages ended
+        stages = st.expander(
+            f"Finished stages ({len(tail.ended)} of {len(plan)})", key=f"stages-{run.run_id}", on_change="rerun"
+        )
+        if stages.open:
+            stages.dataframe(
                 pd.DataFrame(
                     [
                         {
@@ -150,14 +154,14 @@ def job_panel(run: RunDir) -> None:
                     columns=["stage", "seconds", "peak CPU RSS"],
                 ),
                 hide_index=True,
-                use_container_width=True,
+                width="stretch",
             )
 
     @st.fragment(run_every=MEMORY_POLL_S if running else None)
     def memory_chart():
         timeline = memory_timeline(_tail(run).memory)
         if len(timeline) > 1:
-            st.plotly_chart(memory_figure(timeline), use_container_width=True, key="memory-live")
+            st.plotly_chart(memory_figure(timeline), width="stretch", key="memory-live")
 
     panel()
     memory_chart()

@@ -1,0 +1,119 @@
+"""The estimate beside Start, and the fixes a message names as one-click changes of the form.
+
+The last estimate is kept in the session with the form values it was made for: while the form still holds
+those values and the estimate is over the machine's limits, Start is disabled (unless "Run anyway" is
+ticked) and the fixes the pre-flight names (:func:`~oodviz.ui.form.suggested_fixes`) are buttons under it.
+A fix, or a failed run's "retry with" button, fills the form: the fixed values are kept in the session for
+the page they were made on (the run in the URL, or none) and the sidebar draws them as its defaults; the
+next rerun estimates them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, replace
+
+import streamlit as st
+
+from oodviz.ui.form import FormFix, FormValues, suggested_fixes
+
+#: session keys: the last estimate, the form filled by a fix, "estimate on the next rerun", the checkbox
+PREFLIGHT = "preflight"
+PREFILL = "form-prefill"
+ESTIMATE_NEXT = "estimate-next"
+RUN_ANYWAY = "run-anyway"
+
+
+def form_key(values: FormValues) -> str:
+    """The form's values as one string (what an estimate was made for)."""
+    return json.dumps(asdict(values), sort_keys=True, default=str)
+
+
+def url_run() -> str | None:
+    return st.query_params.get("run")
+
+
+def store_estimate(values: FormValues, description: str = "", refusal: str | None = None, error: str = "") -> None:
+    """Keep the estimate of ``values``: its description, the pre-flight refusal (None: it fits), or why it failed."""
+    st.session_state[PREFLIGHT] = {
+        "form": form_key(values),
+        "description": description,
+        "refusal": refusal,
+        "error": error,
+    }
+
+
+def refuse_start() -> None:
+    """Remember that Start was pressed over the limits (said in the panel until the form changes)."""
+    st.session_state[PREFLIGHT]["refused_start"] = True
+
+
+def last_estimate(values: FormValues) -> dict | None:
+    """The kept estimate when it was made for ``values``, else None."""
+    entry = st.session_state.get(PREFLIGHT)
+    return entry if entry and entry["form"] == form_key(values) else None
+
+
+def over_limits(values: FormValues) -> bool:
+    entry = last_estimate(values)
+    return bool(entry and entry["refusal"])
+
+
+def start_blocked(values: FormValues) -> bool:
+    """Start is off: the estimate of these values is over the limits and "Run anyway" is not ticked."""
+    return over_limits(values) and not st.session_state.get(RUN_ANYWAY)
+
+
+def prefilled() -> FormValues | None:
+    """The form a fix filled for the page in the URL, or None."""
+    entry = st.session_state.get(PREFILL)
+    return entry["values"] if entry and entry["run"] == url_run() else None
+
+
+def apply_fix(fix: FormFix) -> None:
+    """Fill the form with ``fix`` applied, estimate it on the rerun."""
+    st.session_state[PREFILL] = {"run": url_run(), "values": fix.values, "label": fix.label}
+    st.session_state[ESTIMATE_NEXT] = True
+    st.rerun()
+
+
+def fix_buttons(message: str, values: FormValues, place, prefix: str, key: str, base: FormValues | None = None) -> None:
+    """One button per fix that ``message`` names for the form ``base`` (default: ``values``), each ``prefix +
+    label``; a click applies the fix's change onto ``values`` (the form as it is). A fix ``values`` already has
+    is not offered again."""
+    base = values if base is None else base
+    for i, fix in enumerate(suggested_fixes(message, base)):
+        change = {k: v for k, v in asdict(fix.values).items() if getattr(base, k) != v}
+        if all(getattr(values, k) == v for k, v in change.items()):
+            continue
+        if place.button(prefix + fix.label, key=f"{key}-{i}", width="stretch", wrap=True):  # long labels wrap
+            apply_fix(FormFix(fix.label, replace(values, **change)))
+
+
+def estimate_panel(values: FormValues) -> None:
+    """Under Start: the fix just applied, and the estimate of the form's values with, over the limits, the
+    refusal, the fixes as buttons and the "Run anyway" checkbox."""
+    filled = st.session_state.get(PREFILL)
+    if filled and filled["run"] == url_run() and form_key(filled["values"]) == form_key(values):
+        st.sidebar.success(f"Applied: {filled['label']}. Press Start run to run it (a new run).")
+    entry = last_estimate(values)
+    if entry is None:
+        return
+    if entry["error"]:
+        st.sidebar.error(f"Could not estimate the run's needs: {entry['error']}")
+        return
+    st.sidebar.markdown("**Estimated needs**")
+    st.sidebar.code(entry["description"], language=None)
+    if not entry["refusal"]:
+        st.sidebar.caption("Fits this machine's free disk, RAM and GPU memory.")
+        return
+    if entry.get("refused_start") and not st.session_state.get(RUN_ANYWAY):
+        st.sidebar.error("Not started: the run is over this machine's limits. Apply a fix, or tick Run anyway.")
+    st.sidebar.warning(entry["refusal"])
+    fix_buttons(entry["refusal"], values, st.sidebar, "Fix: ", "preflight-fix")
+    st.sidebar.checkbox(
+        "Run anyway, over this machine's limits",
+        key=RUN_ANYWAY,
+        help="Start is off while the estimate is over the free disk, RAM or GPU memory; tick this to start "
+        "regardless (the run may fail or slow the machine down).",
+    )
