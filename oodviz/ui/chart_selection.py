@@ -33,14 +33,19 @@ def sample_caption(row) -> str:
     return f"{truth} → {row.predicted_name} · {row.score:.4g}"
 
 
-def gallery(results, rows: pd.DataFrame, empty: str = "None.") -> None:
-    """Thumbnails of ``rows`` (a :data:`oodviz.selection.SAMPLE_COLUMNS` table), :data:`COLUMNS` a line."""
-    if not len(rows):
+def image_grid(images, captions, empty: str = "None.") -> None:
+    """``images`` with their ``captions``, :data:`COLUMNS` a line; ``empty`` when there are none."""
+    if not len(images):
         st.caption(empty)
         return
     cols = st.columns(COLUMNS)
-    for i, (image, row) in enumerate(zip(thumbnails(results, rows), rows.itertuples())):
-        cols[i % COLUMNS].image(image, caption=sample_caption(row), width="stretch")
+    for i, (image, caption) in enumerate(zip(images, captions)):
+        cols[i % COLUMNS].image(image, caption=caption, width="stretch")
+
+
+def gallery(results, rows: pd.DataFrame, empty: str = "None.") -> None:
+    """Thumbnails of ``rows`` (a :data:`oodviz.selection.SAMPLE_COLUMNS` table), :data:`COLUMNS` a line."""
+    image_grid(thumbnails(results, rows) if len(rows) else [], [sample_caption(r) for r in rows.itertuples()], empty)
 
 
 def galleries_per_set(results, table: pd.DataFrame, what: str) -> None:

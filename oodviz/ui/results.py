@@ -32,7 +32,7 @@ from oodviz.results import (
 from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import thumbnails
 from oodviz.ui.access import show_server_details
-from oodviz.ui.chart_selection import histogram_selection_gallery, roc_chart
+from oodviz.ui.chart_selection import histogram_selection_gallery, image_grid, roc_chart
 from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab, teaching_panel
 from oodviz.ui.figure_export import chart
 from oodviz.ui.layers import layers_tab
@@ -314,15 +314,6 @@ def curves_tab(page: Page) -> None:
 
 
 # -- failure cases --------------------------------------------------------------------------------
-def _gallery(images, captions, columns=6) -> None:
-    if not images:
-        st.caption("None at this threshold.")
-        return
-    cols = st.columns(columns)
-    for i, (image, caption) in enumerate(zip(images, captions)):
-        cols[i % columns].image(image, caption=caption, width="stretch")
-
-
 def gallery_rows(ranked: pd.DataFrame, wrong: pd.Series, nearest: bool, k: int = GALLERY_SIZE) -> pd.DataFrame:
     """The ``k`` rows of ``ranked`` (worst first) that are ``wrong`` at the threshold: the ``k`` nearest
     the threshold (closest first) or the ``k`` most extreme."""
@@ -372,17 +363,19 @@ def failures_tab(page: Page) -> None:
         f"**ID images flagged as OOD** at this threshold ({which}): {n_flagged:,} of {len(ranked_id):,}; "
         f"the {min(GALLERY_SIZE, n_flagged)} {order} (true class → prediction · score)"
     )
-    _gallery(
+    image_grid(
         thumbnails(results, flagged),
         [f"{r.class_name} → {r.predicted_name} · {r.score:.3g}" for r in flagged.itertuples()],
+        "None at this threshold.",
     )
     st.markdown(
         f"**OOD images accepted as ID** at this threshold: {n_accepted:,} of {len(ranked_ood):,}; "
         f"the {min(GALLERY_SIZE, n_accepted)} {order} (OOD set → the class the model gave · score)"
     )
-    _gallery(
+    image_grid(
         thumbnails(results, accepted),
         [f"{r.dataset} → {r.predicted_name} · {r.score:.3g}" for r in accepted.itertuples()],
+        "None at this threshold.",
     )
 
 
