@@ -1,10 +1,12 @@
 """Shared fixtures: a small, seeded classification problem with a linear head; the default run."""
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from filelock import FileLock
 
 from oodviz import Batch
 
@@ -80,21 +83,36 @@ NEEDS_CUDA = "needs a CUDA device"
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
 
 
-#: Session- or module-scoped fixtures of these tests that are cheap to build once per xdist worker, so they do not
-#: tie their tests to one worker (every other shared fixture does: see :func:`group_by_shared_fixtures`).
+#: Session- or module-scoped fixtures of these tests that do not tie their tests to one xdist worker (every other
+#: shared fixture does: see :func:`group_by_shared_fixtures`): cheap to build once per worker, or built once per test
+#: session for every worker (:func:`built_once`: the default run).
 CHEAP_SHARED_FIXTURES = frozenset(
-    {"problem", "browser_type_launch_args", "browser_context_args", "scores", "relu_problem", "positive_problem"}
+    {
+        "problem",
+        "browser_type_launch_args",
+        "browser_context_args",
+        "scores",
+        "relu_problem",
+        "positive_problem",
+        "default_run",
+        "default_results",
+    }
 )
 TESTS_DIR = Path(__file__).resolve().parent
+#: Under ``pytest -n N --dist loadgroup``: the file in which the workers leave each test's group for the controller's
+#: scheduler (:class:`SharedFixtureScheduling`), set by the controller.
+GROUPS_FILE_VARIABLE = "OODVIZ_TEST_GROUPS_FILE"
+GROUPS_FILE = pytest.StashKey[str]()
 
 
-def group_by_shared_fixtures(items) -> None:
-    """Mark tests that share an expensive session- or module-scoped fixture of this directory (a finished run, a
-    Streamlit server, a built wheel; used directly or through another fixture) with one ``xdist_group``, so that
-    ``pytest -n 2 --dist loadgroup`` (``make test``) builds each such fixture on one worker only, once.
+def group_by_shared_fixtures(items) -> dict[str, str]:
+    """Mark tests that share an expensive session- or module-scoped fixture of this directory (a Streamlit server,
+    a built wheel; used directly or through another fixture) with one ``xdist_group``, so that
+    ``pytest -n 2 --dist loadgroup`` (``make test``) builds each such fixture on one worker only, once. Returns
+    each grouped test's group by node id.
 
-    Tests are linked through every such fixture they use (union-find): a test using the default run and a module's
-    server puts both fixtures' tests into one group. Tests with none stay free, spread one by one."""
+    Tests are linked through every such fixture they use (union-find): a test using two modules' fixtures puts both
+    fixtures' tests into one group. Tests with none stay free, spread one by one."""
     parent: dict = {}
 
     def root(key):
@@ -117,25 +135,77 @@ def group_by_shared_fixtures(items) -> None:
             parent[root(key)] = root(keys[0])
         if keys:
             shared[item] = keys[0]
+    groups = {}
     for item, key in shared.items():
         group_key = root(key)
-        item.add_marker(pytest.mark.xdist_group(f"{Path(group_key[0] or 'conftest').stem}-{group_key[1]}"))
+        groups[item.nodeid] = f"{Path(group_key[0] or 'conftest').stem}-{group_key[1]}"
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    return groups
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects, and before xdist reads the groups
 def pytest_collection_modifyitems(items):
     """Every test that skips without a GPU (a ``skipif`` whose reason is :data:`NEEDS_CUDA`, such as ``cuda``)
     is also marked ``cuda``, so ``pytest -m cuda`` selects all of them. Tests sharing an expensive fixture get one
-    ``xdist_group`` (:func:`group_by_shared_fixtures`)."""
+    ``xdist_group`` (:func:`group_by_shared_fixtures`), also written where the controller's scheduler reads it."""
     for item in items:
         if any(mark.kwargs.get("reason") == NEEDS_CUDA for mark in item.iter_markers("skipif")):
             item.add_marker(pytest.mark.cuda)
-    group_by_shared_fixtures(items)
+    groups = group_by_shared_fixtures(items)
+    if groups_file := os.environ.get(GROUPS_FILE_VARIABLE):
+        scratch = Path(f"{groups_file}.{os.getpid()}")  # every worker writes the same map: each replaces it whole
+        scratch.write_text(json.dumps(groups))
+        scratch.replace(groups_file)
+
+
+def pytest_configure(config):
+    """The controller of ``--dist loadgroup`` makes the file for :data:`GROUPS_FILE_VARIABLE` (workers inherit it)."""
+    if config.pluginmanager.hasplugin("xdist") and config.getvalue("dist") == "loadgroup":
+        if not os.environ.get("PYTEST_XDIST_WORKER") and config.getvalue("numprocesses"):
+            handle, name = tempfile.mkstemp(prefix="oodviz-test-groups-", suffix=".json")
+            os.close(handle)
+            os.environ[GROUPS_FILE_VARIABLE] = config.stash[GROUPS_FILE] = name
+
+
+def pytest_unconfigure(config):
+    if name := config.stash.get(GROUPS_FILE, None):
+        Path(name).unlink(missing_ok=True)
+        os.environ.pop(GROUPS_FILE_VARIABLE, None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` with the groups of :func:`group_by_shared_fixtures` (:class:`SharedFixtureScheduling`)."""
+    if config.stash.get(GROUPS_FILE, None):
+        return SharedFixtureScheduling(config, log)
+    return None
+
+
+try:
+    from xdist.scheduler import LoadGroupScheduling
+except ImportError:  # no xdist: nothing to schedule
+    LoadGroupScheduling = object
+
+
+class SharedFixtureScheduling(LoadGroupScheduling):
+    """xdist's ``loadgroup`` scheduler reading each test's group from the workers' map, not from a suffix of its node
+    id: pytest 9.2 makes node ids structured, and xdist 3.8's ``@group`` suffix no longer takes (pytest-xdist issue
+    #1386), which silently spread every group over the workers."""
+
+    groups: dict[str, str] | None = None
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self.groups is None:
+            text = Path(self.config.stash[GROUPS_FILE]).read_text()
+            self.groups = json.loads(text) if text else {}
+        return self.groups.get(nodeid) or super()._split_scope(nodeid)
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    # Two workers share the machine's cores: one torch thread each, not one per core each.
+    # Two workers share the machine's cores: one torch thread each, not one per core each; so do the processes the
+    # tests start (a run, the app's server and its runs), which read OMP_NUM_THREADS when they start torch.
     torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def synthetic_scores(seed=0) -> pd.DataFrame:
@@ -219,24 +289,45 @@ class DefaultRun:
     stderr: str
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """The directory ``name`` that ``build(directory)`` fills, built once per test session: under pytest-xdist by
+    the first worker that asks, while the others wait for it (a lock) and then read the same directory."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's base directory, above each worker's own
+    directory, done = base / name, base / f"{name}.done"
+    with FileLock(base / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a build that failed in another worker
+            directory.mkdir()
+            build(directory)
+            done.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory) -> DefaultRun:
     """``oodviz run --out DIR`` with no config: the bundled offline default (digits-cnn, 8x8 digits vs
-    6 OOD sets, every default detector), run once per test session as a user would run it.
+    6 OOD sets, every default detector), run once per test session (:func:`built_once`, for every xdist worker)
+    as a user would run it.
 
-    Tests only read it; one that changes a run works on a copy (``shutil.copytree``).
+    Tests only read it; one that changes a run works on a copy (``shutil.copytree``) with a name of its own.
     """
-    root = tmp_path_factory.mktemp("default-run")
-    out = root / "r1"
-    result = subprocess.run(
-        [sys.executable, "-m", "oodviz.cli", "run", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=str(root),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return DefaultRun(out, result.stdout, result.stderr)
+
+    def run(root: Path) -> None:
+        result = subprocess.run(
+            [sys.executable, "-m", "oodviz.cli", "run", "--out", str(root / "r1")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=str(root),
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        (root / "stdout.txt").write_text(result.stdout)
+        (root / "stderr.txt").write_text(result.stderr)
+
+    root = built_once(tmp_path_factory, "default-run", run)
+    return DefaultRun(root / "r1", (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text())
 
 
 @pytest.fixture(scope="session")

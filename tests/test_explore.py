@@ -161,7 +161,7 @@ def test_the_views_render_a_real_run(default_run, tmp_path):
     from oodviz.export import kaleido_problem
     from oodviz.projection import project_run
 
-    copy = default_run.path.parent / f"explore-{tmp_path.name}"
+    copy = default_run.path.parent / f"explore-{tmp_path.parent.name}-{tmp_path.name}"  # one name per xdist worker too
     shutil.copytree(default_run.path, copy)
     try:
         project_run(copy, "pca")

@@ -41,7 +41,8 @@ def test_streaming_pca_refuses_too_little_data():
 @pytest.fixture
 def run_copy(default_run, tmp_path):
     """A copy of the default run beside the stores it references (the projection files are written into it)."""
-    copy = default_run.path.parent / f"projection-{tmp_path.name}"
+    # tmp_path's parent: one name per xdist worker too (the default run's directory is shared by the workers)
+    copy = default_run.path.parent / f"projection-{tmp_path.parent.name}-{tmp_path.name}"
     shutil.copytree(default_run.path, copy)
     yield copy
     shutil.rmtree(copy)

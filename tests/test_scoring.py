@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
+from oodviz.cli import main as cli_main
 from oodviz.data import load_dataset
 from oodviz.detectors import detector_class, load
 from oodviz.engine import STORES_DIRNAME, open_store
@@ -110,21 +111,28 @@ def test_oodviz_score_one_detector_printed(default_run, image_files, tmp_path):
     assert "higher = more OOD" in result.stderr
 
 
-def test_oodviz_score_refuses_what_it_cannot_score(default_run, image_files, tmp_path):
-    result = oodviz_score(default_run.path, image_files[0], "--detector", "nonesuch", cwd=tmp_path)
-    assert result.returncode == 2 and "No scores for detector 'nonesuch'; this run has: msp" in result.stderr
+def test_oodviz_score_refuses_what_it_cannot_score(default_run, image_files, tmp_path, capsys, monkeypatch):
+    """In process (``main``): the refusals happen before any model runs, and the two tests above run the command."""
+
+    def refused(*args) -> str:
+        code = cli_main(["score", *map(str, args)])
+        stderr = capsys.readouterr().err
+        assert code == 2, stderr
+        return stderr
+
+    monkeypatch.chdir(tmp_path)
+    assert "No scores for detector 'nonesuch'; this run has: msp" in refused(
+        default_run.path, image_files[0], "--detector", "nonesuch"
+    )
     copy = tmp_path / "old-run"
     shutil.copytree(default_run.path, copy)
     shutil.rmtree(copy / "detectors")
-    result = oodviz_score(copy, image_files[0], cwd=tmp_path)
-    assert result.returncode == 2 and "has no saved detectors" in result.stderr
+    assert "has no saved detectors" in refused(copy, image_files[0])
     shutil.copytree(detectors_dir(default_run.path), copy / "detectors")
     identity = (copy / "detectors" / BACKBONE_FILE).read_text()
     (copy / "detectors" / BACKBONE_FILE).write_text(identity.replace('"weights_id": "', '"weights_id": "other-'))
-    result = oodviz_score(copy, image_files[0], cwd=tmp_path)
-    assert result.returncode == 2 and "weights_id changed" in result.stderr
-    result = oodviz_score(tmp_path / "no-such-run", image_files[0], cwd=tmp_path)
-    assert result.returncode == 2 and "is not finished" in result.stderr
+    assert "weights_id changed" in refused(copy, image_files[0])
+    assert "is not finished" in refused(tmp_path / "no-such-run", image_files[0])
 
 
 def test_scores_of_the_model_detectors_match_the_run(default_run, default_results, image_files):
