@@ -262,7 +262,7 @@ def test_the_parameter_editor_sets_choices_booleans_and_numbers(app, runs_root, 
 
     submitted = []
 
-    def submit(config, root):
+    def submit(config, root, nproc_per_node=1):
         submitted.append(config)
         raise QueueFull("test: recorded, not queued")
 

@@ -371,10 +371,10 @@ def mean_auroc(run: Path, sets: list[str]) -> pd.Series:
 
 
 def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_root, default_run, tmp_path):
-    """Every result tab in sight (eight on one line; with "Which layer?" the row wraps) and no cut label at 1000 px; comparing two runs on other OOD sets says so
+    """Every result tab of the run in sight (eight: no "Which layer?" for a one-layer run) and no cut label at 1000 px; comparing two runs on other OOD sets says so
     above everything, two on the same data show the per-detector scatter of their mean AUROCs."""
     from oodviz.ui.history import runs_table
-    from oodviz.ui.results import RESULT_TABS
+    from oodviz.ui.results import run_tabs
 
     a = runs_root / "cmp-a"
     shutil.copytree(default_run.path, a)
@@ -389,9 +389,7 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     tabs = page.get_by_role("tablist").first
     assert tabs.evaluate("e => e.scrollWidth <= e.clientWidth")  # nothing scrolled out of sight
     boxes = [tab.bounding_box() for tab in page.get_by_role("tab").all()]
-    assert (
-        len(boxes) == len(RESULT_TABS) and len({round(b["y"]) for b in boxes}) <= 2
-    )  # every tab, wrapped at most once
+    assert len(boxes) == len(run_tabs({})) == 8 and len({round(b["y"]) for b in boxes}) == 1  # every tab, on one line
     assert all(b["x"] >= 300 and b["x"] + b["width"] <= 1000 for b in boxes)  # right of the sidebar, in the window
     assert page.evaluate(CUT_TEXTS) == []
     shoot(page, tmp_path, "tabs-1000px")

@@ -19,7 +19,6 @@ from oodviz.runs.plan import planned_stages
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.splits import feature_store_root
 from oodviz.runs.worker import execute
-from oodviz.ui.layers import HOW_TO
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 LAYERS = ["features.1", "features.4", "penultimate"]
@@ -212,9 +211,10 @@ def test_the_which_layer_tab_draws_the_ranking(runs, monkeypatch):
     assert _values(mahalanobis["marker"]["size"]).tolist() == [14 if x == best else 7 for x in mahalanobis["x"]]
 
 
-def test_the_which_layer_tab_says_how_to_compare_layers_in_a_single_layer_run(runs, monkeypatch):
-    app = _app(runs["penultimate"], monkeypatch, "Which layer?")
-    assert [i.value for i in app.info] == [HOW_TO] and not app.get("plotly_chart")
+def test_a_single_layer_run_has_no_which_layer_tab(runs, monkeypatch):
+    app = _app(runs["penultimate"], monkeypatch, "Metrics")
+    labels = [t.label for t in app.tabs]
+    assert "Metrics" in labels and "Run details" in labels and "Which layer?" not in labels
 
 
 def _values(array) -> np.ndarray:

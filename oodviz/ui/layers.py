@@ -8,19 +8,18 @@ import streamlit as st
 from oodviz.layers import COMBINED, COMBINED_DETECTOR, layer_ranking
 from oodviz.plots_layers import layer_ranking_figure
 
-HOW_TO = (
-    'This run scored one layer. Set `layers = ["<layer>", ..., "penultimate"]` in the run config (a TOML or JSON '
-    "file, `oodviz run --config`) to extract several layers in one pass and compare them here."
+NOTHING_RANKED = (
+    "No detector that reads features has scores at several layers in this run (each failed, or none was chosen)."
 )
 
 
 def layers_tab(page) -> None:
-    """The figure and the table of :func:`oodviz.layers.layer_ranking` for ``page.results``; a hint when the run
-    has one layer."""
+    """The figure and the table of :func:`oodviz.layers.layer_ranking` for ``page.results`` (a run over several
+    layers: the tab is not offered for one)."""
     layers = list(page.results.config.get("layers") or [])
     ranking = layer_ranking(page.results.metrics, layers or None)
     if ranking.empty:
-        st.info(HOW_TO)
+        st.info(NOTHING_RANKED)
         return
     shown = [*layers, COMBINED] if (ranking.layer == COMBINED).any() else layers
     st.caption(

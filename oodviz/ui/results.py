@@ -427,6 +427,13 @@ RESULT_TABS: list[tuple[str, Callable[[Page], None], str | None]] = [
 ]
 
 
+def run_tabs(config: dict) -> list[tuple[str, Callable[[Page], None], str | None]]:
+    """The tabs of :data:`RESULT_TABS` that a run with this ``config`` (``config.json``) has something for:
+    "Which layer?" only for a run over several layers (eight tabs fit one line of a 1000 px window)."""
+    several_layers = bool((config or {}).get("layers"))
+    return [tab for tab in RESULT_TABS if tab[1] is not layers_tab or several_layers]
+
+
 def results_page(run: RunDir) -> None:
     status = run.read_status()
     finished = status.get("finished")
@@ -449,8 +456,9 @@ def results_area(page: Page) -> None:
     """The report download, the shared controls and the tabs; only the open tab is drawn."""
     report_download(page.results)
     controls = st.container()
-    tabs = st.tabs([label for label, _, _ in RESULT_TABS], key="results-tab", on_change="rerun")
-    for tab, (_, draw, needs) in zip(tabs, RESULT_TABS):
+    shown = run_tabs(page.results.config)
+    tabs = st.tabs([label for label, _, _ in shown], key="results-tab", on_change="rerun")
+    for tab, (_, draw, needs) in zip(tabs, shown):
         if not tab.open:
             continue
         if needs:

@@ -119,7 +119,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             defaults.layer,
             placeholder="penultimate",
             help="A module name, e.g. layer3; blank = the penultimate layer. Several, separated by commas "
-            "(layer2, layer3, penultimate), are extracted in one pass and compared in the results' Which layer? tab.",
+            "(layer2, layer3, penultimate), are extracted in one pass and compared in the results' Which layer? tab (shown for such runs).",
         )
         pooling = c2.selectbox("Pooling", list(POOLINGS), index=list(POOLINGS).index(defaults.pooling))
         slots["layer"], slots["pooling"] = c1.empty(), c2.empty()
