@@ -366,6 +366,7 @@ def compare_scatter(means: pd.DataFrame, title: str, label_a: str = "run A", lab
                 text=[str(d) for d in means.index],
                 textposition="top center",
                 textfont={"size": 10},
+                cliponaxis=False,  # a name near AUROC 1 stays whole
                 marker={"color": OOD_COLORS[1], "size": 8},
                 hovertemplate="<b>%{text}</b><br>A %{x:.3f}<br>B %{y:.3f}<extra></extra>",
             ),
@@ -376,7 +377,8 @@ def compare_scatter(means: pd.DataFrame, title: str, label_a: str = "run A", lab
         title,
         height=420,
         showlegend=False,
-        xaxis={"title": f"AUROC in {label_a} (A)", "range": [low, 1.01]},
+        # square axes: the plot narrows to keep the range (else plotly widens x past AUROC 1 to fill the width)
+        xaxis={"title": f"AUROC in {label_a} (A)", "range": [low, 1.01], "constrain": "domain"},
         yaxis={"title": f"AUROC in {label_b} (B)", "range": [low, 1.01], "scaleanchor": "x"},
     )
     return fig
