@@ -143,6 +143,11 @@ def test_a_layer_is_checked_against_the_architecture():
     assert small_config(backbone="resnet18", weights="random", layer="layer3.1.conv2").problems() == []
     problems = small_config(backbone="digits-cnn", layer="features.9").problems()
     assert len(problems) == 1 and problems[0].startswith("digits-cnn has no layer 'features.9'")
+    top = ", ".join(n for n in architecture_layer_names("digits-cnn") if "." not in n)
+    # nothing close: a full stop, then the top-level layers, as one sentence each
+    assert small_config(backbone="digits-cnn", layer="zzz").problems() == [
+        f"digits-cnn has no layer 'zzz'. Its top-level layers: {top}."
+    ]
     problems = small_config(backbone="torchscript", checkpoint=__file__, layer="fc").problems()
     assert problems == [
         "layer='fc' is not supported for torchscript models (hooks cannot be attached to them); leave layer unset, "

@@ -318,6 +318,19 @@ def architecture_layer_names(name: str) -> list[str]:
     return list(_layer_names(architecture(name).name))
 
 
+def unknown_layer_message(owner: str, layer: str, names: list[str], note: str = "") -> str:
+    """``"<owner> has no layer '<layer>'; did you mean ...? Its top-level layers: a, b."`` for a ``layer`` not in
+    ``names`` (``model.named_modules()`` names): the closest names, when any, then the top-level ones and ``note``."""
+    close = difflib.get_close_matches(layer, names, n=5, cutoff=0.5)
+    top = [n for n in names if n and "." not in n]
+    return (
+        f"{owner} has no layer {layer!r}"
+        + (f"; did you mean {', '.join(map(repr, close))}?" if close else ".")
+        + f" Its top-level layers: {', '.join(top)}."
+        + (f" {note}" if note else "")
+    )
+
+
 @functools.cache  # the app checks its config on every rerun
 def _layer_names(name: str) -> tuple[str, ...]:
     arch = ARCHITECTURES[name]

@@ -30,7 +30,6 @@ exactly as it was given. ``features_and_logits`` runs on the device of ``x``; mo
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -191,14 +190,10 @@ class Backbone:
                     "make the model return (features, logits) from forward instead and pass layer=None"
                 )
             if layer not in modules:
-                close = difflib.get_close_matches(layer, list(modules), n=5, cutoff=0.5)
-                top = [n for n, _ in model.named_children()]
-                raise ValueError(
-                    f"{name} has no layer {layer!r}"
-                    + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
-                    + f" Top-level layers: {', '.join(top)}. Backbone.layer_names() lists all of them "
-                    "(the names of model.named_modules())."
-                )
+                from oodviz.models.architectures import unknown_layer_message
+
+                note = "Backbone.layer_names() lists all of them (the names of model.named_modules())."
+                raise ValueError(unknown_layer_message(name, layer, list(modules), note))
             self.source = "layer"
             self._hooked = modules[layer]
         elif head_module is not None:

@@ -12,7 +12,6 @@ and ``"fashion-mnist"`` (``fashion-cnn`` on the real Fashion-MNIST, :func:`fashi
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -206,6 +205,7 @@ class RunConfig:
     def _model_problems(self, wrong: dict[str, str]) -> list[str]:
         """The backbone, its weights, checkpoint file and layer."""
         from oodviz.models import architecture_layer_names, available_backbones
+        from oodviz.models.architectures import unknown_layer_message
         from oodviz.models.registry import USER_MODEL_NAMES
 
         found = []
@@ -232,13 +232,7 @@ class RunConfig:
         elif "layer" not in wrong and self.layer is not None:
             names = architecture_layer_names(self.backbone)
             if self.layer not in names:
-                close = difflib.get_close_matches(self.layer, names, n=5, cutoff=0.5)
-                top = [n for n in names if "." not in n]
-                found.append(
-                    f"{self.backbone} has no layer {self.layer!r}"
-                    + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
-                    + f" Its top-level layers: {', '.join(top)}"
-                )
+                found.append(unknown_layer_message(self.backbone, self.layer, names))
         return found
 
     def validate(self) -> RunConfig:

@@ -20,8 +20,6 @@ layer. Per-layer detectors are not saved for ``oodviz score`` (it scores the run
 
 from __future__ import annotations
 
-import difflib
-
 from oodviz.layers import COMBINED, COMBINED_DETECTOR, PENULTIMATE, layer_column, reads_features
 
 #: the stage of :func:`combine_layers`
@@ -34,6 +32,7 @@ def layers_problems(config, model_known: bool) -> list[str]:
     """What is wrong with ``config.layers`` (names, duplicates, and ``layer`` set beside it); the names are
     checked against the model's layers when ``model_known`` (the backbone is valid)."""
     from oodviz.models import architecture_layer_names
+    from oodviz.models.architectures import unknown_layer_message
     from oodviz.models.registry import USER_MODEL_NAMES
 
     found = []
@@ -53,12 +52,8 @@ def layers_problems(config, model_known: bool) -> list[str]:
     names = architecture_layer_names(config.backbone)
     for name in config.layers:
         if name != PENULTIMATE and name not in names:
-            close = difflib.get_close_matches(name, names, n=5, cutoff=0.5)
-            found.append(
-                f"layers: {config.backbone} has no layer {name!r}"
-                + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
-                + f" ({PENULTIMATE!r} names the head's input)"
-            )
+            note = f"{PENULTIMATE!r} names the head's input."
+            found.append("layers: " + unknown_layer_message(config.backbone, name, names, note))
     return found
 
 
