@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from conftest import chromium, free_port
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 REPO = Path(__file__).resolve().parent.parent
 SCREENSHOTS = REPO / "assets" / "screenshots"
@@ -387,7 +388,15 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     page.get_by_text("Best detector per column").wait_for(timeout=120_000)
     page.wait_for_function(IDLE, timeout=120_000)
     tabs = page.get_by_role("tablist").first
-    assert tabs.evaluate("e => e.scrollWidth <= e.clientWidth")  # nothing scrolled out of sight
+    tabs.wait_for(timeout=30_000)
+    try:  # nothing scrolled out of sight, once the tab row has its final layout (1 px of rounding allowed)
+        page.wait_for_function(
+            "() => { const e = document.querySelector('[role=tablist]'); return e && e.scrollWidth <= e.clientWidth + 1; }",
+            timeout=15_000,
+        )
+    except PlaywrightTimeout:
+        shoot(page, tmp_path, "tabs-1000px-scrolled")
+        raise AssertionError(f"the tab row scrolls: {tabs.evaluate('e => [e.scrollWidth, e.clientWidth]')}") from None
     boxes = [tab.bounding_box() for tab in page.get_by_role("tab").all()]
     assert len(boxes) == len(run_tabs({})) == 8, boxes  # every tab of a one-layer run
     tops = [b["y"] for b in boxes]

@@ -1,5 +1,7 @@
 """Honest telemetry (issue 13.8): a stage's recorded peak RSS is the worker's real peak (VmHWM), within 5%."""
 
+import mmap
+
 import numpy as np
 import pytest
 
@@ -22,9 +24,12 @@ def test_a_temporary_between_two_events_is_in_the_stage_peak(tmp_path):
     with reporter.stage("outer"):
         with reporter.stage("fit") as stage:
             stage.progress(1, 2)
-            temporary = np.ones(300 * MiB // 8)  # 300 MiB touched, freed before the next event
+            # 300 MiB touched, freed before the next event. An anonymous map of its own: fresh pages whatever
+            # the allocator holds (in a long-lived test worker malloc may serve it from already resident heap).
+            temporary = mmap.mmap(-1, 300 * MiB)
+            np.frombuffer(temporary, dtype=np.uint8).fill(1)
             true_peak = peak_rss_bytes()
-            del temporary
+            temporary.close()
             stage.progress(2, 2)
         after_fit = _rss()
         with reporter.stage("small"):
