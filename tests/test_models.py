@@ -510,3 +510,26 @@ def test_cuda_names_get_an_index_and_an_absent_gpu_is_named():
     count = torch.cuda.device_count()
     with pytest.raises(ValueError, match=rf"device='cuda:{count}' but only {count} GPU.* visible here .*or 'auto'"):
         parse_device(f"cuda:{count}")
+
+
+def test_imagenet_transform_is_resize_crop_scale_normalise_for_any_image_mode():
+    """The preprocessing of a user's checkpoint equals torchvision's public pipeline written out (resize the
+    short side with antialiasing, centre crop, scale to 0..1, ImageNet mean/std), greyscale images as RGB."""
+    from torchvision import transforms as T
+
+    from oodviz.models import imagenet_transform
+
+    reference = T.Compose(
+        [
+            T.Resize(180, interpolation=T.InterpolationMode.BILINEAR, antialias=True),
+            T.CenterCrop(160),
+            T.ToTensor(),
+            T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
+    pixels = (np.random.default_rng(0).random((200, 240)) * 255).astype(np.uint8)
+    grey = Image.fromarray(pixels, mode="L")
+    out = imagenet_transform(crop_size=160, resize_size=180)(grey)
+    assert out.shape == (3, 160, 160)
+    torch.testing.assert_close(out, reference(grey.convert("RGB")), rtol=0, atol=1e-6)
+    assert imagenet_transform().inner.std == [0.229, 0.224, 0.225]  # what odin's norm_std="auto" reads

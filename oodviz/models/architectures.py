@@ -53,10 +53,11 @@ class RGBTransform:
 
 
 def imagenet_transform(crop_size: int = 224, resize_size: int = 256) -> RGBTransform:
-    """Standard ImageNet preprocessing (resize, centre crop, ImageNet mean/std), any PIL mode."""
-    from torchvision.transforms._presets import ImageClassification
+    """Standard ImageNet preprocessing (resize, centre crop, ImageNet mean/std), any PIL mode: torchvision's
+    ImageNet weights' own preset, reached through the public ``Weights.transforms`` (the class is private)."""
+    from torchvision.models import ResNet18_Weights
 
-    return RGBTransform(ImageClassification(crop_size=crop_size, resize_size=resize_size))
+    return RGBTransform(ResNet18_Weights.IMAGENET1K_V1.transforms(crop_size=crop_size, resize_size=resize_size))
 
 
 @dataclass(frozen=True)
