@@ -108,6 +108,35 @@ def measure_pytorch_ood(data_dir: str, label: str, n_score: int) -> dict:
     return {**peak.result(), "samples_per_s": n_score / seconds}
 
 
+def measure_rankfeat(library: str, n_images: int) -> dict:
+    """Samples/s of RankFeat scoring (no fit in either library) with a random-weight torchvision resnet18 on
+    ``n_images`` seeded N(0, 1) 64x64 images, in batches of 64; the rank-1 removal at ``layer4`` (2x2 maps)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=100).eval()
+    images = torch.randn(n_images, 3, 64, 64)
+    if library == "oodviz":
+        from oodviz import Batch
+        from oodviz.detectors import create
+
+        detector = create("rankfeat", model=model, layer="layer4")
+        score = lambda x: detector.score(Batch(inputs=x))  # noqa: E731
+    else:
+        from pytorch_ood.detector import RankFeat
+
+        trunk = torch.nn.Sequential(*list(model.children())[:-2])  # conv1 .. layer4
+        head = torch.nn.Sequential(model.avgpool, torch.nn.Flatten(1), model.fc)
+        score = RankFeat(backbone=trunk, head=head).predict
+    with torch.no_grad():
+        score(images[:8])  # warm-up
+        start = time.perf_counter()
+        for i in range(0, n_images, 64):
+            score(images[i : i + 64])
+        seconds = time.perf_counter() - start
+    return {"no_fit": True, "samples_per_s": n_images / seconds}
+
+
 def _cell(result: dict, key: str, digits: int) -> str:
     if "error" in result:
         return "error: " + result["error"][:60]
@@ -123,6 +152,9 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=100)
     parser.add_argument("--n-score-pytorch-ood", type=int, default=5_000)
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per figure; the median is reported")
+    parser.add_argument(
+        "--rankfeat-images", type=int, default=0, help="also RankFeat's scoring rate on this many images (0: not)"
+    )
     parser.add_argument("--detectors", default=",".join(DETECTORS), help="comma-separated subset of the labels")
     args = parser.parse_args()
     labels = [label for label in args.detectors.split(",") if label]
@@ -153,6 +185,12 @@ def main() -> None:
                 if "error" not in result:
                     result["samples_per_s"] = sorted(r["samples_per_s"] for r in runs)[len(runs) // 2]
                 print(f"[{time.perf_counter() - started:.0f}s] {label} {library} {results[label][library]}", flush=True)
+    if args.rankfeat_images:
+        results["rankfeat (resnet18, 64 px)"] = {
+            library: run_one(new_detectors.measure_rankfeat, TIMEOUT_S, library=library, n_images=args.rankfeat_images)
+            for library in libraries
+        }
+        print(f"[{time.perf_counter() - started:.0f}s] rankfeat {results['rankfeat (resnet18, 64 px)']}", flush=True)
     print(f"\nTotal {time.perf_counter() - started:.0f} s\n")
     print("| detector | library | fit growth MiB | fit s | scoring samples/s |")
     print("|---|---|---:|---:|---:|")
@@ -166,6 +204,9 @@ def main() -> None:
                 print(f"| {label} | {library} | {_cell(r, '', 0)} | | |")
                 continue
             rate = f"{r['samples_per_s']:,.0f}"
+            if r.get("no_fit"):
+                print(f"| {label} | {library} | no fit | no fit | {rate} |")
+                continue
             print(f"| {label} | {library} | {_cell(r, 'growth_mib', 1)} | {_cell(r, 'seconds', 2)} | {rate} |")
 
 
