@@ -137,6 +137,53 @@ def measure_rankfeat(library: str, n_images: int) -> dict:
     return {"no_fit": True, "samples_per_s": n_images / seconds}
 
 
+MODEL_CLASSES = 10  # the resnet18's classes and the labels' (arange % 10) in the model-based fits
+GRAM_LAYERS = ["layer1", "layer2", "layer3", "layer4"]
+
+
+def measure_model_fit(library: str, detector: str, n_images: int) -> dict:
+    """Fit memory growth, fit time and samples/s of the model-based ``detector`` ("gram", "adascale") with a
+    random-weight torchvision resnet18 (10 classes) on ``n_images`` seeded N(0, 1) 64x64 images, labels
+    ``arange % 10``, in batches of 64; each library's defaults (gram: 10 poles, 10% held out; pytorch-ood's
+    ``Gram`` runs conv1..layer1, layer2, layer3, layer4 in turn, then avgpool + fc)."""
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet18(weights=None, num_classes=MODEL_CLASSES).eval()
+    images = torch.randn(n_images, 3, 64, 64)
+    labels = torch.arange(n_images) % MODEL_CLASSES
+    starts = range(0, n_images, 64)
+    warm_up_torch()
+    if library == "oodviz":
+        from oodviz import Batch
+        from oodviz.detectors import create
+        from oodviz.models import wrap_model
+
+        wrapped = wrap_model(model, lambda image: image, head="fc", input_shape=(3, 64, 64), name="resnet18")
+        params = {"layers": GRAM_LAYERS} if detector == "gram" else {}
+        with torch.no_grad(), PeakGrowth() as peak:
+            fitted = create(detector, model=wrapped, **params).fit(
+                [Batch(inputs=images[i : i + 64], labels=labels[i : i + 64]) for i in starts]
+            )
+        score = lambda x: fitted.score(Batch(inputs=x))  # noqa: E731
+    else:
+        from pytorch_ood.detector import Gram
+
+        stem = torch.nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool, model.layer1)
+        head = torch.nn.Sequential(model.avgpool, torch.nn.Flatten(1), model.fc)
+        layers = [stem, model.layer2, model.layer3, model.layer4]
+        with torch.no_grad(), PeakGrowth() as peak:
+            fitted = Gram(head, layers, num_classes=MODEL_CLASSES, num_poles_list=list(range(1, 11)))
+            fitted.fit([(images[i : i + 64], labels[i : i + 64]) for i in starts])
+        score = fitted.predict
+    with torch.no_grad():
+        start = time.perf_counter()
+        for i in starts:
+            score(images[i : i + 64])
+        seconds = time.perf_counter() - start
+    return {**peak.result(), "samples_per_s": n_images / seconds}
+
+
 def _cell(result: dict, key: str, digits: int) -> str:
     if "error" in result:
         return "error: " + result["error"][:60]
@@ -154,6 +201,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="fresh processes per figure; the median is reported")
     parser.add_argument(
         "--rankfeat-images", type=int, default=0, help="also RankFeat's scoring rate on this many images (0: not)"
+    )
+    parser.add_argument(
+        "--model-images", type=int, default=0, help="also gram and adascale fits on this many images (0: not)"
     )
     parser.add_argument("--detectors", default=",".join(DETECTORS), help="comma-separated subset of the labels")
     args = parser.parse_args()
@@ -191,6 +241,20 @@ def main() -> None:
             for library in libraries
         }
         print(f"[{time.perf_counter() - started:.0f}s] rankfeat {results['rankfeat (resnet18, 64 px)']}", flush=True)
+    for detector in ("gram", "adascale") if args.model_images else ():
+        label = f"{detector} (resnet18, 64 px, {args.model_images} images)"
+        results[label] = {
+            library: run_one(
+                new_detectors.measure_model_fit,
+                TIMEOUT_S,
+                library=library,
+                detector=detector,
+                n_images=args.model_images,
+            )
+            for library in libraries
+            if library == "oodviz" or detector == "gram"
+        }
+        print(f"[{time.perf_counter() - started:.0f}s] {label} {results[label]}", flush=True)
     print(f"\nTotal {time.perf_counter() - started:.0f} s\n")
     print("| detector | library | fit growth MiB | fit s | scoring samples/s |")
     print("|---|---|---:|---:|---:|")
