@@ -73,7 +73,8 @@ def color_map(names, colors: dict | None = None) -> dict:
     return result
 
 
-def _layout(fig: go.Figure, title: str | None, height: int = HEIGHT, **layout) -> go.Figure:
+def figure_layout(fig: go.Figure, title: str | None, height: int = HEIGHT, **layout) -> go.Figure:
+    """The look every oodviz figure shares (template, title, margins, legend), then ``layout``."""
     fig.update_layout(
         template=TEMPLATE,
         title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}} if title else None,
@@ -153,7 +154,7 @@ def histogram_figure(
     if title is None:
         title = f"{detector} scores" if detector else "Scores"
     clipped = hist.get("clipped_low", 0) + hist.get("clipped_high", 0)
-    _layout(
+    figure_layout(
         fig,
         title,
         barmode="overlay",
@@ -198,7 +199,7 @@ def metrics_heatmap(table: pd.DataFrame, metric: str = "AUROC", higher_is_better
             colorbar={"title": {"text": metric}, "thickness": 12},
         )
     )
-    _layout(
+    figure_layout(
         fig,
         f"{metric} per detector and OOD set ({'higher' if higher_is_better else 'lower'} is better)",
         height=max(HEIGHT, 60 + 22 * len(table)),
@@ -250,7 +251,7 @@ def roc_figure(curves_by_label: dict, title: str = "ROC (OOD = positive)", color
             showlegend=False,
         )
     )
-    _layout(
+    figure_layout(
         fig,
         title,
         xaxis={"title": "false-positive rate (ID flagged as OOD)", "range": [0, 1], "constrain": "domain"},
@@ -266,7 +267,7 @@ def pr_figure(
     legend entry. Drawn as steps (``vh``) so the area under each line is its AUPR-Out (average
     precision)."""
     fig = _curve_figure(curves_by_label, "recall", "precision", "aupr_out", "AUPR-Out", "vh", colors)
-    _layout(
+    figure_layout(
         fig,
         title,
         xaxis={"title": "recall (OOD detected)", "range": [0, 1]},
@@ -298,7 +299,7 @@ def per_class_bar(
             name="false-alarm rate",
         )
     )
-    _layout(
+    figure_layout(
         fig,
         title,
         xaxis={"title": "true ID class", "type": "category", "categoryorder": "array", "categoryarray": names},
@@ -337,7 +338,7 @@ def memory_figure(timeline: pd.DataFrame, title: str = "Memory") -> go.Figure:
                 + "<extra></extra>",
             )
         )
-    _layout(
+    figure_layout(
         fig,
         title,
         height=SMALL_HEIGHT,
@@ -372,7 +373,7 @@ def compare_scatter(means: pd.DataFrame, title: str, label_a: str = "run A", lab
             ),
         ]
     )
-    _layout(
+    figure_layout(
         fig,
         title,
         height=420,

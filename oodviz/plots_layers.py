@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from oodviz.plots import HEIGHT, OOD_COLORS, TEMPLATE
+from oodviz.plots import OOD_COLORS, figure_layout
 
 
 def layer_ranking_figure(
@@ -38,12 +38,9 @@ def layer_ranking_figure(
                 ),
             )
         )
-    fig.update_layout(
-        template=TEMPLATE,
-        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
-        height=HEIGHT,
-        margin={"l": 55, "r": 15, "t": 45, "b": 45},
-        legend={"font": {"size": 11}},
+    return figure_layout(
+        fig,
+        title,
         xaxis={
             "title": "layer (shallow to deep)",
             "type": "category",
@@ -52,4 +49,3 @@ def layer_ranking_figure(
         },
         yaxis={"title": "mean AUROC over the OOD sets (higher is better)"},
     )
-    return fig

@@ -12,7 +12,7 @@ import plotly.graph_objects as go
 
 from oodviz.analysis import ORACLE
 from oodviz.metrics import COVERAGE_LEVEL
-from oodviz.plots import HEIGHT, OOD_COLORS, TEMPLATE
+from oodviz.plots import OOD_COLORS, figure_layout
 
 ORACLE_COLOR = "#888888"
 
@@ -35,13 +35,9 @@ def risk_coverage_figure(curves: dict, title: str = "Risk–coverage (reject the
             )
         )
     fig.add_vline(x=COVERAGE_LEVEL, line={"dash": "dot", "width": 1, "color": "#111111"})
-    fig.update_layout(
-        template=TEMPLATE,
-        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}},
-        height=HEIGHT,
-        margin={"l": 55, "r": 15, "t": 45, "b": 45},
-        legend={"font": {"size": 11}},
+    return figure_layout(
+        fig,
+        title,
         xaxis={"title": "coverage (share of ID test samples accepted)", "range": [0, 1]},
         yaxis={"title": "risk (error rate among the accepted)", "rangemode": "tozero"},
     )
-    return fig
