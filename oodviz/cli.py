@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from oodviz.models import format_bytes
-
+# No import of torch, pandas or the models package at the top: ``oodviz app`` (which execs Streamlit), ``runs`` and
+# ``--help`` start in a fraction of the time (a command imports what it uses, inside its function).
 if TYPE_CHECKING:
     from oodviz.ui.access import AccessPolicy
 
@@ -32,6 +32,8 @@ RUN_EXIT_CODES = """exit status:
 
 
 def _progress_line(event: dict) -> str:
+    from oodviz.models import format_bytes
+
     done, total = event.get("done", 0), event.get("total", 0)
     parts = [f"{event['stage']}: {done:,}/{total:,}"]
     if total:
@@ -57,6 +59,8 @@ class TerminalProgress:
         self.width = shutil.get_terminal_size((100, 20)).columns - 1
 
     def __call__(self, event: dict) -> None:
+        from oodviz.models import format_bytes
+
         kind = event.get("event")
         if kind == "progress" and self.live:
             self.stream.write("\r" + _progress_line(event)[: self.width].ljust(self.width))
@@ -267,6 +271,7 @@ def cmd_store(args) -> int:
     its files and what is wrong); ``--remove`` removes damaged, outdated and stale unfinished ones.
     ``store list``: the stores, their size and the runs that use them."""
     from oodviz.engine import check_stores, clean_stale_tmp, remove_store, store_users
+    from oodviz.models import format_bytes
 
     root = _store_root(args)
     checked = check_stores(root, full=args.store_command == "verify")
@@ -346,6 +351,7 @@ def cmd_score(args) -> int:
 
 def cmd_report(args) -> int:
     """Write a run's self-contained HTML report (:func:`oodviz.report.write_report`); exit 2 when it cannot."""
+    from oodviz.models import format_bytes
     from oodviz.report import write_report
 
     try:
@@ -371,8 +377,6 @@ def cmd_project(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oodviz.runs.config import PRESETS
-
     parser = argparse.ArgumentParser(prog="oodviz", description="Out-of-distribution detection you can see.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
@@ -384,9 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     chosen = run.add_mutually_exclusive_group()
     chosen.add_argument("config", nargs="?", help="a run config, .json or .toml (see examples/)")
-    chosen.add_argument(
+    chosen.add_argument(  # checked by ``preset``: exit 2 naming the presets (no import of the config here)
         "--preset",
-        choices=list(PRESETS),
         help="a ready-made config instead of CONFIG: digits (the default) or fashion-mnist",
     )
     run.add_argument("--out", help="the run directory to create (default: a new one under --runs-root)")
