@@ -76,7 +76,10 @@ def app_url(runs_root):
 
 
 def shoot(page, tmp_path, name):
-    page.wait_for_timeout(1500)  # let the data grids (canvas) and charts finish drawing
+    """The page as shown now, to ``tmp_path/name.png`` (what a failing test saw); with OODVIZ_UPDATE_SCREENSHOTS=1
+    also to the README's assets/screenshots/, once the data grids (canvas) and charts have finished drawing."""
+    if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
+        page.wait_for_timeout(1500)  # a settled picture for the README; the tests wait on conditions, not on this
     path = tmp_path / f"{name}.png"
     page.screenshot(path=str(path), timeout=90_000)  # a loaded machine draws slowly
     if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
@@ -331,16 +334,14 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
     about = page.get_by_text(re.compile(r"^What \w+ does$"))
     about.click(timeout=30_000)
     page.locator(".katex:visible").first.wait_for(timeout=30_000)  # the chosen detector's formula
-    page.wait_for_timeout(1000)  # the expander's opening animation
     about.evaluate(show_tabs)
     shoot(page, tmp_path, "teaching")
 
     sidebar = page.locator('[data-testid="stSidebar"]')
     sidebar.get_by_text("What each detector does").click()
     sidebar.locator(".katex").first.wait_for(timeout=30_000)  # the first chosen detector's formula
-    page.wait_for_timeout(1000)  # the expander's opening animation
     sidebar.get_by_text("Fails when").evaluate("element => element.scrollIntoView({block: 'end'})")
-    assert sidebar.get_by_text("Fails when").is_visible()
+    sidebar.get_by_text("Fails when").wait_for(state="visible", timeout=30_000)  # once the expander has opened
 
 
 #: Leaf elements whose text the browser cuts with an ellipsis (labels, chips, buttons, tabs).
