@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import chromium, free_port
+from conftest import chromium, free_port, stop_server
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,12 +71,7 @@ def app_url(runs_root):
         except OSError:
             time.sleep(0.3)
     yield f"http://127.0.0.1:{port}"
-    server.terminate()
-    try:
-        server.wait(timeout=5)
-    except subprocess.TimeoutExpired:  # a loaded machine: Streamlit's graceful shutdown can take 20 s and more
-        server.kill()
-        server.wait(timeout=20)
+    stop_server(server)
 
 
 def shoot(page, tmp_path, name):
