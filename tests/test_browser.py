@@ -271,32 +271,21 @@ def test_a_bad_form_shows_each_error_under_its_field_and_starts_nothing(page, ap
 
 
 def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url, runs_root, default_run, tmp_path):
-    """Upload one PNG to "Probe images": each detector's score and verdict is shown, equal to `oodviz score`
-    on the same file; then the risk–coverage, feature space and teaching views (README screenshots, 1000 px)."""
+    """Upload one PNG to "Probe images": each detector's score and verdict is shown, equal to `oodviz score`'s
+    (``score_images``, in process) on the same file; then the risk–coverage, feature space and teaching views
+    (README screenshots, 1000 px)."""
     from PIL import Image
+
+    from oodviz.scoring import score_images
 
     shutil.copytree(default_run.path, runs_root / "default-copy")
     shutil.copytree(default_run.path.parent / ".features", runs_root / ".features", dirs_exist_ok=True)
     probe = tmp_path / "probe.png"
     ramp = (np.arange(64, dtype=np.uint8).reshape(8, 8) * 4)[..., None].repeat(3, axis=2)
     Image.fromarray(ramp).save(probe)
-    expected = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "oodviz.cli",
-            "score",
-            str(default_run.path),
-            str(probe),
-            "--out",
-            str(tmp_path / "s.csv"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert expected.returncode == 0, expected.stderr
-    scores = pd.read_csv(tmp_path / "s.csv")
+    expected = score_images(default_run.path, [probe])
+    assert not expected.not_loaded and not expected.unreadable
+    scores = expected.table
     page.set_viewport_size({"width": 1000, "height": 1000})
     page.goto(f"{app_url}/?run=default-copy")
     page.get_by_role("tab", name="Probe images").click(timeout=60_000)
