@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     chosen = run.add_mutually_exclusive_group()
     chosen.add_argument("config", nargs="?", help="a run config, .json or .toml (see examples/)")
-    chosen.add_argument(  # checked by ``preset``: exit 2 naming the presets (no import of the config here)
+    chosen.add_argument(  # one of PRESETS, checked after parsing (no import of the run config for other commands)
         "--preset",
         help="a ready-made config instead of CONFIG: digits (the default) or fashion-mnist",
     )
@@ -499,6 +499,11 @@ def main(argv: list[str] | None = None) -> int:
         help="remove damaged and outdated stores and unfinished ones whose writer is gone",
     )
     args = parser.parse_args(argv)
+    if getattr(args, "preset", None) is not None:  # checked here: the other commands need no run config
+        from oodviz.runs.config import PRESETS
+
+        if args.preset not in PRESETS:
+            run.error(f"argument --preset: invalid choice: {args.preset!r} (choose from {', '.join(PRESETS)})")
     return args.func(args)
 
 
