@@ -6,15 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-# No import of torch, pandas or the models package at the top: ``oodviz app`` (which execs Streamlit), ``runs`` and
-# ``--help`` start in a fraction of the time (a command imports what it uses, inside its function).
 if TYPE_CHECKING:
     from oodviz.ui.access import AccessPolicy
 
@@ -31,58 +28,9 @@ RUN_EXIT_CODES = """exit status:
   130  cancelled (Ctrl-C or a cancel request): finished parts are kept"""
 
 
-def _progress_line(event: dict) -> str:
-    from oodviz.models import format_bytes
-
-    done, total = event.get("done", 0), event.get("total", 0)
-    parts = [f"{event['stage']}: {done:,}/{total:,}"]
-    if total:
-        parts[0] += f" ({100 * done / total:.0f}%)"
-    if event.get("items_per_s"):
-        parts.append(f"{event['items_per_s']:,.0f}/s")
-    if event.get("eta_s") is not None:
-        parts.append(f"ETA {event['eta_s']:.0f}s")
-    if event.get("batch_size"):
-        parts.append(f"batch {event['batch_size']}")
-    parts.append(f"RSS {format_bytes(event['cpu_rss'])}")
-    if "gpu_allocated" in event:
-        parts.append(f"GPU {format_bytes(event['gpu_allocated'])} (peak {format_bytes(event['gpu_peak'])})")
-    return " | ".join(parts)
-
-
-class TerminalProgress:
-    """Turns run events into one live status line per stage (carriage returns on a terminal)."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stderr or sys.__stderr__
-        self.live = self.stream.isatty()
-        self.width = shutil.get_terminal_size((100, 20)).columns - 1
-
-    def __call__(self, event: dict) -> None:
-        from oodviz.models import format_bytes
-
-        kind = event.get("event")
-        if kind == "progress" and self.live:
-            self.stream.write("\r" + _progress_line(event)[: self.width].ljust(self.width))
-        elif kind == "end":
-            peak = f", peak RSS {format_bytes(event['peak_cpu_rss'])}" if event.get("peak_cpu_rss") else ""
-            failed = f" — FAILED: {event['error']}" if event.get("error") else ""
-            self.stream.write(
-                ("\r" if self.live else "")
-                + f"{event['stage']}: {event['wall_s']:.1f}s{peak}{failed}".ljust(self.width if self.live else 0)
-                + "\n"
-            )
-        elif kind in ("warning", "note"):
-            prefix = "WARNING " if kind == "warning" else "  "
-            lines = "".join(f"{prefix}{line}\n" for line in event["message"].splitlines())
-            self.stream.write(("\r" if self.live else "") + lines)
-        elif kind in ("failed", "cancelled"):
-            self.stream.write(f"\nrun {kind}: {event.get('message', '')}\n")
-        self.stream.flush()
-
-
 def cmd_run(args) -> int:
     from oodviz.runs.config import ConfigError, RunConfig, preset
+    from oodviz.runs.reporter import TerminalProgress
     from oodviz.runs.rundir import RunDir
     from oodviz.runs.worker import execute
 
