@@ -6,14 +6,11 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import shutil
 import socket
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
-
-from oodviz.models import format_bytes
 
 if TYPE_CHECKING:
     from oodviz.ui.access import AccessPolicy
@@ -31,54 +28,9 @@ RUN_EXIT_CODES = """exit status:
   130  cancelled (Ctrl-C or a cancel request): finished parts are kept"""
 
 
-def _progress_line(event: dict) -> str:
-    done, total = event.get("done", 0), event.get("total", 0)
-    parts = [f"{event['stage']}: {done:,}/{total:,}"]
-    if total:
-        parts[0] += f" ({100 * done / total:.0f}%)"
-    if event.get("items_per_s"):
-        parts.append(f"{event['items_per_s']:,.0f}/s")
-    if event.get("eta_s") is not None:
-        parts.append(f"ETA {event['eta_s']:.0f}s")
-    if event.get("batch_size"):
-        parts.append(f"batch {event['batch_size']}")
-    parts.append(f"RSS {format_bytes(event['cpu_rss'])}")
-    if "gpu_allocated" in event:
-        parts.append(f"GPU {format_bytes(event['gpu_allocated'])} (peak {format_bytes(event['gpu_peak'])})")
-    return " | ".join(parts)
-
-
-class TerminalProgress:
-    """Turns run events into one live status line per stage (carriage returns on a terminal)."""
-
-    def __init__(self, stream=None):
-        self.stream = stream or sys.stderr or sys.__stderr__
-        self.live = self.stream.isatty()
-        self.width = shutil.get_terminal_size((100, 20)).columns - 1
-
-    def __call__(self, event: dict) -> None:
-        kind = event.get("event")
-        if kind == "progress" and self.live:
-            self.stream.write("\r" + _progress_line(event)[: self.width].ljust(self.width))
-        elif kind == "end":
-            peak = f", peak RSS {format_bytes(event['peak_cpu_rss'])}" if event.get("peak_cpu_rss") else ""
-            failed = f" — FAILED: {event['error']}" if event.get("error") else ""
-            self.stream.write(
-                ("\r" if self.live else "")
-                + f"{event['stage']}: {event['wall_s']:.1f}s{peak}{failed}".ljust(self.width if self.live else 0)
-                + "\n"
-            )
-        elif kind in ("warning", "note"):
-            prefix = "WARNING " if kind == "warning" else "  "
-            lines = "".join(f"{prefix}{line}\n" for line in event["message"].splitlines())
-            self.stream.write(("\r" if self.live else "") + lines)
-        elif kind in ("failed", "cancelled"):
-            self.stream.write(f"\nrun {kind}: {event.get('message', '')}\n")
-        self.stream.flush()
-
-
 def cmd_run(args) -> int:
     from oodviz.runs.config import ConfigError, RunConfig, preset
+    from oodviz.runs.reporter import TerminalProgress
     from oodviz.runs.rundir import RunDir
     from oodviz.runs.worker import execute
 
@@ -267,6 +219,7 @@ def cmd_store(args) -> int:
     its files and what is wrong); ``--remove`` removes damaged, outdated and stale unfinished ones.
     ``store list``: the stores, their size and the runs that use them."""
     from oodviz.engine import check_stores, clean_stale_tmp, remove_store, store_users
+    from oodviz.models import format_bytes
 
     root = _store_root(args)
     checked = check_stores(root, full=args.store_command == "verify")
@@ -346,6 +299,7 @@ def cmd_score(args) -> int:
 
 def cmd_report(args) -> int:
     """Write a run's self-contained HTML report (:func:`oodviz.report.write_report`); exit 2 when it cannot."""
+    from oodviz.models import format_bytes
     from oodviz.report import write_report
 
     try:
@@ -371,8 +325,6 @@ def cmd_project(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oodviz.runs.config import PRESETS
-
     parser = argparse.ArgumentParser(prog="oodviz", description="Out-of-distribution detection you can see.")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser(
@@ -384,9 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     chosen = run.add_mutually_exclusive_group()
     chosen.add_argument("config", nargs="?", help="a run config, .json or .toml (see examples/)")
-    chosen.add_argument(
+    chosen.add_argument(  # one of PRESETS, checked after parsing (no import of the run config for other commands)
         "--preset",
-        choices=list(PRESETS),
         help="a ready-made config instead of CONFIG: digits (the default) or fashion-mnist",
     )
     run.add_argument("--out", help="the run directory to create (default: a new one under --runs-root)")
@@ -496,6 +447,11 @@ def main(argv: list[str] | None = None) -> int:
         help="remove damaged and outdated stores and unfinished ones whose writer is gone",
     )
     args = parser.parse_args(argv)
+    if getattr(args, "preset", None) is not None:  # checked here: the other commands need no run config
+        from oodviz.runs.config import PRESETS
+
+        if args.preset not in PRESETS:
+            run.error(f"argument --preset: invalid choice: {args.preset!r} (choose from {', '.join(PRESETS)})")
     return args.func(args)
 
 

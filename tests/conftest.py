@@ -259,6 +259,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_server(server: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a test's server process: SIGTERM, then SIGKILL when it has not exited ``grace_s`` seconds later
+    (Streamlit's graceful shutdown can take 20 s and more on a loaded machine; no test checks what it does)."""
+    server.terminate()
+    try:
+        server.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait(timeout=20)
+
+
 @pytest.fixture(scope="session")
 def browser_type_launch_args(browser_type_launch_args):
     return {

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import chromium, free_port
+from conftest import chromium, free_port, stop_server
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,12 +71,14 @@ def app_url(runs_root):
         except OSError:
             time.sleep(0.3)
     yield f"http://127.0.0.1:{port}"
-    server.terminate()
-    server.wait(timeout=20)
+    stop_server(server)
 
 
 def shoot(page, tmp_path, name):
-    page.wait_for_timeout(1500)  # let the data grids (canvas) and charts finish drawing
+    """The page as shown now, to ``tmp_path/name.png`` (what a failing test saw); with OODVIZ_UPDATE_SCREENSHOTS=1
+    also to the README's assets/screenshots/, once the data grids (canvas) and charts have finished drawing."""
+    if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
+        page.wait_for_timeout(1500)  # a settled picture for the README; the tests wait on conditions, not on this
     path = tmp_path / f"{name}.png"
     page.screenshot(path=str(path), timeout=90_000)  # a loaded machine draws slowly
     if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
@@ -269,32 +271,21 @@ def test_a_bad_form_shows_each_error_under_its_field_and_starts_nothing(page, ap
 
 
 def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url, runs_root, default_run, tmp_path):
-    """Upload one PNG to "Probe images": each detector's score and verdict is shown, equal to `oodviz score`
-    on the same file; then the risk–coverage, feature space and teaching views (README screenshots, 1000 px)."""
+    """Upload one PNG to "Probe images": each detector's score and verdict is shown, equal to `oodviz score`'s
+    (``score_images``, in process) on the same file; then the risk–coverage, feature space and teaching views
+    (README screenshots, 1000 px)."""
     from PIL import Image
+
+    from oodviz.scoring import score_images
 
     shutil.copytree(default_run.path, runs_root / "default-copy")
     shutil.copytree(default_run.path.parent / ".features", runs_root / ".features", dirs_exist_ok=True)
     probe = tmp_path / "probe.png"
     ramp = (np.arange(64, dtype=np.uint8).reshape(8, 8) * 4)[..., None].repeat(3, axis=2)
     Image.fromarray(ramp).save(probe)
-    expected = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "oodviz.cli",
-            "score",
-            str(default_run.path),
-            str(probe),
-            "--out",
-            str(tmp_path / "s.csv"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert expected.returncode == 0, expected.stderr
-    scores = pd.read_csv(tmp_path / "s.csv")
+    expected = score_images(default_run.path, [probe])
+    assert not expected.not_loaded and not expected.unreadable
+    scores = expected.table
     page.set_viewport_size({"width": 1000, "height": 1000})
     page.goto(f"{app_url}/?run=default-copy")
     page.get_by_role("tab", name="Probe images").click(timeout=60_000)
@@ -331,16 +322,14 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
     about = page.get_by_text(re.compile(r"^What \w+ does$"))
     about.click(timeout=30_000)
     page.locator(".katex:visible").first.wait_for(timeout=30_000)  # the chosen detector's formula
-    page.wait_for_timeout(1000)  # the expander's opening animation
     about.evaluate(show_tabs)
     shoot(page, tmp_path, "teaching")
 
     sidebar = page.locator('[data-testid="stSidebar"]')
     sidebar.get_by_text("What each detector does").click()
     sidebar.locator(".katex").first.wait_for(timeout=30_000)  # the first chosen detector's formula
-    page.wait_for_timeout(1000)  # the expander's opening animation
     sidebar.get_by_text("Fails when").evaluate("element => element.scrollIntoView({block: 'end'})")
-    assert sidebar.get_by_text("Fails when").is_visible()
+    sidebar.get_by_text("Fails when").wait_for(state="visible", timeout=30_000)  # once the expander has opened
 
 
 #: Leaf elements whose text the browser cuts with an ellipsis (labels, chips, buttons, tabs).

@@ -233,9 +233,14 @@ def test_real_shifted_sets_are_the_id_test_images_transformed(data_root):
 
 @needs_files
 def test_normalisation_constants_match_the_training_images(data_root):
-    images = fashion_split("train", data_root)[0] / 255.0
-    assert images.mean() == pytest.approx(FASHION_MEAN, abs=1e-4)
-    assert images.std() == pytest.approx(FASHION_STD, abs=1e-4)
+    """Mean and standard deviation of every training pixel in [0, 1], in float64 from the exact histogram of the
+    uint8 values (no 300 MB float copy of the 37.6 million pixels)."""
+    counts = np.bincount(fashion_split("train", data_root)[0].ravel(), minlength=256)
+    values = np.arange(256) / 255.0
+    mean = (counts * values).sum() / counts.sum()
+    std = np.sqrt((counts * (values - mean) ** 2).sum() / counts.sum())
+    assert mean == pytest.approx(FASHION_MEAN, abs=1e-4)
+    assert std == pytest.approx(FASHION_STD, abs=1e-4)
 
 
 # -- the bundled model ----------------------------------------------------------------------------

@@ -126,9 +126,11 @@ def test_without_umap_learn_the_umap_projection_is_refused_and_not_offered(run_c
         project_run(run_copy, "umap", max_points=50)
 
 
-def test_oodviz_project_writes_the_projection(run_copy, tmp_path):
+def test_oodviz_project_writes_the_projection(run_copy, tmp_path, capsys):
     import subprocess
     import sys
+
+    from oodviz.cli import main
 
     command = [sys.executable, "-m", "oodviz.cli", "project", str(run_copy)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
@@ -137,5 +139,5 @@ def test_oodviz_project_writes_the_projection(run_copy, tmp_path):
     assert len(pd.read_parquet(projection_path(run_copy, "pca"))) == sum(
         s.n for k, s in stores_of(run_copy).items() if k != "id_fit"
     )
-    result = subprocess.run([*command[:-1], str(tmp_path / "none")], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2 and "has no feature stores recorded" in result.stderr
+    assert main(["project", str(tmp_path / "none")]) == 2  # the refusal in process: no second start of the command
+    assert "has no feature stores recorded" in capsys.readouterr().err

@@ -103,16 +103,18 @@ def test_oodviz_score_writes_each_images_prediction_score_percentile_and_verdict
     assert table[(table.detector == "mahalanobis") & table.file.str.endswith("noise.png")].verdict.item() == "OOD"
 
 
-def test_oodviz_score_one_detector_printed(default_run, image_files, tmp_path):
-    result = oodviz_score(default_run.path, image_files[0], "--detector", "energy", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
+def test_oodviz_score_one_detector_printed(default_run, image_files, tmp_path, capsys, monkeypatch):
+    """In process (``main``, as the refusals below): the test above runs the command itself."""
+    monkeypatch.chdir(tmp_path)
+    assert cli_main(["score", str(default_run.path), str(image_files[0]), "--detector", "energy"]) == 0
+    printed = capsys.readouterr()
+    lines = printed.out.strip().splitlines()
     assert lines[0].split() == list(SCORED_COLUMNS) and len(lines) == 2 and " energy " in lines[1]
-    assert "higher = more OOD" in result.stderr
+    assert "higher = more OOD" in printed.err
 
 
 def test_oodviz_score_refuses_what_it_cannot_score(default_run, image_files, tmp_path, capsys, monkeypatch):
-    """In process (``main``): the refusals happen before any model runs, and the two tests above run the command."""
+    """In process (``main``): the refusals happen before any model runs, and two tests run the command itself."""
 
     def refused(*args) -> str:
         code = cli_main(["score", *map(str, args)])
@@ -172,8 +174,11 @@ def test_oodviz_score_scores_with_the_detectors_that_load_and_says_why_the_other
     table = pd.read_csv(tmp_path / "s.csv")
     expected = [n for n in default_results.detectors if n not in ("knn", "mahalanobis", "energy")]
     assert list(table.detector) == expected
-    intact = oodviz_score(default_run.path, image_files[0], "--out", tmp_path / "all.csv", cwd=tmp_path)
-    assert intact.returncode == 0, intact.stderr
+    from oodviz.scoring import score_images
+
+    intact = score_images(default_run.path, image_files[:1])  # every detector loads: what the command scores
+    assert not intact.not_loaded and not intact.unreadable
+    intact.table.to_csv(tmp_path / "all.csv", index=False)  # as ``oodviz score --out`` writes it
     reference = pd.read_csv(tmp_path / "all.csv").set_index("detector").loc[expected]
     assert np.array_equal(table.score.to_numpy(), reference.score.to_numpy())
 

@@ -12,7 +12,7 @@ import time
 
 import psutil
 import pytest
-from conftest import chromium, free_port
+from conftest import chromium, free_port, stop_server
 
 
 def non_loopback_ipv4() -> str | None:
@@ -57,8 +57,7 @@ def serve(tmp_path):
 
     yield start
     for server in servers:
-        server.terminate()
-        server.wait(timeout=20)
+        stop_server(server)
 
 
 def websocket_handshake(port: int, host: str) -> str:

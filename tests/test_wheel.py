@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import chromium, free_port
+from conftest import chromium, free_port, stop_server
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_INPUTS = ("pyproject.toml", "README.md", "oodviz")  # all that setuptools reads to build the wheel
@@ -140,12 +140,7 @@ def served(venv, empty_dir, tmp_path_factory):
                 time.sleep(0.3)
         yield Served(url, port, server.pid)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        stop_server(server)
 
 
 def test_the_wheel_ships_every_file_of_the_package(source, wheel):

@@ -2,7 +2,8 @@
 
 The worker and the CLI report through a :class:`Reporter`; it appends one JSON event per line
 to the run's ``events.jsonl`` (at most every ``interval_s`` seconds within a stage, plus every
-stage start and end) and, for the CLI, also hands each event to ``echo``.
+stage start and end) and, for the CLI, also hands each event to ``echo`` (:class:`TerminalProgress`: one live
+line per stage on the terminal).
 
 A stage's ``peak_cpu_rss`` is the kernel's own peak of the worker's resident memory (``VmHWM``), reset
 when the stage starts (``/proc/self/clear_refs``), so a temporary that lives between two progress events
@@ -12,6 +13,8 @@ is counted; where the reset is not permitted it is the largest RSS sampled at th
 
 from __future__ import annotations
 
+import shutil
+import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -19,6 +22,7 @@ from contextlib import contextmanager
 import torch
 
 from oodviz.engine import Cancelled
+from oodviz.models import format_bytes
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.telemetry import memory_snapshot, peak_rss_bytes, reset_peak_rss
 
@@ -134,3 +138,49 @@ class Reporter:
     def stage_summary(self) -> dict[str, dict]:
         """Wall time and peak memory of every finished stage."""
         return dict(self._summary)
+
+
+def _progress_line(event: dict) -> str:
+    done, total = event.get("done", 0), event.get("total", 0)
+    parts = [f"{event['stage']}: {done:,}/{total:,}"]
+    if total:
+        parts[0] += f" ({100 * done / total:.0f}%)"
+    if event.get("items_per_s"):
+        parts.append(f"{event['items_per_s']:,.0f}/s")
+    if event.get("eta_s") is not None:
+        parts.append(f"ETA {event['eta_s']:.0f}s")
+    if event.get("batch_size"):
+        parts.append(f"batch {event['batch_size']}")
+    parts.append(f"RSS {format_bytes(event['cpu_rss'])}")
+    if "gpu_allocated" in event:
+        parts.append(f"GPU {format_bytes(event['gpu_allocated'])} (peak {format_bytes(event['gpu_peak'])})")
+    return " | ".join(parts)
+
+
+class TerminalProgress:
+    """Turns run events into one live status line per stage (carriage returns on a terminal)."""
+
+    def __init__(self, stream=None):
+        self.stream = stream or sys.stderr or sys.__stderr__
+        self.live = self.stream.isatty()
+        self.width = shutil.get_terminal_size((100, 20)).columns - 1
+
+    def __call__(self, event: dict) -> None:
+        kind = event.get("event")
+        if kind == "progress" and self.live:
+            self.stream.write("\r" + _progress_line(event)[: self.width].ljust(self.width))
+        elif kind == "end":
+            peak = f", peak RSS {format_bytes(event['peak_cpu_rss'])}" if event.get("peak_cpu_rss") else ""
+            failed = f" — FAILED: {event['error']}" if event.get("error") else ""
+            self.stream.write(
+                ("\r" if self.live else "")
+                + f"{event['stage']}: {event['wall_s']:.1f}s{peak}{failed}".ljust(self.width if self.live else 0)
+                + "\n"
+            )
+        elif kind in ("warning", "note"):
+            prefix = "WARNING " if kind == "warning" else "  "
+            lines = "".join(f"{prefix}{line}\n" for line in event["message"].splitlines())
+            self.stream.write(("\r" if self.live else "") + lines)
+        elif kind in ("failed", "cancelled"):
+            self.stream.write(f"\nrun {kind}: {event.get('message', '')}\n")
+        self.stream.flush()

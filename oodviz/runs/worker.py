@@ -18,7 +18,7 @@ from pathlib import Path
 
 from oodviz.engine import Cancelled, DiskFullError
 from oodviz.runs.config import RunConfig
-from oodviz.runs.reporter import Reporter
+from oodviz.runs.reporter import Reporter, TerminalProgress
 from oodviz.runs.rundir import RunDir, process_started
 
 
@@ -104,7 +104,6 @@ def main(argv: list[str]) -> int:
         run = RunDir(Path(argv[0]))
         exit_with_parent(run)
         return 0 if execute(run) in ("done", "cancelled") else 1
-    from oodviz.cli import TerminalProgress
     from oodviz.runs.sharded import RankRunDir, run_rank, stop_on_sigterm
 
     run = RankRunDir(Path(argv[0]), world.rank)

@@ -22,8 +22,10 @@ import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from oodviz.runs.config import RunConfig
+if TYPE_CHECKING:  # no torch at import: ``oodviz app`` reads the policy before it execs Streamlit
+    from oodviz.runs.config import RunConfig
 
 ENV_TOKEN = "OODVIZ_ACCESS_TOKEN"
 ENV_SERVE_OTHERS = "OODVIZ_SERVE_OTHERS"
