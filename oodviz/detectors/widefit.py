@@ -21,10 +21,12 @@ hands them to a :class:`~oodviz.detectors.stats.ClassMoments` as soon as the str
 long stream streams as before. No ``D x D`` matrix is formed on this path (mahalanobis and rmd keep no
 ``covariance_`` then), and no float64 copy of the rows either: the centred rows ``X_c`` are made from the
 kept rows a block of columns at a time (``[N, <= 4 MiB / (8 N)]`` float64, one reused buffer), each block
-adding to ``G`` and later to ``S``. The fit holds the kept rows, ``G`` then ``U`` ``[N, N]`` float64, ``S``
-(float32) and two 4 MiB blocks: ``4 N D + 8 N^2 + 4 N D`` bytes and 8 MiB for float32 features (``0.75 x D^2 x
-8`` at ``N = D / 2``; rmd holds its first ``S`` during the second, ``1 x D^2 x 8``), and far less for few
-rows: 96 rows of ``D = 151,296`` need 0.2 GiB where the ``D x D`` covariance alone is 171 GiB.
+adding to ``G`` and later to ``S``. Besides the kept rows (``4 N D`` bytes for float32 features) and two
+4 MiB blocks, the fit holds ``G`` and ``U`` ``[N, N]`` float64 during the eigendecomposition, then ``U`` and
+``S`` (float32): at most ``4 N D + max(16 N^2, 8 N^2 + 4 N D)`` bytes, ``0.75 x D^2 x 8`` at ``N = D / 2``
+(rmd holds its first ``S`` during the second: ``1 x D^2 x 8``; ``bench/wide_fit.py`` measures 1.34 with
+BLAS/LAPACK workspaces and the heap's slack), and far less for few rows: 96 rows of ``D = 151,296`` need
+0.2 GiB where the ``D x D`` covariance alone is 171 GiB.
 
 rmd's background Gaussian needs the rows centred on the grand mean, ``t_i = c_i + o_{y_i}`` with the
 within-class rows ``c_i = x_i - mu_{y_i}`` and the class offsets ``o_k = mu_k - mu`` ``[C, D]``. With
