@@ -6,11 +6,11 @@ import torch
 from conftest import cuda
 
 from oodviz import Batch
-from oodviz.detectors import create
+from oodviz.detectors import create, widefit
 from oodviz.detectors.mahalanobis import inverse_sqrt
 from oodviz.detectors.stats import symmetric_eigh
 from oodviz.detectors.vim import linear_origin
-from oodviz.detectors.widefit import FewRows
+from oodviz.detectors.widefit import FewRows, gram_inverse_sqrt
 
 EPS = np.finfo(np.float64).eps
 
@@ -60,6 +60,31 @@ def test_gram_whitening_equals_the_d_by_d_pseudo_inverse_in_float64():
     total = x.numpy() - x.numpy().mean(0)
     s0 = rows.inverse_sqrt_total(torch.float64)
     np.testing.assert_allclose((s0 @ s0.T).numpy(), _pinv(total.T @ total / len(x)), rtol=1e-9, atol=1e-9)
+
+
+def test_total_whitening_from_the_within_class_rows_equals_that_of_the_rows_centred_on_the_grand_mean(monkeypatch):
+    """rmd's background on the Gram path: G_t and S_t from blocks of columns of the within-class rows,
+    P = X_c O^T and Q = O O^T, never forming the rows about the grand mean, equal the Gram path on those rows
+    formed explicitly (float64, within 1e-12); the blocks (here 3 of 64, 64 and 32 columns) change nothing."""
+    x, y = _wide(n=70, c=5, dtype=torch.float64)
+    x += 40  # a large common offset: the grand-mean centring must not cancel
+    rows = FewRows()
+    for i in range(0, len(x), 16):
+        assert rows.add(x[i : i + 16], y[i : i + 16])
+    rows.release()
+    formed = x - rows.means[y] + (rows.means - rows.grand_mean)[y]  # what the call used to build
+    np.testing.assert_allclose(formed.numpy(), x.numpy() - x.numpy().mean(0), atol=1e-12 * 40)
+    reference = gram_inverse_sqrt(lambda: iter([(slice(0, 160), formed)]), len(x), torch.float64)
+    monkeypatch.setattr(widefit, "BLOCK_BYTES", 8 * 70 * 64)
+    blocks = [columns for columns, _ in rows.centred_columns()]
+    s0 = rows.inverse_sqrt_total(torch.float64)
+    assert blocks == [slice(0, 64), slice(64, 128), slice(128, 160)]
+    assert s0.shape == reference.shape == (160, 69)  # rank N - 1: the grand mean takes one direction
+    expected = (reference @ reference.T).numpy()
+    np.testing.assert_allclose((s0 @ s0.T).numpy(), expected, rtol=0, atol=1e-12 * np.abs(expected).max())
+    monkeypatch.setattr(widefit, "BLOCK_BYTES", 8 * 70 * 160)
+    centred = next(rows.centred_columns())[1]  # a single block
+    np.testing.assert_allclose(centred.numpy(), (x - rows.means[y]).numpy(), rtol=0, atol=0)
 
 
 def test_mahalanobis_and_rmd_with_fewer_samples_than_dimensions_never_decompose_a_d_by_d_matrix(monkeypatch):

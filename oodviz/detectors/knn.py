@@ -173,13 +173,17 @@ class KNN(Detector):
         with self._staged_queries(batches, device) as (queries, device, extra):
             best = torch.full((len(queries), self.k), -math.inf, device=device)  # top-k inner products so far
             held = self._queries_on(device, queries)
+            # one block's similarities, the memory reused by every block
+            similarities = torch.empty(max(SIMILARITY_BYTES // 4, self.chunk_size), device=device)
             for chunk in self._bank_chunks(device):
                 step = max(1, SIMILARITY_BYTES // (4 * len(chunk)))
                 for start in range(0, len(queries), step):
                     rows = slice(start, start + step)
                     z = held[rows] if held is not None else torch.from_numpy(np.array(queries[rows])).to(device)
-                    candidates = torch.cat([best[rows], z @ chunk.T], dim=1)
-                    best[rows] = torch.topk(candidates, k=self.k, dim=1).values
+                    block = torch.mm(z, chunk.T, out=similarities[: len(z) * len(chunk)].view(len(z), len(chunk)))
+                    # the top k of best and the block = the top k of best and the block's top k (no [q, chunk] copy)
+                    top = torch.topk(block, k=min(self.k, len(chunk)), dim=1).values
+                    best[rows] = torch.topk(torch.cat([best[rows], top], dim=1), k=self.k, dim=1).values
             return best.float().cpu(), extra
 
     def _faiss_top_similarities(self, batches) -> tuple[Tensor, Tensor | None]:

@@ -66,7 +66,7 @@ class NNGuide(KNN):
 
     def _bank_rows(self, features: Tensor, data: FitData) -> Tensor:
         weight, bias = data.head
-        return l2_normalised(features) * confidence(features, weight, bias)[:, None]
+        return l2_normalised(features).mul_(confidence(features, weight, bias)[:, None])
 
     def _query_extra(self, batch) -> Tensor:
         return confidence(batch.features, self.head_weight_, self.head_bias_).cpu()

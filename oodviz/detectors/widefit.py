@@ -19,39 +19,109 @@ rounding apart). This is an exact path, not shrinkage: the scores equal those of
 them (``N x D`` in the features' dtype: at most a quarter of ``D^2`` float64 for float32 features) and
 hands them to a :class:`~oodviz.detectors.stats.ClassMoments` as soon as the stream is longer, so a
 long stream streams as before. No ``D x D`` matrix is formed on this path (mahalanobis and rmd keep no
-``covariance_`` then): the fit holds the kept rows, one ``N x D`` float64 copy of them centred (rmd: a
-second one for the call that whitens the total covariance), ``G`` and ``U`` ``[N, N]`` float64 and ``S``
-(float32, made a block at a time), at most ``24 N D + 16 N^2`` bytes for float32 features (``1.5 x D^2 x 8``
-at ``N = D / 2``), and far less for few rows: 96 rows of ``D = 151,296`` need 0.3 GiB where the
-``D x D`` covariance alone is 171 GiB.
+``covariance_`` then), and no float64 copy of the rows either: the centred rows ``X_c`` are made from the
+kept rows a block of columns at a time (``[N, <= 4 MiB / (8 N)]`` float64, one reused buffer), each block
+adding to ``G`` and later to ``S``. Besides the kept rows (``4 N D`` bytes for float32 features) and two
+4 MiB blocks, the fit holds ``G`` and ``U`` ``[N, N]`` float64 during the eigendecomposition, then ``U`` and
+``S`` (float32): at most ``4 N D + max(16 N^2, 8 N^2 + 4 N D)`` bytes, ``0.75 x D^2 x 8`` at ``N = D / 2``
+(rmd holds its first ``S`` during the second: ``1 x D^2 x 8``; ``bench/wide_fit.py`` measures 1.34 with
+BLAS/LAPACK workspaces and the heap's slack), and far less for few rows: 96 rows of ``D = 151,296`` need
+0.2 GiB where the ``D x D`` covariance alone is 171 GiB.
+
+rmd's background Gaussian needs the rows centred on the grand mean, ``t_i = c_i + o_{y_i}`` with the
+within-class rows ``c_i = x_i - mu_{y_i}`` and the class offsets ``o_k = mu_k - mu`` ``[C, D]``. With
+``P = X_c O^T`` ``[N, C]`` (accumulated with ``G``) and ``Q = O O^T`` ``[C, C]``,
+
+    G_t[i, j] = <t_i, t_j> = G[i, j] + P[i, y_j] + P[j, y_i] + Q[y_i, y_j]
+    S_t       = T^T U' = X_c^T U' + O^T (E^T U'),   (E^T U')[k] = sum_{i: y_i = k} U'[i]    [C, k]
+
+(``U'`` the scaled kept eigenvectors of ``G_t``, ``E`` the ``N x C`` one-hot labels): the same blocks of
+``X_c`` serve both Gaussians, for ``O(N^2 + N C D)`` more work.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from oodviz.detectors.stats import (
     ACCUMULATE,
+    BLOCK_BYTES,
     ClassMeans,
     ClassMoments,
+    Scratch,
     row_blocks,
     symmetric_eigh,
 )
 
+#: ``() -> iterator of (columns, X_c[:, columns])``: the centred rows a block of columns at a time, float64
+ColumnBlocks = Callable[[], Iterator[tuple[slice, Tensor]]]
+#: the scratch buffer of the block temporaries, shared by the column blocks' centring and the Gram path
+TEMPORARY = "temporary"
 
-def gram_inverse_sqrt(centred: Tensor, n_samples: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``S`` ``[D, k]`` (in ``dtype``) with ``S S^T = (centred^T centred / n_samples)^+``, from rows ``centred``
-    ``[N, D]`` (float64) through their ``N x N`` Gram matrix (see the module docstring). Computed in float64
-    a block of ``D`` at a time, so no float64 ``[D, k]`` exists next to the result."""
-    dim = centred.shape[1]
-    values, vectors = symmetric_eigh(centred @ centred.T, overwrite=True)  # ascending
+
+def block_buffer(scratch: Scratch, name: str, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """A float64 ``shape`` view of ``scratch``'s buffer ``name`` of ``BLOCK_BYTES`` (more only for a block wider than
+    that): every block buffer of the Gram path has that one size, so glibc reuses the memory one leaves for the next
+    (blocks of varying sizes fragment its heap, which then grows by a block per allocation)."""
+    size = math.prod(shape)
+    return scratch.get(name, (max(size, BLOCK_BYTES // 8),), ACCUMULATE, device)[:size].view(shape)
+
+
+def gram_inverse_sqrt(
+    column_blocks: ColumnBlocks,
+    n_samples: int,
+    dtype: torch.dtype = torch.float32,
+    offsets: Tensor | None = None,
+    labels: Tensor | None = None,
+    scratch: Scratch | None = None,
+) -> Tensor:
+    """``S`` ``[D, k]`` (in ``dtype``) with ``S S^T = (T^T T / n_samples)^+`` for rows ``T`` ``[N, D]`` through
+    their ``N x N`` Gram matrix (see the module docstring): ``T = X_c``, given by ``column_blocks`` (read twice),
+    or, with ``offsets`` ``[C, D]`` and ``labels`` ``[N]``, ``T = X_c + offsets[labels]`` without forming it.
+    Float64 throughout; ``S`` is written a block of ``D`` at a time, so no float64 ``[D, k]`` exists. ``scratch``
+    holds the block temporaries (:func:`block_buffer`), across calls when given."""
+    scratch = Scratch() if scratch is None else scratch
+    gram = cross = None
+    dim = 0
+    for columns, block in column_blocks():
+        if gram is None:
+            gram = torch.zeros(len(block), len(block), dtype=block.dtype, device=block.device)
+            if offsets is not None:
+                cross = torch.zeros(len(block), len(offsets), dtype=block.dtype, device=block.device)
+        gram.addmm_(block, block.T)
+        if offsets is not None:
+            cross.addmm_(block, offsets[:, columns].T)  # P [N, C]: <c_i, o_k>
+        dim = columns.stop
+    del block
+    device = gram.device
+    if offsets is not None:
+        # G_t = G + R E^T + E R^T with R = P + E Q / 2 [N, C] (Q symmetric), a block of rows at a time
+        cross += (offsets @ offsets.T)[labels].mul_(0.5)
+        for rows in row_blocks(len(gram), len(gram)):
+            part = block_buffer(scratch, TEMPORARY, (rows.stop - rows.start, len(gram)), device)
+            gram[rows] += torch.index_select(cross[rows], 1, labels, out=part)  # R[i, y_j]
+            gram[rows] += torch.index_select(cross.T, 0, labels[rows], out=part)  # R[j, y_i]
+        del cross
+    values, vectors = symmetric_eigh(gram, overwrite=True)  # ascending
+    del gram
     cutoff = values.amax().clamp(min=0) * dim * torch.finfo(values.dtype).eps
     first = int((values <= cutoff).sum())  # ascending: the dropped eigenpairs come first
-    scaled = vectors[:, first:].to(centred.device).mul_(n_samples**0.5 / values[first:].to(centred.device))
-    whitening = torch.empty(dim, scaled.shape[1], dtype=dtype, device=centred.device)
-    for block in row_blocks(dim, len(scaled)):
-        whitening[block] = centred[:, block].T @ scaled
+    scaled = vectors[:, first:].to(device).mul_(n_samples**0.5 / values[first:].to(device))  # U' [N, k]
+    if offsets is not None:
+        class_sums = torch.zeros(len(offsets), scaled.shape[1], dtype=scaled.dtype, device=device)
+        class_sums.index_add_(0, labels, scaled)  # E^T U' [C, k]
+    whitening = torch.empty(dim, scaled.shape[1], dtype=dtype, device=device)
+    for columns, block in column_blocks():
+        part = torch.mm(
+            block.T, scaled, out=block_buffer(scratch, TEMPORARY, (block.shape[1], scaled.shape[1]), device)
+        )
+        if offsets is not None:
+            part.addmm_(offsets[:, columns].T, class_sums)
+        whitening[columns] = part
     return whitening
 
 
@@ -70,8 +140,8 @@ class FewRows:
         self._labels: list[Tensor] = []
         self.rows = 0
         self._y: Tensor | None = None
-        self._centred: Tensor | None = None
         self._means: ClassMeans | None = None
+        self._scratch = Scratch()
 
     def add(self, x: Tensor, y: Tensor) -> bool:
         if self.rows + len(y) > x.shape[1] // 2:
@@ -88,27 +158,39 @@ class FewRows:
         return kept
 
     def release(self) -> FewRows:
-        """Compute the class means in float64 and keep the rows only centred on them (``x_i - mu_{y_i}``,
-        ``[N, D]`` float64): the one copy of the data the Gram path holds; each kept batch is let go as soon
-        as its rows are copied (the rows are never joined in their own dtype)."""
+        """Compute the class counts and means in float64, the sums a block of columns at a time (the kept rows
+        stay as they are: :meth:`centred_columns` centres them a block of columns at a time)."""
         self._y = torch.cat(self._labels)
-        self._means = ClassMeans()
-        for x, y in zip(self._features, self._labels, strict=True):
-            self._means.update(x, y)
-        means = self.means
-        first = self._features[0]
-        self._centred = torch.empty(self.rows, first.shape[1], dtype=ACCUMULATE, device=first.device)
-        del first
-        start = 0
-        while self._features:
-            x, y = self._features.pop(0), self._labels.pop(0)
-            for block in row_blocks(len(x), x.shape[1]):
-                rows = slice(start + block.start, start + block.stop)
-                self._centred[rows] = x[block]
-                self._centred[rows] -= means[y[block]]
-            start += len(x)
-            del x, y
+        device = self._features[0].device
+        sums = torch.zeros(int(self._y.max()) + 1, self._features[0].shape[1], dtype=ACCUMULATE, device=device)
+        for columns, block in self._columns():
+            sums[:, columns].index_add_(0, self._y, block)
+        counts = torch.bincount(self._y, minlength=len(sums)).to(ACCUMULATE)
+        self._means = ClassMeans().load_state_dict({"counts": counts, "sums": sums})
         return self
+
+    def _columns(self) -> Iterator[tuple[slice, Tensor]]:
+        """``(columns, x [N, columns])`` float64, the kept rows a block of columns of at most ``BLOCK_BYTES`` at a
+        time, in one reused buffer (each block valid until the next is asked for)."""
+        dim = self._features[0].shape[1]
+        step = max(1, BLOCK_BYTES // (8 * self.rows))
+        for start in range(0, dim, step):
+            columns = slice(start, min(start + step, dim))
+            block = block_buffer(self._scratch, "columns", (self.rows, columns.stop - start), self._features[0].device)
+            first = 0
+            for x in self._features:
+                block[first : first + len(x)] = x[:, columns]
+                first += len(x)
+            yield columns, block
+
+    def centred_columns(self) -> Iterator[tuple[slice, Tensor]]:
+        """``(columns, x_i - mu_{y_i} [N, columns])`` float64, as :meth:`_columns`."""
+        means = self.means
+        for columns, block in self._columns():
+            # TEMPORARY is free here: gram_inverse_sqrt uses it only between two blocks
+            class_means = block_buffer(self._scratch, TEMPORARY, block.shape, block.device)
+            block -= torch.index_select(means[:, columns], 0, self._y, out=class_means)
+            yield columns, block
 
     @property
     def counts(self) -> Tensor:
@@ -131,16 +213,15 @@ class FewRows:
 
     def inverse_sqrt_within(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """``S`` ``[D, k]``, ``S S^T = Sigma^+`` for the tied class covariance ``Sigma = W / N``."""
-        return gram_inverse_sqrt(self._centred, len(self._y), dtype)
+        return gram_inverse_sqrt(self.centred_columns, len(self._y), dtype, scratch=self._scratch)
 
     def inverse_sqrt_total(self, dtype: torch.dtype = torch.float32) -> Tensor:
-        """``S`` ``[D, k]``, ``S S^T = Sigma_0^+`` for the covariance about the grand mean, from the rows
-        centred on it, ``(x_i - mu_{y_i}) + (mu_{y_i} - mu)`` (a second ``N x D`` float64 copy, for the call)."""
+        """``S`` ``[D, k]``, ``S S^T = Sigma_0^+`` for the covariance about the grand mean, of the rows centred on
+        it, ``(x_i - mu_{y_i}) + (mu_{y_i} - mu)``, which are never formed (the module docstring's ``G_t``, ``S_t``)."""
         offsets = self.means - self.grand_mean  # [C, D]
-        centred = torch.empty_like(self._centred)
-        for block in row_blocks(len(centred), centred.shape[1]):
-            torch.add(self._centred[block], offsets[self._y[block]], out=centred[block])
-        return gram_inverse_sqrt(centred, len(self._y), dtype)
+        return gram_inverse_sqrt(
+            self.centred_columns, len(self._y), dtype, offsets=offsets, labels=self._y, scratch=self._scratch
+        )
 
 
 class ClassGaussianStream:
