@@ -17,14 +17,18 @@ Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.w
 - **Fit.** A mergeable detector (the state protocol, :mod:`oodviz.detectors.protocol`: mahalanobis, rmd, klm,
   she, gmm, vim, react, dice, fdbd, nci, tempscale, openmax) is fitted split: each rank updates on its
   contiguous rows of ``id_fit``, the float64 states are gathered and merged in rank order on every rank, and
-  every rank finalizes the same state, pass after pass (:func:`~oodviz.distributed.fit_across_ranks`). Every
+  every rank finalizes the same state, pass after pass (:func:`~oodviz.distributed.fit_across_ranks`). knn and
+  nnguide keep this rank's rows as their bank shard (:func:`~oodviz.distributed.fit_bank_across_ranks`). Every
   other detector is fitted by every rank on the whole store (a read of the memory-mapped store; the same
   float64 stream on every rank, so every rank holds the same state).
 - **Scoring.** Each rank scores its contiguous rows of each split with the feature-based detectors; rank 0
-  gathers the scores in rank order and writes them. Model-based detectors (odin, mcd) run on rank 0 over the
+  gathers the scores in rank order and writes them. A detector holding a bank shard searches every row of
+  the split against its shard and rank 0 merges the top-``k`` lists exactly
+  (:func:`~oodviz.distributed.search_across_ranks`). Model-based detectors (odin, mcd) run on rank 0 over the
   whole split (mcd's dropout masks follow the batch sequence, so a shard would change them).
 - **Saved detectors.** Rank 0 saves every detector that scored (its state is every rank's) under
-  ``<run>/detectors/`` as a single-process run does, for ``oodviz score``.
+  ``<run>/detectors/`` as a single-process run does, for ``oodviz score``; knn and nnguide are refitted on the
+  whole store first, so that the saved one searches the whole bank.
 - **Faults.** A rank that raises records why (its ``rank`` event) and exits non-zero; the launcher then stops
   the others, and rank 0, stopped by SIGTERM, marks the run failed naming that rank. A hang in a collective
   ends after ``OODVIZ_DIST_TIMEOUT_S``. Cancel (the run's ``cancel`` file) stops every rank at its next batch.
@@ -42,16 +46,19 @@ import numpy as np
 import torch
 
 from oodviz.batch import Batch
+from oodviz.detectors.knn import KNN
 from oodviz.distributed import (
     DatasetSlice,
     World,
     barrier,
     broadcast_from_root,
     fit_across_ranks,
+    fit_bank_across_ranks,
     gather_to_root,
     join_world,
     leave_world,
     rank_device,
+    search_across_ranks,
     shard_bounds,
 )
 from oodviz.engine import Cancelled
@@ -239,27 +246,58 @@ class ShardRows:
     def __iter__(self):
         return store_rows(self.store, self.start, self.stop, self.device)
 
+    @property
+    def features_on_disk(self) -> np.ndarray:
+        """The rows' features as a read-only memory map of the store (knn keeps it as its bank shard, no copy)."""
+        return self.store.features[self.start : self.stop]
+
 
 def fit_sharded(job: Job, detector, stage, layer: str | None, world: World) -> None:
-    """A mergeable detector: fitted on this rank's rows of ``id_fit``, merged across the ranks; any other: on the
-    whole store, by every rank (a sharded run has one layer: ``layer`` is None)."""
-    if not (world.distributed and detector.mergeable):
+    """A mergeable detector: fitted on this rank's rows of ``id_fit``, merged across the ranks; knn and nnguide:
+    this rank's rows are its bank shard (when every rank has rows); any other: on the whole store, by every rank
+    (a sharded run has one layer: ``layer`` is None)."""
+    store = job.stores["id_fit"]
+    bank = isinstance(detector, KNN) and store.n >= world.size
+    if not (world.distributed and (detector.mergeable or bank)):
         fit_on_store(job, detector, stage, layer)
         return
-    store = job.stores["id_fit"]
     start, stop = shard_bounds(store.n, world.rank, world.size)
-    stage.note(f"fit split: rank {world.rank} of {world.size} updates on rows {start}..{stop - 1} of {store.n}")
+    what = "its bank shard" if bank else "updates on"
+    stage.note(f"fit split: rank {world.rank} of {world.size}: {what} rows {start}..{stop - 1} of {store.n}")
     rows = Watched(ShardRows(store, start, stop, job.device), stage)
-    fit_across_ranks(detector, rows, world, head=job.backbone.head, device=job.device)
+    fit = fit_bank_across_ranks if bank else fit_across_ranks
+    fit(detector, rows, world, head=job.backbone.head, device=job.device)
+
+
+def holds_bank_shard(detector) -> bool:
+    return isinstance(detector, KNN) and detector.holds_shard
+
+
+def search_bank_shards(job: Job, split: str, world: World) -> dict:
+    """``{name: scores of every row of split, or the error}`` on rank 0 (``{}`` on the others) for the detectors
+    whose bank is split over the ranks: every rank searches every row against its shard
+    (:func:`~oodviz.distributed.search_across_ranks`), in the same order on every rank."""
+    store, found = job.stores[split], {}
+    for name, detector in job.fitted.items():
+        if not holds_bank_shard(detector):
+            continue
+        try:
+            found[name] = search_across_ranks(detector, store_rows(store, 0, store.n, job.device), world, job.device)
+        except Cancelled:
+            raise
+        except Exception as error:  # on rank 0: one detector failing must not stop the others
+            found[name] = f"{type(error).__name__}: {error}"
+    return found if world.is_root else {}
 
 
 def score_shard(job: Job, split: str, world: World) -> tuple[dict, dict]:
-    """``({name: scores of this rank's rows}, {name: error})`` for every feature-based detector on ``split``."""
+    """``({name: scores of this rank's rows}, {name: error})`` for every feature-based detector on ``split``
+    whose bank (if any) is not split over the ranks."""
     store = job.stores[split]
     start, stop = shard_bounds(store.n, world.rank, world.size)
     scores, errors = {}, {}
     for name, detector in job.fitted.items():
-        if detector.needs_model:
+        if detector.needs_model or holds_bank_shard(detector):
             continue
         if stop == start:
             scores[name] = np.zeros(0, dtype=np.float32)
@@ -283,6 +321,7 @@ def score_sharded_splits(job: Job, world: World) -> None:
         model_scores = score_with_models(job, split) if world.is_root else {}
         with job.reporter.stage(f"score {split}") as stage:
             parts = gather_to_root(score_shard(job, split, world), world)
+            searched = search_bank_shards(job, split, world)
             if world.is_root:
                 store = job.stores[split]
                 frame = score_frame(kind, dataset, store.indices, store.labels, store.predictions)
@@ -292,13 +331,30 @@ def score_sharded_splits(job: Job, world: World) -> None:
                     elif not job.fitted[name].needs_model:
                         with job.detector_may_fail(name, f"score {split}", stage):
                             errors = [errs[name] for _, errs in parts if name in errs]
+                            if isinstance(searched.get(name), str):
+                                errors.append(searched[name])
                             if errors:
                                 raise RuntimeError("; ".join(errors))
-                            values = np.concatenate([scores[name] for scores, _ in parts])
+                            values = (
+                                searched[name].numpy()
+                                if name in searched
+                                else np.concatenate([scores[name] for scores, _ in parts])
+                            )
                             frame[name] = finite_scores(job.fitted[name], name, split, values)
                 job.frames.append(frame)
             kept = broadcast_from_root(list(job.fitted), world)
             job.fitted = {name: det for name, det in job.fitted.items() if name in kept}
+
+
+def save_whole_banks(job: Job) -> None:
+    """Rank 0's :func:`~oodviz.runs.pipeline.save_detectors`, after refitting each detector that holds a bank shard on
+    the whole ID fit store (a saved knn must search the whole bank: knn's is then the store itself, nnguide's is
+    written in rank 0's scratch)."""
+    for name, detector in job.fitted.items():
+        if holds_bank_shard(detector):
+            with job.reporter.stage(f"fit {name} on the whole bank (to save it)") as stage:
+                fit_on_store(job, detector, stage)
+    save_detectors(job)
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -319,7 +375,7 @@ def sharded_stages(world: World) -> tuple:
         partial(extract_splits, open_split=partial(sharded_split, world=world)),
         partial(fit_detectors, fit_features=partial(fit_sharded, world=world)),
         partial(score_sharded_splits, world=world),
-        on_root(save_detectors, world),
+        on_root(save_whole_banks, world),
         on_root(write_scores, world),
         on_root(write_metrics, world),
         on_root(write_meta, world),
