@@ -388,6 +388,8 @@ def test_statistics_and_detector_fits_split_across_ranks_give_the_single_process
         "she",
         "tempscale",
         "vim",
+        "vra",
+        "weiper",
     ]
     for name in names:
         single = create(name).fit(batches, head=head)
