@@ -15,7 +15,7 @@ Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.w
   order as a single-process extraction, so either reuses the other's store whatever the world size. A rank
   that dies leaves shards in scratch only; the split's store is written only once every shard is complete.
 - **Fit.** A mergeable detector (the state protocol, :mod:`oodviz.detectors.protocol`: mahalanobis, rmd, klm,
-  she, gmm, vim, react, dice, fdbd, nci, tempscale, openmax) is fitted split: each rank updates on its
+  she, gmm, vim, react, vra, dice, fdbd, nci, tempscale, openmax, weiper) is fitted split: each rank updates on its
   contiguous rows of ``id_fit``, the float64 states are gathered and merged in rank order on every rank, and
   every rank finalizes the same state, pass after pass (:func:`~oodviz.distributed.fit_across_ranks`). knn and
   nnguide keep this rank's rows as their bank shard (:func:`~oodviz.distributed.fit_bank_across_ranks`). Every
