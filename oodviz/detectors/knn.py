@@ -141,17 +141,21 @@ class KNN(Detector):
         """The bank rows written for fit features ``[b, D]``: float32, L2-normalised."""
         return _normalise(features)
 
-    #: True after :meth:`fit_shard`: the bank is one shard of the whole (``score`` refuses; see the module docstring)
-    holds_shard = False
+    _holds_shard = False
+
+    @property
+    def holds_shard(self) -> bool:
+        """True after :meth:`fit_shard`: the bank is one shard of the whole (``score`` refuses; module docstring)."""
+        return self._holds_shard
 
     def fit(self, batches, head=None, device=None):
-        self.holds_shard = False
+        self._holds_shard = False
         return super().fit(batches, head=head, device=device)
 
     def fit_shard(self, batches, head=None, device=None):
         """Fit the bank of one shard (a rank's rows of the fit split), as :meth:`fit` does but with ``k`` left
         unchecked: the shard may hold fewer than ``k`` rows; check the union with :meth:`check_bank_rows`."""
-        self.holds_shard = True
+        self._holds_shard = True
         return super().fit(batches, head=head, device=device)
 
     def check_bank_rows(self, bank_rows: int) -> None:
