@@ -159,15 +159,17 @@ class KNN(Detector):
         return super().fit(batches, head=head, device=device)
 
     def check_bank_rows(self, bank_rows: int) -> None:
-        """ValueError when the bank (all shards together: ``bank_rows``) has fewer than ``k`` rows."""
+        """ValueError when the bank (all shards together: ``bank_rows``, which a shard remembers for later changes
+        of ``k``) has fewer than ``k`` rows."""
+        self._bank_rows = bank_rows
         if bank_rows < self.k:
             raise ValueError(
                 f"{self.name}: k={self.k} exceeds the {bank_rows} in-distribution samples; choose k <= {bank_rows}."
             )
 
     def _check_fitted_params(self) -> None:
-        if hasattr(self, "bank_") and not self.holds_shard:
-            self.check_bank_rows(len(self.bank_))
+        if hasattr(self, "bank_"):
+            self.check_bank_rows(getattr(self, "_bank_rows", len(self.bank_)) if self.holds_shard else len(self.bank_))
 
     def _query_extra(self, batch) -> Tensor | None:
         """Per-query numbers the final score needs besides the similarities (``[B]``, kept on the CPU), or None."""

@@ -83,6 +83,7 @@ from oodviz.runs.pipeline import (
 )
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.splits import feature_store_root
+from oodviz.runs.tuning import tune_detectors, validation_scores
 
 MERGE_ROWS = 16384  # rows copied per step when shards are concatenated
 
@@ -273,77 +274,88 @@ def holds_bank_shard(detector) -> bool:
     return isinstance(detector, KNN) and detector.holds_shard
 
 
-def search_bank_shards(job: Job, split: str, world: World) -> dict:
-    """``{name: scores of every row of split, or the error}`` on rank 0 (``{}`` on the others) for the detectors
-    whose bank is split over the ranks: every rank searches every row against its shard
-    (:func:`~oodviz.distributed.search_across_ranks`), in the same order on every rank."""
-    store, found = job.stores[split], {}
-    for name, detector in job.fitted.items():
-        if not holds_bank_shard(detector):
-            continue
-        try:
-            found[name] = search_across_ranks(detector, store_rows(store, 0, store.n, job.device), world, job.device)
-        except Cancelled:
-            raise
-        except Exception as error:  # on rank 0: one detector failing must not stop the others
-            found[name] = f"{type(error).__name__}: {error}"
-    return found if world.is_root else {}
+def scores_on_root(job: Job, detector, split: str, stage, world: World) -> np.ndarray | None:
+    """The scores of every row of ``split`` on rank 0 (None on the others), checked finite; rank 0 raises when any
+    rank failed, the others never do (they send their error), so every rank goes through the same collectives.
 
-
-def score_shard(job: Job, split: str, world: World) -> tuple[dict, dict]:
-    """``({name: scores of this rank's rows}, {name: error})`` for every feature-based detector on ``split``
-    whose bank (if any) is not split over the ranks."""
+    A feature-based detector: each rank scores its contiguous rows, rank 0 gathers them in rank order; one holding
+    a bank shard: every rank searches every row against its shard, rank 0 merges the top-``k`` lists
+    (:func:`~oodviz.distributed.search_across_ranks`); a model-based one: rank 0 alone, on the split's images."""
     store = job.stores[split]
-    start, stop = shard_bounds(store.n, world.rank, world.size)
-    scores, errors = {}, {}
-    for name, detector in job.fitted.items():
-        if detector.needs_model or holds_bank_shard(detector):
-            continue
-        if stop == start:
-            scores[name] = np.zeros(0, dtype=np.float32)
-            continue
+    if detector.needs_model:
+        return validation_scores(job, detector, split, stage) if world.is_root else None
+    if holds_bank_shard(detector):
+        values = search_across_ranks(detector, store_rows(store, 0, store.n, job.device), world, job.device)
+        values = None if values is None else values.numpy()
+    else:
+        start, stop = shard_bounds(store.n, world.rank, world.size)
         try:
-            scores[name] = detector.score(store_rows(store, start, stop, job.device), device=job.device).numpy()
+            rows = store_rows(store, start, stop, job.device)
+            mine = detector.score(rows, device=job.device).numpy() if stop > start else np.zeros(0, np.float32)
         except Cancelled:
             raise
-        except Exception as error:  # one detector failing must not stop the others (recorded by rank 0)
-            errors[name] = f"rank {world.rank}: {type(error).__name__}: {error}"
-    return scores, errors
+        except Exception as error:  # told to rank 0
+            mine = f"rank {world.rank}: {type(error).__name__}: {error}"
+        parts = gather_to_root(mine, world)
+        values = None
+        if world.is_root:
+            failed = [part for part in parts if isinstance(part, str)]
+            if failed:
+                raise RuntimeError("; ".join(failed))
+            values = np.concatenate(parts)
+    return None if values is None else finite_scores(detector, detector.name, split, values)
 
 
 def score_sharded_splits(job: Job, world: World) -> None:
-    """Per scored split: model-based detectors on rank 0, then every rank scores its rows with the others;
-    rank 0 joins them in rank order into the split's scores table. Every rank then drops the detectors that
-    failed anywhere."""
+    """Per scored split: model-based detectors on rank 0, then every other detector by :func:`scores_on_root`;
+    rank 0 writes the split's scores table. Every rank then drops the detectors that failed anywhere."""
     from oodviz.results import score_frame
 
     for split, kind, dataset in job.scored_splits:
         model_scores = score_with_models(job, split) if world.is_root else {}
         with job.reporter.stage(f"score {split}") as stage:
-            parts = gather_to_root(score_shard(job, split, world), world)
-            searched = search_bank_shards(job, split, world)
+            store, frame = job.stores[split], None
             if world.is_root:
-                store = job.stores[split]
                 frame = score_frame(kind, dataset, store.indices, store.labels, store.predictions)
-                for name in list(job.fitted):
-                    if name in model_scores:
-                        frame[name] = model_scores[name]
-                    elif not job.fitted[name].needs_model:
-                        with job.detector_may_fail(name, f"score {split}", stage):
-                            errors = [errs[name] for _, errs in parts if name in errs]
-                            if isinstance(searched.get(name), str):
-                                errors.append(searched[name])
-                            if errors:
-                                raise RuntimeError("; ".join(errors))
-                            values = (
-                                searched[name].numpy()
-                                if name in searched
-                                else np.concatenate([scores[name] for scores, _ in parts])
-                            )
-                            frame[name] = finite_scores(job.fitted[name], name, split, values)
+            for name, detector in list(job.fitted.items()):
+                if name in model_scores:
+                    frame[name] = model_scores[name]
+                elif detector.needs_model:
+                    continue
+                elif world.is_root:
+                    with job.detector_may_fail(name, f"score {split}", stage):
+                        frame[name] = scores_on_root(job, detector, split, stage, world)
+                else:
+                    scores_on_root(job, detector, split, stage, world)
+            if world.is_root:
                 job.frames.append(frame)
             kept = broadcast_from_root(list(job.fitted), world)
             job.fitted = {name: det for name, det in job.fitted.items() if name in kept}
+
+
+def validation_auroc_across_ranks(job: Job, detector, stage, world: World) -> float:
+    """Tuning's AUROC of a fitted detector on the validation splits, scored as the test splits are
+    (:func:`scores_on_root`): rank 0's AUROC on every rank, or its error as a ValueError on every rank."""
+    from oodviz.metrics import ood_metrics
+    from oodviz.runs.tuning import VALIDATION_SPLITS
+
+    scores, outcome = [], None
+    for split, _, _ in VALIDATION_SPLITS:
+        try:
+            scores.append(scores_on_root(job, detector, split, stage, world))
+        except Cancelled:
+            raise
+        except Exception as error:  # rank 0 only; its message goes to every rank
+            outcome = outcome or f"{type(error).__name__}: {error}"
+    if world.is_root and outcome is None:
+        try:
+            outcome = float(ood_metrics(*scores)["auroc"])
+        except Exception as error:
+            outcome = f"{type(error).__name__}: {error}"
+    outcome = broadcast_from_root(outcome, world)
+    if isinstance(outcome, str):
+        raise ValueError(outcome)
+    return outcome
 
 
 def save_whole_banks(job: Job) -> None:
@@ -369,11 +381,13 @@ def on_root(stage, world: World):
 
 def sharded_stages(world: World) -> tuple:
     """The stages of one rank, in order (:data:`oodviz.runs.pipeline.STAGES`, sharded)."""
+    fit = partial(fit_sharded, world=world)
     return (
         load_model,
         load_data,
         partial(extract_splits, open_split=partial(sharded_split, world=world)),
-        partial(fit_detectors, fit_features=partial(fit_sharded, world=world)),
+        partial(tune_detectors, fit_features=fit, auroc_of=partial(validation_auroc_across_ranks, world=world)),
+        partial(fit_detectors, fit_features=fit),
         partial(score_sharded_splits, world=world),
         on_root(save_whole_banks, world),
         on_root(write_scores, world),
@@ -387,15 +401,10 @@ def run_rank(world: World):
     failed detectors``. It joins the process group on the rank's device and leaves it at the end."""
 
     def pipeline(config, run, reporter) -> list[str]:
-        from oodviz.runs.tuning import tunes
         from oodviz.runs.validation import ConfigError
 
         if config.layers:
             raise ConfigError(["a sharded run extracts one layer: run layers = [...] without torchrun, or one layer"])
-        if tunes(config):
-            raise ConfigError(
-                ["a sharded run does not tune on validation data: run it on one device, or unset id_val and ood_val"]
-            )
         job = start_job(config, run, reporter)
         job.device = reporter.device = rank_device(job.device, world)
         job.meta.update(device=str(job.device), world_size=world.size)
