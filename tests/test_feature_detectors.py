@@ -258,7 +258,7 @@ class GeneratedActivations:
         return torch.cat([self.batch(start, generator).features for start in range(0, self.n, self.size)])
 
 
-def test_react_fits_the_exact_percentile_in_two_streaming_passes():
+def test_react_fits_the_exact_percentile_in_at_most_two_streaming_passes():
     source = GeneratedActivations()
     head = (torch.randn(5, source.dim, generator=torch.Generator().manual_seed(0)), torch.zeros(5))
     everything = source.materialise().double().numpy().ravel()  # 1.6M values, only here in the test
@@ -267,7 +267,7 @@ def test_react_fits_the_exact_percentile_in_two_streaming_passes():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # percentile=0.5 is meant (not a fraction)
             det = create("react", percentile=percentile).fit(source, head=head)
-        assert source.passes == 2
+        assert source.passes <= 2 and (percentile > 40 or source.passes == 1)  # in the zeros: one key in the bin
         assert det.threshold_ == np.percentile(everything, percentile), percentile
     gc.collect()
     assert len(source.alive) == 0  # no batch is kept by the fitted detector
@@ -332,33 +332,38 @@ def test_streaming_percentile_refines_when_too_many_values_crowd_a_bin(monkeypat
     from oodviz.detectors import quantiles
 
     g = torch.Generator().manual_seed(5)
-    x = torch.cat([torch.rand(4000, generator=g) + 1, torch.zeros(3000), torch.randn(500, generator=g)])
+    crowd = 1.5 + torch.arange(4).repeat(500) * 2.0**-20  # 2000 values, 4 keys in one 24-bit bin
+    x = torch.cat([torch.rand(4000, generator=g) + 1, torch.zeros(3000), torch.randn(500, generator=g), crowd])
     chunks = list(x.split(333))
-    # collect at once; refine 8 bits where a bin holds over 200 values (the zeros), then collect; count 16+8+8 bits
-    for limit, passes in ((1 << 22, {2}), (200, {2, 3}), (0, {3})):
+    # collect at once (2 passes); refine 8 bits while a bin holds over 200 values, or any (limit 0): 16+8+8 bits
+    for limit, most in ((1 << 22, 2), (200, 3), (0, 3)):
         monkeypatch.setattr(quantiles, "COLLECT_LIMIT", limit)
-        for percentile in (3.0, 30.0, 50.0, 99.0):
-            found, read = exact_percentile(lambda _: chunks, percentile)
-            assert found == np.percentile(x.double().numpy(), percentile) and read in passes, (limit, percentile)
+        reads = {}
+        for percentile in (3.0, 30.0, 50.0, 68.0, 99.0):
+            found, reads[percentile] = exact_percentile(lambda _: chunks, percentile)
+            assert found == np.percentile(x.double().numpy(), percentile), (limit, percentile)
+        assert max(reads.values()) <= most and reads[30.0] == 1, reads  # the zeros: one key in their bin, known
+        assert limit == 1 << 22 or reads[68.0] == 3, reads  # in the crowd: refined twice
 
 
 def test_streaming_percentile_state_does_not_grow_with_n():
-    for n in (10, 100_000):
+    for n in (1000, 100_000):
         x = torch.randn(n, 1, generator=torch.Generator().manual_seed(n))
         streaming = ColumnQuantiles([0.9])
         streaming.update(x)
         assert streaming.counts.numel() == 65536 and not streaming.found  # 16 bits counted, whatever n
         streaming = streaming.next_pass()
         streaming.update(x)
-        assert streaming.counts is None and sum(len(k) for k in streaming.found) <= max(2, n // 100)  # two bins' keys
+        assert streaming.counts is None and sum(len(k) for k in streaming.found) <= n // 100  # two bins' keys
         assert streaming.next_pass().result()[0, 0] == np.percentile(x.double().numpy(), 90)
 
 
 def test_streaming_percentile_refuses_mismatched_passes():
     streaming = ColumnQuantiles([0.5])
-    streaming.update(torch.ones(10, 1))
+    values = 1 + torch.arange(10.0)[:, None] * 2.0**-20  # ten keys in one bin of the first pass
+    streaming.update(values)
     streaming = streaming.next_pass()
-    streaming.update(torch.ones(9, 1))
+    streaming.update(values[:9])
     with pytest.raises(ValueError, match="a pass saw 9 rows, the first saw 10"):
         streaming.next_pass()
 

@@ -14,14 +14,17 @@ same rows again:
    there are more (a very long stream, or values that crowd one bin), the pass instead **counts** the next 8
    bits of the keys in those bins, and the choice comes again after it (after 32 bits the keys are known).
 
-So two passes in the usual case, whatever the number of rows, and ``O(D x 2^b + COLLECT_LIMIT)`` memory. The
-quantiles are then interpolated as ``np.quantile``'s default ("linear") method does, in float64: they equal
-``np.quantile`` of the float32 values taken as float64, bit for bit. Values of other dtypes are rounded to
-float32 first.
+Each pass also keeps the smallest and largest key of every bin: an order statistic in a bin that holds one
+key (the zeros of ReLU features, often where a low percentile falls) is known at once, and needs no more pass.
+So two passes in the usual case (one when every order statistic is in such a bin), whatever the number of
+rows, and ``O(D x 2^b + COLLECT_LIMIT)`` memory. The quantiles are then interpolated as ``np.quantile``'s
+default ("linear") method does, in float64: they equal ``np.quantile`` of the float32 values taken as float64,
+bit for bit. Values of other dtypes are rounded to float32 first.
 
 Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`) every pass's state merges exactly:
-counts add, collected keys concatenate (they are sorted before use), so the next pass, located from the merged
-state, is the same on every shard and the quantiles are those of all the shards' rows.
+counts add, the bins' smallest and largest keys take the minimum and maximum, collected keys concatenate (they
+are sorted before use), so the next pass, planned from the merged state, is the same on every shard and the
+quantiles are those of all the shards' rows.
 """
 
 from __future__ import annotations
@@ -82,9 +85,11 @@ class ColumnQuantiles:
             cq = cq.next_pass()                # merge the shards' states first
         cq.result()                            # [2, D] float64
 
-    A pass's state: its ``plan`` (made by the previous pass; None in the first), the rows it saw and its counts
-    ``[R, D, 2^b]`` int64 or its collected keys (``(r D + d) 2^32 + key``, int64), ``R`` being the number of
-    distinct order statistics wanted (at most two per quantile).
+    A pass's state: its ``plan`` (made by the previous pass; None in the first), the rows it saw, and either its
+    counts, smallest and largest keys per bin (``[G, D, 2^b]`` int64 each, ``G`` = 1 in the first pass, else the
+    number ``R`` of distinct order statistics wanted, at most two per quantile) or its collected keys
+    (``(r D + d) 2^32 + key``, int64). A bin whose smallest and largest keys are equal holds one value (the
+    zeros of ReLU features, say): an order statistic in it is known without another pass.
     """
 
     def __init__(self, quantiles: list[float], plan: dict | None = None):
@@ -92,6 +97,8 @@ class ColumnQuantiles:
         self.plan = plan
         self.rows = 0
         self.counts: Tensor | None = None
+        self.low: Tensor | None = None
+        self.high: Tensor | None = None
         self.found: list[Tensor] = []
 
     @property
@@ -119,23 +126,36 @@ class ColumnQuantiles:
         self.rows += len(x)
 
     def _count(self, keys: Tensor, prefix: Tensor, known: int, bits: int) -> None:
-        """Per order statistic ``r``: count the ``bits`` bits after the first ``known`` of the keys whose first
-        ``known`` bits are ``prefix[r]`` (per column)."""
+        """Per order statistic ``r``: count, and keep the smallest and largest key of, each value of the ``bits``
+        bits after the first ``known`` of the keys whose first ``known`` bits are ``prefix[r]`` (per column)."""
         width, bins = keys.shape[1], 1 << bits
         if self.counts is None:
-            self.counts = torch.zeros(len(prefix), width, bins, dtype=torch.long, device=keys.device)
+            shape, device = (len(prefix), width, bins), keys.device
+            self.counts = torch.zeros(shape, dtype=torch.long, device=device)
+            self.low = torch.full(shape, 1 << _KEY_BITS, dtype=torch.long, device=device)  # above every key
+            self.high = torch.full(shape, -1, dtype=torch.long, device=device)
         cells = torch.arange(width, device=keys.device) * bins + ((keys >> (_KEY_BITS - known - bits)) & (bins - 1))
-        for r, counts in enumerate(self.counts):
-            chosen = cells if known == 0 else cells[(keys >> (_KEY_BITS - known)) == prefix[r]]
-            counts += torch.bincount(chosen.flatten(), minlength=width * bins).view(width, bins)
+        for r in range(len(prefix)):
+            chosen = None if known == 0 else (keys >> (_KEY_BITS - known)) == prefix[r]
+            where, which = (cells, keys) if chosen is None else (cells[chosen], keys[chosen])
+            where, which = where.flatten(), which.flatten()
+            self.counts[r] += torch.bincount(where, minlength=width * bins).view(width, bins)
+            self.low[r].view(-1).scatter_reduce_(0, where, which, "amin")
+            self.high[r].view(-1).scatter_reduce_(0, where, which, "amax")
 
     def merge(self, other: ColumnQuantiles) -> ColumnQuantiles:
-        """Add the state of ``other``, which saw other rows in the same pass (counts add, keys concatenate)."""
+        """Add the state of ``other``, which saw other rows in the same pass (counts add, smallest and largest keys
+        take the minimum and maximum, collected keys concatenate)."""
         if self._known() != other._known():
             raise ValueError("ColumnQuantiles.merge: the states are at different passes")
         if other.counts is not None:
-            counts = other.counts.to(self.counts.device) if self.counts is not None else other.counts.clone()
-            self.counts = counts if self.counts is None else self.counts.add_(counts)
+            if self.counts is None:
+                self.counts, self.low, self.high = (t.clone() for t in (other.counts, other.low, other.high))
+            else:
+                device = self.counts.device
+                self.counts.add_(other.counts.to(device))
+                torch.minimum(self.low, other.low.to(device), out=self.low)
+                torch.maximum(self.high, other.high.to(device), out=self.high)
         self.found += other.found
         self.rows += other.rows
         return self
@@ -144,10 +164,18 @@ class ColumnQuantiles:
         return -1 if self.plan is None else self.plan["known"]
 
     def state_dict(self) -> dict:
-        return {"plan": self.plan, "rows": self.rows, "counts": self.counts, "found": list(self.found)}
+        return {
+            "plan": self.plan,
+            "rows": self.rows,
+            "counts": self.counts,
+            "low": self.low,
+            "high": self.high,
+            "found": list(self.found),
+        }
 
     def load_state_dict(self, state: dict) -> ColumnQuantiles:
-        self.plan, self.rows, self.counts = state["plan"], state["rows"], state["counts"]
+        self.plan, self.rows = state["plan"], state["rows"]
+        self.counts, self.low, self.high = state["counts"], state["low"], state["high"]
         self.found = list(state["found"])
         return self
 
@@ -166,28 +194,35 @@ class ColumnQuantiles:
                 raise ValueError("ColumnQuantiles: no rows were counted")
             ranks = sorted({rank for q in self.quantiles for rank in self._virtual_index(q, self.rows)[:2]})
             within = torch.tensor(ranks, device=self.counts.device)[:, None].repeat(1, self.counts.shape[1])
-            plan = {"rows": self.rows, "ranks": ranks, "kind": "count", "known": 0, "within": within}
-            plan["prefix"] = torch.zeros_like(within)
-            counts, bits = self.counts.expand(len(ranks), -1, -1), first_bits(self.counts.shape[1])
+            plan = {"rows": self.rows, "ranks": ranks, "kind": "count", "known": 0, "bits": first_bits(within.shape[1])}
+            plan.update(within=within, prefix=torch.zeros_like(within), keys=torch.zeros_like(within))
+            plan["resolved"] = torch.zeros_like(within, dtype=torch.bool)
+            tables = (self.counts, self.counts.cumsum(dim=2), self.low, self.high)  # one table for every rank
+            counts, cumulative, low, high = (t.expand(len(ranks), -1, -1) for t in tables)
         else:
-            plan, counts, bits = self.plan, self.counts, self.plan.get("bits")
+            plan, counts, low, high = self.plan, self.counts, self.low, self.high
+            cumulative = None if plan["kind"] == "collect" else counts.cumsum(dim=2)  # [R, D, bins]
         if self.rows != plan["rows"]:
             raise ValueError(
                 f"ColumnQuantiles: a pass saw {self.rows} rows, the first saw {plan['rows']}; "
                 "every pass must read the same rows"
             )
-        following = {"rows": plan["rows"], "ranks": plan["ranks"]}
+        following = {"rows": plan["rows"], "ranks": plan["ranks"], "within": plan["within"]}
         if plan["kind"] == "collect":
             return ColumnQuantiles(self.quantiles, {**following, "kind": "done", "keys": self._collected_keys()})
-        cumulative = counts.cumsum(dim=2)  # [R, D, bins]
-        digit = torch.searchsorted(cumulative, plan["within"][..., None], right=True)  # [R, D, 1]
+        bits = plan["bits"]
+        digit = torch.searchsorted(cumulative, plan["within"][..., None], right=True).clamp_(max=(1 << bits) - 1)
         before = torch.where(digit > 0, cumulative.gather(2, (digit - 1).clamp(min=0)), 0).squeeze(2)
         known = plan["known"] + bits
-        prefix = (plan["prefix"] << bits) | digit.squeeze(2)
-        in_bin = counts.gather(2, digit).squeeze(2)  # keys with that prefix, per order statistic and column
-        following.update(known=known, within=plan["within"] - before, prefix=prefix, in_bin=in_bin)
-        if known == _KEY_BITS:
-            following.update(kind="done", keys=prefix)  # the prefixes are the keys
+        single = low.gather(2, digit).squeeze(2) == high.gather(2, digit).squeeze(2)  # one key in the bin
+        resolved = plan["resolved"] | single
+        keys = torch.where(single & ~plan["resolved"], low.gather(2, digit).squeeze(2), plan["keys"])
+        in_bin = torch.where(resolved, 0, counts.gather(2, digit).squeeze(2))  # keys left to look at, per group
+        prefix = torch.where(resolved, -1, (plan["prefix"] << bits) | digit.squeeze(2))  # -1: no key matches
+        following.update(known=known, within=plan["within"] - before, prefix=prefix, keys=keys, resolved=resolved)
+        following["in_bin"] = in_bin
+        if bool(resolved.all()):
+            following["kind"] = "done"
         elif int(in_bin.sum()) <= COLLECT_LIMIT:
             columns = torch.arange(prefix.numel(), device=prefix.device).view_as(prefix)
             following.update(kind="collect", tags=columns << _KEY_BITS)
@@ -196,15 +231,18 @@ class ColumnQuantiles:
         return ColumnQuantiles(self.quantiles, following)
 
     def _collected_keys(self) -> Tensor:
-        """``[R, D]``: the keys of the order statistics, from a collecting pass (its keys sorted by order
-        statistic, column and key; each one's group holds ``in_bin`` keys, it is ``within``-th of them)."""
+        """``[R, D]``: the keys of the order statistics, after a collecting pass (its keys sorted by order
+        statistic, column and key; each unresolved one's group holds ``in_bin`` keys, it is ``within``-th of them)."""
         plan = self.plan
         found = torch.cat(self.found).sort().values
         sizes = plan["in_bin"].flatten()
         if len(found) != int(sizes.sum()):
             raise ValueError("ColumnQuantiles: the last pass did not read the rows of the first")
         first = sizes.cumsum(0) - sizes  # where each (r, d) group starts
-        return (found[first + plan["within"].flatten()] & 0xFFFFFFFF).view_as(plan["within"])
+        pending = ~plan["resolved"].flatten()
+        keys = plan["keys"].flatten().clone()
+        keys[pending] = found[(first + plan["within"].flatten())[pending]] & 0xFFFFFFFF
+        return keys.view_as(plan["keys"])
 
     def result(self) -> Tensor:
         """``[len(quantiles), D]`` float64: the quantiles of every column, numpy's linear interpolation."""

@@ -74,11 +74,11 @@ class VRA(Detector):
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
-        """``8 x (2 x 4 x max(2^20, 512 D) + 2 x 2^22 + C x D + C)``: the first pass's counts of up to four order
-        statistics per unit and their cumulative sums (int64), the keys the second pass collects and sorts, and
-        the head."""
-        counts = 4 * max(FIRST_COUNTS, 512 * n_features)
-        return 8 * (2 * counts + 2 * COLLECT_LIMIT + n_classes * n_features + n_classes)
+        """``8 x (4 x max(2^20, 1024 D) + 2 x 2^22 + C x D + C)``: a pass's counts, smallest and largest keys per bin
+        and cumulative counts (int64; about a million bins in the first pass, ``4 x D x 256`` in a refining one),
+        the keys the collecting pass keeps and sorts, and the head."""
+        bins = max(FIRST_COUNTS, 1024 * n_features)
+        return 8 * (4 * bins + 2 * COLLECT_LIMIT + n_classes * n_features + n_classes)
 
     def _new_parts(self, pass_index: int) -> dict:
         """The radix selection's pass: the first counts upper key bits per unit, the next follows the merged plan."""
