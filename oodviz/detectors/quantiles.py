@@ -221,28 +221,37 @@ class ColumnQuantiles:
         prefix = torch.where(resolved, -1, (plan["prefix"] << bits) | digit.squeeze(2))  # -1: no key matches
         following.update(known=known, within=plan["within"] - before, prefix=prefix, keys=keys, resolved=resolved)
         following["in_bin"] = in_bin
+        # order statistics in the bin of the one before (below and above an interpolation, often): collected once
+        source = torch.arange(len(prefix), device=prefix.device)[:, None].repeat(1, prefix.shape[1])
+        for r in range(1, len(prefix)):
+            shared = (prefix[r] == prefix[r - 1]) & ~resolved[r]
+            source[r] = torch.where(shared, source[r - 1], r)
+        sizes = torch.where(source == torch.arange(len(prefix), device=prefix.device)[:, None], in_bin, 0)
         if bool(resolved.all()):
             following["kind"] = "done"
-        elif int(in_bin.sum()) <= COLLECT_LIMIT:
+        elif int(sizes.sum()) <= COLLECT_LIMIT:
             columns = torch.arange(prefix.numel(), device=prefix.device).view_as(prefix)
-            following.update(kind="collect", tags=columns << _KEY_BITS)
+            collected = torch.where(sizes > 0, prefix, -1)
+            following.update(kind="collect", tags=columns << _KEY_BITS, prefix=collected, in_bin=sizes, source=source)
         else:
             following.update(kind="count", bits=min(_REFINE_BITS, _KEY_BITS - known))
         return ColumnQuantiles(self.quantiles, following)
 
     def _collected_keys(self) -> Tensor:
         """``[R, D]``: the keys of the order statistics, after a collecting pass (its keys sorted by order
-        statistic, column and key; each unresolved one's group holds ``in_bin`` keys, it is ``within``-th of them)."""
+        statistic, column and key; an unresolved one is the ``within``-th key of the group that collected its bin,
+        ``source``: itself, or the order statistic before it when they share the bin)."""
         plan = self.plan
         found = torch.cat(self.found).sort().values
-        sizes = plan["in_bin"].flatten()
+        sizes = plan["in_bin"]
         if len(found) != int(sizes.sum()):
             raise ValueError("ColumnQuantiles: the last pass did not read the rows of the first")
-        first = sizes.cumsum(0) - sizes  # where each (r, d) group starts
-        pending = ~plan["resolved"].flatten()
-        keys = plan["keys"].flatten().clone()
-        keys[pending] = found[(first + plan["within"].flatten())[pending]] & 0xFFFFFFFF
-        return keys.view_as(plan["keys"])
+        first = (sizes.flatten().cumsum(0) - sizes.flatten()).view_as(sizes)  # where each (r, d) group starts
+        start = first.gather(0, plan["source"])  # the group that collected the bin's keys
+        pending = ~plan["resolved"]
+        keys = plan["keys"].clone()
+        keys[pending] = found[(start + plan["within"])[pending]] & 0xFFFFFFFF
+        return keys
 
     def result(self) -> Tensor:
         """``[len(quantiles), D]`` float64: the quantiles of every column, numpy's linear interpolation."""
