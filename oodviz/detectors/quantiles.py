@@ -211,7 +211,11 @@ class ColumnQuantiles:
         if plan["kind"] == "collect":
             return ColumnQuantiles(self.quantiles, {**following, "kind": "done", "keys": self._collected_keys()})
         bits = plan["bits"]
-        digit = torch.searchsorted(cumulative, plan["within"][..., None], right=True).clamp_(max=(1 << bits) - 1)
+        if cumulative.stride(0) == 0:  # the first pass: one table for every order statistic, searched as [D, R]
+            digit = torch.searchsorted(cumulative[0], plan["within"].T.contiguous(), right=True).T[..., None]
+        else:
+            digit = torch.searchsorted(cumulative, plan["within"][..., None], right=True)  # [R, D, 1]
+        digit = digit.clamp(max=(1 << bits) - 1)
         before = torch.where(digit > 0, cumulative.gather(2, (digit - 1).clamp(min=0)), 0).squeeze(2)
         known = plan["known"] + bits
         single = low.gather(2, digit).squeeze(2) == high.gather(2, digit).squeeze(2)  # one key in the bin
