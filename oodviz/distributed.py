@@ -17,6 +17,9 @@ torch's elastic launcher sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTE
 - :func:`fit_across_ranks`: the fit of a mergeable detector (:mod:`oodviz.detectors.protocol`) split over the
   ranks: each updates on its rows, the states are gathered and merged in rank order on every rank, and every
   rank finalizes the same state (once per fit pass).
+- :func:`fit_bank_across_ranks` / :func:`search_across_ranks`: knn and nnguide with the bank split over the
+  ranks (each keeps its rows of the fit split as its bank shard and searches it; rank 0 merges the top-``k``
+  lists exactly, :mod:`oodviz.detectors.knn`).
 - :func:`merge_across_ranks`: the exact merge of a streaming statistic that each rank updated on its own
   shard (:class:`~oodviz.detectors.stats.ClassMoments`, :class:`~oodviz.detectors.stats.ClassMeans`: float64
   shifted sums, Chan-style), the same on every rank: the building block of a fit split across processes.
@@ -224,11 +227,60 @@ def fit_across_ranks(detector, batches, world: World, head=None, device=None):
         except Exception as raised:  # told to the other ranks, then raised here
             error, mine = raised, f"rank {world.rank}: {type(raised).__name__}: {raised}"
         states = all_gather(mine, world)
-        if error is not None:
-            raise error
-        failed = [state for state in states if isinstance(state, str)]
-        if failed:
-            raise ValueError(f"{detector.name}: the fit failed on another rank: {'; '.join(failed)}")
+        _gathered_or_raise(error, states, f"{detector.name}: the fit")
         load_merged(detector, [on_device(state, target) for state in states]).finalize()
         if not detector.fit_in_progress:
             return detector
+
+
+def _gathered_or_raise(error, states: list, what: str):
+    """Raise ``error`` (this rank's) or a ValueError naming the ranks whose gathered value is an error string."""
+    if error is not None:
+        raise error
+    failed = [state for state in states if isinstance(state, str)]
+    if failed:
+        raise ValueError(f"{what} failed on another rank: {'; '.join(failed)}")
+
+
+def fit_bank_across_ranks(detector, batches, world: World, head=None, device=None):
+    """Fit knn or nnguide (a :class:`~oodviz.detectors.knn.KNN`) with the bank split over the ranks; returns it.
+
+    Each rank keeps this rank's ``batches`` (its contiguous rows of the fit split, none empty) as its bank shard
+    (:meth:`~oodviz.detectors.knn.KNN.fit_shard`); the shards' rows are all-gathered and ``k`` is checked against
+    their sum, the bank's rows. Score with :func:`search_across_ranks`. One process: an ordinary fit. A rank whose
+    fit raises still takes part in the gather (with its error), so no rank waits for it."""
+    if not world.distributed:
+        return detector.fit(batches, head=head, device=device)
+    error, mine = None, 0
+    try:
+        mine = len(detector.fit_shard(batches, head=head, device=device).bank_)
+    except Exception as raised:  # told to the other ranks, then raised here
+        error, mine = raised, f"rank {world.rank}: {type(raised).__name__}: {raised}"
+    rows = all_gather(mine, world)
+    _gathered_or_raise(error, rows, f"{detector.name}: the fit of a bank shard")
+    detector.check_bank_rows(sum(rows))
+    return detector
+
+
+def search_across_ranks(detector, batches, world: World, device=None):
+    """Scores ``[N]`` (CPU float32) of all the queries ``batches`` against a bank split over the ranks
+    (:func:`fit_bank_across_ranks`), on rank 0; None on the others.
+
+    Every rank searches every query against its shard (:meth:`~oodviz.detectors.knn.KNN.top_similarities`,
+    ``[N, k]``), rank 0 gathers the ``W`` lists, keeps the ``k`` largest of their union
+    (:meth:`~oodviz.detectors.knn.KNN.merge_top`: exact, each bank row being in one shard) and applies
+    :meth:`~oodviz.detectors.knn.KNN.scores_from_top` with its own per-query numbers. Bytes gathered on rank 0:
+    ``4 W N k``. A rank whose search raises sends its error instead: rank 0 then raises a ValueError naming it,
+    the others return None. One process: ``detector.score(batches)``."""
+    if not world.distributed:
+        return detector.score(batches, device=device)
+    error, extra = None, None
+    try:
+        mine, extra = detector.top_similarities(batches, device)
+    except Exception as raised:  # told to rank 0
+        error, mine = raised, f"rank {world.rank}: {type(raised).__name__}: {raised}"
+    parts = gather_to_root(mine, world)
+    if not world.is_root:
+        return None
+    _gathered_or_raise(error, parts, f"{detector.name}: the search of a bank shard")
+    return detector.scores_from_top(detector.merge_top(parts, detector.k), extra)

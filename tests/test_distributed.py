@@ -138,6 +138,30 @@ def test_torchrun_gets_standalone_on_one_node_and_the_rendezvous_on_several(tmp_
         torchrun_argv(tmp_path, 2, nnodes=2, node_rank=2, rdzv_endpoint="h:1")
 
 
+def test_knn_bank_shards_searched_and_merged_give_the_whole_banks_top_k_and_a_shard_refuses_to_score():
+    import torch
+
+    from oodviz import Batch
+    from oodviz.detectors import create
+    from oodviz.detectors.knn import KNN
+
+    g = torch.Generator().manual_seed(0)
+    bank, queries = torch.randn(40, 6, generator=g), Batch(features=torch.randn(25, 6, generator=g))
+    shards = [create("knn", k=5, chunk_size=8).fit_shard(Batch(features=bank[a:b])) for a, b in ((0, 3), (3, 40))]
+    merged = KNN.merge_top([shard.top_similarities(queries)[0] for shard in shards], 5)  # the first has < k rows
+    z = bank.double().numpy() / np.linalg.norm(bank.double().numpy(), axis=1, keepdims=True)
+    q = queries.features.double().numpy() / np.linalg.norm(queries.features.double().numpy(), axis=1, keepdims=True)
+    expected = -np.sort(-(q @ z.T), axis=1)[:, :5]  # float64: the 5 largest cosine similarities over the whole bank
+    np.testing.assert_allclose(merged.numpy(), expected, rtol=0, atol=1e-6)
+    whole = create("knn", k=5).fit(Batch(features=bank)).score(queries).numpy()
+    np.testing.assert_allclose(shards[0].scores_from_top(merged, None).numpy(), whole, rtol=1e-6)
+    with pytest.raises(ValueError, match="holds one shard of the bank"):
+        shards[1].score(queries)
+    shards[0].check_bank_rows(40)
+    with pytest.raises(ValueError, match="k=5 exceeds the 4"):
+        shards[0].check_bank_rows(4)
+
+
 # ---- the same answer --------------------------------------------------------------------------------------
 
 
@@ -276,7 +300,8 @@ import torch
 from oodviz import Batch
 from oodviz.detectors import available, create, detector_class
 from oodviz.detectors.stats import ClassMeans, ClassMoments
-from oodviz.distributed import World, fit_across_ranks, join_world, leave_world, merge_across_ranks, shard_bounds
+from oodviz.distributed import (World, fit_across_ranks, fit_bank_across_ranks, join_world, leave_world,
+                                merge_across_ranks, search_across_ranks, shard_bounds)
 
 world = World.from_env()
 data = np.load(sys.argv[1])
@@ -299,6 +324,14 @@ for name in [n for n in available() if detector_class(n).mergeable]:
         if key.endswith("_") and (isinstance(value, float) or isinstance(value, torch.Tensor) and value.is_floating_point()):
             fitted[f"{name}.{key}"] = np.asarray(value)
     fitted[f"{name}.scores"] = detector.score(Batch(features=x, logits=logits)).numpy()
+centred = [Batch(features=b.features - 1e3, logits=b.logits) for b in shard]  # knn: directions, not the offset
+queries = [Batch(features=x[i : i + 300] - 1e3, logits=logits[i : i + 300]) for i in range(0, len(y), 300)]
+for name in ("knn", "nnguide"):  # the bank split over the ranks, each searching its shard
+    detector = fit_bank_across_ranks(create(name, chunk_size=128), centred, world, head=head)
+    fitted[f"bank_rows-{name}"] = len(detector.bank_)
+    scores = search_across_ranks(detector, queries, world)
+    if world.is_root:
+        fitted[f"searched-{name}"] = scores.numpy()
 leave_world()
 np.savez(sys.argv[2], counts=moments.counts.numpy(), means=moments.means.numpy(), within=moments.within.numpy(),
          sums=means.sums.numpy(), mean_counts=means.counts.numpy(), **fitted)
@@ -365,6 +398,8 @@ def test_statistics_and_detector_fits_split_across_ranks_give_the_single_process
         "she",
         "tempscale",
         "vim",
+        "vra",
+        "weiper",
     ]
     for name in names:
         single = create(name).fit(batches, head=head)
@@ -378,3 +413,11 @@ def test_statistics_and_detector_fits_split_across_ranks_give_the_single_process
             np.testing.assert_allclose(merged[key], value, rtol=0, atol=tolerance * np.abs(value).max(), err_msg=key)
         scores = single.score(Batch(features=torch.from_numpy(x), logits=torch.from_numpy(logits))).numpy()
         np.testing.assert_allclose(merged[f"{name}.scores"], scores, rtol=1e-5, atol=1e-5 * np.abs(scores).max())
+    # knn and nnguide: each rank's bank is its half; the merged top-k search = one process's search of all rows
+    centred = torch.from_numpy(x - np.float32(1e3))
+    for name in ("knn", "nnguide"):
+        assert [int(r[f"bank_rows-{name}"]) for r in results] == [n // 2, n // 2]
+        assert f"searched-{name}" not in results[1].files  # the scores are rank 0's
+        single = create(name).fit([Batch(features=centred, logits=torch.from_numpy(logits))], head=head)
+        expected = single.score(Batch(features=centred, logits=torch.from_numpy(logits))).numpy()
+        np.testing.assert_allclose(merged[f"searched-{name}"], expected, rtol=1e-6, err_msg=name)

@@ -27,6 +27,8 @@ def test_the_statistics_detectors_are_mergeable():
         "react",
         "tempscale",
         "openmax",
+        "vra",
+        "weiper",
     }
 
 

@@ -340,14 +340,35 @@ def test_the_readme_detector_table_lists_every_detector_with_its_grid_and_paper(
             assert grid == "—", (name, grid)
 
 
-def test_a_sharded_run_refuses_to_tune_before_any_work(tmp_path):
-    from oodviz.distributed import World
-    from oodviz.runs.sharded import run_rank
+def test_a_sharded_run_tunes_like_one_process(tuned_run, tmp_path):
+    """Two gloo processes on the single-process run's stores: each grid point fitted split over the ranks (knn: bank
+    shards), the validation splits scored by rank slices (odin: rank 0 on the images); the same grid results,
+    choices and scores as one process."""
+    import os
+    import subprocess
+    import sys
 
-    run = RunDir.create(tmp_path, tuning_config().to_dict())
-    with pytest.raises(ConfigError, match="a sharded run does not tune on validation data"):
-        run_rank(World(0, 2, 0))(tuning_config(), run, None)
-    assert not (run.path / "meta.json").exists()
+    config = tmp_path / "tuning.json"
+    tuning_config().save(config)
+    shutil.copytree(tuned_run.path.parent / STORES_DIRNAME, tmp_path / "runs" / STORES_DIRNAME)
+    out = tmp_path / "runs" / "two"
+    command = [sys.executable, "-m", "oodviz.cli", "run", str(config), "--nproc-per-node", "2", "--out", str(out)]
+    result = subprocess.run(
+        command, env=dict(os.environ, OODVIZ_DIST_TIMEOUT_S="120"), capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = json.loads((tuned_run.path / "detectors.json").read_text())
+    sharded = json.loads((out / "detectors.json").read_text())
+    for name in ("energy", "react", "knn", "odin"):
+        a, b = single[name]["tuning"], sharded[name]["tuning"]
+        assert b["chosen"] == a["chosen"] and b["grid"] == a["grid"] and b["fits"] == a["fits"], name
+        assert [row["params"] for row in b["results"]] == [row["params"] for row in a["results"]], name
+        np.testing.assert_allclose([row["auroc"] for row in b["results"]], [row["auroc"] for row in a["results"]],
+                                   rtol=0, atol=1e-6, err_msg=name)  # fmt: skip
+    expected, found = (pd.read_parquet(run / "scores.parquet") for run in (tuned_run.path, out))
+    assert list(found.columns) == list(expected.columns)
+    for name in ("energy", "react", "knn", "msp", "odin"):
+        np.testing.assert_allclose(found[name], expected[name], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
 def test_validation_folders_are_confined_to_the_data_dirs_like_every_split(tmp_path):

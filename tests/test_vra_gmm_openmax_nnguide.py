@@ -10,7 +10,7 @@ from scipy.special import logsumexp
 
 from oodviz import Batch
 from oodviz.detectors import create
-from oodviz.detectors.vra import ColumnQuantiles
+from oodviz.detectors.quantiles import ColumnQuantiles, first_bits
 
 
 def _relu(problem: Problem) -> Problem:
@@ -67,24 +67,26 @@ def test_column_quantiles_are_numpys_exactly_for_any_batching(dtype):
     expected = np.quantile(x.float().numpy().astype(np.float64), quantiles, axis=0)
     for size in (1001, 64, 13):
         streaming = ColumnQuantiles(quantiles)
-        for _ in range(4):
+        while not streaming.complete:
             for start in range(0, len(x), size):
                 streaming.update(x[start : start + size])
-            streaming.end_pass()
+            streaming = streaming.next_pass()
         np.testing.assert_array_equal(streaming.result().numpy(), expected)
 
 
 def test_column_quantiles_state_does_not_grow_with_n_and_refuses_changed_passes():
     sizes = []
     for n in (100, 5000):
+        x = 1 + torch.rand(n, 5, generator=torch.Generator().manual_seed(n)) * 2.0**-10  # one bin of the first pass
         streaming = ColumnQuantiles([0.1, 0.9])
-        streaming.update(torch.randn(n, 5))
-        streaming.end_pass()
-        sizes.append(streaming._counts.numel())
-        streaming.update(torch.randn(n - 1, 5))
-        with pytest.raises(ValueError, match=rf"pass 2 saw {n - 1} rows, the first saw {n}"):
-            streaming.end_pass()
-    assert sizes[0] == sizes[1] == 4 * 5 * 256
+        streaming.update(x)
+        sizes.append(streaming.counts.numel())
+        streaming = streaming.next_pass()
+        streaming.update(x[1:])
+        with pytest.raises(ValueError, match=rf"a pass saw {n - 1} rows, the first saw {n}"):
+            streaming.next_pass()
+    assert sizes[0] == sizes[1] == 5 * 2 ** first_bits(5) == 5 * 65536
+    assert 512 * 2 ** first_bits(512) == 2048 * 2 ** first_bits(2048) == 2**20  # about a million counts
 
 
 def test_vra_percentiles_in_percent_and_ordered(relu_problem):

@@ -44,10 +44,16 @@ lists, i.e. exact, at worst): features without cluster structure get a wide sear
 narrow one, and the scores' ranking stays that of the exact search (AUROC within 1e-3 on
 ``bench/knn_scale.py``).
 
-Split over ranks (a run on several processes), knn is not mergeable: every rank's bank is the whole ID fit
-store, the memory map of the merged store (no copy per rank), and each rank scores its own rows against all of
-it, which is exact with no top-k merge. (Each rank searching a bank shard and an exact merge of the ``W`` top-k
-lists would divide the per-rank search by ``W`` but gather ``[N, k]`` per split; not done.)
+Split over ranks (a run on several processes, :func:`oodviz.distributed.fit_bank_across_ranks` and
+:func:`~oodviz.distributed.search_across_ranks`), the bank is the union of shards: rank ``r`` keeps its own
+contiguous rows of the fit split as its bank (:meth:`KNN.fit_shard`; the memory map of those rows of the
+store, no copy, when they are all in-distribution), so bank reads per rank are ``1/W`` of the bank; every
+rank searches every query against its shard (:meth:`KNN.top_similarities`: the ``k`` largest inner products
+with its rows, ``-inf`` where the shard has fewer than ``k``), and rank 0 merges the ``W`` lists
+(:meth:`KNN.merge_top`: the ``k`` largest of their union, which are the ``k`` largest over the whole bank, since
+every row of the bank is in exactly one shard), then applies :meth:`KNN.scores_from_top`. ``k`` is checked
+against the union's rows. A detector holding a shard refuses ``score`` (its own scores would be those of a
+smaller bank).
 """
 
 import contextlib
@@ -135,7 +141,27 @@ class KNN(Detector):
         """The bank rows written for fit features ``[b, D]``: float32, L2-normalised."""
         return _normalise(features)
 
-    def _check_k(self, bank_rows: int) -> None:
+    _holds_shard = False
+
+    @property
+    def holds_shard(self) -> bool:
+        """True after :meth:`fit_shard`: the bank is one shard of the whole (``score`` refuses; module docstring)."""
+        return self._holds_shard
+
+    def fit(self, batches, head=None, device=None):
+        self._holds_shard = False
+        return super().fit(batches, head=head, device=device)
+
+    def fit_shard(self, batches, head=None, device=None):
+        """Fit the bank of one shard (a rank's rows of the fit split), as :meth:`fit` does but with ``k`` left
+        unchecked: the shard may hold fewer than ``k`` rows; check the union with :meth:`check_bank_rows`."""
+        self._holds_shard = True
+        return super().fit(batches, head=head, device=device)
+
+    def check_bank_rows(self, bank_rows: int) -> None:
+        """ValueError when the bank (all shards together: ``bank_rows``, which a shard remembers for later changes
+        of ``k``) has fewer than ``k`` rows."""
+        self._bank_rows = bank_rows
         if bank_rows < self.k:
             raise ValueError(
                 f"{self.name}: k={self.k} exceeds the {bank_rows} in-distribution samples; choose k <= {bank_rows}."
@@ -143,14 +169,15 @@ class KNN(Detector):
 
     def _check_fitted_params(self) -> None:
         if hasattr(self, "bank_"):
-            self._check_k(len(self.bank_))
+            self.check_bank_rows(getattr(self, "_bank_rows", len(self.bank_)) if self.holds_shard else len(self.bank_))
 
     def _query_extra(self, batch) -> Tensor | None:
         """Per-query numbers the final score needs besides the similarities (``[B]``, kept on the CPU), or None."""
         return None
 
     def _keep_bank(self, bank: np.ndarray, normalised: bool) -> None:
-        self._check_k(len(bank))
+        if not self.holds_shard:
+            self.check_bank_rows(len(bank))
         self.bank_ = bank  # [N, D] memory map
         self.bank_path_ = str(bank.filename)
         self.bank_normalised_ = normalised  # False: the feature store's raw features, normalised as read
@@ -162,8 +189,23 @@ class KNN(Detector):
         One pass over the bank for all the batches (see the module docstring); the batches are read once,
         so a one-shot iterable is fine.
         """
-        kth_similarity = self.top_similarities(batches, device)[0][:, -1]
-        return (2 - 2 * kth_similarity).clamp(min=0).sqrt().float()
+        if self.holds_shard:
+            raise ValueError(
+                f"{self.name} holds one shard of the bank (fit_shard): its own scores are not those of the whole "
+                "bank; search every shard with top_similarities and merge them (oodviz.distributed.search_across_ranks)"
+            )
+        return self.scores_from_top(*self.top_similarities(batches, device))
+
+    def scores_from_top(self, best: Tensor, extra: Tensor | None) -> Tensor:
+        """The scores ``[N]`` (CPU float32) from the queries' top-``k`` similarities ``best`` ``[N, k]`` (decreasing)
+        and their :meth:`_query_extra` ``extra``: ``sqrt(2 - 2 best[:, k-1])``, the distance to the k-th neighbour."""
+        return (2 - 2 * best[:, -1]).clamp(min=0).sqrt().float()
+
+    @staticmethod
+    def merge_top(parts: list[Tensor], k: int) -> Tensor:
+        """The ``k`` largest similarities ``[N, k]`` (decreasing) of the union of several banks' top-``k`` lists
+        ``parts`` (each ``[N, k]``, one per bank shard, ``-inf`` for missing neighbours): the top-``k`` of the whole bank."""
+        return torch.cat(parts, dim=1).topk(k, dim=1).values
 
     def top_similarities(self, batches, device=None) -> tuple[Tensor, Tensor | None]:
         """The ``k`` largest inner products of each normalised query with the bank rows, ``[N, k]`` in decreasing

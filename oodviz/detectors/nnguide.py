@@ -24,8 +24,8 @@ detector), read in chunks once per ``score`` call, on the GPU when it fits, or s
 ``backend="faiss-flat"`` / ``"faiss-ivf"``. Memory: one bank chunk and the ``[N_queries, k]`` running
 top-k, whatever the size of the bank.
 
-Not mergeable (the state protocol, :mod:`oodviz.detectors.protocol`): like knn, in a run split over ranks
-every rank builds the bank from the whole ID fit store and scores its own rows against it (exact).
+Split over ranks, the bank is sharded as knn's (each rank keeps the scaled rows of its shard and searches it;
+rank 0 merges the top-``k`` lists exactly: :mod:`~oodviz.detectors.knn`).
 """
 
 import torch
@@ -71,10 +71,8 @@ class NNGuide(KNN):
     def _query_extra(self, batch) -> Tensor:
         return confidence(batch.features, self.head_weight_, self.head_bias_).cpu()
 
-    @torch.no_grad()
-    def score(self, batches, device=None) -> Tensor:
-        """Outlier scores ``[N]`` (CPU float32, order of the batches): ``-guidance(x) E(x)``; higher = more OOD.
-
-        One pass over the bank for all the batches, as knn's; a one-shot iterable is fine."""
-        best, confidences = self.top_similarities(batches, device)
-        return -(best.mean(dim=1) * confidences)
+    def scores_from_top(self, best: Tensor, extra: Tensor | None) -> Tensor:
+        """Outlier scores ``[N]`` (CPU float32) from the top-``k`` similarities ``best`` ``[N, k]`` and the queries'
+        confidences ``extra`` ``[N]``: ``-guidance(x) E(x)``; higher = more OOD. ``score`` reads the bank once
+        for all the batches, as knn's; a one-shot iterable is fine."""
+        return -(best.mean(dim=1) * extra)

@@ -2,7 +2,7 @@
 
 In the shape of torchmetrics' metrics. A detector whose class sets ``mergeable = True`` keeps its fit as a
 :class:`FitState`: named accumulators (:class:`~oodviz.detectors.stats.ClassMoments`,
-:class:`~oodviz.detectors.stats.ClassMeans`, :class:`Sums`, ...) each with ``update``-like methods, an exact
+:class:`~oodviz.detectors.stats.ClassMeans`, :class:`Sums`, :class:`Extremes`, ...) each with ``update``-like methods, an exact
 ``merge(other)`` (float64 sums; Chan-style shifted sums for scatters) and ``state_dict()`` /
 ``load_state_dict()`` of tensors.
 
@@ -52,6 +52,35 @@ class Sums:
 
     def load_state_dict(self, state: dict) -> Sums:
         self.value = state["value"]
+        return self
+
+
+class Extremes:
+    """The smallest and largest values seen, elementwise (float64 ``[K]`` each; weiper's value ranges): a merge
+    takes the minimum and the maximum, which is exact."""
+
+    def __init__(self, low: Tensor | None = None, high: Tensor | None = None):
+        self.low, self.high = low, high
+
+    def add(self, low: Tensor, high: Tensor) -> None:
+        """Widen the ranges to ``low`` and ``high`` (the first call sets the shape and device)."""
+        low, high = low.to(ACCUMULATE), high.to(ACCUMULATE)
+        if self.low is None:
+            self.low, self.high = low.clone(), high.clone()
+        else:
+            torch.minimum(self.low, low.to(self.low.device), out=self.low)
+            torch.maximum(self.high, high.to(self.high.device), out=self.high)
+
+    def merge(self, other: Extremes) -> Extremes:
+        if other.low is not None:
+            self.add(other.low, other.high)
+        return self
+
+    def state_dict(self) -> dict:
+        return {"low": self.low, "high": self.high}
+
+    def load_state_dict(self, state: dict) -> Extremes:
+        self.low, self.high = state["low"], state["high"]
         return self
 
 

@@ -18,14 +18,11 @@ The percentile without holding the activations
 ----------------------------------------------
 pytorch-ood 0.4 keeps every training activation in RAM and calls ``np.percentile`` (``N x D``
 floats: 10 GB for ImageNet-1k with D = 2048). oodviz computes the same number **exactly** in
-two streaming passes and ``O(1)`` memory (:class:`StreamingPercentile`), by a radix selection
-on the float32 bit patterns:
-
-1. each activation (as float32) is mapped to a 32-bit key that sorts like the value; pass 1
-   counts the keys by their upper 16 bits (65,536 bins, whatever the value range);
-2. the bins holding the two order statistics that ``np.percentile`` interpolates between are
-   now known; pass 2 counts the lower 16 bits of the keys in those (at most two) bins, which
-   pins each order statistic down to its exact float32 value.
+two streaming passes (more only for streams of billions of values that crowd one bin) and bounded
+memory, by the radix selection of :class:`~oodviz.detectors.quantiles.ColumnQuantiles` over one column,
+all the activations: pass 1 counts the upper 16 bits of float32 keys that sort like the values, pass 2
+collects the keys in the (at most two) bins holding the order statistics that ``np.percentile``
+interpolates between.
 
 The result is ``np.percentile``'s default ("linear") definition: with the ``n`` values sorted,
 ``h = (n - 1) p / 100``, ``c = v[floor h] + (h - floor h) (v[floor h + 1] - v[floor h])``, the
@@ -35,9 +32,9 @@ pytorch-ood: it calls ``np.percentile`` on the float32 array, which interpolates
 its threshold can differ from oodviz's by a float32 rounding (relative 6e-8). Activations of
 other dtypes are rounded to float32 first (float64 features lose digits beyond float32's).
 
-Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`), both passes' histograms are integer
-counts that merge by addition: pass 2 refines the bins located from the merged pass-1 counts, so the threshold is
-the same exact percentile of all the shards' activations.
+Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`), each pass's state merges exactly
+(counts add, collected keys concatenate) and the next pass is planned from the merged state, so the threshold
+is the same exact percentile of all the shards' activations.
 
 ``percentile`` is in percent, 0 to 100 (90 in the paper), not a fraction as in pytorch-ood.
 """
@@ -46,7 +43,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -54,14 +50,8 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector
 from oodviz.detectors.protocol import FitState
+from oodviz.detectors.quantiles import ColumnQuantiles, lerp
 from oodviz.detectors.teaching import Teaching
-
-_HALF = 16  # bits per radix pass
-_BINS = 1 << _HALF
-_LOW_MASK = _BINS - 1
-_SIGN = 1 << 31
-_SIGN_INT32 = -(1 << 31)  # the sign bit as an int32 value
-_KEY_BLOCK = 1 << 20
 
 
 def check_percentile(detector: str, percentile, name: str = "percentile", upper_open: bool = False) -> float:
@@ -80,155 +70,6 @@ def check_percentile(detector: str, percentile, name: str = "percentile", upper_
             stacklevel=3,
         )
     return percentile
-
-
-def sortable_keys(values: Tensor) -> Tensor:
-    """Keys ``[0, 2^32)`` of the float32 values, ordered like the values (``-0.0`` just below ``+0.0``),
-    flattened; as int32 tensors holding the uint32 bit patterns (read them with :func:`key_halves`).
-
-    Non-negative floats: the bit pattern grows with the value; setting the sign bit puts them above
-    the negatives. Negative floats: the pattern grows with the magnitude; flipping every bit
-    reverses that and clears the sign bit. One XOR with ``(bits >> 31) | sign`` does both.
-    """
-    bits = values.detach().to(torch.float32).contiguous().view(torch.int32).flatten()
-    return bits ^ ((bits >> 31) | _SIGN_INT32)
-
-
-def key_halves(keys: Tensor) -> tuple[Tensor, Tensor]:
-    """The upper and lower 16 bits of :func:`sortable_keys` keys, each in ``[0, 65536)``."""
-    return (keys >> _HALF) & _LOW_MASK, keys & _LOW_MASK
-
-
-def _key_blocks(values: Tensor) -> Iterator[Tensor]:
-    """:func:`sortable_keys` of ``values`` a million at a time (int32 temporaries of 4 MiB)."""
-    flat = values.detach().reshape(-1)
-    for start in range(0, flat.numel(), _KEY_BLOCK):
-        yield sortable_keys(flat[start : start + _KEY_BLOCK])
-
-
-def key_to_float(key: int) -> float:
-    """The float32 value (as a Python float) whose :func:`sortable_keys` key is ``key``."""
-    bits = key - _SIGN if key >= _SIGN else -1 - key
-    return float(torch.tensor([bits], dtype=torch.int32).view(torch.float32)[0])
-
-
-def lerp(a: float, b: float, t: float) -> float:
-    """``a + t (b - a)`` computed as numpy's ``_lerp`` does for ``method="linear"`` (monotone at both ends)."""
-    diff = b - a
-    return b - diff * (1 - t) if t >= 0.5 else a + diff * t
-
-
-class StreamingPercentile:
-    """The exact ``percentile``-th percentile of a stream of float32 values, in two passes.
-
-    Usage, with every value seen in both passes (in any order and batching)::
-
-        sp = StreamingPercentile(90.0)
-        for x in stream: sp.count(x)        # pass 1
-        for x in stream: sp.refine(x)       # pass 2
-        sp.result()                         # == np.percentile(all values as float64, 90)
-
-    State: three ``int64`` histograms of 65,536 bins, whatever the number of values.
-    """
-
-    def __init__(self, percentile: float):
-        self.percentile = float(percentile)
-        self.n = 0
-        self._high: Tensor | None = None  # [65536] counts by upper 16 bits
-        self._targets: list[tuple[int, int]] | None = None  # (high bin, rank within bin) of each order statistic
-        self._low: dict[int, Tensor | None] = {}  # high bin -> [65536] counts by lower 16 bits
-        self._refined = 0  # values seen by refine
-
-    def merge(self, other: StreamingPercentile) -> StreamingPercentile:
-        """Add the counts of ``other``, which saw other values in the same pass (integer sums: exact). In pass 2
-        both must refine the same bins (copies of one :meth:`located` state)."""
-        if self._targets is None and other._targets is None:
-            if other._high is not None:
-                high = other._high.to(self._high.device) if self._high is not None else other._high.clone()
-                self._high = high if self._high is None else self._high.add_(high)
-            self.n += other.n
-            return self
-        if self._targets != other._targets or self.n != other.n:
-            raise ValueError("StreamingPercentile.merge: the states are not refining the same order statistics")
-        for high, counts in other._low.items():
-            if counts is not None:
-                current = self._low[high]
-                self._low[high] = counts.clone() if current is None else current.add_(counts.to(current.device))
-        self._refined += other._refined
-        return self
-
-    def located(self) -> StreamingPercentile:
-        """A new state for pass 2 over the same values: the order statistics located from this pass 1 (all of
-        it: merge the shards first), no value refined yet."""
-        if self._targets is None:
-            self._locate()
-        fresh = StreamingPercentile(self.percentile)
-        fresh.n, fresh._high, fresh._targets = self.n, self._high, list(self._targets)
-        fresh._low = dict.fromkeys(self._low)
-        return fresh
-
-    def state_dict(self) -> dict:
-        """``n``, the ``high`` histogram, and in pass 2 the ``targets`` and each refined bin's ``low`` histogram."""
-        return {"n": self.n, "high": self._high, "targets": self._targets, "low": self._low, "refined": self._refined}
-
-    def load_state_dict(self, state: dict) -> StreamingPercentile:
-        self.n, self._high, self._targets = state["n"], state["high"], state["targets"]
-        self._low, self._refined = dict(state["low"]), state["refined"]
-        return self
-
-    def count(self, values: Tensor) -> None:
-        """Pass 1: add ``values`` (any shape) to the histogram of upper key bits."""
-        if self._targets is not None:
-            raise RuntimeError("StreamingPercentile.count after refine: start a new StreamingPercentile")
-        for keys in _key_blocks(values):
-            counts = torch.bincount(key_halves(keys)[0], minlength=_BINS)
-            self._high = counts if self._high is None else self._high.add_(counts.to(self._high.device))
-            self.n += keys.numel()
-
-    def _virtual_index(self) -> tuple[int, int, float]:
-        h = (self.n - 1) * (self.percentile / 100.0)  # numpy: (n - 1) * quantile, quantile = q / 100
-        below = math.floor(h)
-        above = min(below + 1, self.n - 1)
-        return below, above, h - below
-
-    def _locate(self) -> None:
-        if not self.n:
-            raise ValueError("StreamingPercentile: no values were counted")
-        cumulative = self._high.cumsum(0).cpu()
-        targets = []
-        for rank in self._virtual_index()[:2]:
-            high = int(torch.searchsorted(cumulative, torch.tensor(rank), right=True))
-            before = int(cumulative[high - 1]) if high else 0
-            targets.append((high, rank - before))
-        self._targets = targets
-        self._low = {high: None for high, _ in targets}
-
-    def refine(self, values: Tensor) -> None:
-        """Pass 2: count the lower key bits of the values in the bins holding the order statistics."""
-        if self._targets is None:
-            self._locate()
-        for keys in _key_blocks(values):
-            upper, lower = key_halves(keys)
-            for high in self._low:
-                counts = torch.bincount(lower[upper == high], minlength=_BINS)
-                current = self._low[high]
-                self._low[high] = counts if current is None else current.add_(counts.to(current.device))
-            self._refined += keys.numel()
-
-    def result(self) -> float:
-        """The percentile, as a float64 Python float (``np.percentile``'s linear method)."""
-        if self._targets is None or self._refined != self.n:
-            raise RuntimeError(
-                f"StreamingPercentile: pass 2 saw {self._refined} values, pass 1 saw {self.n}; "
-                "both passes must read the same values"
-            )
-        order_statistics = []
-        for high, within in self._targets:
-            cumulative = self._low[high].cumsum(0).cpu()
-            low = int(torch.searchsorted(cumulative, torch.tensor(within), right=True))
-            order_statistics.append(key_to_float((high << _HALF) | low))
-        _, _, fraction = self._virtual_index()
-        return lerp(order_statistics[0], order_statistics[1], fraction)
 
 
 def linear_quantile(values: Tensor, quantile: float) -> float:
@@ -260,7 +101,7 @@ class ReAct(Detector):
     )
     inputs = ("features",)
     needs_head = True
-    fit_passes = 2
+    fit_passes = 2  # more only for a stream that crowds one bin (oodviz.detectors.quantiles)
 
     def __init__(self, percentile: float = 90.0):
         self.percentile = check_percentile(self.name, percentile)
@@ -268,22 +109,20 @@ class ReAct(Detector):
     mergeable = True
 
     def _new_parts(self, pass_index: int) -> dict:
-        """Pass 0 counts the upper key bits, pass 1 the lower ones in the bins pass 0's merged counts located."""
-        if pass_index == 0:
-            return {"percentile": StreamingPercentile(self.percentile)}
-        return {"percentile": self._pass_one.located()}
+        """The radix selection's pass: the first counts upper key bits, the next follows the merged plan."""
+        return {"percentile": ColumnQuantiles([self.percentile / 100], self._plan if pass_index else None)}
 
     def _update_state(self, state: FitState, batch: Batch) -> None:
-        streaming = state.parts["percentile"]
-        (streaming.count if state.pass_index == 0 else streaming.refine)(batch.features)
+        state.parts["percentile"].update(batch.features.reshape(-1, 1))
 
     def _finish_pass(self, state: FitState) -> bool:
-        if state.pass_index == 0:
-            self._pass_one = state.parts["percentile"]
+        following = state.parts["percentile"].next_pass()
+        self._plan = following.plan
+        if not following.complete:
             return False
-        self.threshold_ = state.parts["percentile"].result()
+        self.threshold_ = float(following.result()[0, 0])
         self.head_weight_, self.head_bias_ = state.head
-        self._pass_one = None
+        self._plan = None
         return True
 
     def _score(self, batch: Batch) -> Tensor:

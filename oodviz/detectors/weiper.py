@@ -42,9 +42,9 @@ Streaming and bounded: both passes read one batch at a time; ``W~`` (``4 r C D``
 time (:data:`LOGIT_BLOCK_BYTES`), never all ``[B, r C]`` at once. Shapes: ``features`` ``[B, D]`` ->
 scores ``[B]``.
 
-Not mergeable yet (the state protocol, :mod:`oodviz.detectors.protocol`): its histograms over fixed ranges
-would merge as counts once pass 1's ranges are merged (min/max), but that is not wired; in a run split over
-ranks every rank fits it on the whole store.
+Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): pass 1's ranges merge by minimum and
+maximum (exact), pass 2's histogram sums, over the bin edges of the merged ranges, by addition (float64), and
+``W~`` is drawn from ``seed`` on every shard alike; so the fit of the shards merged is that of all the rows.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ import torch
 from torch import Tensor
 
 from oodviz.batch import Batch
-from oodviz.detectors.base import Detector, FitData
+from oodviz.detectors.base import Detector
+from oodviz.detectors.protocol import Extremes, FitState, Sums
 from oodviz.detectors.teaching import Teaching
 
 VARIANTS = ("kld", "msp")
@@ -142,6 +143,7 @@ class WeiPer(Detector):
     inputs = ("features",)
     needs_head = True
     fit_passes = 2
+    mergeable = True
     #: the default detector list by backbone family is issue 17.4's; until then a run lists it explicitly
     in_defaults = False
 
@@ -197,34 +199,50 @@ class WeiPer(Detector):
         counts = sum(histograms(logits, self.perturbed_edges_) for logits, _ in self._logit_blocks(features))
         return counts / (self.n_repeats * len(self.head_bias_))
 
-    def _fit(self, data: FitData) -> None:
-        weight, bias = data.head
-        self.perturbed_weight_ = perturbed_head(weight, self.n_repeats, self.perturbation, self.seed)
-        low = [math.inf, math.inf]
-        high = [-math.inf, -math.inf]
-        for batch in data:  # pass 1: the range of the activations and of the perturbed logits
-            # the device is known once the first batch is out: the head goes there
-            self.perturbed_weight_, self.head_bias_ = self.perturbed_weight_.to(batch.device), bias.to(batch.device)
-            if self.variant == "msp":  # nothing to learn: one batch checks D against the head
+    def _new_parts(self, pass_index: int) -> dict:
+        """Pass 0: the ranges ``[m, M]`` of the activations and of the perturbed logits (``Extremes`` of ``[2]``);
+        pass 1: the sums of each sample's histograms of both (``[n_bins]`` each)."""
+        if pass_index == 0:
+            return {"ranges": Extremes()}
+        return {"features": Sums(), "perturbed": Sums()}
+
+    def _keep_head(self, state: FitState) -> None:
+        """``W~`` (drawn from ``seed``, the same on every shard) and the bias on the fit device: drawn once per head."""
+        weight, bias = state.head
+        drawn = getattr(self, "_drawn_from", None)
+        if drawn is None or drawn.shape != weight.shape or not torch.equal(drawn, weight.to(drawn.device)):
+            self.perturbed_weight_ = perturbed_head(weight, self.n_repeats, self.perturbation, self.seed)
+            self._drawn_from = weight
+        self.perturbed_weight_, self.head_bias_ = self.perturbed_weight_.to(state.device), bias.to(state.device)
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        self._keep_head(state)
+        x = batch.features
+        if state.pass_index == 0:
+            if self.variant == "msp":  # nothing to learn: the batches check D against the head
                 return
-            values = [(batch.features.float(),), (logits for logits, _ in self._logit_blocks(batch.features))]
-            for which, blocks in enumerate(values):
-                for block in blocks:
-                    low[which] = min(low[which], float(block.min()))
-                    high[which] = max(high[which], float(block.max()))
-        self.feature_edges_, self.perturbed_edges_ = (
-            bin_edges(lo, hi, self.n_bins, data.device) for lo, hi in zip(low, high, strict=True)
-        )
-        feature_sum = torch.zeros(self.n_bins, dtype=torch.float64, device=data.device)
-        perturbed_sum = torch.zeros_like(feature_sum)
-        n = 0
-        for batch in data:  # pass 2: the mean histogram of each
-            x = batch.features
-            feature_sum += (histograms(x, self.feature_edges_) / x.shape[1]).sum(dim=0)
-            perturbed_sum += self._perturbed_histograms(x).sum(dim=0)
-            n += len(x)
-        self.feature_density_ = feature_sum / n
-        self.perturbed_density_ = perturbed_sum / n
+            lows, highs = [x.float().min()], [x.float().max()]
+            blocks = [(logits.min(), logits.max()) for logits, _ in self._logit_blocks(x)]
+            lows.append(torch.stack([low for low, _ in blocks]).min())
+            highs.append(torch.stack([high for _, high in blocks]).max())
+            state.parts["ranges"].add(torch.stack(lows), torch.stack(highs))
+            return
+        state.parts["features"].add((histograms(x, self.feature_edges_) / x.shape[1]).sum(dim=0))
+        state.parts["perturbed"].add(self._perturbed_histograms(x).sum(dim=0))
+
+    def _finish_pass(self, state: FitState) -> bool:
+        self._keep_head(state)
+        if self.variant == "msp":
+            return True
+        if state.pass_index == 0:
+            ranges = state.parts["ranges"]
+            self.feature_edges_, self.perturbed_edges_ = (
+                bin_edges(float(ranges.low[i]), float(ranges.high[i]), self.n_bins, state.device) for i in (0, 1)
+            )
+            return False
+        self.feature_density_ = state.parts["features"].value / state.rows
+        self.perturbed_density_ = state.parts["perturbed"].value / state.rows
+        return True
 
     def _score(self, batch: Batch) -> Tensor:
         x = batch.features

@@ -15,16 +15,20 @@ Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.w
   order as a single-process extraction, so either reuses the other's store whatever the world size. A rank
   that dies leaves shards in scratch only; the split's store is written only once every shard is complete.
 - **Fit.** A mergeable detector (the state protocol, :mod:`oodviz.detectors.protocol`: mahalanobis, rmd, klm,
-  she, gmm, vim, react, dice, fdbd, nci, tempscale, openmax) is fitted split: each rank updates on its
+  she, gmm, vim, react, vra, dice, fdbd, nci, tempscale, openmax, weiper) is fitted split: each rank updates on its
   contiguous rows of ``id_fit``, the float64 states are gathered and merged in rank order on every rank, and
-  every rank finalizes the same state, pass after pass (:func:`~oodviz.distributed.fit_across_ranks`). Every
+  every rank finalizes the same state, pass after pass (:func:`~oodviz.distributed.fit_across_ranks`). knn and
+  nnguide keep this rank's rows as their bank shard (:func:`~oodviz.distributed.fit_bank_across_ranks`). Every
   other detector is fitted by every rank on the whole store (a read of the memory-mapped store; the same
   float64 stream on every rank, so every rank holds the same state).
 - **Scoring.** Each rank scores its contiguous rows of each split with the feature-based detectors; rank 0
-  gathers the scores in rank order and writes them. Model-based detectors (odin, mcd) run on rank 0 over the
+  gathers the scores in rank order and writes them. A detector holding a bank shard searches every row of
+  the split against its shard and rank 0 merges the top-``k`` lists exactly
+  (:func:`~oodviz.distributed.search_across_ranks`). Model-based detectors (odin, mcd) run on rank 0 over the
   whole split (mcd's dropout masks follow the batch sequence, so a shard would change them).
 - **Saved detectors.** Rank 0 saves every detector that scored (its state is every rank's) under
-  ``<run>/detectors/`` as a single-process run does, for ``oodviz score``.
+  ``<run>/detectors/`` as a single-process run does, for ``oodviz score``; knn and nnguide are refitted on the
+  whole store first, so that the saved one searches the whole bank.
 - **Faults.** A rank that raises records why (its ``rank`` event) and exits non-zero; the launcher then stops
   the others, and rank 0, stopped by SIGTERM, marks the run failed naming that rank. A hang in a collective
   ends after ``OODVIZ_DIST_TIMEOUT_S``. Cancel (the run's ``cancel`` file) stops every rank at its next batch.
@@ -42,16 +46,19 @@ import numpy as np
 import torch
 
 from oodviz.batch import Batch
+from oodviz.detectors.knn import KNN
 from oodviz.distributed import (
     DatasetSlice,
     World,
     barrier,
     broadcast_from_root,
     fit_across_ranks,
+    fit_bank_across_ranks,
     gather_to_root,
     join_world,
     leave_world,
     rank_device,
+    search_across_ranks,
     shard_bounds,
 )
 from oodviz.engine import Cancelled
@@ -76,6 +83,7 @@ from oodviz.runs.pipeline import (
 )
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.splits import feature_store_root
+from oodviz.runs.tuning import tune_detectors, validation_scores
 
 MERGE_ROWS = 16384  # rows copied per step when shards are concatenated
 
@@ -239,66 +247,126 @@ class ShardRows:
     def __iter__(self):
         return store_rows(self.store, self.start, self.stop, self.device)
 
+    @property
+    def features_on_disk(self) -> np.ndarray:
+        """The rows' features as a read-only memory map of the store (knn keeps it as its bank shard, no copy)."""
+        return self.store.features[self.start : self.stop]
+
 
 def fit_sharded(job: Job, detector, stage, layer: str | None, world: World) -> None:
-    """A mergeable detector: fitted on this rank's rows of ``id_fit``, merged across the ranks; any other: on the
-    whole store, by every rank (a sharded run has one layer: ``layer`` is None)."""
-    if not (world.distributed and detector.mergeable):
+    """A mergeable detector: fitted on this rank's rows of ``id_fit``, merged across the ranks; knn and nnguide:
+    this rank's rows are its bank shard (when every rank has rows); any other: on the whole store, by every rank
+    (a sharded run has one layer: ``layer`` is None)."""
+    store = job.stores["id_fit"]
+    bank = isinstance(detector, KNN) and store.n >= world.size
+    if not (world.distributed and (detector.mergeable or bank)):
         fit_on_store(job, detector, stage, layer)
         return
-    store = job.stores["id_fit"]
     start, stop = shard_bounds(store.n, world.rank, world.size)
-    stage.note(f"fit split: rank {world.rank} of {world.size} updates on rows {start}..{stop - 1} of {store.n}")
+    what = "its bank shard" if bank else "updates on"
+    stage.note(f"fit split: rank {world.rank} of {world.size}: {what} rows {start}..{stop - 1} of {store.n}")
     rows = Watched(ShardRows(store, start, stop, job.device), stage)
-    fit_across_ranks(detector, rows, world, head=job.backbone.head, device=job.device)
+    fit = fit_bank_across_ranks if bank else fit_across_ranks
+    fit(detector, rows, world, head=job.backbone.head, device=job.device)
 
 
-def score_shard(job: Job, split: str, world: World) -> tuple[dict, dict]:
-    """``({name: scores of this rank's rows}, {name: error})`` for every feature-based detector on ``split``."""
+def holds_bank_shard(detector) -> bool:
+    return isinstance(detector, KNN) and detector.holds_shard
+
+
+def scores_on_root(job: Job, detector, split: str, stage, world: World) -> np.ndarray | None:
+    """The scores of every row of ``split`` on rank 0 (None on the others), checked finite; rank 0 raises when any
+    rank failed, the others never do (they send their error), so every rank goes through the same collectives.
+
+    A feature-based detector: each rank scores its contiguous rows, rank 0 gathers them in rank order; one holding
+    a bank shard: every rank searches every row against its shard, rank 0 merges the top-``k`` lists
+    (:func:`~oodviz.distributed.search_across_ranks`); a model-based one: rank 0 alone, on the split's images."""
     store = job.stores[split]
-    start, stop = shard_bounds(store.n, world.rank, world.size)
-    scores, errors = {}, {}
-    for name, detector in job.fitted.items():
-        if detector.needs_model:
-            continue
-        if stop == start:
-            scores[name] = np.zeros(0, dtype=np.float32)
-            continue
+    if detector.needs_model:
+        return validation_scores(job, detector, split, stage) if world.is_root else None
+    if holds_bank_shard(detector):
+        values = search_across_ranks(detector, store_rows(store, 0, store.n, job.device), world, job.device)
+        values = None if values is None else values.numpy()
+    else:
+        start, stop = shard_bounds(store.n, world.rank, world.size)
         try:
-            scores[name] = detector.score(store_rows(store, start, stop, job.device), device=job.device).numpy()
+            rows = store_rows(store, start, stop, job.device)
+            mine = detector.score(rows, device=job.device).numpy() if stop > start else np.zeros(0, np.float32)
         except Cancelled:
             raise
-        except Exception as error:  # one detector failing must not stop the others (recorded by rank 0)
-            errors[name] = f"rank {world.rank}: {type(error).__name__}: {error}"
-    return scores, errors
+        except Exception as error:  # told to rank 0
+            mine = f"rank {world.rank}: {type(error).__name__}: {error}"
+        parts = gather_to_root(mine, world)
+        values = None
+        if world.is_root:
+            failed = [part for part in parts if isinstance(part, str)]
+            if failed:
+                raise RuntimeError("; ".join(failed))
+            values = np.concatenate(parts)
+    return None if values is None else finite_scores(detector, detector.name, split, values)
 
 
 def score_sharded_splits(job: Job, world: World) -> None:
-    """Per scored split: model-based detectors on rank 0, then every rank scores its rows with the others;
-    rank 0 joins them in rank order into the split's scores table. Every rank then drops the detectors that
-    failed anywhere."""
+    """Per scored split: model-based detectors on rank 0, then every other detector by :func:`scores_on_root`;
+    rank 0 writes the split's scores table. Every rank then drops the detectors that failed anywhere."""
     from oodviz.results import score_frame
 
     for split, kind, dataset in job.scored_splits:
         model_scores = score_with_models(job, split) if world.is_root else {}
         with job.reporter.stage(f"score {split}") as stage:
-            parts = gather_to_root(score_shard(job, split, world), world)
+            store, frame = job.stores[split], None
             if world.is_root:
-                store = job.stores[split]
                 frame = score_frame(kind, dataset, store.indices, store.labels, store.predictions)
-                for name in list(job.fitted):
-                    if name in model_scores:
-                        frame[name] = model_scores[name]
-                    elif not job.fitted[name].needs_model:
-                        with job.detector_may_fail(name, f"score {split}", stage):
-                            errors = [errs[name] for _, errs in parts if name in errs]
-                            if errors:
-                                raise RuntimeError("; ".join(errors))
-                            values = np.concatenate([scores[name] for scores, _ in parts])
-                            frame[name] = finite_scores(job.fitted[name], name, split, values)
+            for name, detector in list(job.fitted.items()):
+                if name in model_scores:
+                    frame[name] = model_scores[name]
+                elif detector.needs_model:
+                    continue
+                elif world.is_root:
+                    with job.detector_may_fail(name, f"score {split}", stage):
+                        frame[name] = scores_on_root(job, detector, split, stage, world)
+                else:
+                    scores_on_root(job, detector, split, stage, world)
+            if world.is_root:
                 job.frames.append(frame)
             kept = broadcast_from_root(list(job.fitted), world)
             job.fitted = {name: det for name, det in job.fitted.items() if name in kept}
+
+
+def validation_auroc_across_ranks(job: Job, detector, stage, world: World) -> float:
+    """Tuning's AUROC of a fitted detector on the validation splits, scored as the test splits are
+    (:func:`scores_on_root`): rank 0's AUROC on every rank, or its error as a ValueError on every rank."""
+    from oodviz.metrics import ood_metrics
+    from oodviz.runs.tuning import VALIDATION_SPLITS
+
+    scores, outcome = [], None
+    for split, _, _ in VALIDATION_SPLITS:
+        try:
+            scores.append(scores_on_root(job, detector, split, stage, world))
+        except Cancelled:
+            raise
+        except Exception as error:  # rank 0 only; its message goes to every rank
+            outcome = outcome or f"{type(error).__name__}: {error}"
+    if world.is_root and outcome is None:
+        try:
+            outcome = float(ood_metrics(*scores)["auroc"])
+        except Exception as error:
+            outcome = f"{type(error).__name__}: {error}"
+    outcome = broadcast_from_root(outcome, world)
+    if isinstance(outcome, str):
+        raise ValueError(outcome)
+    return outcome
+
+
+def save_whole_banks(job: Job) -> None:
+    """Rank 0's :func:`~oodviz.runs.pipeline.save_detectors`, after refitting each detector that holds a bank shard on
+    the whole ID fit store (a saved knn must search the whole bank: knn's is then the store itself, nnguide's is
+    written in rank 0's scratch)."""
+    for name, detector in job.fitted.items():
+        if holds_bank_shard(detector):
+            with job.reporter.stage(f"fit {name} on the whole bank (to save it)") as stage:
+                fit_on_store(job, detector, stage)
+    save_detectors(job)
 
 
 # -- the run ---------------------------------------------------------------------------------------------
@@ -313,13 +381,15 @@ def on_root(stage, world: World):
 
 def sharded_stages(world: World) -> tuple:
     """The stages of one rank, in order (:data:`oodviz.runs.pipeline.STAGES`, sharded)."""
+    fit = partial(fit_sharded, world=world)
     return (
         load_model,
         load_data,
         partial(extract_splits, open_split=partial(sharded_split, world=world)),
-        partial(fit_detectors, fit_features=partial(fit_sharded, world=world)),
+        partial(tune_detectors, fit_features=fit, auroc_of=partial(validation_auroc_across_ranks, world=world)),
+        partial(fit_detectors, fit_features=fit),
         partial(score_sharded_splits, world=world),
-        on_root(save_detectors, world),
+        on_root(save_whole_banks, world),
         on_root(write_scores, world),
         on_root(write_metrics, world),
         on_root(write_meta, world),
@@ -331,15 +401,10 @@ def run_rank(world: World):
     failed detectors``. It joins the process group on the rank's device and leaves it at the end."""
 
     def pipeline(config, run, reporter) -> list[str]:
-        from oodviz.runs.tuning import tunes
         from oodviz.runs.validation import ConfigError
 
         if config.layers:
             raise ConfigError(["a sharded run extracts one layer: run layers = [...] without torchrun, or one layer"])
-        if tunes(config):
-            raise ConfigError(
-                ["a sharded run does not tune on validation data: run it on one device, or unset id_val and ood_val"]
-            )
         job = start_job(config, run, reporter)
         job.device = reporter.device = rank_device(job.device, world)
         job.meta.update(device=str(job.device), world_size=world.size)

@@ -173,9 +173,10 @@ def _value_problems(choice: DetectorChoice, key: str, value, where: str, create)
 
 
 # -- the stage ------------------------------------------------------------------------------------
-def tune_detectors(job: Job) -> None:
+def tune_detectors(job: Job, fit_features=None, auroc_of=None) -> None:
     """One stage per detector with a grid (``tune <name>``) when the run tunes: :func:`tune_detector`, recorded in
-    ``job.tuning``; a warning per :func:`validation_warnings`, and when every point of a grid failed."""
+    ``job.tuning``; a warning per :func:`validation_warnings`, and when every point of a grid failed.
+    ``fit_features`` and ``auroc_of``: as :func:`tune_detector` takes them (a sharded run passes its own)."""
     if not tunes(job.config):
         return
     for warning in validation_warnings(job.config):
@@ -185,7 +186,7 @@ def tune_detectors(job: Job) -> None:
         if not grid:
             continue
         with job.reporter.stage(f"tune {choice.name}") as stage:
-            record = job.tuning[choice.name] = tune_detector(job, choice, grid, stage)
+            record = job.tuning[choice.name] = tune_detector(job, choice, grid, stage, fit_features, auroc_of)
             if "chosen" in record:
                 stage.note(f"{choice.name}: {record['chosen']} (validation AUROC {record['auroc']:.4f})")
             else:
@@ -195,8 +196,15 @@ def tune_detectors(job: Job) -> None:
                 )
 
 
-def tune_detector(job: Job, choice: DetectorChoice, grid: dict[str, list], stage) -> dict:
+def tune_detector(
+    job: Job, choice: DetectorChoice, grid: dict[str, list], stage, fit_features=None, auroc_of=None
+) -> dict:
     """Fit and score every point of ``grid`` (on top of ``choice.params``); the ``detectors.json`` record.
+
+    ``fit_features(job, detector, stage, layer)`` fits a feature-based detector (default: on the whole ID fit
+    store, :func:`~oodviz.runs.pipeline.fit_on_store`); ``auroc_of(job, detector, stage)`` is the AUROC
+    of a fitted one on the validation splits (default :func:`validation_auroc`). A sharded run passes its own
+    (:mod:`oodviz.runs.sharded`), which give every rank the same AUROC or raise the same error on every rank.
 
     Parameters that only change the score (all of them for a detector with no fit; else the detector's
     ``score_params``) vary fastest, and a point that differs from the previous one only in those rescores the
@@ -204,10 +212,10 @@ def tune_detector(job: Job, choice: DetectorChoice, grid: dict[str, list], stage
     the fits."""
     from oodviz.detectors import detector_class
     from oodviz.engine import Cancelled
-    from oodviz.metrics import ood_metrics
     from oodviz.runs.config import DetectorChoice
     from oodviz.runs.pipeline import fitted_detector
 
+    auroc_of = validation_auroc if auroc_of is None else auroc_of
     cls = detector_class(choice.name)
     rescored = set(grid) if not cls.needs_fit else set(cls.score_params)
     grid = {key: grid[key] for key in sorted(grid, key=lambda key: key in rescored)}  # stable: refit keys first
@@ -218,14 +226,12 @@ def tune_detector(job: Job, choice: DetectorChoice, grid: dict[str, list], stage
         try:
             if detector is None or refit != fitted_for:
                 detector = None  # a failed fit leaves nothing to rescore
-                detector = fitted_detector(job, DetectorChoice(choice.name, {**choice.params, **point}), stage)
+                point_choice = DetectorChoice(choice.name, {**choice.params, **point})
+                detector = fitted_detector(job, point_choice, stage, fit_features=fit_features)
                 fitted_for, fits = refit, fits + 1
             else:
                 detector.set_params(**{key: point[key] for key in rescored})
-            id_scores, ood_scores = (
-                validation_scores(job, detector, split, stage) for split, _, _ in VALIDATION_SPLITS
-            )
-            results.append({"params": point, "auroc": float(ood_metrics(id_scores, ood_scores)["auroc"])})
+            results.append({"params": point, "auroc": auroc_of(job, detector, stage)})
         except Cancelled:
             raise
         except Exception as error:  # one grid point failing (k above the fit rows, NaN scores) is one row
@@ -244,6 +250,14 @@ def tune_detector(job: Job, choice: DetectorChoice, grid: dict[str, list], stage
         best = max(scored, key=lambda row: row["auroc"])  # max keeps the first of equal values
         record.update(chosen=best["params"], auroc=best["auroc"])
     return record
+
+
+def validation_auroc(job: Job, detector, stage) -> float:
+    """AUROC (OOD positive) of a fitted detector's scores on ``id_val`` against ``ood_val``."""
+    from oodviz.metrics import ood_metrics
+
+    id_scores, ood_scores = (validation_scores(job, detector, split, stage) for split, _, _ in VALIDATION_SPLITS)
+    return float(ood_metrics(id_scores, ood_scores)["auroc"])
 
 
 def validation_scores(job: Job, detector, split: str, stage):
