@@ -187,6 +187,7 @@ def _validation_section(defaults: FormValues, fit_size: int | None, slots: dict)
         "than it is.",
     )
     slots["ood_val"], slots["ood_val-warning"] = st.empty(), st.empty()
+    slots["grids"] = st.container()
     return {
         "tune": tune,
         "id_val": id_val,
@@ -198,14 +199,14 @@ def _validation_section(defaults: FormValues, fit_size: int | None, slots: dict)
 
 def _validation_notes(values: FormValues, slots: dict) -> None:
     """Under the validation fields: the warnings of :func:`~oodviz.runs.tuning.validation_warnings` (a validation
-    set that is also a test or fit set), and the grid each chosen detector tries."""
+    set that is also a test or fit set), and the grid each chosen detector tries (``slots["grids"]``)."""
     config = config_from_form(values)
     for warning in validation_warnings(config):
         field = "ood_val" if warning.startswith("the OOD validation") else "id_val"
         slots[f"{field}-warning"].warning(warning)
     if values.tune:
         grids = pd.DataFrame(tuning_summary(config), columns=["detector", "grid tried"])
-        with st.expander(f"Grids tried ({len(grids)} detectors)"):
+        with slots["grids"].expander(f"Grids tried ({len(grids)} detectors)"):
             st.caption("Each detector's default grid, less the parameters set under Detector parameters.")
             st.dataframe(grids, hide_index=True, width="stretch")
 
