@@ -236,3 +236,46 @@ def test_the_fixes_a_refusal_names_become_changes_of_the_form():
         )
         == []
     )
+
+
+def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_path, capsys):
+    """Two layers of digits-cnn: the disk need is both layers' stores, each layer's mahalanobis fit is at that
+    layer's D; a disk cap between one layer's stores and both refuses the run (``oodviz run``, exit 2)."""
+    import torch
+
+    from oodviz.data import load_dataset
+    from oodviz.models.digits import DigitsCNN
+    from oodviz.models.memory import describe_memory
+    from oodviz.runs.preflight import preflight
+
+    model = DigitsCNN()
+    seen = {}
+    model.features[3].register_forward_hook(lambda module, inputs, output: seen.update(channels=output.shape[1]))
+    model(torch.zeros(1, 1, 8, 8))
+    dims = {"features.3": seen["channels"], "penultimate": model.fc.in_features}  # avg-pooled: one per channel
+    c = model.fc.out_features
+    sizes = [len(load_dataset(name)) for name in ("digits-train", "digits-test", "digits-heldout")]
+    store = {layer: sum(n * (d * 4 + c * 4 + 24) for n in sizes) for layer, d in dims.items()}
+    settings = {
+        "backbone": "digits-cnn",
+        "device": "cpu",
+        "layers": list(dims),
+        "ood": ["digits-heldout"],
+        "detectors": ["mahalanobis", "msp"],
+    }
+    report = preflight(RunConfig.from_dict(settings), tmp_path / "runs")
+    (disk,) = [need for need in report.needs if need.resource == "disk"]
+    assert disk.needed == store["features.3"] + store["penultimate"]
+    assert f"features.3: D={dims['features.3']}, 3/3 splits, {format_bytes(store['features.3'])}" in disk.what
+    fits = {need.what.split()[1]: need.needed for need in report.needs if need.resource == "ram"}
+    assert fits == {f"mahalanobis@{layer}": int(8 * (2.5 * d * d + 2 * c * d)) for layer, d in dims.items()}
+    described = describe_memory(report.estimate)  # the app's estimate beside Start
+    assert f"layer penultimate (D={dims['penultimate']}): {format_bytes(store['penultimate'])}" in described
+    assert f"feature store total (2 layers): {format_bytes(disk.needed)}" in described
+    # the cap lets either layer's stores through, not both
+    cap = (max(store.values()) + sum(store.values())) / 2
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps({**settings, "memory_budget_gb": cap / GiB}))
+    assert main(["run", str(path), "--runs-root", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "feature stores, 2 layers" in err and "OVER" in err and not (tmp_path / "runs").exists()
