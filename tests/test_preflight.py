@@ -172,9 +172,9 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
     app = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     app.run()
-    [box for box in app.sidebar.selectbox if box.label == "Backbone"][0].set_value("vit_b_16")
+    [box for box in app.sidebar.selectbox if box.label == "Backbone"][0].set_value("vit_b_16").run()  # its layers
     [radio for radio in app.sidebar.radio if radio.label == "Weights"][0].set_value("random")
-    [text for text in app.sidebar.text_input if text.label == "Feature layer"][0].set_value(VIT_UNPOOLED["layer"])
+    [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0].set_value([VIT_UNPOOLED["layer"]])
     [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].set_value("none")
     start = [button for button in app.sidebar.button if button.label == "Start run"][0]
     start.click().run()
@@ -196,7 +196,9 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     button("Fix: Pool the features (pooling avg)").click().run()  # fills the form, estimates it again
     assert not app.exception
     assert [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].value == "avg"
-    assert [text for text in app.sidebar.text_input if text.label == "Feature layer"][0].value == VIT_UNPOOLED["layer"]
+    assert [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0].value == [
+        VIT_UNPOOLED["layer"]
+    ]
     assert any(s.value.startswith("Applied: Pool the features") for s in app.sidebar.success)
     assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
     assert not button("Start run").disabled and not [b for b in app.sidebar.button if b.label.startswith("Fix:")]
