@@ -19,8 +19,8 @@ from oodviz.layers import PENULTIMATE
 from oodviz.runs.config import DatasetChoice
 
 NO_VALIDATION = "none"
-HELD_OUT = "hold out the last images of the ID fit set"
-VALIDATION_FOLDER = "an image folder of ID images"
+HELD_OUT = "part of the ID fit set"
+VALIDATION_FOLDER = "an image folder"
 ID_VALIDATION_CHOICES = (NO_VALIDATION, HELD_OUT, VALIDATION_FOLDER)
 
 
