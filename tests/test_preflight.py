@@ -281,3 +281,9 @@ def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_
     assert main(["run", str(path), "--runs-root", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert "feature stores, 2 layers" in err and "OVER" in err and not (tmp_path / "runs").exists()
+    # started anyway: the run says the same in its warnings, and runs to the end
+    assert main(["run", str(path), "--runs-root", str(tmp_path / "runs"), "--force"]) == 0
+    (run,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    warned = [e["message"] for e in events if e.get("event") == "warning" and "does not fit" in e["message"]]
+    assert len(warned) == 1 and "feature stores, 2 layers" in warned[0] and "mahalanobis@features.3" in warned[0]
