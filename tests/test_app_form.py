@@ -60,6 +60,11 @@ def test_validation_data_grids_and_layers_reach_the_submitted_config(app, submit
     widget(app, "selectbox", "OOD validation set").select("digits-rotated")
     widget(app, "multiselect", "Layers").set_value(["features.3", "penultimate"])
     widget(app, "multiselect", "Detectors").set_value(["energy", "mahalanobis", "msp"])
+    # each default grid, editable: energy's
+    assert widget(app, "text_input", "mahalanobis grid").value == "normalize: false, true"
+    energy = widget(app, "text_input", "energy grid")
+    assert energy.value == "temperature: 0.5, 1, 2, 5, 10"
+    energy.input("temperature: 1, 2")
     click(app, "Start run")
     (config,) = submitted
     assert config.id_val == DatasetChoice("digits-train", subsample=200, subsample_mode="last")
@@ -67,14 +72,13 @@ def test_validation_data_grids_and_layers_reach_the_submitted_config(app, submit
     assert (config.id_fit.subsample, config.id_fit.subsample_mode) == (DIGITS_FIT - 200, "first")
     assert config.ood_val == DatasetChoice("digits-rotated")
     assert (config.layer, config.layers) == (None, ["features.3", "penultimate"])
-    assert config.detectors == [DetectorChoice(name) for name in ("energy", "mahalanobis", "msp")]  # default grids
+    # energy's grid as edited, mahalanobis' default grid (None); msp has nothing to tune
+    assert config.detectors == [
+        DetectorChoice("energy", grid={"temperature": [1.0, 2.0]}),
+        DetectorChoice("mahalanobis"),
+        DetectorChoice("msp"),
+    ]
     assert config.problems() == [] and not [w for w in app.sidebar.warning if "validation" in w.value]
-    grids = app.sidebar.dataframe[0].value.set_index("detector")["grid tried"]
-    assert grids.to_dict() == {
-        "energy": "temperature: 0.5, 1, 2, 5, 10 (5 points)",
-        "mahalanobis": "normalize: False, True (2 points)",
-        "msp": "nothing to tune",
-    }
     # the run's page fills the form with its choices: the form gives the same config back
     again = form_values_from_config(config)
     assert (again.tune, again.id_val, again.id_val_images, again.ood_val) == (True, HELD_OUT, 200, "digits-rotated")
@@ -88,13 +92,14 @@ def test_bad_validation_fields_show_every_error_under_its_field_and_submit_nothi
     widget(app, "selectbox", "ID validation").select(HELD_OUT)
     widget(app, "number_input", "Held-out ID images").set_value(DIGITS_FIT)  # nothing left to fit on
     widget(app, "selectbox", "OOD validation set").select("noise-uniform")  # one of the default test sets
-    widget(app, "multiselect", "Detectors").set_value([])
+    widget(app, "text_input", "energy grid").input("temperature: 1, hot")
+    widget(app, "multiselect", "Detectors").set_value(["energy"])
     click(app, "Start run")
     assert submitted == []
     errors = [e.value for e in app.sidebar.error]
     assert errors == [
-        "choose at least one detector",
         f"hold out fewer than the {DIGITS_FIT:,} images of the ID fit set (the detectors are fitted on the rest)",
+        "energy grid: temperature takes float values, got 'hot'",
         "Fix first: 2 problem(s), shown under their fields above.",
     ]
     (warning,) = [w.value for w in app.sidebar.warning if "validation" in w.value]
@@ -102,9 +107,9 @@ def test_bad_validation_fields_show_every_error_under_its_field_and_submit_nothi
     # each message right under its field: nothing but captions drawn between them
     shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.sidebar]
     for field, message in (
-        ("Detectors", errors[0]),
-        ("Held-out ID images", errors[1]),
+        ("Held-out ID images", errors[0]),
         ("OOD validation set", warning),
+        ("energy grid", errors[1]),
     ):
         at = next(i for i, (kind, text) in enumerate(shown) if text.startswith(field) and kind != "subheader")
         following = [text for kind, text in shown[at + 1 :] if kind not in ("caption", "empty")]
@@ -155,3 +160,31 @@ def test_form_problems_of_the_validation_fields(tmp_path):
         )
         == {}
     )
+
+
+def test_edited_grids_are_read_as_their_parameters_kinds_and_checked_like_a_configs():
+    tuned = FormValues(
+        tune=True,
+        id_val=HELD_OUT,
+        id_val_images=50,
+        ood_val="digits-rotated",
+        fit_size=DIGITS_FIT,
+        detectors=["knn", "mahalanobis", "energy"],
+        detector_grids={"knn": "k: 1, 5", "mahalanobis": "normalize: true", "energy": ""},
+    )
+    grids = {d.name: d.grid for d in config_from_form(tuned).detectors}
+    assert grids == {"knn": {"k": [1, 5]}, "mahalanobis": {"normalize": [True]}, "energy": {}}  # blank: no tuning
+    assert all(type(k) is int for k in grids["knn"]["k"]) and form_problems(tuned) == {}
+    assert form_values_from_config(config_from_form(tuned)).detector_grids == {
+        "knn": "k: 1, 5",
+        "mahalanobis": "normalize: true",
+        "energy": "",
+    }
+    bad = FormValues(**{**tuned.__dict__, "detector_grids": {"knn": "k: 1, 5; nope: 3", "mahalanobis": "true"}})
+    problems = form_problems(bad)
+    assert list(problems) == ["grids"]
+    unknown, unread = problems["grids"]  # the config's check, then what could not be read
+    assert unknown.startswith("detectors[0] (knn): grid names 'nope', which is not a parameter to tune")
+    assert unread == "mahalanobis grid: write parameter: value, value (got 'true')"
+    untuned = FormValues(**{**tuned.__dict__, "tune": False})  # an edited grid without tuning is not used
+    assert [d.grid for d in config_from_form(untuned).detectors] == [None, None, None]

@@ -12,8 +12,11 @@ from oodviz.ui.form_tuning import (
     VALIDATION_FOLDER,
     form_layers,
     form_validation,
+    grid_of,
+    grid_text,
     held_out_problems,
     layer_settings,
+    parse_grid,
     validation_choices,
 )
 
@@ -81,6 +84,8 @@ class FormValues:
     ood_folder: str = ""
     detectors: list[str] = field(default_factory=lambda: [d.name for d in RunConfig().detectors])
     detector_params: dict[str, dict] = field(default_factory=dict)
+    #: detector -> its grid as typed (:func:`~oodviz.ui.form_tuning.parse_grid`), for the grids edited only
+    detector_grids: dict[str, str] = field(default_factory=dict)
     device: str = "auto"
     batch_size: int = 256
     precision: str = "fp32"
@@ -130,6 +135,7 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         ood_folder=folders[0] if folders else "",
         detectors=[d.name for d in config.detectors],
         detector_params={d.name: dict(d.params) for d in config.detectors if d.params},
+        detector_grids={d.name: grid_text(d.grid) for d in config.detectors if d.grid is not None},
         device=config.device,
         batch_size=config.batch_size,
         precision=config.precision,
@@ -181,7 +187,10 @@ def config_from_form(values: FormValues) -> RunConfig:
                 "folder", {"path": values.ood_folder.strip()}, subsample=_subsample(values.ood_subsample), group="far"
             )
         )
-    detectors = [DetectorChoice(name, dict(values.detector_params.get(name, {}))) for name in values.detectors]
+    detectors = [
+        DetectorChoice(name, dict(values.detector_params.get(name, {})), grid_of(values, name))
+        for name in values.detectors
+    ]
     layer, layers = layer_settings(values.layers)
     return RunConfig(
         backbone="torchscript" if values.backbone == "torchscript" else values.backbone,
@@ -222,6 +231,7 @@ FORM_FIELDS = (
     "id_val",
     "id_val_folder",
     "ood_val",
+    "grids",
     "device",
     "batch_size",
     "precision",
@@ -267,6 +277,8 @@ def problem_field(problem: str, values: FormValues) -> str:
         return "ood_val"
     if "set id_val too" in problem:
         return "id_val"
+    if problem.startswith("detectors[") and "grid" in problem:
+        return "grids"
     if problem.startswith("ood["):
         index = int(problem[4 : problem.index("]")])
         return "ood_folder" if index >= len(values.ood) else "ood"
@@ -327,6 +339,9 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
         if name in found and name.endswith("_folder"):
             continue  # the folder's own message says it better
         found.setdefault(name, []).append(problem)
+    for name in values.detectors if values.tune else []:
+        for problem in parse_grid(name, values.detector_grids[name])[1] if name in values.detector_grids else []:
+            found.setdefault("grids", []).append(problem)
     for problem in held_out_problems(values):
         found.setdefault("id_val", []).append(problem)
     if values.tune and config.id_val is None and config.ood_val is None:

@@ -103,20 +103,62 @@ def held_out_problems(values) -> list[str]:
     return []
 
 
-def tuning_summary(config) -> list[tuple[str, str]]:
-    """``(detector, the grid it tries)`` per detector of ``config`` when it tunes, for the form to show:
-    ``"energy"``, ``"temperature: 0.5, 1, 2, 5, 10"``; ``"nothing to tune"`` for a detector with no grid."""
-    from oodviz.detectors import available
-    from oodviz.runs.tuning import detector_grid, grid_points
+def _value_text(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value).lower() if isinstance(value, bool) else str(value)
 
-    rows = []
-    for choice in config.detectors:
-        if choice.name not in available():
+
+def grid_text(grid: dict) -> str:
+    """``{"temperature": [0.5, 1.0]}`` -> ``"temperature: 0.5, 1"``: a grid as the form shows and edits it."""
+    return "; ".join(f"{key}: {', '.join(_value_text(v) for v in values)}" for key, values in grid.items())
+
+
+def parse_grid(detector: str, text: str) -> tuple[dict, list[str]]:
+    """The grid typed as ``"parameter: value, value; parameter: value"`` for ``detector`` (blank: ``{}``, no
+    tuning), and what cannot be read: each value as its parameter's kind (:func:`oodviz.ui.form.param_fields`);
+    the config's own checks (:func:`oodviz.runs.tuning.tuning_problems`) judge the parameters and values."""
+    from oodviz.ui.form import param_fields
+
+    kinds = {field.name: field.kind for field in param_fields(detector)}
+    grid, problems = {}, []
+    for part in (piece.strip() for piece in text.split(";")):
+        if not part:
             continue
-        grid = detector_grid(choice)
-        text = "; ".join(
-            f"{key}: {', '.join(f'{v:g}' if isinstance(v, float) else str(v) for v in values)}"
-            for key, values in grid.items()
-        )
-        rows.append((choice.name, f"{text} ({len(grid_points(grid))} points)" if grid else "nothing to tune"))
-    return rows
+        key, colon, values = (item.strip() for item in part.partition(":"))
+        if not colon:
+            problems.append(f"{detector} grid: write parameter: value, value (got {part[:40]!r})")
+            continue
+        grid[key] = []
+        for value in (item.strip() for item in values.split(",")):
+            try:
+                grid[key].append(_typed(kinds.get(key, "choice"), value))
+            except ValueError:
+                problems.append(f"{detector} grid: {key} takes {kinds[key]} values, got {value[:40]!r}")
+    return grid, problems
+
+
+def _typed(kind: str, text: str):
+    if kind == "int":
+        return int(text)
+    if kind == "float":
+        return float(text)
+    if kind == "bool":
+        if text.lower() not in ("true", "false"):
+            raise ValueError(text)
+        return text.lower() == "true"
+    return text
+
+
+def grid_of(values, name: str) -> dict | None:
+    """``DetectorChoice.grid`` of detector ``name`` in the form ``values``: None (the default grid) unless the run
+    tunes and its grid was edited (``detector_grids``), read with :func:`parse_grid`."""
+    typed = values.detector_grids.get(name)
+    return None if typed is None or not values.tune else parse_grid(name, typed)[0]
+
+
+def tuned_grids(config) -> dict[str, dict]:
+    """Detector -> the grid it tries in ``config`` (:func:`oodviz.runs.tuning.detector_grid`), for each known
+    detector; ``{}`` for one with nothing to tune."""
+    from oodviz.detectors import available
+    from oodviz.runs.tuning import detector_grid
+
+    return {choice.name: detector_grid(choice) for choice in config.detectors if choice.name in available()}

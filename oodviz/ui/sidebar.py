@@ -6,13 +6,13 @@ import hashlib
 import json
 from dataclasses import asdict, replace
 
-import pandas as pd
 import streamlit as st
 
 from oodviz.detectors import available
 from oodviz.engine import FEATURE_DTYPES, PRECISIONS
 from oodviz.layers import PENULTIMATE
 from oodviz.models import POOLINGS, available_backbones, format_bytes
+from oodviz.runs.config import DetectorChoice, RunConfig
 from oodviz.runs.defaults import default_detector_params, defaults_reason
 from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
@@ -34,8 +34,9 @@ from oodviz.ui.form import (
 from oodviz.ui.form_tuning import (
     ID_VALIDATION_CHOICES,
     NO_VALIDATION,
+    grid_text,
     layer_options,
-    tuning_summary,
+    tuned_grids,
 )
 
 USER_MODEL = "torchscript"
@@ -187,7 +188,6 @@ def _validation_section(defaults: FormValues, fit_size: int | None, slots: dict)
         "than it is.",
     )
     slots["ood_val"], slots["ood_val-warning"] = st.empty(), st.empty()
-    slots["grids"] = st.container()
     return {
         "tune": tune,
         "id_val": id_val,
@@ -197,18 +197,38 @@ def _validation_section(defaults: FormValues, fit_size: int | None, slots: dict)
     }
 
 
-def _validation_notes(values: FormValues, slots: dict) -> None:
+def _grid_editor(defaults: FormValues, detectors: list[str], params: dict[str, dict], slots: dict) -> dict[str, str]:
+    """ "Grids tried": per chosen detector with a default grid (:func:`~oodviz.runs.tuning.detector_grid`, less the
+    parameters set by hand), its grid as text to edit (:func:`~oodviz.ui.form_tuning.parse_grid`); returns the
+    grids that differ from the default, as typed."""
+    chosen = RunConfig(detectors=[DetectorChoice(name, params.get(name, {})) for name in detectors])
+    grids = tuned_grids(chosen)
+    edited = {}
+    with st.expander(f"Grids tried ({sum(bool(g) or n in defaults.detector_grids for n, g in grids.items())})"):
+        st.caption(
+            "When tuning: each detector's default grid, less the parameters set under Detector parameters. Edit as "
+            "parameter: value, value; parameter: value (blank: no tuning for that detector)."
+        )
+        for name, grid in grids.items():
+            default = grid_text(grid)
+            if not grid and name not in defaults.detector_grids:
+                continue
+            typed = st.text_input(f"{name} grid", defaults.detector_grids.get(name, default))
+            if typed.strip() != default:
+                edited[name] = typed.strip()
+        untuned = [name for name, grid in grids.items() if not grid and name not in defaults.detector_grids]
+        if untuned:
+            st.caption(f"Nothing to tune: {', '.join(untuned)}.")
+    slots["grids"] = st.empty()
+    return edited
+
+
+def _validation_warnings(values: FormValues, slots: dict) -> None:
     """Under the validation fields: the warnings of :func:`~oodviz.runs.tuning.validation_warnings` (a validation
-    set that is also a test or fit set), and the grid each chosen detector tries (``slots["grids"]``)."""
-    config = config_from_form(values)
-    for warning in validation_warnings(config):
+    set that is also a test or fit set)."""
+    for warning in validation_warnings(config_from_form(values)):
         field = "ood_val" if warning.startswith("the OOD validation") else "id_val"
         slots[f"{field}-warning"].warning(warning)
-    if values.tune:
-        grids = pd.DataFrame(tuning_summary(config), columns=["detector", "grid tried"])
-        with slots["grids"].expander(f"Grids tried ({len(grids)} detectors)"):
-            st.caption("Each detector's default grid, less the parameters set under Detector parameters.")
-            st.dataframe(grids, hide_index=True, width="stretch")
 
 
 def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
@@ -313,6 +333,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
         )
         validation = _validation_section(defaults, fit_size, slots)
+        detector_grids = _grid_editor(defaults, detectors, detector_params, slots)
 
         st.subheader("Resources")
         facts = _devices()
@@ -361,6 +382,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             ood_folder=ood_folder,
             detectors=detectors,
             detector_params=detector_params,
+            detector_grids=detector_grids,
             device=device,
             batch_size=int(batch_size),
             precision=precision,
@@ -373,7 +395,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             fit_size=fit_size,
             **validation,
         )
-        _validation_notes(values, slots)
+        _validation_warnings(values, slots)
         # one under the other: side by side their labels are cut at 1000 px
         start = st.form_submit_button("Start run", type="primary", width="stretch", disabled=start_blocked(values))
         estimate = st.form_submit_button("Estimate memory", width="stretch")
