@@ -12,7 +12,7 @@ from oodviz.detectors import available
 from oodviz.engine import FEATURE_DTYPES, PRECISIONS
 from oodviz.layers import PENULTIMATE
 from oodviz.models import POOLINGS, available_backbones, format_bytes
-from oodviz.runs.config import DetectorChoice, RunConfig
+from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.defaults import default_detector_params, defaults_reason
 from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
@@ -128,7 +128,6 @@ def _switch_default_detectors(generation: str, detectors_shown: list[str]) -> No
 @st.cache_data(show_spinner="Counting the ID fit images…", max_entries=16)
 def _count_images(choice_json: str, data_root: str) -> int | None:
     """How many images the ID fit dataset ``choice_json`` has (None when it cannot be read)."""
-    from oodviz.runs.config import DatasetChoice, RunConfig
     from oodviz.runs.splits import load_split
 
     try:
@@ -140,7 +139,10 @@ def _count_images(choice_json: str, data_root: str) -> int | None:
 
 
 def fit_set_size(values: FormValues) -> int | None:
-    """The size of the form's whole ID fit set (no subsample), from paths the server allows; None otherwise."""
+    """The size of the form's whole ID fit set (no subsample), from paths the server allows; None otherwise, and
+    for an image folder unless the form tunes (a folder is walked to count it)."""
+    if values.id_preset == FOLDER_PRESET and not values.tune:
+        return None
     try:
         config = AccessPolicy.from_env().confine_config(config_from_form(replace(values, tune=False)))
     except PathRefused:
@@ -151,10 +153,11 @@ def fit_set_size(values: FormValues) -> int | None:
     return _count_images(json.dumps(asdict(fit), sort_keys=True), config.data_root)
 
 
-def _validation_section(defaults: FormValues, fit_size: int | None, slots: dict) -> dict:
+def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> dict:
     """The "Validation (tuning)" fields (:mod:`oodviz.ui.form_tuning`): the switch, the ID validation split
-    (held-out images of the ID fit set, or a folder), the OOD validation set; a placeholder under each for its
-    errors, and one for its warnings (``<field>-warning``)."""
+    (held-out images of the ID fit set, counted from the form's ``data`` fields: :func:`fit_set_size`, or a
+    folder), the OOD validation set; a placeholder under each for its errors, and one for its warnings
+    (``<field>-warning``). Returns those fields and ``fit_size``."""
     st.subheader("Validation (tuning)")
     tune = st.checkbox(
         "Tune parameters on validation data",
@@ -162,6 +165,7 @@ def _validation_section(defaults: FormValues, fit_size: int | None, slots: dict)
         help="Each detector tries every point of its grid (below) and keeps the one with the best AUROC on the ID "
         "validation images against the OOD validation set, then is fitted with it.",
     )
+    fit_size = fit_set_size(replace(data, tune=tune))
     id_val = st.selectbox(
         "ID validation",
         list(ID_VALIDATION_CHOICES),
@@ -194,6 +198,7 @@ def _validation_section(defaults: FormValues, fit_size: int | None, slots: dict)
         "id_val_images": int(id_val_images),
         "id_val_folder": id_val_folder,
         "ood_val": ood_val,
+        "fit_size": fit_size,
     }
 
 
@@ -329,10 +334,8 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         with st.expander("Detector parameters"):
             detector_params = _detector_params(defaults, generation)
 
-        fit_size = fit_set_size(
-            replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
-        )
-        validation = _validation_section(defaults, fit_size, slots)
+        data = replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
+        validation = _validation_section(defaults, data, slots)
         detector_grids = _grid_editor(defaults, detectors, detector_params, slots)
 
         st.subheader("Resources")
@@ -392,7 +395,6 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             ood_subsample=int(ood_subsample),
             data_root=data_root,
             download=download,
-            fit_size=fit_size,
             **validation,
         )
         _validation_warnings(values, slots)
