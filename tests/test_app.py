@@ -27,7 +27,7 @@ def test_form_choices_become_the_config():
     values = FormValues(
         backbone="resnet18",
         weights="random",
-        layer=" layer3 ",
+        layers=[" layer3 "],
         id_preset="cifar10 (torchvision files)",
         ood=["svhn", "noise-uniform"],
         ood_folder="/data/my-ood",
@@ -71,7 +71,7 @@ def test_a_run_config_becomes_the_form_that_makes_it_again(name):
             FormValues(
                 backbone="resnet18",
                 weights="random",
-                layer="layer3",
+                layers=["layer3"],
                 id_preset=FOLDER_PRESET,
                 fit_folder="/a",
                 test_folder="/b",
@@ -309,17 +309,17 @@ def test_form_problems_are_keyed_by_the_field_they_are_about(tmp_path):
         fit_folder=str(tmp_path / "missing"),
         test_folder=str(tmp_path / "a-file"),
         ood_folder=str(tmp_path / "empty"),
-        layer="no-such-layer",
+        layers=["no-such-layer"],
         detectors=[],
         batch_size=0,
     )
     problems = form_problems(values)
-    assert set(problems) == {"fit_folder", "test_folder", "ood_folder", "layer", "detectors", "batch_size"}
+    assert set(problems) == {"fit_folder", "test_folder", "ood_folder", "layers", "detectors", "batch_size"}
     assert problems["fit_folder"] == [f"Image folder {tmp_path / 'missing'} does not exist"]
     assert "is a file, not a directory" in problems["test_folder"][0]
     assert problems["ood_folder"][0].startswith(f"No images found under {tmp_path / 'empty'}")
     assert problems["detectors"] == ["choose at least one detector"]
-    assert "no-such-layer" in problems["layer"][0] and "batch_size" in problems["batch_size"][0]
+    assert "no-such-layer" in problems["layers"][0] and "batch_size" in problems["batch_size"][0]
     assert form_problems(FormValues()) == {}
 
 

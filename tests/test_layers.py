@@ -247,15 +247,20 @@ def test_only_the_missing_layers_are_extracted_and_equal_single_layer_stores(tmp
     assert stores["features.1"].meta["backbone"]["layer"] == "features.1"
 
 
-def test_the_sidebar_takes_several_layers_separated_by_commas():
+def test_the_sidebar_takes_several_layers_from_its_layers_list():
     from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
 
-    config = config_from_form(FormValues(layer="features.1, features.4,penultimate"))
+    config = config_from_form(FormValues(layers=["features.1", "features.4", "penultimate"]))
     assert (config.layer, config.layers) == (None, LAYERS) and config.problems() == []
-    assert form_values_from_config(config).layer == "features.1, features.4, penultimate"
-    single = config_from_form(FormValues(layer=" features.4 "))
+    assert form_values_from_config(config).layers == LAYERS
+    single = config_from_form(FormValues(layers=["features.4"]))
     assert (single.layer, single.layers) == ("features.4", [])
-    assert form_values_from_config(single).layer == "features.4"
+    assert form_values_from_config(single).layers == ["features.4"]
+    for default in ([], ["penultimate"]):  # the penultimate layer alone is the default features
+        assert (
+            config_from_form(FormValues(layers=default)).layer,
+            config_from_form(FormValues(layers=default)).layers,
+        ) == (None, [])
 
 
 def test_oodviz_score_scores_a_multi_layer_runs_main_detectors(runs, tmp_path):

@@ -172,9 +172,9 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
     app = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
     app.run()
-    [box for box in app.sidebar.selectbox if box.label == "Backbone"][0].set_value("vit_b_16")
+    [box for box in app.sidebar.selectbox if box.label == "Backbone"][0].set_value("vit_b_16").run()  # its layers
     [radio for radio in app.sidebar.radio if radio.label == "Weights"][0].set_value("random")
-    [text for text in app.sidebar.text_input if text.label == "Feature layer"][0].set_value(VIT_UNPOOLED["layer"])
+    [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0].set_value([VIT_UNPOOLED["layer"]])
     [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].set_value("none")
     start = [button for button in app.sidebar.button if button.label == "Start run"][0]
     start.click().run()
@@ -196,7 +196,9 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     button("Fix: Pool the features (pooling avg)").click().run()  # fills the form, estimates it again
     assert not app.exception
     assert [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].value == "avg"
-    assert [text for text in app.sidebar.text_input if text.label == "Feature layer"][0].value == VIT_UNPOOLED["layer"]
+    assert [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0].value == [
+        VIT_UNPOOLED["layer"]
+    ]
     assert any(s.value.startswith("Applied: Pool the features") for s in app.sidebar.success)
     assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
     assert not button("Start run").disabled and not [b for b in app.sidebar.button if b.label.startswith("Fix:")]
@@ -236,3 +238,52 @@ def test_the_fixes_a_refusal_names_become_changes_of_the_form():
         )
         == []
     )
+
+
+def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_path, capsys):
+    """Two layers of digits-cnn: the disk need is both layers' stores, each layer's mahalanobis fit is at that
+    layer's D; a disk cap between one layer's stores and both refuses the run (``oodviz run``, exit 2)."""
+    import torch
+
+    from oodviz.data import load_dataset
+    from oodviz.models.digits import DigitsCNN
+    from oodviz.models.memory import describe_memory
+    from oodviz.runs.preflight import preflight
+
+    model = DigitsCNN()
+    seen = {}
+    model.features[3].register_forward_hook(lambda module, inputs, output: seen.update(channels=output.shape[1]))
+    model(torch.zeros(1, 1, 8, 8))
+    dims = {"features.3": seen["channels"], "penultimate": model.fc.in_features}  # avg-pooled: one per channel
+    c = model.fc.out_features
+    sizes = [len(load_dataset(name)) for name in ("digits-train", "digits-test", "digits-heldout")]
+    store = {layer: sum(n * (d * 4 + c * 4 + 24) for n in sizes) for layer, d in dims.items()}
+    settings = {
+        "backbone": "digits-cnn",
+        "device": "cpu",
+        "layers": list(dims),
+        "ood": ["digits-heldout"],
+        "detectors": ["mahalanobis", "msp"],
+    }
+    report = preflight(RunConfig.from_dict(settings), tmp_path / "runs")
+    (disk,) = [need for need in report.needs if need.resource == "disk"]
+    assert disk.needed == store["features.3"] + store["penultimate"]
+    assert f"features.3: D={dims['features.3']}, 3/3 splits, {format_bytes(store['features.3'])}" in disk.what
+    fits = {need.what.split()[1]: need.needed for need in report.needs if need.resource == "ram"}
+    assert fits == {f"mahalanobis@{layer}": int(8 * (2.5 * d * d + 2 * c * d)) for layer, d in dims.items()}
+    described = describe_memory(report.estimate)  # the app's estimate beside Start
+    assert f"layer penultimate (D={dims['penultimate']}): {format_bytes(store['penultimate'])}" in described
+    assert f"feature store total (2 layers): {format_bytes(disk.needed)}" in described
+    # the cap lets either layer's stores through, not both
+    cap = (max(store.values()) + sum(store.values())) / 2
+    path = tmp_path / "layers.json"
+    path.write_text(json.dumps({**settings, "memory_budget_gb": cap / GiB}))
+    assert main(["run", str(path), "--runs-root", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "feature stores, 2 layers" in err and "OVER" in err and not (tmp_path / "runs").exists()
+    # started anyway: the run says the same in its warnings, and runs to the end
+    assert main(["run", str(path), "--runs-root", str(tmp_path / "runs"), "--force"]) == 0
+    (run,) = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    warned = [e["message"] for e in events if e.get("event") == "warning" and "does not fit" in e["message"]]
+    assert len(warned) == 1 and "feature stores, 2 layers" in warned[0] and "mahalanobis@features.3" in warned[0]

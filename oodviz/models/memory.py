@@ -95,10 +95,19 @@ def _split_line(name: str, split: Mapping, d: int) -> str:
 
 
 def describe_memory(estimate: Mapping) -> str:
-    """A few readable lines: one per split and the total."""
-    d = estimate["feature_dim"]
-    lines = [_split_line(name, s, d) for name, s in estimate["splits"].items()]
-    lines.append(f"feature store total: {format_bytes(estimate['total_bytes'])}")
+    """A few readable lines: one per split and the total; for a run over several layers (``estimate["layers"]``:
+    layer -> that layer's estimate, :func:`oodviz.runs.preflight.assess`), those of each layer and the sum."""
+    layers = estimate.get("layers") or {None: estimate}
+    lines = []
+    for layer, part in layers.items():
+        d = part["feature_dim"]
+        if layer is not None:
+            lines.append(f"layer {layer} (D={d:,}): {format_bytes(part['total_bytes'])}")
+        indent = "" if layer is None else "  "
+        lines += [indent + _split_line(name, s, d) for name, s in part["splits"].items()]
+    total = sum(part["total_bytes"] for part in layers.values())
+    where = "" if len(layers) == 1 else f" ({len(layers)} layers)"
+    lines.append(f"feature store total{where}: {format_bytes(total)}")
     return "\n".join(lines)
 
 

@@ -209,7 +209,7 @@ def load_data(job: Job) -> None:
     limits (:mod:`oodviz.runs.preflight`; ``oodviz run`` refuses such a run before it starts, unless ``--force``)."""
     from oodviz.data import class_mismatch
     from oodviz.models import estimate_memory
-    from oodviz.runs.preflight import assess, disk_cap_bytes, machine_limits
+    from oodviz.runs.preflight import assess, disk_cap_bytes, layer_estimates, machine_limits, splits_to_extract
     from oodviz.runs.validation import ConfigError, check_sizes
 
     config, backbone = job.config, job.backbone
@@ -228,8 +228,12 @@ def load_data(job: Job) -> None:
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())
         new = check_disk_space(job, estimate)
-        limits = machine_limits(feature_store_root(job.run), job.device, disk_cap_bytes(config))
-        report = assess(config, estimate, limits, new)
+        root = feature_store_root(job.run)
+        limits = machine_limits(root, job.device, disk_cap_bytes(config))
+        layers = layer_estimates(  # a run over several layers: every layer's stores and fits
+            config, backbone, sizes, lambda view: splits_to_extract(config, view, job.datasets, job.splits, root)
+        )
+        report = assess(config, next(iter(layers.values()))[0] if layers else estimate, limits, new, layers)
         if not report.fits:  # started anyway (--force, the app's "run anyway"): say what will not fit
             job.reporter.warn(report.message())
 

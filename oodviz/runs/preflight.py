@@ -10,6 +10,10 @@ Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
   (:func:`knn_fit_memory_bytes`);
 - **GPU** memory of the same fits, only when the run's device is CUDA.
 
+A run over several layers (``RunConfig.layers``) needs a store per layer and split, and fits each detector that
+reads features at every layer (:func:`oodviz.runs.layers.detector_columns`): each layer's ``D`` counts, so
+its stores and its ``D x D`` fit states are rows of their own (:func:`layer_estimates`).
+
 Available: free disk under the runs root (``shutil.disk_usage``, capped by ``memory_budget_gb`` when set),
 ``psutil.virtual_memory().available`` and ``torch.cuda.mem_get_info``. Each detector fits on its own, so each
 fit is compared with the whole RAM. :func:`preflight` loads the model and the datasets (their sizes only);
@@ -114,34 +118,84 @@ def machine_limits(store_root, device, disk_cap: int | None = None) -> dict[str,
     return limits
 
 
-def assess(config, estimate: dict, limits: dict[str, int], new_splits: list[str] | None = None) -> Preflight:
+def assess(
+    config, estimate: dict, limits: dict[str, int], new_splits: list[str] | None = None, layers: dict | None = None
+) -> Preflight:
     """The needs of ``config`` from its store ``estimate`` (:func:`oodviz.models.estimate_memory`) against
-    ``limits`` (:func:`machine_limits`); ``new_splits``: the splits whose store is not there yet (default: all)."""
-    d, c = int(estimate["feature_dim"]), int(estimate["num_classes"])
-    splits = estimate["splits"]
-    new = list(splits) if new_splits is None else new_splits
-    n_fit = int(splits["id_fit"]["n_samples"])
-    store_bytes = sum(int(splits[split]["total_bytes"]) for split in new)
-    what = f"feature stores ({len(new)} of {len(splits)} splits to extract, {estimate['feature_dtype']})"
-    needs = [Need("disk", what, store_bytes, limits["disk"])]
-    fits = [(choice.name, fit_memory_bytes(choice.name, choice.params, d, c, n_fit)) for choice in config.detectors]
+    ``limits`` (:func:`machine_limits`); ``new_splits``: the splits whose store is not there yet (default: all).
+    ``layers`` (a run over several layers): layer -> ``(estimate, new splits)`` of that layer's stores
+    (:func:`layer_estimates`); ``estimate`` is then the first layer's (the run's main store)."""
+    layers = layers or {None: (estimate, list(estimate["splits"]) if new_splits is None else new_splits)}
+    c = int(estimate["num_classes"])
+    n_fit = int(estimate["splits"]["id_fit"]["n_samples"])
+    stores = {
+        layer: sum(int(part["splits"][split]["total_bytes"]) for split in new) for layer, (part, new) in layers.items()
+    }
+    splits = len(estimate["splits"])
+    if len(layers) > 1:  # every layer's stores share the disk: one need, each layer's part named
+        parts = "; ".join(
+            f"{layer}: D={int(part['feature_dim']):,}, {len(new)}/{splits} splits, {format_bytes(stores[layer])}"
+            for layer, (part, new) in layers.items()
+        )
+        what = f"feature stores, {len(layers)} layers ({parts})"
+    else:
+        what = f"feature stores ({len(layers[None][1])} of {splits} splits to extract, {estimate['feature_dtype']})"
+    needs = [Need("disk", what, sum(stores.values()), limits["disk"])]
+    dims = {layer: int(layer_estimate["feature_dim"]) for layer, (layer_estimate, _) in layers.items()}
+    fits = []  # (result column, bytes, D)
+    for column, choice, layer in _fitted_columns(config, layers):
+        d = dims[layer]
+        fits.append((column, fit_memory_bytes(choice.name, choice.params, d, c, n_fit), d))
     for resource in [r for r in ("ram", "gpu") if r in limits]:
-        for name, needed in fits:
+        for column, needed, d in fits:
             if needed:
-                needs.append(Need(resource, f"fit {name} (D={d:,}, C={c:,}, N={n_fit:,})", needed, limits[resource]))
+                needs.append(Need(resource, f"fit {column} (D={d:,}, C={c:,}, N={n_fit:,})", needed, limits[resource]))
     report = Preflight(needs, estimate=dict(estimate))
-    report.fixes = fixes(estimate, report, fits, limits)
+    if len(layers) > 1:
+        report.estimate["layers"] = {layer: dict(layer_estimate) for layer, (layer_estimate, _) in layers.items()}
+    report.fixes = fixes(estimate, report, fits, limits, dims)
     return report
 
 
-def fixes(estimate: dict, report: Preflight, fits: list[tuple[str, int]], limits: dict[str, int]) -> list[str]:
-    """What would make an over-the-limit run fit: pool, another layer, subsample, float16, fewer detectors; for
-    a run that fits but has ``D > WIDE_FEATURES``, the detectors with a ``D x D`` state (a note)."""
+def _fitted_columns(config, layers: dict) -> list[tuple]:
+    """``(result column, DetectorChoice, key of layers)`` of every fit: per layer for a run over several layers (a
+    detector scored on the main store: the first layer's), else each detector once (key None)."""
+    if list(layers) == [None]:
+        return [(choice.name, choice, None) for choice in config.detectors]
+    from oodviz.runs.layers import detector_columns
+
+    first = next(iter(layers))
+    return [(column, choice, first if layer is None else layer) for column, choice, layer in detector_columns(config)]
+
+
+def layer_estimates(config, backbone, sizes: dict[str, int], new_splits) -> dict:
+    """Layer -> ``(estimate, new splits)`` of its stores, for a run over several layers (``config.layers``; each
+    layer a view of ``backbone``, :meth:`~oodviz.models.Backbone.with_layer`, with one probe forward); None for a
+    single-layer run. ``new_splits(view)``: the splits whose store of that view is still to extract."""
+    from oodviz.layers import PENULTIMATE
+    from oodviz.models import estimate_memory
+
+    if not config.layers:
+        return None
+    found = {}
+    for layer in config.layers:
+        view = backbone.with_layer(None if layer == PENULTIMATE else layer, pooling=config.pooling)
+        found[layer] = (estimate_memory(view, sizes, feature_dtype=config.feature_dtype), new_splits(view))
+    return found
+
+
+def fixes(
+    estimate: dict, report: Preflight, fits: list[tuple], limits: dict[str, int], dims: dict | None = None
+) -> list[str]:
+    """What would make an over-the-limit run fit: pool, another layer (fewer layers, the widest named, for a run
+    over several), subsample, float16, fewer detectors; for a run that fits but has ``D > WIDE_FEATURES``, the
+    detectors with a ``D x D`` state (a note). ``fits``: ``(result column, bytes, D)``; ``dims``: layer -> D."""
     d, pooled = int(estimate["feature_dim"]), int(estimate.get("pooled_dim") or estimate["feature_dim"])
-    square = [name for name, needed in fits if needed >= 8 * d * d]
-    wide_note = f"at D={d:,} the D x D state of {', '.join(square)} is large: pool or leave them out"
+    widest = max(dim for _, _, dim in fits) if fits else d
+    square = sorted({column.split("@")[0] for column, needed, dim in fits if needed >= 8 * dim * dim})
+    wide_note = f"at D={widest:,} the D x D state of {', '.join(square)} is large: pool or leave them out"
     if report.fits:
-        return [wide_note] if d > WIDE_FEATURES and square else []
+        return [wide_note] if widest > WIDE_FEATURES and square else []
     found = []
     if estimate.get("pooling") == "none" and pooled < d:
         raw = estimate.get("raw_feature_shape")
@@ -151,14 +205,20 @@ def fixes(estimate: dict, report: Preflight, fits: list[tuple[str, int]], limits
             f"{d // pooled:,}x smaller)"
         )
     found.append("choose another layer with a smaller D (an earlier or narrower one, or the penultimate layer)")
+    if dims and len(dims) > 1:
+        layer, dim = max(dims.items(), key=lambda item: item[1])
+        found.append(f"fewer layers: the widest is {layer} (D={dim:,})")
     largest = max(estimate["splits"].items(), key=lambda item: item[1]["total_bytes"])
     found.append(f"subsample the largest splits ({largest[0]}: {largest[1]['n_samples']:,} samples)")
     if estimate["feature_dtype"] == "float32":
         found.append("feature_dtype='float16' halves the features on disk")
-    too_big = [name for name, needed in fits if needed > min(limits["ram"], limits.get("gpu", limits["ram"]))]
+    memory = min(limits["ram"], limits.get("gpu", limits["ram"]))
+    too_big = [column for column, needed, _ in fits if needed > memory]
     if too_big:
-        found.append(f"fewer detectors: leave out {', '.join(too_big)} (the fit state is over the memory at D={d:,})")
-    elif d > WIDE_FEATURES and square:
+        names = ", ".join(dict.fromkeys(column.split("@")[0] for column in too_big))
+        at = max(dim for column, needed, dim in fits if needed > memory)
+        found.append(f"fewer detectors: leave out {names} (the fit state is over the memory at D={at:,})")
+    elif widest > WIDE_FEATURES and square:
         found.append(wide_note)
     return found
 
@@ -196,9 +256,15 @@ def preflight(config, runs_root) -> Preflight:
     backbone = config.load_backbone()
     chosen = run_splits(config)
     datasets = {split: load_split(config, choice, as_ood, backbone.classes) for split, choice, as_ood in chosen}
-    estimate = estimate_memory(backbone, {s: len(ds) for s, ds in datasets.items()}, feature_dtype=config.feature_dtype)
     store_root = Path(runs_root) / STORES_DIRNAME
-    new = splits_to_extract(config, backbone, datasets, chosen, store_root)
-    return assess(
-        config, estimate, machine_limits(store_root, resolve_device(config.device), disk_cap_bytes(config)), new
+    sizes = {s: len(ds) for s, ds in datasets.items()}
+    layers = layer_estimates(
+        config, backbone, sizes, lambda view: splits_to_extract(config, view, datasets, chosen, store_root)
     )
+    if layers:  # the first layer's store is the run's main one
+        estimate, new = next(iter(layers.values()))
+    else:
+        estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
+        new = splits_to_extract(config, backbone, datasets, chosen, store_root)
+    limits = machine_limits(store_root, resolve_device(config.device), disk_cap_bytes(config))
+    return assess(config, estimate, limits, new, layers)

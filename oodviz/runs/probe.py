@@ -25,13 +25,17 @@ class ProbeError(RuntimeError):
 
 def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str, str | None]:
     """(estimate, description, warning) for ``config``, in this process: loads the model and counts each
-    split's samples; the warning is the pre-flight refusal (:mod:`oodviz.runs.preflight`: the needs against the
+    split's samples (for a run over several layers, the description has the needs table too: every layer's
+    stores and fits); the warning is the pre-flight refusal (:mod:`oodviz.runs.preflight`: the needs against the
     machine's disk, RAM and GPU, with the fixes) when the run does not fit, else None."""
     from oodviz.models.memory import describe_memory
     from oodviz.runs.preflight import preflight
 
     report = preflight(config, runs_root)
-    return report.estimate, describe_memory(report.estimate), None if report.fits else report.message()
+    description = describe_memory(report.estimate)
+    if "layers" in report.estimate:  # each layer's D x D fit states too, not only when over the limits
+        description += "\n\n" + report.table()
+    return report.estimate, description, None if report.fits else report.message()
 
 
 def estimate_in_subprocess(

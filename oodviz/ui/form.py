@@ -5,7 +5,20 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
+from oodviz.layers import PENULTIMATE
 from oodviz.runs.config import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
+from oodviz.ui.form_tuning import (
+    NO_VALIDATION,
+    VALIDATION_FOLDER,
+    form_layers,
+    form_validation,
+    grid_of,
+    grid_text,
+    held_out_problems,
+    layer_settings,
+    parse_grid,
+    validation_choices,
+)
 
 #: ID presets: label -> (fit split, test split). Torchvision sets use their train/test splits.
 ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
@@ -61,7 +74,8 @@ class FormValues:
     backbone: str = "digits-cnn"
     weights: str = "default"
     checkpoint: str = ""
-    layer: str = ""
+    #: the feature layers: one (``"penultimate"``: the default) or several (a run over several layers)
+    layers: list[str] = field(default_factory=lambda: [PENULTIMATE])
     pooling: str = "avg"
     id_preset: str = "digits (bundled, 8x8)"
     fit_folder: str = ""
@@ -70,6 +84,8 @@ class FormValues:
     ood_folder: str = ""
     detectors: list[str] = field(default_factory=lambda: [d.name for d in RunConfig().detectors])
     detector_params: dict[str, dict] = field(default_factory=dict)
+    #: detector -> its grid as typed (:func:`~oodviz.ui.form_tuning.parse_grid`), for the grids edited only
+    detector_grids: dict[str, str] = field(default_factory=dict)
     device: str = "auto"
     batch_size: int = 256
     precision: str = "fp32"
@@ -79,6 +95,14 @@ class FormValues:
     ood_subsample: int = 0
     data_root: str = "data"
     download: bool = False
+    #: tuning on validation data (:mod:`oodviz.ui.form_tuning`)
+    tune: bool = False
+    id_val: str = NO_VALIDATION
+    id_val_images: int = 0
+    id_val_folder: str = ""
+    ood_val: str = NO_VALIDATION
+    #: the ID fit set's size as the sidebar counted it (None: not counted), for the held-out validation images
+    fit_size: int | None = None
 
 
 def form_values_from_config(config: RunConfig) -> FormValues:
@@ -102,7 +126,7 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         backbone=config.backbone,
         weights=config.weights,
         checkpoint=config.checkpoint or "",
-        layer=", ".join(config.layers) if config.layers else config.layer or "",
+        layers=form_layers(config),
         pooling=config.pooling,
         id_preset=id_preset,
         fit_folder=fit_folder,
@@ -111,6 +135,7 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         ood_folder=folders[0] if folders else "",
         detectors=[d.name for d in config.detectors],
         detector_params={d.name: dict(d.params) for d in config.detectors if d.params},
+        detector_grids={d.name: grid_text(d.grid) for d in config.detectors if d.grid is not None},
         device=config.device,
         batch_size=config.batch_size,
         precision=config.precision,
@@ -120,6 +145,7 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         ood_subsample=subsamples[0] if subsamples else 0,
         data_root=config.data_root,
         download=config.download,
+        **form_validation(config),
     )
 
 
@@ -145,25 +171,33 @@ def config_from_form(values: FormValues) -> RunConfig:
         fit, test = (DatasetChoice(c.name, dict(c.params)) for c in ID_PRESETS[values.id_preset])
     fit.subsample = _subsample(values.fit_subsample)
     test.subsample = _subsample(values.test_subsample)
-    ood, size = [], PRESET_IMAGE_SIZE.get(values.id_preset)
-    for name in values.ood:
+    size = PRESET_IMAGE_SIZE.get(values.id_preset)
+
+    def ood_choice(name: str) -> DatasetChoice:
         params = (
             {"split": "test"} if name in TORCHVISION_OOD else {"size": size} if size and name in GENERATED_OOD else {}
         )
-        ood.append(DatasetChoice(name, params, subsample=_subsample(values.ood_subsample)))
+        return DatasetChoice(name, params)
+
+    ood = [replace(ood_choice(name), subsample=_subsample(values.ood_subsample)) for name in values.ood]
+    id_val, ood_val = validation_choices(values, fit, ood_choice)
     if values.ood_folder.strip():
         ood.append(
             DatasetChoice(
                 "folder", {"path": values.ood_folder.strip()}, subsample=_subsample(values.ood_subsample), group="far"
             )
         )
-    detectors = [DetectorChoice(name, dict(values.detector_params.get(name, {}))) for name in values.detectors]
+    detectors = [
+        DetectorChoice(name, dict(values.detector_params.get(name, {})), grid_of(values, name))
+        for name in values.detectors
+    ]
+    layer, layers = layer_settings(values.layers)
     return RunConfig(
         backbone="torchscript" if values.backbone == "torchscript" else values.backbone,
         weights=values.weights,
         checkpoint=values.checkpoint.strip() or None,
-        layer=None if "," in values.layer else values.layer.strip() or None,
-        layers=[name.strip() for name in values.layer.split(",")] if "," in values.layer else [],
+        layer=layer,
+        layers=layers,
         pooling=values.pooling,
         id_fit=fit,
         id_test=test,
@@ -175,6 +209,8 @@ def config_from_form(values: FormValues) -> RunConfig:
         feature_dtype=values.feature_dtype,
         data_root=values.data_root.strip() or "data",
         download=bool(values.download),
+        id_val=id_val,
+        ood_val=ood_val,
     )
 
 
@@ -183,7 +219,7 @@ FORM_FIELDS = (
     "backbone",
     "weights",
     "checkpoint",
-    "layer",
+    "layers",
     "pooling",
     "id_preset",
     "fit_folder",
@@ -192,6 +228,10 @@ FORM_FIELDS = (
     "ood_folder",
     "data_root",
     "detectors",
+    "id_val",
+    "id_val_folder",
+    "ood_val",
+    "grids",
     "device",
     "batch_size",
     "precision",
@@ -201,7 +241,7 @@ FORM_FIELDS = (
 #: A problem of the config goes under the first field whose word it starts with (or, failing that, names).
 _FIELD_WORDS = (
     ("checkpoint", "checkpoint"),
-    ("layer", "layer"),
+    ("layer", "layers"),
     ("backbone", "backbone"),
     ("weights", "weights"),
     ("pooling", "pooling"),
@@ -219,6 +259,7 @@ _REFUSED_LABELS = {
     "ID fit folder": "fit_folder",
     "ID test folder": "test_folder",
     "OOD folder": "ood_folder",
+    "ID validation folder": "id_val_folder",
     "checkpoint": "checkpoint",
     "data root": "data_root",
 }
@@ -230,6 +271,14 @@ def problem_field(problem: str, values: FormValues) -> str:
     for prefix, fit_or_test in (("id_fit", "fit_folder"), ("id_test", "test_folder")):
         if problem.startswith(prefix):
             return fit_or_test if folders else "id_preset"
+    if problem.startswith("id_val"):
+        return "id_val_folder" if values.id_val == VALIDATION_FOLDER else "id_val"
+    if problem.startswith("ood_val") or "set ood_val too" in problem:
+        return "ood_val"
+    if "set id_val too" in problem:
+        return "id_val"
+    if problem.startswith("detectors[") and "grid" in problem:
+        return "grids"
     if problem.startswith("ood["):
         index = int(problem[4 : problem.index("]")])
         return "ood_folder" if index >= len(values.ood) else "ood"
@@ -240,7 +289,7 @@ def problem_field(problem: str, values: FormValues) -> str:
         if lower.startswith(word):
             return name
     if values.backbone in lower and "layer" in lower:  # "resnet18 has no layer 'x'"
-        return "layer"
+        return "layers"
     for word, name in _FIELD_WORDS:
         if word in lower:
             return name
@@ -279,6 +328,8 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
     if values.id_preset == FOLDER_PRESET:
         folders += [("fit_folder", config.id_fit), ("test_folder", config.id_test)]
     folders += [("ood_folder", choice) for choice in config.ood if choice.name == "folder"]
+    if values.tune and values.id_val == VALIDATION_FOLDER:
+        folders.append(("id_val_folder", config.id_val))
     for name, choice in folders:
         problem = folder_problem(choice.params.get("path", ""))
         if problem:
@@ -288,6 +339,15 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
         if name in found and name.endswith("_folder"):
             continue  # the folder's own message says it better
         found.setdefault(name, []).append(problem)
+    for name in values.detectors if values.tune else []:
+        for problem in parse_grid(name, values.detector_grids[name])[1] if name in values.detector_grids else []:
+            found.setdefault("grids", []).append(problem)
+    for problem in held_out_problems(values):
+        found.setdefault("id_val", []).append(problem)
+    if values.tune and config.id_val is None and config.ood_val is None:
+        found.setdefault("id_val", []).append(
+            "tuning needs validation data: choose held-out ID images here and an OOD validation set below"
+        )
     return found
 
 

@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import hashlib
+import json
+from dataclasses import asdict, replace
 
 import streamlit as st
 
 from oodviz.detectors import available
 from oodviz.engine import FEATURE_DTYPES, PRECISIONS
+from oodviz.layers import PENULTIMATE
 from oodviz.models import POOLINGS, available_backbones, format_bytes
-from oodviz.runs.defaults import defaults_reason
+from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.runs.defaults import default_detector_params, defaults_reason
 from oodviz.runs.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
+from oodviz.runs.tuning import validation_warnings
+from oodviz.ui.access import AccessPolicy, PathRefused
 from oodviz.ui.explore import teaching_panel
 from oodviz.ui.fixes import estimate_panel, form_key, start_blocked
 from oodviz.ui.form import (
@@ -24,6 +30,13 @@ from oodviz.ui.form import (
     config_from_form,
     ood_label,
     param_fields,
+)
+from oodviz.ui.form_tuning import (
+    ID_VALIDATION_CHOICES,
+    NO_VALIDATION,
+    grid_text,
+    layer_options,
+    tuned_grids,
 )
 
 USER_MODEL = "torchscript"
@@ -83,6 +96,146 @@ def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
     return params
 
 
+def _keys(generation: str) -> dict[str, str]:
+    """Session keys of the form drawn for ``generation``: the backbone (outside the form, so that a change
+    reruns the page), the detector list, and the backbone whose default detectors the list shows."""
+    return {
+        "backbone": f"backbone-{generation}",
+        "detectors": f"detectors-{generation}",
+        "defaults_of": f"detectors-defaults-of-{generation}",
+    }
+
+
+def _switch_default_detectors(generation: str, detectors_shown: list[str]) -> None:
+    """On a change of backbone: when the detector list (and each family parameter) is still the default of the
+    backbone it was made for, make it the new backbone's family default (:mod:`oodviz.runs.defaults`); a list
+    the user edited (and submitted: a form's pending edits are not known) is kept."""
+    state, keys = st.session_state, _keys(generation)
+    old = default_detector_params(state[keys["defaults_of"]])
+    new = default_detector_params(state[keys["backbone"]])
+    state[keys["defaults_of"]] = state[keys["backbone"]]
+    if list(state.get(keys["detectors"], detectors_shown)) == list(old):
+        state[keys["detectors"]] = list(new)
+    for name in set(old) | set(new):
+        for field in param_fields(name):
+            key = f"param-{name}-{field.name}-{generation}"
+            before = old.get(name, {}).get(field.name, field.default)
+            after = new.get(name, {}).get(field.name, field.default)
+            if after != before and state.get(key, before) == before:
+                state[key] = after
+
+
+@st.cache_data(show_spinner="Counting the ID fit images…", max_entries=16)
+def _count_images(choice_json: str, data_root: str) -> int | None:
+    """How many images the ID fit dataset ``choice_json`` has (None when it cannot be read)."""
+    from oodviz.runs.splits import load_split
+
+    try:
+        return len(
+            load_split(RunConfig(data_root=data_root, detectors=[]), DatasetChoice(**json.loads(choice_json)), False)
+        )
+    except Exception:  # a missing file or folder: the held-out field says it could not be counted
+        return None
+
+
+def fit_set_size(values: FormValues) -> int | None:
+    """The size of the form's whole ID fit set (no subsample), from paths the server allows; None otherwise, and
+    for an image folder unless the form tunes (a folder is walked to count it)."""
+    if values.id_preset == FOLDER_PRESET and not values.tune:
+        return None
+    try:
+        config = AccessPolicy.from_env().confine_config(config_from_form(replace(values, tune=False)))
+    except PathRefused:
+        return None
+    fit = replace(config.id_fit, subsample=None, subsample_mode="first")
+    if fit.name == "folder" and not str(fit.params.get("path", "")).strip():
+        return None
+    return _count_images(json.dumps(asdict(fit), sort_keys=True), config.data_root)
+
+
+def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> dict:
+    """The "Validation (tuning)" fields (:mod:`oodviz.ui.form_tuning`): the switch, the ID validation split
+    (held-out images of the ID fit set, counted from the form's ``data`` fields: :func:`fit_set_size`, or a
+    folder), the OOD validation set; a placeholder under each for its errors, and one for its warnings
+    (``<field>-warning``). Returns those fields and ``fit_size``."""
+    st.subheader("Validation (tuning)")
+    tune = st.checkbox(
+        "Tune parameters on validation data",
+        defaults.tune,
+        help="Each detector tries every point of its grid (below) and keeps the one with the best AUROC on the ID "
+        "validation images against the OOD validation set, then is fitted with it.",
+    )
+    fit_size = fit_set_size(replace(data, tune=tune))
+    id_val = st.selectbox(
+        "ID validation",
+        list(ID_VALIDATION_CHOICES),
+        index=ID_VALIDATION_CHOICES.index(defaults.id_val),
+        help="Held-out ID images the detectors are not fitted on (not the ID test set).",
+    )
+    suggested = defaults.id_val_images or (fit_size // 5 if fit_size else 0)
+    counted = f"of the {fit_size:,} ID fit images" if fit_size else "of the ID fit images"
+    id_val_images = st.number_input(
+        f"Held-out ID images ({counted})",
+        min_value=0,
+        value=suggested,
+        help="The last N images of the ID fit set; the detectors are fitted on the images before them.",
+    )
+    slots["id_val"], slots["id_val-warning"] = st.empty(), st.empty()
+    id_val_folder = st.text_input("ID validation folder", defaults.id_val_folder)
+    slots["id_val_folder"] = st.empty()
+    choices = [NO_VALIDATION, *OOD_CHOICES]
+    ood_val = st.selectbox(
+        "OOD validation set",
+        choices,
+        index=choices.index(defaults.ood_val) if defaults.ood_val in choices else 0,
+        help="An OOD set that is not a test set: chosen on the data it is tested on, a detector looks better "
+        "than it is.",
+    )
+    slots["ood_val"], slots["ood_val-warning"] = st.empty(), st.empty()
+    return {
+        "tune": tune,
+        "id_val": id_val,
+        "id_val_images": int(id_val_images),
+        "id_val_folder": id_val_folder,
+        "ood_val": ood_val,
+        "fit_size": fit_size,
+    }
+
+
+def _grid_editor(defaults: FormValues, detectors: list[str], params: dict[str, dict], slots: dict) -> dict[str, str]:
+    """ "Grids tried": per chosen detector with a default grid (:func:`~oodviz.runs.tuning.detector_grid`, less the
+    parameters set by hand), its grid as text to edit (:func:`~oodviz.ui.form_tuning.parse_grid`); returns the
+    grids that differ from the default, as typed."""
+    chosen = RunConfig(detectors=[DetectorChoice(name, params.get(name, {})) for name in detectors])
+    grids = tuned_grids(chosen)
+    edited = {}
+    with st.expander(f"Grids tried ({sum(bool(g) or n in defaults.detector_grids for n, g in grids.items())})"):
+        st.caption(
+            "When tuning: each detector's default grid, less the parameters set under Detector parameters. Edit as "
+            "parameter: value, value; parameter: value (blank: no tuning for that detector)."
+        )
+        for name, grid in grids.items():
+            default = grid_text(grid)
+            if not grid and name not in defaults.detector_grids:
+                continue
+            typed = st.text_input(f"{name} grid", defaults.detector_grids.get(name, default))
+            if typed.strip() != default:
+                edited[name] = typed.strip()
+        untuned = [name for name, grid in grids.items() if not grid and name not in defaults.detector_grids]
+        if untuned:
+            st.caption(f"Nothing to tune: {', '.join(untuned)}.")
+    slots["grids"] = st.empty()
+    return edited
+
+
+def _validation_warnings(values: FormValues, slots: dict) -> None:
+    """Under the validation fields: the warnings of :func:`~oodviz.runs.tuning.validation_warnings` (a validation
+    set that is also a test or fit set)."""
+    for warning in validation_warnings(config_from_form(values)):
+        field = "ood_val" if warning.startswith("the OOD validation") else "id_val"
+        slots[f"{field}-warning"].warning(warning)
+
+
 def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
     """Draw the form; returns its values, "estimate", "start" or None (not submitted), and a placeholder
     under each field of :data:`~oodviz.ui.form.FORM_FIELDS` (and ``"estimate"`` beside Start) for what
@@ -91,18 +244,24 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
     slots = {}
     # the form's key follows its defaults: another run's or a fix's values make new widgets that show them
     generation = hashlib.sha1(form_key(defaults).encode()).hexdigest()[:10]
+    keys = _keys(generation)
+    st.session_state.setdefault(keys["defaults_of"], defaults.backbone)
+    st.sidebar.subheader("Model")
+    # outside the form: a new backbone reruns the page, so its layers and default detectors are offered
+    backbones = available_backbones() + [USER_MODEL]
+    backbone = st.sidebar.selectbox(
+        "Backbone",
+        backbones,
+        index=backbones.index(defaults.backbone) if defaults.backbone in backbones else 0,
+        format_func=lambda b: "your own TorchScript file" if b == USER_MODEL else b,
+        help="digits-cnn ships with oodviz and works offline. torchvision models need their weight file "
+        "(or 'random' weights for a dry run).",
+        key=keys["backbone"],
+        on_change=_switch_default_detectors,
+        args=(generation, defaults.detectors),
+    )
+    slots["backbone"] = st.sidebar.empty()
     with st.sidebar.form(f"choose-{generation}", enter_to_submit=False, border=False):
-        st.subheader("Model")
-        backbones = available_backbones() + [USER_MODEL]
-        backbone = st.selectbox(
-            "Backbone",
-            backbones,
-            index=backbones.index(defaults.backbone) if defaults.backbone in backbones else 0,
-            format_func=lambda b: "your own TorchScript file" if b == USER_MODEL else b,
-            help="digits-cnn ships with oodviz and works offline. torchvision models need their weight file "
-            "(or 'random' weights for a dry run).",
-        )
-        slots["backbone"] = st.empty()
         weights = st.radio(
             "Weights", ["default", "random"], horizontal=True, index=["default", "random"].index(defaults.weights)
         )
@@ -113,16 +272,18 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             help="A TorchScript file (with 'your own TorchScript file'), or a state dict of the chosen torchvision architecture.",
         )
         slots["checkpoint"] = st.empty()
+        main_layers = defaults.layers if backbone == defaults.backbone else [PENULTIMATE]
         c1, c2 = st.columns([2, 1])
-        layer = c1.text_input(
-            "Feature layer",
-            defaults.layer,
-            placeholder="penultimate",
-            help="A module name, e.g. layer3; blank = the penultimate layer. Several, separated by commas "
-            "(layer2, layer3, penultimate), are extracted in one pass and compared in the results' Which layer? tab (shown for such runs).",
+        layers = c1.multiselect(
+            "Layers",
+            layer_options(backbone, main_layers),
+            default=main_layers,
+            key=f"layers-{backbone}-{generation}",
+            help="The feature layer (penultimate: the classifier head's input). Several are extracted in one pass "
+            "and compared in the results' Which layer? tab; mahalanobis is also combined over them.",
         )
         pooling = c2.selectbox("Pooling", list(POOLINGS), index=list(POOLINGS).index(defaults.pooling))
-        slots["layer"], slots["pooling"] = c1.empty(), c2.empty()
+        slots["layers"], slots["pooling"] = c1.empty(), c2.empty()
 
         st.subheader("Data")
         presets = list(ID_PRESETS) + [FOLDER_PRESET]
@@ -161,13 +322,21 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         detectors = st.multiselect(
             "Detectors",
             available(),
-            default=defaults.detectors,
+            default=None if keys["detectors"] in st.session_state else defaults.detectors,
+            key=keys["detectors"],
             help="Higher score = more OOD for every detector. See 'What each detector does' below the form.",
         )
         slots["detectors"] = st.empty()
-        st.caption(f"{defaults_reason(backbone)} A run config without `detectors` gets this list.")
+        st.caption(
+            f"{defaults_reason(backbone)} The list follows the backbone's family until you edit it; a run config "
+            "without `detectors` gets this list."
+        )
         with st.expander("Detector parameters"):
             detector_params = _detector_params(defaults, generation)
+
+        data = replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
+        validation = _validation_section(defaults, data, slots)
+        detector_grids = _grid_editor(defaults, detectors, detector_params, slots)
 
         st.subheader("Resources")
         facts = _devices()
@@ -207,7 +376,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             backbone=backbone,
             weights=weights,
             checkpoint=checkpoint,
-            layer=layer,
+            layers=layers,
             pooling=pooling,
             id_preset=id_preset,
             fit_folder=fit_folder,
@@ -216,6 +385,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             ood_folder=ood_folder,
             detectors=detectors,
             detector_params=detector_params,
+            detector_grids=detector_grids,
             device=device,
             batch_size=int(batch_size),
             precision=precision,
@@ -225,7 +395,9 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             ood_subsample=int(ood_subsample),
             data_root=data_root,
             download=download,
+            **validation,
         )
+        _validation_warnings(values, slots)
         # one under the other: side by side their labels are cut at 1000 px
         start = st.form_submit_button("Start run", type="primary", width="stretch", disabled=start_blocked(values))
         estimate = st.form_submit_button("Estimate memory", width="stretch")

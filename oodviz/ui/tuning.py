@@ -77,6 +77,6 @@ def tuning_panel(results) -> None:
         return
     st.markdown("**Tuned on validation data** (each detector's parameters chosen by validation AUROC, OOD positive)")
     st.dataframe(table, hide_index=True, width="stretch")
-    for name in table["detector"]:
-        with st.expander(f"{name}: every grid point"):
+    for name, chosen in zip(table["detector"], table["chosen"]):
+        with st.expander(f"{name}: {chosen} (every grid point)"):
             st.dataframe(grid_table(results.detectors[name]["tuning"]), hide_index=True, width="stretch")

@@ -1,0 +1,190 @@
+"""The sidebar form's validation data, tuning switch and layers (issue 17) and its checks (issue 14 point 1), with
+Streamlit's AppTest on an empty runs root: what reaches the submitted config, errors under their fields, the
+default detector list that follows the backbone's family."""
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import oodviz.ui.main
+from oodviz.data import load_dataset
+from oodviz.runs.config import DatasetChoice, DetectorChoice
+from oodviz.runs.defaults import default_detector_params
+from oodviz.runs.jobs import QueueFull
+from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config
+from oodviz.ui.form_tuning import HELD_OUT, VALIDATION_FOLDER
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+#: the bundled ID fit set of the default form (digits 0-7 of scikit-learn's training part)
+DIGITS_FIT = len(load_dataset("digits-train"))
+
+
+@pytest.fixture
+def submitted(tmp_path, monkeypatch):
+    """The configs Start submits (recorded, not queued); the app's runs root is empty."""
+    configs = []
+
+    def submit(config, root, nproc_per_node=1):
+        configs.append(config)
+        raise QueueFull("test: recorded, not queued")
+
+    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
+    return configs
+
+
+@pytest.fixture
+def app(submitted):
+    app = AppTest.from_file(APP, default_timeout=120)
+    app.run()
+    assert not app.exception
+    return app
+
+
+def widget(app, kind: str, label: str):
+    (found,) = [w for w in getattr(app.sidebar, kind) if w.label.startswith(label)]
+    return found
+
+
+def click(app, label: str) -> None:
+    widget(app, "button", label).click().run()
+    assert not app.exception
+
+
+def test_validation_data_grids_and_layers_reach_the_submitted_config(app, submitted):
+    widget(app, "checkbox", "Tune parameters on validation data").check()
+    widget(app, "selectbox", "ID validation").select(HELD_OUT)
+    widget(app, "number_input", "Held-out ID images").set_value(200)
+    widget(app, "multiselect", "OOD datasets").set_value(["digits-heldout", "noise-uniform"])
+    widget(app, "selectbox", "OOD validation set").select("digits-rotated")
+    widget(app, "multiselect", "Layers").set_value(["features.3", "penultimate"])
+    widget(app, "multiselect", "Detectors").set_value(["energy", "mahalanobis", "msp"])
+    # each default grid, editable: energy's
+    assert widget(app, "text_input", "mahalanobis grid").value == "normalize: false, true"
+    energy = widget(app, "text_input", "energy grid")
+    assert energy.value == "temperature: 0.5, 1, 2, 5, 10"
+    energy.input("temperature: 1, 2")
+    click(app, "Start run")
+    (config,) = submitted
+    assert config.id_val == DatasetChoice("digits-train", subsample=200, subsample_mode="last")
+    # the fit takes the images before the held-out ones: disjoint
+    assert (config.id_fit.subsample, config.id_fit.subsample_mode) == (DIGITS_FIT - 200, "first")
+    assert config.ood_val == DatasetChoice("digits-rotated")
+    assert (config.layer, config.layers) == (None, ["features.3", "penultimate"])
+    # energy's grid as edited, mahalanobis' default grid (None); msp has nothing to tune
+    assert config.detectors == [
+        DetectorChoice("energy", grid={"temperature": [1.0, 2.0]}),
+        DetectorChoice("mahalanobis"),
+        DetectorChoice("msp"),
+    ]
+    assert config.problems() == [] and not [w for w in app.sidebar.warning if "validation" in w.value]
+    # the run's page fills the form with its choices: the form gives the same config back
+    again = form_values_from_config(config)
+    assert (again.tune, again.id_val, again.id_val_images, again.ood_val) == (True, HELD_OUT, 200, "digits-rotated")
+    assert config_from_form(again) == config
+
+
+def test_bad_validation_fields_show_every_error_under_its_field_and_submit_nothing(app, submitted):
+    """Errors under their fields, all at once, no run; an OOD validation set that is also a test set is warned
+    under its field (a warning: such a run may start)."""
+    widget(app, "checkbox", "Tune parameters on validation data").check()
+    widget(app, "selectbox", "ID validation").select(HELD_OUT)
+    widget(app, "number_input", "Held-out ID images").set_value(DIGITS_FIT)  # nothing left to fit on
+    widget(app, "selectbox", "OOD validation set").select("noise-uniform")  # one of the default test sets
+    widget(app, "text_input", "energy grid").input("temperature: 1, hot")
+    widget(app, "multiselect", "Detectors").set_value(["energy"])
+    click(app, "Start run")
+    assert submitted == []
+    errors = [e.value for e in app.sidebar.error]
+    assert errors == [
+        f"hold out fewer than the {DIGITS_FIT:,} images of the ID fit set (the detectors are fitted on the rest)",
+        "energy grid: temperature takes float values, got 'hot'",
+        "Fix first: 2 problem(s), shown under their fields above.",
+    ]
+    (warning,) = [w.value for w in app.sidebar.warning if "validation" in w.value]
+    assert warning.startswith("the OOD validation set noise-uniform is also test set ood[5]")
+    # each message right under its field: nothing but captions drawn between them
+    shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.sidebar]
+    for field, message in (
+        ("Held-out ID images", errors[0]),
+        ("OOD validation set", warning),
+        ("energy grid", errors[1]),
+    ):
+        at = next(i for i, (kind, text) in enumerate(shown) if text.startswith(field) and kind != "subheader")
+        following = [text for kind, text in shown[at + 1 :] if kind not in ("caption", "empty")]
+        assert following[0] == message
+
+
+def test_the_default_detector_list_follows_the_backbone_family_until_edited(app):
+    detectors = widget(app, "multiselect", "Detectors")
+    assert detectors.value == list(default_detector_params("digits-cnn"))
+    widget(app, "selectbox", "Backbone").select("vit_b_16").run()
+    assert not app.exception
+    transformer = list(default_detector_params("vit_b_16"))
+    assert widget(app, "multiselect", "Detectors").value == transformer
+    assert "ash" not in transformer and "gradnorm" not in transformer
+    assert widget(app, "checkbox", "mahalanobis: normalize").value is True  # MDS++ on a transformer
+    assert any("ViT-B RMDS++ 81.71" in c.value for c in app.sidebar.caption)
+    assert "encoder.layers.encoder_layer_11" in widget(app, "multiselect", "Layers").options
+    widget(app, "selectbox", "Backbone").select("resnet18").run()
+    assert widget(app, "multiselect", "Detectors").value == list(default_detector_params("resnet18"))
+    assert widget(app, "checkbox", "mahalanobis: normalize").value is False
+    assert any("SCALE 81.36/96.53" in c.value for c in app.sidebar.caption)
+    # a list the user chose stays when the backbone changes
+    widget(app, "multiselect", "Detectors").set_value(["msp", "energy"])
+    widget(app, "checkbox", "Tune parameters on validation data").check()  # a problem: checked, not estimated
+    click(app, "Estimate memory")
+    widget(app, "selectbox", "Backbone").select("swin_t").run()
+    assert widget(app, "multiselect", "Detectors").value == ["msp", "energy"]
+
+
+def test_form_problems_of_the_validation_fields(tmp_path):
+    """Checked without a browser: each problem keyed by its field."""
+    (tmp_path / "empty").mkdir()
+    tuned = FormValues(tune=True, fit_size=DIGITS_FIT)
+    assert form_problems(tuned)["id_val"] == [
+        "tuning needs validation data: choose held-out ID images here and an OOD validation set below"
+    ]
+    problems = form_problems(FormValues(tune=True, id_val=VALIDATION_FOLDER, id_val_folder=str(tmp_path / "empty")))
+    assert problems["id_val_folder"][0].startswith(f"No images found under {tmp_path / 'empty'}")
+    assert problems["ood_val"][0].endswith("set ood_val too, or neither")
+    assert form_problems(FormValues(tune=True, id_val=HELD_OUT, id_val_images=0, ood_val="digits-rotated"))[
+        "id_val"
+    ] == ["hold out at least one image of the ID fit set to validate on"]
+    bad_layer = form_problems(FormValues(layers=["features.3", "no-such-layer"]))
+    assert list(bad_layer) == ["layers"] and "no-such-layer" in bad_layer["layers"][0]
+    assert (
+        form_problems(
+            FormValues(tune=True, id_val=HELD_OUT, id_val_images=50, ood_val="digits-rotated", fit_size=DIGITS_FIT)
+        )
+        == {}
+    )
+
+
+def test_edited_grids_are_read_as_their_parameters_kinds_and_checked_like_a_configs():
+    tuned = FormValues(
+        tune=True,
+        id_val=HELD_OUT,
+        id_val_images=50,
+        ood_val="digits-rotated",
+        fit_size=DIGITS_FIT,
+        detectors=["knn", "mahalanobis", "energy"],
+        detector_grids={"knn": "k: 1, 5", "mahalanobis": "normalize: true", "energy": ""},
+    )
+    grids = {d.name: d.grid for d in config_from_form(tuned).detectors}
+    assert grids == {"knn": {"k": [1, 5]}, "mahalanobis": {"normalize": [True]}, "energy": {}}  # blank: no tuning
+    assert all(type(k) is int for k in grids["knn"]["k"]) and form_problems(tuned) == {}
+    assert form_values_from_config(config_from_form(tuned)).detector_grids == {
+        "knn": "k: 1, 5",
+        "mahalanobis": "normalize: true",
+        "energy": "",
+    }
+    bad = FormValues(**{**tuned.__dict__, "detector_grids": {"knn": "k: 1, 5; nope: 3", "mahalanobis": "true"}})
+    problems = form_problems(bad)
+    assert list(problems) == ["grids"]
+    unknown, unread = problems["grids"]  # the config's check, then what could not be read
+    assert unknown.startswith("detectors[0] (knn): grid names 'nope', which is not a parameter to tune")
+    assert unread == "mahalanobis grid: write parameter: value, value (got 'true')"
+    untuned = FormValues(**{**tuned.__dict__, "tune": False})  # an edited grid without tuning is not used
+    assert [d.grid for d in config_from_form(untuned).detectors] == [None, None, None]

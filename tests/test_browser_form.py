@@ -1,0 +1,59 @@
+"""The sidebar form in a real browser (Debian's Chromium): a small tuned run over two layers of the bundled
+digits-cnn, set up and started from the form alone, shows the tuning choice and the "Which layer?" tab."""
+
+import json
+import re
+import time
+
+from conftest import chromium
+from test_browser import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
+
+from oodviz.ui.form_tuning import HELD_OUT
+
+pytestmark = chromium
+
+
+def choose(page, sidebar, label: str, option: str) -> None:
+    """Pick ``option`` in the sidebar's selectbox or multiselect labelled ``label``."""
+    box = sidebar.locator('[data-testid="stSelectbox"], [data-testid="stMultiSelect"]').filter(has_text=label).first
+    box.click(timeout=60_000)
+    page.keyboard.type(option)  # filters the options
+    page.get_by_role("option", name=option, exact=True).click(timeout=30_000)
+    page.keyboard.press("Escape")
+    page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
+
+
+def test_a_tuned_two_layer_run_from_the_form(page, app_url, runs_root, tmp_path):  # noqa: F811
+    page.goto(app_url)
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    detectors = sidebar.locator('[data-testid="stMultiSelect"]').filter(has_text="Detectors").first
+    detectors.wait_for(timeout=120_000)  # a cold server: slow first load
+    detectors.get_by_role("button", name="Clear all").click()  # few detectors: a cheap run
+    for name in ("energy", "mahalanobis"):
+        choose(page, sidebar, "Detectors", name)
+    choose(page, sidebar, "Layers", "features.3")  # besides the preselected penultimate layer
+    sidebar.get_by_text("Tune parameters on validation data").click()
+    choose(page, sidebar, "ID validation", HELD_OUT)
+    choose(page, sidebar, "OOD validation set", "noise-uniform")  # also a test set: warned, allowed
+    sidebar.get_by_role("button", name="Start run").click()
+    page.wait_for_url(re.compile(r"\?run="), timeout=120_000)
+    run_id = page.url.split("run=")[1]
+    config = json.loads((runs_root / run_id / "config.json").read_text())
+    assert config["layers"] == ["penultimate", "features.3"]
+    assert config["id_val"]["subsample_mode"] == "last" and config["ood_val"]["name"] == "noise-uniform"
+    assert [d["name"] for d in config["detectors"]] == ["energy", "mahalanobis"]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not page.get_by_role("tab", name="Which layer?").count():
+        time.sleep(1)
+    page.get_by_text("the OOD validation set noise-uniform is also test set").first.wait_for(timeout=60_000)
+    page.get_by_role("tab", name="Which layer?").click()
+    page.get_by_text("Each detector that reads features was fitted and scored at every layer").wait_for(timeout=60_000)
+    ranking = page.locator(".js-plotly-plot").filter(has_text="features.3").filter(has_text="combined")
+    ranking.first.wait_for(timeout=60_000)  # each layer and the combined mahalanobis, ranked
+    shoot(page, tmp_path, "form-which-layer")
+    page.get_by_role("tab", name="Run details").click()
+    page.get_by_text("Tuned on validation data").wait_for(timeout=60_000)
+    tuning = json.loads((runs_root / run_id / "detectors.json").read_text())["energy"]["tuning"]
+    chosen = ", ".join(f"{key}={value}" for key, value in tuning["chosen"].items())
+    page.get_by_text(f"energy: {chosen} (every grid point)").wait_for(timeout=30_000)  # the choice tuning made
+    shoot(page, tmp_path, "form-tuning")
