@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 
 from oodviz.results import write_table
 
-MAP_POINTS = 20_000
+MAP_POINTS = 15_000
 HOVER_THUMBNAILS = 2_000
 THUMBNAIL_SIZE = 32
 SPRITE_COLUMNS = 40

@@ -21,7 +21,7 @@ from oodviz.detectors import describe, detector_class
 from oodviz.layers import split_column
 from oodviz.plots_risk import risk_coverage_figure
 from oodviz.projection import available_methods, projection_path
-from oodviz.projection_map import SPRITE_BUDGET, drawn_rows, hover_data, projection_figure, thumbnails_path
+from oodviz.projection_map import MAP_POINTS, SPRITE_BUDGET, drawn_rows, hover_data, projection_figure, thumbnails_path
 from oodviz.results import Results, detectors_of, read_table
 from oodviz.runs.rundir import read_json_object
 from oodviz.scoring import detectors_dir
@@ -220,7 +220,9 @@ def feature_space_tab(page) -> None:
     max_points = 2000
     if method != "pca":
         max_points = int(
-            c3.number_input(f"{method} points (seeded subsample)", 50, 20000, 2000, step=250, key="projection-points")
+            c3.number_input(
+                f"{method} points (seeded subsample)", 50, MAP_POINTS, 2000, step=250, key="projection-points"
+            )
         )
     if "umap" not in methods:
         c3.caption("UMAP: pip install 'oodviz[umap]'")
