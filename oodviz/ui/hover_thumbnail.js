@@ -6,6 +6,7 @@
 
 const PANEL_CLASS = "oodviz-hover-thumbnail";
 const SHOWN_PX = 96;
+const mounted = new Map();  // frontend key -> cleanup of the instance drawn last (one panel per instance)
 
 function decode(b64, Type) {
   const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
@@ -31,7 +32,8 @@ function makePanel() {
   return { panel, image, caption };
 }
 
-export default function ({ data }) {
+export default function ({ data, key }) {
+  if (mounted.has(key)) mounted.get(key)();  // drawn again with new data: replace, never stack, panels
   const sets = data.sets, classes = data.classes;
   const setOf = decode(data.set, Uint8Array), indexOf = decode(data.index, Int32Array);
   const labelOf = decode(data.label, Int16Array), predictionOf = decode(data.prediction, Int16Array);
@@ -101,9 +103,12 @@ export default function ({ data }) {
   }
   attach();
   const timer = setInterval(attach, 500);
-  return () => {
+  const cleanup = () => {
     clearInterval(timer);
     detach();
     panel.remove();
+    if (mounted.get(key) === cleanup) mounted.delete(key);
   };
+  mounted.set(key, cleanup);
+  return cleanup;
 }
