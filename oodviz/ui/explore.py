@@ -161,13 +161,18 @@ def projection_view(
     )
     keys = read_table(thumbnails_path(results.path, method, ".parquet"))
     sprite = thumbnails_path(results.path, method, ".webp")
-    data = hover_data(drawn, results.class_names, keys, sprite.read_bytes() if keys is not None else None)
+    data = hover_data(
+        drawn, results.class_names, keys, sprite.read_bytes() if keys is not None and sprite.exists() else None
+    )
     hover_panel(data, meta, key=f"{meta}-hover")
-    shown = "every point" if len(drawn) == len(frame) else f"{len(drawn):,} points (a uniform subsample, seed 0)"
+    shown = f"all {len(frame):,} points"
+    if len(drawn) < len(frame):
+        shown = f"{len(drawn):,} of {len(frame):,} points (a uniform subsample, seed 0)"
     thumbs = len(keys) if keys is not None else 0
     st.caption(
-        f"The map draws {shown} of {len(frame):,}; hovering a point shows its image for {thumbs:,} of them "
-        f"(the first of the same seeded order, as many as fit {SPRITE_BUDGET // 1024} KiB), its names for all."
+        f"The map draws {shown}. Hovering a point shows its set, index, true class and prediction, and its "
+        f"thumbnail for {thumbs:,} of them (the first of the same seeded order, as many as fit in "
+        f"{SPRITE_BUDGET // 1024} KiB)."
     )
     shown_by = detector or (color_by if color_by not in ("dataset", "label") else detectors_of(results.scores)[0])
     projection_selection_gallery(results, selected_samples(drawn, (event or {}).get("selection")), shown_by)
