@@ -3,7 +3,8 @@
 ``project_run(run_dir, method)`` reads the run's feature stores (``meta.json`` names them) and writes
 ``<run>/projection-<method>.parquet``: one row per projected sample with ``split, dataset, index``
 (the keys of ``scores.parquet``), ``label``, ``prediction`` and the coordinates ``x, y``; plus
-``projection-<method>.json`` with how it was made. Nothing is computed in the page.
+``projection-<method>.json`` with how it was made, and the thumbnails the page shows on hover (a seeded
+subsample, :func:`oodviz.projection_map.write_hover_thumbnails`). Nothing is computed in the page.
 
 - ``"pca"`` (default): principal components of the **ID fit** features from streaming statistics,
   one pass in batches (``n``, the sum and the ``D x D`` sum of outer products about a shift, float64),
@@ -25,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from oodviz.projection_map import write_hover_thumbnails
 from oodviz.results import ID_SPLIT, OOD_SPLIT, write_table
 from oodviz.runs.rundir import read_json_object, write_json
 
@@ -124,8 +126,8 @@ def _frame(store, kind: str, dataset: str, rows: np.ndarray, xy: np.ndarray) -> 
 
 
 def project_run(run_dir, method: str = "pca", max_points: int = 2000, seed: int = 0) -> pd.DataFrame:
-    """Compute the run's 2-D projection with ``method`` (see the module docstring), write it beside the
-    results and return it (columns :data:`PROJECTION_COLUMNS`, splits in run order)."""
+    """Compute the run's 2-D projection with ``method`` (see the module docstring), write it and its hover
+    thumbnails beside the results and return it (columns :data:`PROJECTION_COLUMNS`, splits in run order)."""
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     stores, projected = _stores(run_dir)
@@ -155,6 +157,8 @@ def project_run(run_dir, method: str = "pca", max_points: int = 2000, seed: int 
             frames.append(_frame(stores[split], kind, dataset, rows, xy[offset : offset + len(rows)]))
             offset += len(rows)
     frame = pd.concat(frames, ignore_index=True)[list(PROJECTION_COLUMNS)]
+    config, _ = read_json_object(Path(run_dir) / "config.json")
+    info["hover_thumbnails"] = write_hover_thumbnails(run_dir, method, frame, config)
     write_table(projection_path(run_dir, method), frame)
     write_json(projection_path(run_dir, method).with_suffix(".json"), {**info, "n": len(frame)})
     return frame

@@ -1,6 +1,6 @@
 """From a chart to its images, in a real browser (Debian's Chromium) on a copy of the default run: a box dragged
-over the score histogram, a click on a ROC point, a box on the feature-space map, each checked against the
-run's scores.parquet (and projection file)."""
+over the score histogram, a click on a ROC point and a box over a stretch of a ROC curve, a hovered point and a
+box on the feature-space map, each checked against the run's scores.parquet (and projection files) or sklearn."""
 
 import re
 import shutil
@@ -124,37 +124,139 @@ def test_a_click_on_a_roc_point_shows_the_images_wrong_at_its_threshold(page, ap
     shoot(page, tmp_path, "roc-selection")
 
 
-def test_the_feature_map_names_a_hovered_point_and_shows_the_images_of_a_box(page, app_url, run_copy, tmp_path):  # noqa: F811
+def test_a_box_over_a_stretch_of_a_roc_curve_shows_the_images_between_its_thresholds(page, app_url, run_copy):  # noqa: F811
+    from sklearn.metrics import roc_curve
+
+    scores = pd.read_parquet(run_copy / "scores.parquet")
+    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.get_by_role("tab", name="ROC / PR").click(timeout=120_000)
+    roc = page.locator(".js-plotly-plot").filter(has_text="ROC").first
+    roc.locator("g.trace.scatter path.point").first.wait_for(timeout=60_000)
+    roc.scroll_into_view_if_needed()
+    area = roc.locator(".nsewdrag").first.bounding_box()
+    # every drawn point in page pixels: [trace, fpr, tpr, px, py] (curves carry customdata, the chance line not)
+    drawn = roc.evaluate(
+        "gd => { const L = gd._fullLayout, r = gd.getBoundingClientRect(); return gd._fullData.flatMap((t, k) =>"
+        " Array.from(t.x, (x, i) => [k, t.customdata ? 1 : 0, x, t.y[i], r.left + L._size.l + L.xaxis.l2p(x),"
+        " r.top + L._size.t + L.yaxis.l2p(t.y[i])])); }"
+    )
+    points = pd.DataFrame(drawn, columns=["trace", "curve", "fpr", "tpr", "px", "py"])
+    names = roc.evaluate("gd => gd._fullData.map(t => t.name)")
+
+    def box_around(trace: int, first: int, count: int, pad: float = 4.0):
+        mine = points[points.trace == trace].iloc[first : first + count]
+        x0, x1, y0, y1 = mine.px.min() - pad, mine.px.max() + pad, mine.py.min() - pad, mine.py.max() + pad
+        inside = points[points.px.between(x0, x1) & points.py.between(y0, y1)]
+        return (x0, x1, y0, y1), inside
+
+    def in_plot(box) -> bool:  # a drag that starts on an axis does not select
+        return area["x"] + 2 < box[0] and box[1] < area["x"] + area["width"] - 2 and area["y"] + 2 < box[2]
+
+    # a stretch of 3 to 6 points of one curve, away from every other trace's points (the box selects only it)
+    chosen = next(
+        (trace, box, inside)
+        for trace in sorted(points[points.curve == 1].trace.unique())
+        for count in (6, 5, 4, 3)
+        for first in range(1, int((points.trace == trace).sum()) - count)
+        for box, inside in [box_around(trace, first, count)]
+        if set(inside.trace) == {trace} and inside.tpr.nunique() > 1 and box[1] - box[0] > 8 and in_plot(box)
+    )
+    trace, (x0, x1, y0, y1), inside = chosen
+    ood_set = names[trace].split(" (")[0]
+    roc.locator('[data-title="Box Select"]').click(force=True)
+    page.mouse.move(x0, y0)
+    page.mouse.down()
+    page.mouse.move((x0 + x1) / 2, (y0 + y1) / 2, steps=5)
+    page.mouse.move(x1, y1, steps=5)
+    page.mouse.up()
+    heading = paragraph(page, r"^Images with a \w+ score in \[")
+    heading.wait_for(timeout=60_000)
+    detector, low, high, total = re.match(
+        r"^Images with a (\w+) score in \[(\S+), (\S+)\]: ([\d,]+)", heading.inner_text()
+    ).groups()
+    # the reference: sklearn's ROC of the same scores; the box's points are its (fpr, tpr) points, their
+    # thresholds' lowest and highest the range
+    values = scores[detector].to_numpy(dtype=np.float64)
+    is_id, is_set = (scores.split == "id_test").to_numpy(), (scores.dataset == ood_set).to_numpy()
+    fpr, tpr, thresholds = roc_curve(is_set[is_id | is_set], values[is_id | is_set], drop_intermediate=True)
+    picked = [
+        t
+        for f, p, t in zip(fpr.astype(np.float32), tpr.astype(np.float32), thresholds)
+        if np.isfinite(t) and ((inside.fpr == f) & (inside.tpr == p)).any()
+    ]
+    assert len(picked) == len(inside) >= 3
+    expected_low, expected_high = min(picked), max(picked)
+    assert float(low) == pytest.approx(expected_low, rel=1e-5) and float(high) == pytest.approx(expected_high, rel=1e-5)
+    in_range = (values >= expected_low) & (values <= expected_high)
+    counts = {"digits-test": int((in_range & is_id).sum()), ood_set: int((in_range & is_set).sum())}
+    assert int(total.replace(",", "")) == sum(counts.values()) > 0
+    for dataset, count in counts.items():
+        if count:
+            shown = page.get_by_text(re.compile(rf"^{re.escape(dataset)}: [\d,]+ in range")).inner_text()
+            assert int(re.match(r".*: ([\d,]+) in range", shown).group(1).replace(",", "")) == count, dataset
+    captions = gallery_captions(page)
+    assert len(captions) == sum(min(12, c) for c in counts.values())
+    for caption in captions:  # each image's score in the range, of the ID test set or of the curve's OOD set
+        score = float(CAPTION_SCORE.search(caption).group(1))
+        assert expected_low * (1 - 1e-3) - 1e-9 <= score <= expected_high * (1 + 1e-3) + 1e-9, caption
+        truth = caption.split(" → ")[0]
+        assert truth == ood_set or truth in {str(c) for c in range(8)}, caption
+
+
+def test_the_feature_map_shows_a_hovered_points_thumbnail_and_the_images_of_a_box(page, app_url, run_copy, tmp_path):  # noqa: F811
+    import base64
+    import io
+
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    from oodviz.data import digits_split
+
     page.goto(f"{app_url}/?run={run_copy.name}")
     page.get_by_role("tab", name="Feature space").click(timeout=120_000)
     page.get_by_role("button", name="Compute the PCA map").click(timeout=60_000)
     chart = page.locator(".js-plotly-plot").filter(has_text="PCA of the features")
     chart.wait_for(timeout=120_000)
     frame = pd.read_parquet(run_copy / "projection-pca.parquet")
+    keys = pd.read_parquet(run_copy / "projection-pca-thumbnails.parquet")
     page.get_by_text("Select points on the map").wait_for(timeout=60_000)
+    chart.scroll_into_view_if_needed()  # the mouse reaches only what is in view
     area = chart.locator(".nsewdrag").first.bounding_box()
-    row = frame.iloc[len(frame) // 2]
+    # the most isolated ID test digit that has a thumbnail: the mouse on it hovers it and no other point
+    ranges = chart.evaluate("gd => [gd._fullLayout.xaxis.range, gd._fullLayout.yaxis.range]")
+    (x0, x1), (y0, y1) = ranges
+    unit = np.c_[(frame.x - x0) / (x1 - x0) * area["width"], (frame.y - y0) / (y1 - y0) * area["height"]]
+    candidates = frame.assign(row=np.arange(len(frame))).merge(keys[keys.dataset == "digits-test"])
+    gaps = [np.sort(np.hypot(*(unit - unit[r]).T))[1] for r in candidates.row]
+    row = frame.iloc[candidates.row.iloc[int(np.argmax(gaps))]]
     where = chart.evaluate(
         "(gd, p) => { const L = gd._fullLayout, r = gd.getBoundingClientRect();"
         " return [r.left + L._size.l + L.xaxis.l2p(p[0]), r.top + L._size.t + L.yaxis.l2p(p[1])]; }",
         [float(row.x), float(row.y)],
     )
-    page.mouse.move(*where)
-    hover = chart.locator(".hoverlayer .hovertext")
-    hover.first.wait_for(timeout=30_000)
-    named = re.match(r"^(\S+) #(\d+)\s*true (\S+) · predicted (\S+)", hover.first.text_content())
-    assert named, hover.first.text_content()
-    dataset, index = named.group(1), int(named.group(2))
-    hovered = frame[(frame.dataset == dataset) & (frame["index"] == index)]
-    assert len(hovered) == 1 and str(hovered.prediction.item()) == named.group(4)  # digits: the class name is the digit
-    assert np.hypot(hovered.x.item() - row.x, hovered.y.item() - row.y) < 0.05 * np.ptp(frame.x)  # the point under it
+    page.mouse.move(where[0] - 3, where[1] - 3)
+    page.mouse.move(*where, steps=3)
+    panel = page.locator(".oodviz-hover-thumbnail")
+    panel.wait_for(state="visible", timeout=30_000)
+    named = re.match(r"^(\S+) #(\d+) · true (\S+) · predicted (\S+)$", panel.inner_text().strip())
+    assert named, panel.inner_text()
+    assert (named.group(1), int(named.group(2))) == (row.dataset, int(row["index"]))
+    assert (named.group(3), named.group(4)) == (str(row.label), str(row.prediction))  # digits: the name is the digit
+    # the thumbnail shown is that digit's image: sklearn's 8x8 pixels, in blocks (through a lossy WebP sprite)
+    source = panel.locator("img").get_attribute("src")
+    assert source.startswith("data:image/png;base64,")
+    shown = np.asarray(Image.open(io.BytesIO(base64.b64decode(source.split(",", 1)[1]))).convert("L"), float)
+    digit = load_digits().images[digits_split("test")[2][int(row["index"])]]
+    reference = np.kron(digit, np.ones((shown.shape[0] // 8, shown.shape[1] // 8)))
+    assert np.corrcoef(shown.ravel(), reference.ravel())[0, 1] > 0.95
+    shoot(page, tmp_path, "feature-space-hover")
+    page.mouse.move(area["x"] + 2, area["y"] + area["height"] + 60)  # off the plot: the panel goes
+    panel.wait_for(state="hidden", timeout=30_000)
     chart.locator('[data-title="Box Select"]').click(force=True)  # a box, not the map's default lasso
-    ranges = chart.evaluate("gd => [gd._fullLayout.xaxis.range, gd._fullLayout.yaxis.range]")
     drag(page, area, 0.3, 0.7, top=0.3, bottom=0.7)
     heading = paragraph(page, r"^[\d,]+ selected point\(s\)")
     heading.wait_for(timeout=60_000)
     selected = int(heading.inner_text().split(" ")[0].replace(",", ""))
-    (x0, x1), (y0, y1) = ranges
 
     def inside(margin: float) -> int:
         xs, ys = (frame.x - x0) / (x1 - x0), (frame.y - y0) / (y1 - y0)  # y axis: 0 at the bottom

@@ -123,19 +123,6 @@ def operating_point_gallery(results, detector: str, threshold: float, ood_set: s
     gallery(results, shown, f"No {ood_set} image is missed at this threshold.")
 
 
-def hover_text(frame: pd.DataFrame, class_names) -> list[str]:
-    """One hover line per projected sample: its set, source index, true class and prediction."""
-    names = [str(c) for c in class_names or []]
-
-    def name(c: int) -> str:
-        return names[c] if 0 <= c < len(names) else str(c)
-
-    return [
-        f"{d} #{i}<br>true {name(int(label)) if split == ID_SPLIT else 'OOD'} · predicted {name(int(p))}"
-        for split, d, i, label, p in zip(frame.split, frame.dataset, frame["index"], frame.label, frame.prediction)
-    ]
-
-
 def projection_selection_gallery(results, rows: pd.DataFrame, detector: str) -> None:
     """The images of the selected projection ``rows`` (split, dataset, index), scored by ``detector``."""
     if not len(rows):

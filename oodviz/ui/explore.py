@@ -13,9 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
 
 from oodviz.analysis import risk_coverage_curves
@@ -23,12 +21,14 @@ from oodviz.detectors import describe, detector_class
 from oodviz.layers import split_column
 from oodviz.plots_risk import risk_coverage_figure
 from oodviz.projection import available_methods, projection_path
+from oodviz.projection_map import MAP_POINTS, SPRITE_BUDGET, drawn_rows, hover_data, projection_figure, thumbnails_path
 from oodviz.results import Results, detectors_of, read_table
 from oodviz.runs.rundir import read_json_object
 from oodviz.scoring import detectors_dir
 from oodviz.selection import selected_samples
-from oodviz.ui.chart_selection import hover_text, projection_selection_gallery
+from oodviz.ui.chart_selection import projection_selection_gallery
 from oodviz.ui.figure_export import chart
+from oodviz.ui.hover_thumbnail import hover_panel
 
 SUBPROCESS_TIMEOUT_S = 600
 
@@ -113,9 +113,9 @@ def probe_view(results: Results, key: str = "probe") -> None:
 
 
 def stored_projection_matches(path: Path, method: str, max_points: int) -> bool:
-    """Whether ``path`` holds the ``method`` map asked for: PCA projects every sample; a t-SNE or UMAP map
-    is reused only when it was made from the same ``max_points`` subsample size."""
-    if not path.exists():
+    """Whether ``path`` holds the ``method`` map asked for, with its hover thumbnails: PCA projects every
+    sample; a t-SNE or UMAP map is reused only when it was made from the same ``max_points`` subsample size."""
+    if not path.exists() or not thumbnails_path(path.parent, method, ".webp").exists():
         return False
     if method == "pca":
         return True
@@ -128,8 +128,10 @@ def projection_view(
 ) -> None:
     """The run's 2-D feature map (computed on request by ``oodviz project`` in a subprocess), coloured by
     ``color_by``: ``"dataset"``, ``"label"`` or a detector's score; t-SNE or UMAP on ``max_points`` samples.
-    Hovering a point names its image (set, index, true class, prediction); selecting points shows their
-    images with ``detector``'s score (default: the ``color_by`` detector, else the run's first)."""
+    At most :data:`~oodviz.projection_map.MAP_POINTS` points are drawn (a seeded subsample). Hovering a point
+    shows its set, index, true class, prediction and thumbnail (:mod:`oodviz.ui.hover_thumbnail`); selecting
+    points shows their images with ``detector``'s score (default: the ``color_by`` detector, else the run's
+    first)."""
     path = projection_path(results.path, method)
     if not stored_projection_matches(path, method, max_points):
         if st.button(f"Compute the {method.upper()} map", key=f"project-{method}"):
@@ -147,39 +149,33 @@ def projection_view(
     if color_by not in ("dataset", "label"):
         keys = ["split", "dataset", "index"]
         frame = frame.merge(results.scores[[*keys, color_by]], on=keys).reset_index(drop=True)
-    hover = np.array(hover_text(frame, results.class_names), dtype=object)
-    fig = go.Figure()
-    point = {"mode": "markers", "hovertemplate": "%{hovertext}<extra></extra>"}  # customdata: the row in frame
-    if color_by in ("dataset", "label"):
-        for value, rows in frame.groupby(color_by, sort=False):
-            at = rows.index.to_numpy()
-            fig.add_trace(
-                go.Scattergl(
-                    x=rows.x, y=rows.y, name=str(value), marker={"size": 4}, customdata=at, hovertext=hover[at], **point
-                )
-            )
-    else:
-        colorbar = {"size": 4, "color": frame[color_by], "colorscale": "Viridis", "colorbar": {"title": color_by}}
-        fig.add_trace(
-            go.Scattergl(
-                x=frame.x, y=frame.y, marker=colorbar, customdata=np.arange(len(frame)), hovertext=hover, **point
-            )
-        )
-    fig.update_layout(
-        template="plotly_white",
-        height=500,
-        title=f"{method.upper()} of the features ({len(frame):,} points)",
-        dragmode="lasso",
-    )
+    drawn = frame.iloc[drawn_rows(len(frame))].reset_index(drop=True)
+    meta = f"oodviz-projection-{method}-{color_by}"
+    title = f"{method.upper()} of the features ({len(drawn):,} of {len(frame):,} points)"
     event = chart(
-        fig,
-        f"projection-{method}-{color_by}",
+        projection_figure(drawn, color_by, title, meta),
+        meta,
         width="stretch",
         on_select="rerun",
         selection_mode=("points", "box", "lasso"),
     )
+    keys = read_table(thumbnails_path(results.path, method, ".parquet"))
+    sprite = thumbnails_path(results.path, method, ".webp")
+    data = hover_data(
+        drawn, results.class_names, keys, sprite.read_bytes() if keys is not None and sprite.exists() else None
+    )
+    hover_panel(data, meta, key=f"{meta}-hover")
+    shown = f"all {len(frame):,} points"
+    if len(drawn) < len(frame):
+        shown = f"{len(drawn):,} of {len(frame):,} points (a uniform subsample, seed 0)"
+    thumbs = len(keys) if keys is not None else 0
+    st.caption(
+        f"The map draws {shown}. Hovering a point shows its set, index, true class and prediction, and its "
+        f"thumbnail for {thumbs:,} of them (the first of the same seeded order, as many as fit in "
+        f"{SPRITE_BUDGET // 1024} KiB)."
+    )
     shown_by = detector or (color_by if color_by not in ("dataset", "label") else detectors_of(results.scores)[0])
-    projection_selection_gallery(results, selected_samples(frame, (event or {}).get("selection")), shown_by)
+    projection_selection_gallery(results, selected_samples(drawn, (event or {}).get("selection")), shown_by)
 
 
 def report_download(results: Results) -> None:
@@ -229,7 +225,9 @@ def feature_space_tab(page) -> None:
     max_points = 2000
     if method != "pca":
         max_points = int(
-            c3.number_input(f"{method} points (seeded subsample)", 50, 20000, 2000, step=250, key="projection-points")
+            c3.number_input(
+                f"{method} points (seeded subsample)", 50, MAP_POINTS, 2000, step=250, key="projection-points"
+            )
         )
     if "umap" not in methods:
         c3.caption("UMAP: pip install 'oodviz[umap]'")
