@@ -12,6 +12,8 @@ streamlit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -317,24 +319,32 @@ MEMORY_LINES = (
 )
 
 
-def memory_figure(timeline: pd.DataFrame, title: str = "Memory") -> go.Figure:
+def memory_figure(timeline: pd.DataFrame, title: str = "Memory", stages: Sequence[str] = ()) -> go.Figure:
     """A small live memory chart of :func:`memory_timeline`: CPU RSS and, when the run reports
-    them, GPU allocated and GPU peak (MiB) over seconds since the start; hover names the stage."""
+    them, GPU allocated and GPU peak (MiB) over seconds since the start; hover names the stage by its number k
+    in ``stages`` (the run's plan: "Stage k of N" in the live panel; default: in order of appearance).
+
+    Binary float32 coordinates and an int16 stage number per point: the chart's size depends on its number of
+    points only, not on which stages (of names of any length) its points fall in."""
     fig = go.Figure()
-    stages = timeline["stage"].astype(object).where(timeline["stage"].notna(), "") if "stage" in timeline else None
+    names = timeline["stage"].astype(object).where(timeline["stage"].notna(), "") if "stage" in timeline else None
+    number = None
+    if names is not None:
+        order = {name: k for k, name in enumerate(stages or dict.fromkeys(names), start=1)}
+        number = names.map(lambda name: order.get(name, 0)).to_numpy(dtype=np.int16)
     for column, name, color, dash in MEMORY_LINES:
         if column not in timeline or not timeline[column].notna().any():
             continue
         fig.add_trace(
             go.Scatter(
-                x=timeline["time_s"].to_numpy(dtype=np.float64),
-                y=timeline[column].to_numpy(dtype=np.float64),
+                x=timeline["time_s"].to_numpy(dtype=np.float32),
+                y=timeline[column].to_numpy(dtype=np.float32),
                 mode="lines",
                 name=name,
                 line={"color": color, "width": 2, "dash": dash},
-                customdata=None if stages is None else stages.to_numpy(),
+                customdata=number,
                 hovertemplate=f"{name} %{{y:,.0f}} MiB<br>%{{x:.1f}} s"
-                + ("<br>%{customdata}" if stages is not None else "")
+                + ("<br>stage %{customdata}" if number is not None else "")
                 + "<extra></extra>",
             )
         )
