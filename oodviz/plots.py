@@ -76,17 +76,28 @@ def color_map(names, colors: dict | None = None) -> dict:
 
 
 def figure_layout(fig: go.Figure, title: str | None, height: int = HEIGHT, **layout) -> go.Figure:
-    """The look every oodviz figure shares (template, title, margins, legend), then ``layout``."""
-    fig.update_layout(
-        template=TEMPLATE,
-        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}} if title else None,
-        height=height,
-        margin={"l": 55, "r": 15, "t": 45 if title else 15, "b": 45},
-        legend={"font": {"size": 11}},
-        hoverlabel={"namelength": -1},
-    )
-    fig.update_layout(**layout)
-    return fig
+    """The look every oodviz figure shares (template, title, margins, legend), then ``layout`` (plotly's
+    ``update_layout`` arguments, ``xaxis_title`` style included).
+
+    Set property by property without plotly's checks, as plotly sets its own default template: the check (of the
+    template above all) took 0.1-0.2 s a figure in ``update_layout``, most of a slider step's work;
+    ``tests/test_plots.py`` checks that every figure comes out as ``update_layout`` makes it."""
+    settings = {
+        "template": TEMPLATE,
+        "title": {"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}} if title else None,
+        "height": height,
+        "margin": {"l": 55, "r": 15, "t": 45 if title else 15, "b": 45},
+        "legend": {"font": {"size": 11}},
+        "hoverlabel": {"namelength": -1},
+    }
+    validate, fig.layout._validate = fig.layout._validate, False
+    try:
+        for key, value in settings.items():
+            if value is not None:  # no title: none set (update_layout(title=None) sets nothing either)
+                fig.layout[key] = value
+    finally:
+        fig.layout._validate = validate
+    return fig.update_layout(**layout) if layout else fig
 
 
 # -- histogram ------------------------------------------------------------------------------------
