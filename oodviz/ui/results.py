@@ -30,7 +30,7 @@ from oodviz.results import (
     per_class_at_threshold,
 )
 from oodviz.runs.rundir import RunDir
-from oodviz.thumbnails import thumbnails
+from oodviz.thumbnails import prefetch_datasets, thumbnails
 from oodviz.ui.access import show_server_details
 from oodviz.ui.chart_selection import histogram_selection_gallery, image_grid, roc_chart
 from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab, teaching_panel
@@ -449,6 +449,8 @@ def results_page(run: RunDir) -> None:
     detector_failures(results)
     validation_warning(results)
     results_area(page)
+    if f"prefetched-{run.run_id}" not in st.session_state:  # the galleries' datasets, opened while the user reads
+        st.session_state[f"prefetched-{run.run_id}"] = prefetch_datasets(results) is not None
 
 
 @st.fragment
