@@ -10,7 +10,10 @@ Serves ``app.py`` with ``streamlit run`` on a runs root holding one finished run
   sent for it over the websocket (median of 20 steps, on the histogram tab and on the failure cases tab);
 - **bytes per tab**: what the server sent for a tab switch (its charts and tables), and how many charts;
 - **live panel**: a default run started from the page; the websocket bytes per second and per poll
-  (every second; the median of 1 s buckets) in its first and its last 10 seconds.
+  (every second; the median of 1 s buckets) in its first and its last 10 seconds;
+- **live panel by the log's length**: the same figures for a "running" run (no worker; its status says
+  running) whose ``events.jsonl`` already holds 100 and then 10,000 events, a progress event appended every
+  0.25 s while the browser watches: what a poll sends must not depend on the length.
 
 Usage::
 
@@ -31,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -73,14 +77,19 @@ def serve(runs_root: Path) -> tuple[subprocess.Popen, str]:
 
 
 class Wire:
-    """Bytes the server sent over the page's websockets (each received frame's payload)."""
+    """Bytes the server sent over the page's websockets (each received frame's payload); with ``keep``, the
+    payloads too (for :func:`polls`)."""
 
-    def __init__(self, page):
+    def __init__(self, page, keep: bool = False):
         self.frames: list[tuple[float, int]] = []
+        self.payloads: list[tuple[float, bytes]] = []
+        self.keep = keep
         page.on("websocket", lambda ws: ws.on("framereceived", self._frame))
 
     def _frame(self, payload) -> None:
         self.frames.append((time.monotonic(), len(payload)))
+        if self.keep:
+            self.payloads.append((time.monotonic(), payload))
 
     def since(self, start: float) -> int:
         return sum(n for t, n in self.frames if t >= start)
@@ -195,6 +204,103 @@ def measure_live(url: str, runs_root: Path, seconds: float = 10.0) -> dict:
     }
 
 
+def synthetic_running_run(root: Path, n_events: int) -> Path:
+    """``root/live-<n>``: a default run's config, state running with no worker pid (so it stays running), and
+    ``n_events`` events: nine stages started and ended, then the tenth stage's progress, one every 0.1 s."""
+    from oodviz.runs.config import RunConfig
+    from oodviz.runs.plan import planned_stages
+    from oodviz.runs.rundir import RunDir
+
+    config = RunConfig()
+    run = RunDir.create(root, config.to_dict(), name=f"live-{n_events}")
+    plan, start = planned_stages(config), time.time() - n_events * 0.1
+    lines = []
+    for i, stage in enumerate(plan[:9]):
+        lines.append({"time": start + 0.1 * i, "stage": stage, "event": "end", "wall_s": 0.1, "peak_cpu_rss": 1 << 30,
+                      "device": "cpu", "cpu_rss": 1 << 30})  # fmt: skip
+    lines += [progress_event(plan[9], start + 0.1 * i, i) for i in range(n_events - len(lines))]
+    run.events_path.write_text("".join(json.dumps(e) + "\n" for e in lines))
+    run.write_status(state="running", stage=plan[9], started=start)
+    return run.path
+
+
+def progress_event(stage: str, when: float, i: int) -> dict:
+    return {"time": when, "stage": stage, "event": "progress", "done": i, "total": 10**6, "items_per_s": 1000.0,
+            "eta_s": 1000.0 - i / 1000, "batch_size": 256, "device": "cpu", "cpu_rss": (900 + i % 97) << 20}  # fmt: skip
+
+
+def polls(payloads: list[tuple[float, bytes]]) -> dict[str, list[int]]:
+    """The bytes of each script run in ``payloads`` (Streamlit ForwardMsgs, a run ending at its
+    ``script_finished``), by what ran: the fragment's id of its deltas, ``"page"`` for a whole-page run."""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+
+    runs: dict[str, list[int]] = {}
+    size, part = 0, None
+    for _, payload in payloads:
+        message = ForwardMsg.FromString(payload if isinstance(payload, bytes) else payload.encode())
+        size += len(payload)
+        if message.WhichOneof("type") == "delta":
+            part = part or message.delta.fragment_id or "page"
+        elif message.WhichOneof("type") == "script_finished":
+            runs.setdefault(part or "nothing drawn", []).append(size)
+            size, part = 0, None
+    return runs
+
+
+def measure_live_lengths(url: str, runs_root: Path, lengths=(100, 10_000), seconds: float = 15.0) -> dict:
+    """Bytes per poll watching a running run whose log holds each of ``lengths`` events (see the module
+    docstring): per second, the median and the largest 1 s bucket (the memory chart's poll), after the panel
+    has caught up with the log (5 s)."""
+    from playwright.sync_api import sync_playwright
+
+    out = {}
+    for n in lengths:
+        path = synthetic_running_run(runs_root, n)
+        stop = threading.Event()
+
+        def append(path=path, stop=stop, n=n):
+            stage = json.loads((path / "status.json").read_text())["stage"]
+            i = n
+            while not stop.wait(0.25):
+                with (path / "events.jsonl").open("a") as log:
+                    log.write(json.dumps(progress_event(stage, time.time(), i)) + "\n")
+                i += 1
+
+        writer = threading.Thread(target=append, daemon=True)
+        writer.start()
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium")
+            page = browser.new_page(viewport={"width": 1000, "height": 1400})
+            wire = Wire(page, keep=True)
+            page.goto(f"{url}/?run={path.name}")
+            page.get_by_text("Stage 10 of").first.wait_for(timeout=600_000)
+            page.wait_for_timeout(5_000)
+            start = time.monotonic()
+            page.wait_for_timeout(seconds * 1000)
+            buckets = [0] * int(seconds)
+            for t, size in wire.frames:
+                if start <= t < start + int(seconds):
+                    buckets[int(t - start)] += size
+            browser.close()
+        stop.set()
+        writer.join()
+        shutil.rmtree(path, ignore_errors=True)  # not left "running" in the runs root
+        watched = polls([(t, p) for t, p in wire.payloads if start <= t < start + int(seconds)])
+        panel, chart = [*sorted(watched.values(), key=len, reverse=True), [0], [0]][:2]  # the panel polls most
+        out[f"{n} events"] = {
+            "panel_polls": len(panel),
+            "panel_bytes_per_poll_median": int(statistics.median(panel)),
+            "panel_bytes_per_poll_range": [min(panel), max(panel)],
+            "chart_polls": len(chart),
+            "chart_bytes_per_poll_median": int(statistics.median(chart)),
+            "bytes_per_s": round(sum(buckets) / len(buckets)),
+            "bytes_per_poll_median": int(statistics.median(buckets)),
+            "largest_bucket": max(buckets),
+            "bytes_per_second": buckets,
+        }
+    return out
+
+
 def default_run(root: Path) -> Path:
     out = root / "bench-default"
     subprocess.run([sys.executable, "-m", "oodviz.cli", "run", "--out", str(out)], check=True, capture_output=True)
@@ -206,7 +312,8 @@ def main() -> None:
     parser.add_argument("--run", type=Path, help="a finished run directory (default: a fresh default run)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-live", action="store_true", help="skip the live panel measurement")
-    parser.add_argument("--live-only", action="store_true", help="only the live panel measurement")
+    parser.add_argument("--live-only", action="store_true", help="only the live panel measurements")
+    parser.add_argument("--live-lengths-only", action="store_true", help="only the live panel by the log's length")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="oodviz-app-bench-") as tmp:
         root = Path(tmp) / "runs"
@@ -216,9 +323,11 @@ def main() -> None:
         server, url = serve(root)
         try:
             result = {"run": str(source.name)}
-            if not args.live_only:
+            if not (args.live_only or args.live_lengths_only):
                 result.update(measure_results(url, "bench", args.repeats))
             if not args.no_live:
+                result["live_by_log_length"] = measure_live_lengths(url, root)
+            if not (args.no_live or args.live_lengths_only):
                 result["live"] = measure_live(url, root)
         finally:
             server.terminate()

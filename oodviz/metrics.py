@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 RECALL_LEVEL = 0.95
 
@@ -42,6 +41,9 @@ def _as_scores(name: str, scores) -> np.ndarray:
 
 def fpr_at_recall(is_ood: np.ndarray, scores: np.ndarray, recall: float = RECALL_LEVEL) -> float:
     """False-positive rate (ID flagged) at the first threshold reaching ``recall`` of the OOD samples."""
+    # here, not at import: the app reads metrics without scikit-learn (a third of its import time)
+    from sklearn.metrics import roc_curve
+
     fpr, tpr, _ = roc_curve(is_ood, scores, drop_intermediate=False)
     return float(fpr[np.searchsorted(tpr, recall, side="left")])
 
@@ -56,6 +58,8 @@ def threshold_at_recall(ood_scores, recall: float = RECALL_LEVEL) -> float:
 
 def ood_metrics(id_scores, ood_scores) -> dict[str, float]:
     """``{"auroc", "aupr_in", "aupr_out", "fpr95"}`` for ID and OOD scores (higher = more OOD)."""
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
     id_values = _as_scores("id_scores", id_scores)
     ood_values = _as_scores("ood_scores", ood_scores)
     scores = np.concatenate([id_values, ood_values])

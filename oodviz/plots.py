@@ -12,6 +12,8 @@ streamlit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -74,17 +76,28 @@ def color_map(names, colors: dict | None = None) -> dict:
 
 
 def figure_layout(fig: go.Figure, title: str | None, height: int = HEIGHT, **layout) -> go.Figure:
-    """The look every oodviz figure shares (template, title, margins, legend), then ``layout``."""
-    fig.update_layout(
-        template=TEMPLATE,
-        title={"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}} if title else None,
-        height=height,
-        margin={"l": 55, "r": 15, "t": 45 if title else 15, "b": 45},
-        legend={"font": {"size": 11}},
-        hoverlabel={"namelength": -1},
-    )
-    fig.update_layout(**layout)
-    return fig
+    """The look every oodviz figure shares (template, title, margins, legend), then ``layout`` (plotly's
+    ``update_layout`` arguments, ``xaxis_title`` style included).
+
+    Set property by property without plotly's checks, as plotly sets its own default template: the check (of the
+    template above all) took 0.1-0.2 s a figure in ``update_layout``, most of a slider step's work;
+    ``tests/test_plots.py`` checks that every figure comes out as ``update_layout`` makes it."""
+    settings = {
+        "template": TEMPLATE,
+        "title": {"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}} if title else None,
+        "height": height,
+        "margin": {"l": 55, "r": 15, "t": 45 if title else 15, "b": 45},
+        "legend": {"font": {"size": 11}},
+        "hoverlabel": {"namelength": -1},
+    }
+    validate, fig.layout._validate = fig.layout._validate, False
+    try:
+        for key, value in settings.items():
+            if value is not None:  # no title: none set (update_layout(title=None) sets nothing either)
+                fig.layout[key] = value
+    finally:
+        fig.layout._validate = validate
+    return fig.update_layout(**layout) if layout else fig
 
 
 # -- histogram ------------------------------------------------------------------------------------
@@ -317,24 +330,32 @@ MEMORY_LINES = (
 )
 
 
-def memory_figure(timeline: pd.DataFrame, title: str = "Memory") -> go.Figure:
+def memory_figure(timeline: pd.DataFrame, title: str = "Memory", stages: Sequence[str] = ()) -> go.Figure:
     """A small live memory chart of :func:`memory_timeline`: CPU RSS and, when the run reports
-    them, GPU allocated and GPU peak (MiB) over seconds since the start; hover names the stage."""
+    them, GPU allocated and GPU peak (MiB) over seconds since the start; hover names the stage by its number k
+    in ``stages`` (the run's plan: "Stage k of N" in the live panel; default: in order of appearance).
+
+    Binary float32 coordinates and an int16 stage number per point: the chart's size depends on its number of
+    points only, not on which stages (of names of any length) its points fall in."""
     fig = go.Figure()
-    stages = timeline["stage"].astype(object).where(timeline["stage"].notna(), "") if "stage" in timeline else None
+    names = timeline["stage"].astype(object).where(timeline["stage"].notna(), "") if "stage" in timeline else None
+    number = None
+    if names is not None:
+        order = {name: k for k, name in enumerate(stages or dict.fromkeys(names), start=1)}
+        number = names.map(lambda name: order.get(name, 0)).to_numpy(dtype=np.int16)
     for column, name, color, dash in MEMORY_LINES:
         if column not in timeline or not timeline[column].notna().any():
             continue
         fig.add_trace(
             go.Scatter(
-                x=timeline["time_s"].to_numpy(dtype=np.float64),
-                y=timeline[column].to_numpy(dtype=np.float64),
+                x=timeline["time_s"].to_numpy(dtype=np.float32),
+                y=timeline[column].to_numpy(dtype=np.float32),
                 mode="lines",
                 name=name,
                 line={"color": color, "width": 2, "dash": dash},
-                customdata=None if stages is None else stages.to_numpy(),
+                customdata=number,
                 hovertemplate=f"{name} %{{y:,.0f}} MiB<br>%{{x:.1f}} s"
-                + ("<br>%{customdata}" if stages is not None else "")
+                + ("<br>stage %{customdata}" if number is not None else "")
                 + "<extra></extra>",
             )
         )

@@ -84,6 +84,30 @@ def _open_dataset(key: tuple):
     return ds
 
 
+def prefetch_datasets(results_or_config) -> threading.Thread | None:
+    """Open the run's ID test set and OOD sets into the LRU in a background (daemon) thread, so that the first
+    gallery does not wait for them (opening Fashion-MNIST's took seconds); None when all are open already. A
+    dataset that cannot be opened is left to :func:`thumbnails` (its placeholder)."""
+    config = _config_dict(results_or_config)
+    choices = [(config.get("id_test"), False)] + [(choice, True) for choice in config.get("ood", []) or []]
+    keys = [_cache_key(config, choice, as_ood) for choice, as_ood in choices if choice and choice.get("name")]
+    with _DATASET_CACHE_LOCK:
+        missing = [key for key in keys if key not in _DATASET_CACHE]
+    if not missing:
+        return None
+
+    def open_each() -> None:
+        for key in missing:
+            try:
+                _open_dataset(key)
+            except Exception:  # the gallery shows "missing" for it
+                continue
+
+    thread = threading.Thread(target=open_each, name="oodviz-thumbnail-prefetch", daemon=True)
+    thread.start()
+    return thread
+
+
 def clear_dataset_cache() -> None:
     """Forget the datasets :func:`thumbnails` opened (e.g. after files changed on disk)."""
     with _DATASET_CACHE_LOCK:

@@ -171,3 +171,27 @@ def test_figures_stay_small(scores):
     roc = P.roc_figure({"far-set": A.curves(big, "det", "far-set")})
     assert len(hist.to_json()) < 30_000 and len(roc.to_json()) < 40_000
     assert len(roc.data[0].x) <= 400
+
+
+def test_figures_set_up_unchecked_are_what_plotly_checks_and_builds(scores):
+    """``figure_layout`` sets the shared layout without plotly's checks (for speed): each figure, rebuilt from its
+    JSON by plotly's checking constructor, is accepted and comes out the same, template included."""
+    import json
+
+    import plotly.graph_objects as go
+
+    table = pd.DataFrame({"near": [0.9, 0.7], "far": [0.99, 0.5]}, index=["energy", "msp"])
+    events = [{"time": 10.0 + i, "stage": "extract", "cpu_rss": (500 + i) * 2**20} for i in range(5)]
+    figures = [
+        P.histogram_figure(A.score_histogram(scores, "det"), threshold=0.5, title="scores"),
+        P.roc_figure({"near-set": A.curves(scores, "det", "near-set")}),
+        P.pr_figure({"near-set": A.curves(scores, "det", "near-set")}),
+        P.metrics_heatmap(table, "AUROC"),
+        P.per_class_bar(per_class_at_threshold(scores, "det", 0.8, ["zero", "one", "two", "three"])),
+        P.memory_figure(A.memory_timeline(events)),
+        P.figure_layout(go.Figure(), None, xaxis_title="x"),
+    ]
+    for fig in figures:
+        assert json.loads(go.Figure(fig.to_dict()).to_json()) == json.loads(fig.to_json())
+        assert fig.layout.template.layout.to_plotly_json() == P.TEMPLATE.layout.to_plotly_json()
+        assert fig.layout.hoverlabel.namelength == -1 and fig.layout.legend.font.size == 11

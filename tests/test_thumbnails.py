@@ -106,3 +106,22 @@ def test_thumbnail_datasets_are_cached_in_a_bounded_lru(default_results, monkeyp
     assert list(T._DATASET_CACHE)[-1][0] == rows["dataset"].iloc[-1]  # most recently used last
     T.clear_dataset_cache()
     assert not T._DATASET_CACHE
+
+
+def test_prefetch_opens_the_runs_datasets_so_the_first_gallery_opens_none(default_results, monkeypatch):
+    rows = default_results.scores.groupby("dataset").head(1)  # one row of each of the 7 datasets
+    T.clear_dataset_cache()
+    expected = [np.asarray(im) for im in T.thumbnails(default_results, rows, size=8)]  # each dataset opened here
+    T.clear_dataset_cache()
+    thread = T.prefetch_datasets(default_results)
+    thread.join(timeout=120)
+    assert not thread.is_alive() and T.prefetch_datasets(default_results) is None  # all open: nothing to do
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a dataset was opened again")
+
+    monkeypatch.setattr("oodviz.data.load_dataset", refuse)
+    images = T.thumbnails(default_results, rows, size=8)
+    assert [im.info["oodviz"] for im in images] == ["ok"] * 7
+    assert all(np.array_equal(np.asarray(im), e) for im, e in zip(images, expected))
+    T.clear_dataset_cache()

@@ -39,7 +39,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import scipy.optimize
 import torch
 from torch import Tensor
 
@@ -61,6 +60,9 @@ def fit_weibull(samples: np.ndarray) -> tuple[float, float]:
     largest sample, ``x^c = max^c exp(c (ln x - ln max))``, so a shape in the tens of thousands (libMR's
     translated tails) does not overflow. This is what ``scipy.stats.weibull_min.fit(x, floc=0)`` returns.
     """
+    # here, not at import: the app lists the detectors without fitting one (a tenth of its import time)
+    import scipy.optimize
+
     logs = np.log(np.asarray(samples, dtype=np.float64))
     if logs.size < 2 or np.ptp(logs) == 0 or not np.all(np.isfinite(logs)):
         raise ValueError(f"fit_weibull needs at least 2 distinct positive samples, got {np.asarray(samples)!r}")

@@ -5,7 +5,8 @@ since, so a poll costs the same whatever the run's length. It keeps the state th
 stages, the latest progress event, the last warnings) and a memory series bounded to ``2 x max_points``
 samples: it keeps every ``stride``-th sample (stride 1 at first); when full, every other kept sample is
 dropped and the stride doubles, so the series spans the whole run evenly at the resolution that fits (the
-latest sample is always shown too).
+latest sample is always shown too). :meth:`EventTail.series` thins it to a fixed number of points for the chart,
+so the chart a poll sends is the same size whatever the run's length.
 """
 
 from __future__ import annotations
@@ -110,6 +111,15 @@ class EventTail:
         if self.newest is None or (self.samples and self.samples[-1] is self.newest):
             return list(self.samples)
         return [*self.samples, self.newest]
+
+    def series(self, points: int) -> list[dict]:
+        """``points`` of :attr:`memory` evenly spaced by position, the first and the newest included (all of
+        them while there are fewer): a chart of a fixed size once the run has ``points`` samples."""
+        memory = self.memory
+        if len(memory) <= points:
+            return memory
+        step = (len(memory) - 1) / (points - 1)
+        return [memory[round(i * step)] for i in range(points)]
 
     def elapsed_s(self, now: float | None = None) -> float:
         return 0.0 if self.started is None else max((now or time.time()) - self.started, 0.0)

@@ -1,8 +1,12 @@
 """The job panel: what runs, stage k of N, the whole run's progress and ETA, device and memory; Cancel.
 
 The panel polls every second and reads only what was appended to ``events.jsonl`` since its last poll
-(:class:`~oodviz.ui.live.EventTail`, kept in the browser session); the memory chart, a bounded and
-decimated series, is redrawn every :data:`MEMORY_POLL_S` seconds in its own fragment.
+(:class:`~oodviz.ui.live.EventTail`, kept in the browser session). What a poll sends does not grow with the
+run's length: the heading and Cancel are drawn once, outside the polled fragment (the page is redrawn when the
+state changes); the poll sends the progress, the device and memory figures, the last warnings and the
+finished-stages count (the table only while its expander is open); the memory chart, redrawn every
+:data:`MEMORY_POLL_S` seconds in its own fragment, always has :data:`MEMORY_CHART_POINTS` points once the run
+has that many samples (:meth:`~oodviz.ui.live.EventTail.series`).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from oodviz.ui.live import EventTail, hms, run_eta_s, stage_position
 
 POLL_S = 1.0
 MEMORY_POLL_S = 10.0
-#: memory samples kept per run (twice this at most); the chart is small
+#: memory samples kept per run (twice this at most), from which the chart's fixed number of points is taken
 MEMORY_POINTS = 120
+MEMORY_CHART_POINTS = 80
 
 
 def _tail(run: RunDir) -> EventTail:
@@ -101,19 +106,27 @@ def job_panel(run: RunDir) -> None:
     plan = planned_stages(config) if config else []
     if config:
         st.markdown(f"**{run_headline(config)}**")
+    st.subheader(f"Run {run.run_id}: {status.get('state')}")  # drawn once: a poll resends neither this nor Cancel
+    cancelling = run.cancel_requested()
+    if cancelling:
+        st.info("Cancel requested: the worker stops at its next batch.")
+    elif st.button("Cancel run", key=f"cancel-{run.run_id}"):
+        cancel(run)
+        st.rerun()
 
     @st.fragment(run_every=POLL_S if running else None)
     def panel():
-        status = refresh(run)
-        if status.get("state") in FINAL_STATES:
+        now = refresh(run)
+        if now.get("state") in FINAL_STATES:
             if running:  # it finished while we watched: redraw the page with the results
                 st.rerun()
             return
+        if now.get("state") != status.get("state") or run.cancel_requested() != cancelling:
+            st.rerun()  # queued -> running, or a cancel from another tab: the heading and Cancel above say so
         tail = _tail(run)
-        st.subheader(f"Run {run.run_id}: {status.get('state')}")
-        if status.get("state") == "queued":
+        if now.get("state") == "queued":
             st.info(tail.queued or "Waiting for the worker to start…")
-        current = status.get("stage")
+        current = now.get("stage")
         k, fraction = stage_position(plan, tail.ended, current, tail.latest)
         eta = run_eta_s(tail.elapsed_s(), fraction)
         overall = f"Stage {k} of {len(plan)}" + (f": {current}" if current else "")
@@ -131,11 +144,6 @@ def job_panel(run: RunDir) -> None:
             st.dataframe(rank_table(tail.ranks), hide_index=True, width="stretch")
         for warning in tail.warnings:
             st.warning(warning)
-        if run.cancel_requested():
-            st.info("Cancel requested: the worker stops at its next batch.")
-        elif st.button("Cancel run", key=f"cancel-{run.run_id}"):
-            cancel(run)
-            st.rerun(scope="fragment")
         # the table only while its expander is open: a closed one costs a poll nothing however many stages ended
         stages = st.expander(
             f"Finished stages ({len(tail.ended)} of {len(plan)})", key=f"stages-{run.run_id}", on_change="rerun"
@@ -159,9 +167,9 @@ def job_panel(run: RunDir) -> None:
 
     @st.fragment(run_every=MEMORY_POLL_S if running else None)
     def memory_chart():
-        timeline = memory_timeline(_tail(run).memory)
+        timeline = memory_timeline(_tail(run).series(MEMORY_CHART_POINTS))
         if len(timeline) > 1:
-            st.plotly_chart(memory_figure(timeline), width="stretch", key="memory-live")
+            st.plotly_chart(memory_figure(timeline, stages=plan), width="stretch", key="memory-live")
 
     panel()
     memory_chart()
