@@ -273,8 +273,8 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         )
         slots["checkpoint"] = st.empty()
         main_layers = defaults.layers if backbone == defaults.backbone else [PENULTIMATE]
-        c1, c2 = st.columns([2, 1])
-        layers = c1.multiselect(
+        # Full width: layer names such as "penultimate" are cut short in a two-thirds column at 1000 px.
+        layers = st.multiselect(
             "Layers",
             layer_options(backbone, main_layers),
             default=main_layers,
@@ -282,8 +282,9 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             help="The feature layer (penultimate: the classifier head's input). Several are extracted in one pass "
             "and compared in the results' Which layer? tab; mahalanobis is also combined over them.",
         )
-        pooling = c2.selectbox("Pooling", list(POOLINGS), index=list(POOLINGS).index(defaults.pooling))
-        slots["layers"], slots["pooling"] = c1.empty(), c2.empty()
+        slots["layers"] = st.empty()
+        pooling = st.selectbox("Pooling", list(POOLINGS), index=list(POOLINGS).index(defaults.pooling))
+        slots["pooling"] = st.empty()
 
         st.subheader("Data")
         presets = list(ID_PRESETS) + [FOLDER_PRESET]
