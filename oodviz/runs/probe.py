@@ -26,12 +26,18 @@ class ProbeError(RuntimeError):
 def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str, str | None]:
     """(estimate, description, warning) for ``config``, in this process: loads the model and counts each
     split's samples; the warning is the pre-flight refusal (:mod:`oodviz.runs.preflight`: the needs against the
-    machine's disk, RAM and GPU, with the fixes) when the run does not fit, else None."""
+    machine's disk, RAM and GPU, with the fixes) when the run does not fit, else None. The description has a
+    line per split and, with model-based detectors, a line per measured batch through the model (the
+    extraction's and each such detector's, :mod:`oodviz.runs.batchprobe`)."""
     from oodviz.models.memory import describe_memory
+    from oodviz.runs.batchprobe import BatchPeak
     from oodviz.runs.preflight import preflight
 
     report = preflight(config, runs_root)
-    return report.estimate, describe_memory(report.estimate), None if report.fits else report.message()
+    batches = [BatchPeak(**peak).describe() for peak in report.estimate["batch_peaks"]]
+    failed = [f"batch of {name} not measured: {why}" for name, why in report.estimate["batch_probe_failed"].items()]
+    description = "\n".join([describe_memory(report.estimate), *batches, *failed])
+    return report.estimate, description, None if report.fits else report.message()
 
 
 def estimate_in_subprocess(
