@@ -1,5 +1,5 @@
 """Pre-flight of one batch through the model (issue 13.1): the extraction's and each model-based detector's peak
-memory, measured by a one-batch probe in a subprocess, scaled to the run's batch, refused over the limit."""
+memory, measured by a one-batch probe (in the estimate's own process in the app), scaled to the run's batch, refused over the limit."""
 
 import json
 import subprocess
@@ -29,12 +29,13 @@ FASHION_ODIN = {
     "detectors": ["msp", "odin"],
 }
 
-# One ODIN batch of BATCH rows in a fresh process, measured without the probe's code: the lifetime peak RSS
-# (getrusage's ru_maxrss, KiB) after scoring the batch twice, less the RSS before it. One plain forward first,
-# as in a run's worker, whose extraction has run the model before ODIN's first batch.
+# One ODIN batch of BATCH rows in a fresh process, measured without the probe's code: the process's lifetime peak
+# RSS (VmHWM, never reset: getrusage's ru_maxrss would carry the pytest parent's peak across fork and exec) after
+# scoring the batch twice, less the RSS before it. One plain forward first, as in a run's worker, whose
+# extraction has run the model before ODIN's first batch.
 DIRECT_ODIN = textwrap.dedent(
     f"""
-    import json, resource, sys
+    import json, sys
     import psutil, torch
     from oodviz.batch import Batch
     from oodviz.detectors import create
@@ -51,10 +52,14 @@ DIRECT_ODIN = textwrap.dedent(
     with torch.inference_mode():
         backbone.features_and_logits(batch.inputs[:1])
     before = psutil.Process().memory_info().rss
-    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    def lifetime_peak():
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+    peak_before = lifetime_peak()
     for _ in range(2):
         odin.score(batch, device="cpu")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = lifetime_peak()
     print(json.dumps({{"rss_before": before, "peak_before": peak_before, "peak": peak}}))
     """
 )

@@ -1,9 +1,9 @@
 """Peak memory of one batch, measured: the extraction forward and every model-based detector of a run.
 
-``python -m oodviz.runs.batchprobe`` reads a run config (JSON) on stdin and prints one JSON line,
-``{"batches": [BatchPeak, ...], "failed": {detector: error}}`` or ``{"error": "..."}`` (exit 1);
-:func:`batch_peaks_in_subprocess` runs it under a timeout for the pre-flight (:mod:`oodviz.runs.preflight`),
-so every figure comes from a process that holds nothing else.
+:func:`batch_peaks` runs in the pre-flight (:func:`oodviz.runs.preflight.preflight`), after it has loaded the
+backbone and the datasets: in the app, inside the estimate's own process (:mod:`oodviz.runs.probe`), which
+holds nothing else; in ``oodviz run``, in the command's process before the run starts (as the backbone's probe
+forward does), the peak counted from that process's resident memory before each pass.
 
 What is measured, for each pass of a batch through the model (the extraction forward under
 ``inference_mode``; each detector with ``needs_model``, made as a run makes it, with the run's backbone: its
@@ -17,17 +17,19 @@ every dropout pass for mcd) on the first images of the ID fit split, transformed
 - GPU (a CUDA run): ``max_memory_allocated - memory_allocated`` from the caching allocator, its peak reset.
 
 Passes, in order: one row twice (``first``: lazy initialisation, a detector's own activation measurement),
-then ``2 b``, ``b`` and ``2 b`` rows, ``b`` chosen so that ``2 b`` rows take at most :data:`PROBE_BYTES` (and a
-quarter of the available RAM) at the second one-row peak, and at most half the run's batch. ``peak(2 b)`` is
-the larger of its two: once glibc has freed a large block it raises its mmap threshold and serves the next
-ones from the heap, handed back to the kernel later, so the first pass of a size can measure a third less
-than the ones a long run sees. The bytes grow linearly with the rows:
+:data:`PROBE_SHORT_ROWS` rows (their time per row), then ``n`` rows twice, ``n`` as close to the run's batch as
+the probe affords: at most :data:`PROBE_BYTES` (and a quarter of the available RAM) at the second one-row peak,
+and two passes in about :data:`PROBE_SECONDS` at the short pass's speed (CPU seconds of this process on the
+CPU, so that a loaded machine does not shrink ``n``). ``peak(n)`` is the larger of the two: once glibc has freed a large block it raises its mmap
+threshold and serves the next ones from the heap, handed back to the kernel later, so the first pass of a size
+can measure a third less than the ones a long run sees. Then
 
-    per_row = (peak(2 b) - peak(b)) / b
-    fixed   = max(0, peak(b) - b x per_row, first - per_row)
+    per_row = peak(n) / n
+    fixed   = max(0, first - per_row)
 
 (the first call of a pass pays costs the later ones do not, autograd's first backward, lazily made buffers; a
-run pays them too), and the batch a run passes at once needs ``fixed + rows x per_row``: ``rows`` = the run's
+run pays them too: an upper bound when ``n`` is the whole batch, a proportional scale-up otherwise, which counts
+the pass's fixed part once per ``n`` rows, again on the safe side), and the batch a run passes at once needs ``fixed + rows x per_row``: ``rows`` = the run's
 ``batch_size`` for the extraction and for the fits of adascale and gram (a fit step takes the whole batch),
 ``min(batch_size, rows_that_fit)`` for scoring (``ModelDetector`` scores a batch in chunks sized by
 :func:`oodviz.detectors.modelmemory.rows_that_fit` on this machine). Measured in float32 whatever the run's
@@ -38,25 +40,25 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
-import subprocess
-import sys
+import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from oodviz.runs.config import RunConfig
 
-#: host bytes the probe's largest batch (``2 b`` rows) may take, at the one-row peak (and at most a quarter of the
-#: available RAM)
+#: host bytes the probe's batch may take, at the one-row peak (and at most a quarter of the available RAM)
 PROBE_BYTES = 2**30
-TIMEOUT_S = 100.0
+#: seconds the two measured passes of one model pass may take, at the one-row pass's speed
+PROBE_SECONDS = 20.0
+#: rows of the pass that times the model pass before the measured ones
+PROBE_SHORT_ROWS = 8
 EXTRACTION = "extraction"
 
 
 class BatchProbeError(RuntimeError):
-    """The probe's process failed, crashed or ran out of time; the message says which."""
+    """The batch probe cannot measure on this machine (no ``/proc/self/clear_refs``) or found no image."""
 
 
 @dataclass
@@ -99,8 +101,9 @@ def trim_heap() -> None:
         pass
 
 
-def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, int | None]:
-    """(host bytes, GPU bytes or None) that ``work()`` took above what was held before it, at its peak."""
+def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, int | None, float]:
+    """(host bytes, GPU bytes or None) that ``work()`` took above what was held before it, at its peak, and the
+    seconds it took (this process's CPU seconds on the CPU, wall seconds on CUDA)."""
     from oodviz.runs.telemetry import cpu_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     gc.collect()
@@ -113,36 +116,32 @@ def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, in
     before = cpu_rss_bytes()
     if not reset_peak_rss():
         raise BatchProbeError("the batch probe needs Linux's /proc/self/clear_refs to measure peak memory")
+    clock = time.perf_counter if cuda else time.process_time  # CPU time: the same on a loaded machine
+    started = clock()
     work()
     if cuda:
         torch.cuda.synchronize(device)
+    seconds = clock() - started
     host = max(0, peak_rss_bytes() - before)
-    return host, (torch.cuda.max_memory_allocated(device) - gpu_before) if cuda else None
-
-
-def fit_line(peak_b: int, peak_2b: int, b: int) -> tuple[int, int]:
-    """(fixed, per_row) of the line through ``(b, peak_b)`` and ``(2 b, peak_2b)``, both at least 0."""
-    per_row = max(0, (peak_2b - peak_b) // b)
-    return max(0, peak_b - b * per_row), per_row
+    return host, (torch.cuda.max_memory_allocated(device) - gpu_before) if cuda else None, seconds
 
 
 def measure(what: str, run: Callable[[torch.Tensor, torch.Tensor], object], x, y, rows: int, device) -> BatchPeak:
     """:class:`BatchPeak` of ``run(inputs, labels)`` (see the module's docstring), for batches of ``rows``."""
     import psutil
 
-    first, gpu_first = pass_peak(lambda: run(x[:1], y[:1]), device)
-    one, _ = pass_peak(lambda: run(x[:1], y[:1]), device)
-    budget = min(PROBE_BYTES, psutil.virtual_memory().available // 4)
-    b = max(1, min(rows // 2, budget // max(2 * one, 1), len(x) // 2))
-    first_2b, (host_b, gpu_b), (host_2b, gpu_2b) = (
-        pass_peak(lambda n=n: run(x[:n], y[:n]), device) for n in (2 * b, b, 2 * b)
-    )
-    host_2b = max(host_2b, first_2b[0])
-    gpu_2b = None if gpu_2b is None else max(gpu_2b, first_2b[1])
-    fixed, per_row = fit_line(host_b, host_2b, b)
-    gpu_fixed, gpu_per_row = (None, None) if gpu_b is None else fit_line(gpu_b, gpu_2b, b)
-    fixed = max(fixed, first - per_row)  # the first call's own costs (autograd's first backward, lazy buffers)
-    gpu_fixed = None if gpu_first is None else max(gpu_fixed, gpu_first - gpu_per_row)
+    first, gpu_first, _ = pass_peak(lambda: run(x[:1], y[:1]), device)
+    one, _, seconds = pass_peak(lambda: run(x[:1], y[:1]), device)
+    largest = min(rows, len(x), min(PROBE_BYTES, psutil.virtual_memory().available // 4) // max(one, 1))
+    # the seconds per row, from a few rows (one row's time is mostly the call's own)
+    few = max(1, min(largest, PROBE_SHORT_ROWS, int(PROBE_SECONDS / max(4 * seconds, 1e-6))))
+    seconds_per_row = pass_peak(lambda: run(x[:few], y[:few]), device)[2] / few
+    n = max(few, min(largest, int(PROBE_SECONDS / max(2 * seconds_per_row, 1e-9))))
+    (host, gpu, _), (host_again, gpu_again, _) = (pass_peak(lambda: run(x[:n], y[:n]), device) for _ in range(2))
+    per_row = -(-max(host, host_again) // n)
+    gpu_per_row = None if gpu is None else -(-max(gpu, gpu_again) // n)
+    fixed = max(0, first - per_row)  # the first call's own costs (autograd's first backward, lazy buffers)
+    gpu_fixed = None if gpu_first is None else max(0, gpu_first - gpu_per_row)
     return BatchPeak(what, rows, fixed, per_row, gpu_fixed, gpu_per_row)
 
 
@@ -183,17 +182,15 @@ def model_detector_pass(name: str, params: dict, backbone, device: torch.device,
     return run, min(batch_size, rows_that_fit(per_input, detector.activation_copies, device))
 
 
-def batch_peaks(config: RunConfig) -> tuple[list[BatchPeak], dict[str, str]]:
-    """The :class:`BatchPeak` of the extraction and of every model-based detector of ``config``, in this process,
-    and ``{detector: error}`` for those that cannot run on this model (the run's own stage reports them too)."""
+def batch_peaks(config: RunConfig, backbone, dataset) -> tuple[list[BatchPeak], dict[str, str]]:
+    """The :class:`BatchPeak` of the extraction and of every model-based detector of ``config`` (``backbone``
+    loaded, ``dataset`` the ID fit split), in this process, and ``{detector: error}`` for those that cannot run
+    on this model (the run's own stage reports them too)."""
     from oodviz.detectors import detector_class
     from oodviz.models.placement import model_on_device
     from oodviz.runs.pipeline import resolve_device
-    from oodviz.runs.splits import load_split
 
     device = resolve_device(config.device)
-    backbone = config.load_backbone()
-    dataset = load_split(config, config.id_fit, False, backbone.classes)
     x, y = probe_inputs(backbone, dataset, min(max(config.batch_size, 2), 4096))
     module = backbone.model if isinstance(backbone.model, torch.nn.Module) else None
 
@@ -212,44 +209,3 @@ def batch_peaks(config: RunConfig) -> tuple[list[BatchPeak], dict[str, str]]:
                 except (ValueError, TypeError, RuntimeError) as error:  # e.g. mcd on a model without dropout
                     failed[choice.name] = f"{type(error).__name__}: {error}"
     return peaks, failed
-
-
-def batch_peaks_in_subprocess(
-    config: RunConfig, timeout_s: float = TIMEOUT_S
-) -> tuple[list[BatchPeak], dict[str, str]]:
-    """:func:`batch_peaks` run by ``python -m oodviz.runs.batchprobe``; raises :class:`BatchProbeError` with the
-    child's message, or on a timeout or crash."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "oodviz.runs.batchprobe"],
-            input=json.dumps(config.to_dict()),
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired:
-        raise BatchProbeError(f"the batch probe took longer than {timeout_s:.0f} s and was stopped") from None
-    lines = done.stdout.strip().splitlines()
-    try:
-        answer = json.loads(lines[-1]) if lines else None
-    except json.JSONDecodeError:
-        answer = None
-    if not isinstance(answer, dict):
-        raise BatchProbeError(f"the batch probe ended without an answer (exit code {done.returncode}; crashed?)")
-    if "error" in answer:
-        raise BatchProbeError(answer["error"])
-    return [BatchPeak(**peak) for peak in answer["batches"]], answer["failed"]
-
-
-def main() -> int:
-    try:
-        peaks, failed = batch_peaks(RunConfig.from_dict(json.loads(sys.stdin.read())))
-    except Exception as error:  # the caller shows it: one line, no traceback
-        print(json.dumps({"error": f"{type(error).__name__}: {error}"}))
-        return 1
-    print(json.dumps({"batches": [asdict(peak) for peak in peaks], "failed": failed}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,8 +11,8 @@ Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
 - **GPU** memory of the same fits, only when the run's device is CUDA;
 - **RAM (and GPU) of one batch through the model**, when the run has model-based detectors (odin, mcd, rankfeat,
   adascale, gram): the extraction batch and each such detector's batch (odin's autograd, mcd's dropout passes),
-  measured by the one-batch probe in a process of its own (:mod:`oodviz.runs.batchprobe`) and scaled to the
-  rows the run passes at once; over the limit, the fixes are a smaller batch and leaving those detectors out.
+  measured by a one-batch probe (:mod:`oodviz.runs.batchprobe`; in the app, inside the estimate's own process)
+  and scaled to the rows the run passes at once; over the limit, the fixes are a smaller batch and leaving those detectors out.
 
 Available: free disk under the runs root (``shutil.disk_usage``, capped by ``memory_budget_gb`` when set),
 ``psutil.virtual_memory().available`` and ``torch.cuda.mem_get_info``. Each detector fits on its own, so each
@@ -243,13 +243,14 @@ def splits_to_extract(config, backbone, datasets: dict, chosen: list, store_root
 def preflight(config, runs_root) -> Preflight:
     """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
     datasets for their sizes; stores already under ``runs_root/.features`` cost no disk. With model-based
-    detectors, one batch of the extraction and of each of them is measured in a subprocess
-    (:func:`~oodviz.runs.batchprobe.batch_peaks_in_subprocess`); the report's ``estimate`` gets
-    ``batch_peaks`` (each :class:`~oodviz.runs.batchprobe.BatchPeak` as a dict) and ``batch_probe_failed`` (what could not be measured, and why)."""
+    detectors, one batch of the extraction and of each of them is measured
+    (:func:`oodviz.runs.batchprobe.batch_peaks`); the report's ``estimate`` gets ``batch_peaks`` (each
+    :class:`~oodviz.runs.batchprobe.BatchPeak` as a dict) and ``batch_probe_failed`` (what could not be
+    measured, and why)."""
     from oodviz.detectors import detector_class
     from oodviz.engine import STORES_DIRNAME
     from oodviz.models import estimate_memory
-    from oodviz.runs.batchprobe import BatchProbeError, batch_peaks_in_subprocess
+    from oodviz.runs.batchprobe import BatchProbeError, batch_peaks
     from oodviz.runs.pipeline import resolve_device
     from oodviz.runs.splits import load_split, run_splits
 
@@ -262,7 +263,7 @@ def preflight(config, runs_root) -> Preflight:
     batches, failed = [], {}
     if any(detector_class(choice.name).needs_model for choice in config.detectors):
         try:
-            batches, failed = batch_peaks_in_subprocess(config)
+            batches, failed = batch_peaks(config, backbone, datasets["id_fit"])
         except BatchProbeError as error:  # the store and fit checks stand without it
             failed = {"batch probe": str(error)}
     device = resolve_device(config.device)

@@ -35,7 +35,7 @@ def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str,
 
     report = preflight(config, runs_root)
     batches = [BatchPeak(**peak).describe() for peak in report.estimate["batch_peaks"]]
-    failed = [f"batch of {name} not measured: {why}" for name, why in report.estimate["batch_probe_failed"].items()]
+    failed = [f"not measured, {name}: {why}" for name, why in report.estimate["batch_probe_failed"].items()]
     description = "\n".join([describe_memory(report.estimate), *batches, *failed])
     return report.estimate, description, None if report.fits else report.message()
 
