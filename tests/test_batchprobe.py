@@ -91,7 +91,7 @@ def test_the_probe_figure_for_odin_matches_a_direct_peak_rss_measurement(tmp_pat
     assert direct["peak"] > direct["peak_before"]  # the batch set the process's peak: the difference is its own
     measured = direct["peak"] - direct["rss_before"]
     assert measured > 50 * MiB  # autograd over 256 inputs: far above the allocator's noise
-    assert odin.bytes_at(BATCH) == pytest.approx(measured, rel=0.25)
+    assert odin.bytes_at(BATCH) == pytest.approx(measured, rel=0.3)  # the direct figure varies by ~15% run to run
     assert odin.per_row_bytes > peaks["extraction"].per_row_bytes  # activations and gradients kept vs streamed
 
 

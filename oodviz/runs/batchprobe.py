@@ -16,20 +16,25 @@ every dropout pass for mcd) on the first images of the ID fit split, transformed
   does not hide this one's;
 - GPU (a CUDA run): ``max_memory_allocated - memory_allocated`` from the caching allocator, its peak reset.
 
-Passes, in order: one row twice (``first``: lazy initialisation, a detector's own activation measurement),
-:data:`PROBE_SHORT_ROWS` rows (their time per row), then ``n`` rows twice, ``n`` as close to the run's batch as
-the probe affords: at most :data:`PROBE_BYTES` (and a quarter of the available RAM) at the second one-row peak,
-and two passes in about :data:`PROBE_SECONDS` at the short pass's speed (CPU seconds of this process on the
-CPU, so that a loaded machine does not shrink ``n``). ``peak(n)`` is the larger of the two: once glibc has freed a large block it raises its mmap
-threshold and serves the next ones from the heap, handed back to the kernel later, so the first pass of a size
-can measure a third less than the ones a long run sees. Then
+Passes, in order: one row (``first``: lazy initialisation, a detector's own activation measurement), one row
+again, :data:`PROBE_SHORT_ROWS` rows (their time per row), then ``n`` rows twice in a row, ``n`` as close to
+the run's batch as the probe affords: at most :data:`PROBE_BYTES` (and a quarter of the available RAM) at the
+second one-row peak, and two passes in about :data:`PROBE_SECONDS` at the short pass's speed (CPU seconds of
+this process on the CPU, so that a loaded machine does not shrink ``n``). ``peak(n)`` is the peak over both,
+as over a run's consecutive batches: once glibc has freed a large block it raises its mmap threshold and serves
+the next ones from the heap, where a batch's blocks do not all land in the freed ones of the batch before, so a
+lone pass can measure a third less. Then
 
     per_row = peak(n) / n
     fixed   = max(0, first - per_row)
 
 (the first call of a pass pays costs the later ones do not, autograd's first backward, lazily made buffers; a
 run pays them too: an upper bound when ``n`` is the whole batch, a proportional scale-up otherwise, which counts
-the pass's fixed part once per ``n`` rows, again on the safe side), and the batch a run passes at once needs ``fixed + rows x per_row``: ``rows`` = the run's
+the pass's fixed part once per ``n`` rows, again on the safe side). A model whose first one-row pass takes
+over a quarter of :data:`PROBE_SECONDS` (ViT-B on a CPU) is measured by that pass alone: ``per_row = first``,
+``fixed = 0``, an upper bound (its fixed part counted once per row) at the cost of one row.
+
+The batch a run passes at once needs ``fixed + rows x per_row``: ``rows`` = the run's
 ``batch_size`` for the extraction and for the fits of adascale and gram (a fit step takes the whole batch),
 ``min(batch_size, rows_that_fit)`` for scoring (``ModelDetector`` scores a batch in chunks sized by
 :func:`oodviz.detectors.modelmemory.rows_that_fit` on this machine). Measured in float32 whatever the run's
@@ -51,7 +56,7 @@ from oodviz.runs.config import RunConfig
 #: host bytes the probe's batch may take, at the one-row peak (and at most a quarter of the available RAM)
 PROBE_BYTES = 2**30
 #: seconds the two measured passes of one model pass may take, at the one-row pass's speed
-PROBE_SECONDS = 20.0
+PROBE_SECONDS = 6.0
 #: rows of the pass that times the model pass before the measured ones
 PROBE_SHORT_ROWS = 8
 EXTRACTION = "extraction"
@@ -130,16 +135,18 @@ def measure(what: str, run: Callable[[torch.Tensor, torch.Tensor], object], x, y
     """:class:`BatchPeak` of ``run(inputs, labels)`` (see the module's docstring), for batches of ``rows``."""
     import psutil
 
-    first, gpu_first, _ = pass_peak(lambda: run(x[:1], y[:1]), device)
+    first, gpu_first, first_seconds = pass_peak(lambda: run(x[:1], y[:1]), device)
+    if first_seconds > PROBE_SECONDS / 4 or rows == 1:  # a slow model: its one-row peak, all of it per row
+        return BatchPeak(what, rows, 0, first, None if gpu_first is None else 0, gpu_first)
     one, _, seconds = pass_peak(lambda: run(x[:1], y[:1]), device)
     largest = min(rows, len(x), min(PROBE_BYTES, psutil.virtual_memory().available // 4) // max(one, 1))
     # the seconds per row, from a few rows (one row's time is mostly the call's own)
     few = max(1, min(largest, PROBE_SHORT_ROWS, int(PROBE_SECONDS / max(4 * seconds, 1e-6))))
     seconds_per_row = pass_peak(lambda: run(x[:few], y[:few]), device)[2] / few
     n = max(few, min(largest, int(PROBE_SECONDS / max(2 * seconds_per_row, 1e-9))))
-    (host, gpu, _), (host_again, gpu_again, _) = (pass_peak(lambda: run(x[:n], y[:n]), device) for _ in range(2))
-    per_row = -(-max(host, host_again) // n)
-    gpu_per_row = None if gpu is None else -(-max(gpu, gpu_again) // n)
+    host, gpu, _ = pass_peak(lambda: [run(x[:n], y[:n]) for _ in range(2)], device)
+    per_row = -(-host // n)
+    gpu_per_row = None if gpu is None else -(-gpu // n)
     fixed = max(0, first - per_row)  # the first call's own costs (autograd's first backward, lazy buffers)
     gpu_fixed = None if gpu_first is None else max(0, gpu_first - gpu_per_row)
     return BatchPeak(what, rows, fixed, per_row, gpu_fixed, gpu_per_row)

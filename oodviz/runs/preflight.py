@@ -244,7 +244,8 @@ def preflight(config, runs_root) -> Preflight:
     """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
     datasets for their sizes; stores already under ``runs_root/.features`` cost no disk. With model-based
     detectors, one batch of the extraction and of each of them is measured
-    (:func:`oodviz.runs.batchprobe.batch_peaks`); the report's ``estimate`` gets ``batch_peaks`` (each
+    (:func:`oodviz.runs.batchprobe.batch_peaks`), when the stores and the fits fit (a refusal for those comes
+    first, without the cost of running the model); the report's ``estimate`` gets ``batch_peaks`` (each
     :class:`~oodviz.runs.batchprobe.BatchPeak` as a dict) and ``batch_probe_failed`` (what could not be
     measured, and why)."""
     from oodviz.detectors import detector_class
@@ -260,13 +261,17 @@ def preflight(config, runs_root) -> Preflight:
     estimate = estimate_memory(backbone, {s: len(ds) for s, ds in datasets.items()}, feature_dtype=config.feature_dtype)
     store_root = Path(runs_root) / STORES_DIRNAME
     new = splits_to_extract(config, backbone, datasets, chosen, store_root)
+    limits = machine_limits(store_root, resolve_device(config.device), disk_cap_bytes(config))
+    report = assess(config, estimate, limits, new)
     batches, failed = [], {}
-    if any(detector_class(choice.name).needs_model for choice in config.detectors):
+    model_based = any(detector_class(choice.name).needs_model for choice in config.detectors)
+    if model_based and not report.fits:  # refused already: the batches are measured once the stores and the fits fit
+        failed = {"batch probe": "not run, the feature stores or the fits are over the limit already"}
+    elif model_based:
         try:
             batches, failed = batch_peaks(config, backbone, datasets["id_fit"])
         except BatchProbeError as error:  # the store and fit checks stand without it
             failed = {"batch probe": str(error)}
-    device = resolve_device(config.device)
-    report = assess(config, estimate, machine_limits(store_root, device, disk_cap_bytes(config)), new, batches)
+        report = assess(config, estimate, limits, new, batches)
     report.estimate.update(batch_peaks=[asdict(peak) for peak in batches], batch_probe_failed=failed)
     return report
