@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import oodviz.runs.preflight
 from oodviz.cli import main
@@ -65,6 +66,37 @@ DIRECT_ODIN = textwrap.dedent(
 )
 
 
+# The same batch on a GPU: the caching allocator's peak above what was allocated before it (model on the device).
+DIRECT_ODIN_CUDA = textwrap.dedent(
+    f"""
+    import json, sys
+    import torch
+    from oodviz.batch import Batch
+    from oodviz.detectors import create
+    from oodviz.runs.config import RunConfig
+    from oodviz.runs.splits import load_split
+
+    config = RunConfig.from_dict(json.loads(sys.stdin.read()))
+    backbone = config.load_backbone()
+    backbone.model.to("cuda")
+    dataset = load_split(config, config.id_fit, False, backbone.classes)
+    items = [dataset[i] for i in range({BATCH})]
+    batch = Batch(inputs=torch.stack([backbone.transform(item[0]) for item in items]).cuda(),
+                  labels=torch.tensor([int(item[1]) for item in items]).cuda())
+    odin = create("odin", model=backbone)
+    with torch.inference_mode():
+        backbone.features_and_logits(batch.inputs[:1])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    for _ in range(2):
+        odin.score(batch, device="cuda")
+    torch.cuda.synchronize()
+    print(json.dumps({{"peak": torch.cuda.max_memory_allocated() - before}}))
+    """
+)
+
+
 @pytest.fixture(scope="module")
 def fashion_odin(tmp_path_factory):
     path = tmp_path_factory.mktemp("odin") / "odin.json"
@@ -93,6 +125,21 @@ def test_the_probe_figure_for_odin_matches_a_direct_peak_rss_measurement(tmp_pat
     assert measured > 50 * MiB  # autograd over 256 inputs: far above the allocator's noise
     assert odin.bytes_at(BATCH) == pytest.approx(measured, rel=0.3)  # the direct figure varies by ~15% run to run
     assert odin.per_row_bytes > peaks["extraction"].per_row_bytes  # activations and gradients kept vs streamed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_probe_figure_for_odin_matches_the_allocator_peak_of_one_batch(tmp_path):
+    from oodviz.runs.probe import estimate_for_config
+
+    config = {**FASHION_ODIN, "device": "cuda"}
+    estimate, _, _ = estimate_for_config(RunConfig.from_dict(config), tmp_path / "runs")
+    (odin,) = [BatchPeak(**peak) for peak in estimate["batch_peaks"] if peak["what"] == "odin"]
+    done = subprocess.run(
+        [sys.executable, "-c", DIRECT_ODIN_CUDA], input=json.dumps(config), capture_output=True, text=True, check=True
+    )
+    measured = json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+    assert measured > 10 * MiB
+    assert odin.gpu_bytes_at(BATCH) == pytest.approx(measured, rel=0.3)
 
 
 def test_the_cli_refuses_when_one_odin_batch_is_over_the_available_ram(tmp_path, capsys, fashion_odin, monkeypatch):
