@@ -25,7 +25,7 @@ as over a run's consecutive batches: once glibc has freed a large block it raise
 the next ones from the heap, where a batch's blocks do not all land in the freed ones of the batch before, so a
 lone pass can measure a third less. Then
 
-    per_row = peak(n) / n
+    per_row = peak(n) / n + the bytes of one input (the batch's inputs exist before the pass)
     fixed   = max(0, first - per_row)
 
 (the first call of a pass pays costs the later ones do not, autograd's first backward, lazily made buffers; a
@@ -59,6 +59,8 @@ PROBE_BYTES = 2**30
 PROBE_SECONDS = 6.0
 #: rows of the pass that times the model pass before the measured ones
 PROBE_SHORT_ROWS = 8
+#: the most rows the probe transforms and passes at once
+MAX_PROBE_ROWS = 4096
 EXTRACTION = "extraction"
 
 
@@ -131,44 +133,59 @@ def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, in
     return host, (torch.cuda.max_memory_allocated(device) - gpu_before) if cuda else None, seconds
 
 
-def measure(what: str, run: Callable[[torch.Tensor, torch.Tensor], object], x, y, rows: int, device) -> BatchPeak:
-    """:class:`BatchPeak` of ``run(inputs, labels)`` (see the module's docstring), for batches of ``rows``."""
+def measure(what: str, run: Callable[[torch.Tensor, torch.Tensor], object], inputs, rows: int, device) -> BatchPeak:
+    """:class:`BatchPeak` of ``run(inputs, labels)`` (see the module's docstring) on :class:`ProbeInputs`, for
+    batches of ``rows``."""
     import psutil
 
-    first, gpu_first, first_seconds = pass_peak(lambda: run(x[:1], y[:1]), device)
+    def passes(n: int, times: int = 1) -> tuple[int, int | None, float]:
+        x, y = inputs.take(n)
+        return pass_peak(lambda: [run(x, y) for _ in range(times)], device)
+
+    x1 = inputs.take(1)[0]
+    input_row = x1.numel() * x1.element_size()  # the batch's own inputs, made before each pass: added per row
+    first, gpu_first, first_seconds = passes(1)
     if first_seconds > PROBE_SECONDS / 4 or rows == 1:  # a slow model: its one-row peak, all of it per row
-        return BatchPeak(what, rows, 0, first, None if gpu_first is None else 0, gpu_first)
-    one, _, seconds = pass_peak(lambda: run(x[:1], y[:1]), device)
-    largest = min(rows, len(x), min(PROBE_BYTES, psutil.virtual_memory().available // 4) // max(one, 1))
+        return BatchPeak(what, rows, 0, first + input_row, None if gpu_first is None else 0, gpu_first)
+    one, _, seconds = passes(1)
+    largest = min(rows, MAX_PROBE_ROWS, min(PROBE_BYTES, psutil.virtual_memory().available // 4) // max(one, 1))
     # the seconds per row, from a few rows (one row's time is mostly the call's own)
     few = max(1, min(largest, PROBE_SHORT_ROWS, int(PROBE_SECONDS / max(4 * seconds, 1e-6))))
-    seconds_per_row = pass_peak(lambda: run(x[:few], y[:few]), device)[2] / few
+    seconds_per_row = passes(few)[2] / few
     n = max(few, min(largest, int(PROBE_SECONDS / max(2 * seconds_per_row, 1e-9))))
-    host, gpu, _ = pass_peak(lambda: [run(x[:n], y[:n]) for _ in range(2)], device)
-    per_row = -(-host // n)
+    host, gpu, _ = passes(n, times=2)
+    per_row = -(-host // n) + input_row
     gpu_per_row = None if gpu is None else -(-gpu // n)
     fixed = max(0, first - per_row)  # the first call's own costs (autograd's first backward, lazy buffers)
     gpu_fixed = None if gpu_first is None else max(0, gpu_first - gpu_per_row)
     return BatchPeak(what, rows, fixed, per_row, gpu_fixed, gpu_per_row)
 
 
-def probe_inputs(backbone, dataset, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` transformed inputs and their labels: the dataset's first readable items, repeated when it has fewer."""
-    xs, ys = [], []
-    for i in range(len(dataset)):
-        item = dataset[i]
-        if item is not None:
-            xs.append(backbone.transform(item[0]))
-            ys.append(int(item[1]))
-        if len(xs) == n:
-            break
-    if not xs:
-        raise BatchProbeError(f"the batch probe found no readable image in {dataset.name!r}")
-    order = torch.arange(n) % len(xs)
-    return torch.stack(xs)[order], torch.tensor(ys, dtype=torch.long)[order]
+class ProbeInputs:
+    """The first readable images of a dataset, transformed by the backbone as they are first asked for (a slow
+    model's probe needs one): :meth:`take` gives ``(inputs [n, ...], labels [n])``, the images repeated in turn
+    when the dataset has fewer than ``n``."""
+
+    def __init__(self, backbone, dataset):
+        self.backbone, self.dataset = backbone, dataset
+        self.inputs: list[torch.Tensor] = []
+        self.labels: list[int] = []
+        self.next_index = 0
+
+    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self.inputs) < n and self.next_index < len(self.dataset):
+            item = self.dataset[self.next_index]
+            self.next_index += 1
+            if item is not None:
+                self.inputs.append(self.backbone.transform(item[0]))
+                self.labels.append(int(item[1]))
+        if not self.inputs:
+            raise BatchProbeError(f"the batch probe found no readable image in {self.dataset.name!r}")
+        order = [i % len(self.inputs) for i in range(n)]
+        return torch.stack([self.inputs[i] for i in order]), torch.tensor([self.labels[i] for i in order])
 
 
-def model_detector_pass(name: str, params: dict, backbone, device: torch.device, batch_size: int, x):
+def model_detector_pass(name: str, params: dict, backbone, device: torch.device, batch_size: int, inputs):
     """(the pass ``run(inputs, labels)`` of detector ``name``, the rows a run gives it at once)."""
     from oodviz.batch import Batch
     from oodviz.detectors import create
@@ -185,7 +202,7 @@ def model_detector_pass(name: str, params: dict, backbone, device: torch.device,
     module = detector.module
     if detector.needs_fit or module is None:
         return run, batch_size
-    per_input = activation_bytes(module, detector.logits, x[:1].to(device))
+    per_input = activation_bytes(module, detector.logits, inputs.take(1)[0].to(device))
     return run, min(batch_size, rows_that_fit(per_input, detector.activation_copies, device))
 
 
@@ -198,7 +215,7 @@ def batch_peaks(config: RunConfig, backbone, dataset) -> tuple[list[BatchPeak], 
     from oodviz.runs.pipeline import resolve_device
 
     device = resolve_device(config.device)
-    x, y = probe_inputs(backbone, dataset, min(max(config.batch_size, 2), 4096))
+    inputs = ProbeInputs(backbone, dataset)
     module = backbone.model if isinstance(backbone.model, torch.nn.Module) else None
 
     def extraction(inputs: torch.Tensor, _labels) -> None:
@@ -207,12 +224,14 @@ def batch_peaks(config: RunConfig, backbone, dataset) -> tuple[list[BatchPeak], 
 
     peaks, failed = [], {}
     with model_on_device(module, device):
-        peaks.append(measure(EXTRACTION, extraction, x, y, config.batch_size, device))
+        peaks.append(measure(EXTRACTION, extraction, inputs, config.batch_size, device))
         for choice in config.detectors:
             if detector_class(choice.name).needs_model:
                 try:
-                    run, rows = model_detector_pass(choice.name, choice.params, backbone, device, config.batch_size, x)
-                    peaks.append(measure(choice.name, run, x, y, rows, device))
+                    run, rows = model_detector_pass(
+                        choice.name, choice.params, backbone, device, config.batch_size, inputs
+                    )
+                    peaks.append(measure(choice.name, run, inputs, rows, device))
                 except (ValueError, TypeError, RuntimeError) as error:  # e.g. mcd on a model without dropout
                     failed[choice.name] = f"{type(error).__name__}: {error}"
     return peaks, failed
