@@ -8,7 +8,11 @@ Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
 - **RAM** of each detector's fit: :meth:`oodviz.detectors.Detector.fit_memory_bytes` (``8 x 2.5 x D^2`` for
   mahalanobis, ``8 x 3.5 x D^2`` for rmd, ...); knn holds one bank chunk, ``chunk_size x D x 4``
   (:func:`knn_fit_memory_bytes`);
-- **GPU** memory of the same fits, only when the run's device is CUDA.
+- **GPU** memory of the same fits, only when the run's device is CUDA;
+- **RAM (and GPU) of one batch through the model**, when the run has model-based detectors (odin, mcd, rankfeat,
+  adascale, gram): the extraction batch and each such detector's batch (odin's autograd, mcd's dropout passes),
+  measured by a one-batch probe (:mod:`oodviz.runs.batchprobe`; in the app, inside the estimate's own process)
+  and scaled to the rows the run passes at once; over the limit, the fixes are a smaller batch and leaving those detectors out.
 
 A run over several layers (``RunConfig.layers``) needs a store per layer and split, and fits each detector that
 reads features at every layer (:func:`oodviz.runs.layers.detector_columns`): each layer's ``D`` counts, so
@@ -22,7 +26,7 @@ fit is compared with the whole RAM. :func:`preflight` loads the model and the da
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -32,6 +36,8 @@ from oodviz.models.memory import format_bytes
 #: Features wider than this get the detectors with a ``D x D`` state named even when they fit.
 WIDE_FEATURES = 16_384
 KNN_DEFAULT_CHUNK = 16_384
+#: rows "without a limit": a batch whose bytes do not grow with its rows
+NO_LIMIT = 10**9
 
 
 @dataclass
@@ -42,6 +48,8 @@ class Need:
     what: str
     needed: int
     available: int
+    #: "store", "fit" or "batch" (one batch through the model): which fixes apply
+    kind: str = "fit"
 
     @property
     def over(self) -> bool:
@@ -119,12 +127,18 @@ def machine_limits(store_root, device, disk_cap: int | None = None) -> dict[str,
 
 
 def assess(
-    config, estimate: dict, limits: dict[str, int], new_splits: list[str] | None = None, layers: dict | None = None
+    config,
+    estimate: dict,
+    limits: dict[str, int],
+    new_splits: list[str] | None = None,
+    layers: dict | None = None,
+    batches: list | None = None,
 ) -> Preflight:
     """The needs of ``config`` from its store ``estimate`` (:func:`oodviz.models.estimate_memory`) against
     ``limits`` (:func:`machine_limits`); ``new_splits``: the splits whose store is not there yet (default: all).
     ``layers`` (a run over several layers): layer -> ``(estimate, new splits)`` of that layer's stores
-    (:func:`layer_estimates`); ``estimate`` is then the first layer's (the run's main store)."""
+    (:func:`layer_estimates`); ``estimate`` is then the first layer's (the run's main store). ``batches``:
+    the measured :class:`~oodviz.runs.batchprobe.BatchPeak` of one batch through the model."""
     layers = layers or {None: (estimate, list(estimate["splits"]) if new_splits is None else new_splits)}
     c = int(estimate["num_classes"])
     n_fit = int(estimate["splits"]["id_fit"]["n_samples"])
@@ -140,7 +154,7 @@ def assess(
         what = f"feature stores, {len(layers)} layers ({parts})"
     else:
         what = f"feature stores ({len(layers[None][1])} of {splits} splits to extract, {estimate['feature_dtype']})"
-    needs = [Need("disk", what, sum(stores.values()), limits["disk"])]
+    needs = [Need("disk", what, sum(stores.values()), limits["disk"], kind="store")]
     dims = {layer: int(layer_estimate["feature_dim"]) for layer, (layer_estimate, _) in layers.items()}
     fits = []  # (result column, bytes, D)
     for column, choice, layer in _fitted_columns(config, layers):
@@ -150,10 +164,11 @@ def assess(
         for column, needed, d in fits:
             if needed:
                 needs.append(Need(resource, f"fit {column} (D={d:,}, C={c:,}, N={n_fit:,})", needed, limits[resource]))
+    needs += batch_needs(batches or [], limits)
     report = Preflight(needs, estimate=dict(estimate))
     if len(layers) > 1:
         report.estimate["layers"] = {layer: dict(layer_estimate) for layer, (layer_estimate, _) in layers.items()}
-    report.fixes = fixes(estimate, report, fits, limits, dims)
+    report.fixes = fixes(estimate, report, fits, limits, dims) + batch_fixes(batches or [], limits)
     return report
 
 
@@ -184,6 +199,47 @@ def layer_estimates(config, backbone, sizes: dict[str, int], new_splits) -> dict
     return found
 
 
+def batch_needs(batches: list, limits: dict[str, int]) -> list[Need]:
+    """One row per measured batch (:class:`~oodviz.runs.batchprobe.BatchPeak`) and resource: its bytes at the
+    rows the run passes at once."""
+    needs = []
+    for peak in batches:
+        what = f"batch of {peak.what} ({peak.rows:,} rows at once)"
+        needs.append(Need("ram", what, peak.bytes_at(peak.rows), limits["ram"], kind="batch"))
+        if "gpu" in limits and peak.gpu_per_row_bytes is not None:
+            needs.append(Need("gpu", what, peak.gpu_bytes_at(peak.rows), limits["gpu"], kind="batch"))
+    return needs
+
+
+def batch_fixes(batches: list, limits: dict[str, int]) -> list[str]:
+    """For batches over the memory: the largest ``batch_size`` whose batches fit (``fixed + rows x per_row`` at
+    most the available RAM, and GPU memory on CUDA), and the model-based detectors to leave out."""
+
+    def rows_within(fixed: int, per_row: int, available: int) -> int:
+        return (available - fixed) // per_row if per_row else (NO_LIMIT if fixed <= available else 0)
+
+    def rows_that_fit(peak) -> int:
+        rows = rows_within(peak.fixed_bytes, peak.per_row_bytes, limits["ram"])
+        if "gpu" in limits and peak.gpu_per_row_bytes is not None:
+            rows = min(rows, rows_within(peak.gpu_fixed_bytes, peak.gpu_per_row_bytes, limits["gpu"]))
+        return rows
+
+    over = [(peak, rows_that_fit(peak)) for peak in batches]
+    over = [(peak, rows) for peak, rows in over if rows < peak.rows]
+    if not over:
+        return []
+    found = []
+    fitting, largest = min(rows for _, rows in over), max(peak.rows for peak, _ in over)
+    if fitting >= 1:
+        found.append(
+            f"a smaller batch: batch_size={fitting:,} or less fits one batch through the model (now {largest:,} rows)"
+        )
+    detectors = [peak.what for peak, _ in over if peak.what != "extraction"]
+    if detectors:
+        found.append(f"fewer detectors: leave out {', '.join(detectors)} (one batch of it is over the memory)")
+    return found
+
+
 def fixes(
     estimate: dict, report: Preflight, fits: list[tuple], limits: dict[str, int], dims: dict | None = None
 ) -> list[str]:
@@ -196,6 +252,8 @@ def fixes(
     wide_note = f"at D={widest:,} the D x D state of {', '.join(square)} is large: pool or leave them out"
     if report.fits:
         return [wide_note] if widest > WIDE_FEATURES and square else []
+    if all(need.kind == "batch" for need in report.over):  # the store and the fits are fine: batch_fixes
+        return []
     found = []
     if estimate.get("pooling") == "none" and pooled < d:
         raw = estimate.get("raw_feature_shape")
@@ -247,9 +305,16 @@ def splits_to_extract(config, backbone, datasets: dict, chosen: list, store_root
 
 def preflight(config, runs_root) -> Preflight:
     """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
-    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk."""
+    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk. With model-based
+    detectors, one batch of the extraction and of each of them is measured
+    (:func:`oodviz.runs.batchprobe.batch_peaks`), when the stores and the fits fit (a refusal for those comes
+    first, without the cost of running the model); the report's ``estimate`` gets ``batch_peaks`` (each
+    :class:`~oodviz.runs.batchprobe.BatchPeak` as a dict) and ``batch_probe_failed`` (what could not be
+    measured, and why)."""
+    from oodviz.detectors import detector_class
     from oodviz.engine import STORES_DIRNAME
     from oodviz.models import estimate_memory
+    from oodviz.runs.batchprobe import BatchProbeError, batch_peaks
     from oodviz.runs.pipeline import resolve_device
     from oodviz.runs.splits import load_split, run_splits
 
@@ -267,4 +332,16 @@ def preflight(config, runs_root) -> Preflight:
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         new = splits_to_extract(config, backbone, datasets, chosen, store_root)
     limits = machine_limits(store_root, resolve_device(config.device), disk_cap_bytes(config))
-    return assess(config, estimate, limits, new, layers)
+    report = assess(config, estimate, limits, new, layers)
+    batches, failed = [], {}
+    model_based = any(detector_class(choice.name).needs_model for choice in config.detectors)
+    if model_based and not report.fits:  # refused already: the batches are measured once the stores and the fits fit
+        failed = {"batch probe": "not run, the feature stores or the fits are over the limit already"}
+    elif model_based:
+        try:
+            batches, failed = batch_peaks(config, backbone, datasets["id_fit"])
+        except BatchProbeError as error:  # the store and fit checks stand without it
+            failed = {"batch probe": str(error)}
+        report = assess(config, estimate, limits, new, layers, batches)
+    report.estimate.update(batch_peaks=[asdict(peak) for peak in batches], batch_probe_failed=failed)
+    return report

@@ -25,14 +25,19 @@ class ProbeError(RuntimeError):
 
 def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str, str | None]:
     """(estimate, description, warning) for ``config``, in this process: loads the model and counts each
-    split's samples (for a run over several layers, the description has the needs table too: every layer's
-    stores and fits); the warning is the pre-flight refusal (:mod:`oodviz.runs.preflight`: the needs against the
-    machine's disk, RAM and GPU, with the fixes) when the run does not fit, else None."""
+    split's samples; the warning is the pre-flight refusal (:mod:`oodviz.runs.preflight`: the needs against the
+    machine's disk, RAM and GPU, with the fixes) when the run does not fit, else None. The description has a
+    line per split, with model-based detectors a line per measured batch through the model (the extraction's and
+    each such detector's, :mod:`oodviz.runs.batchprobe`), and for a run over several layers the needs table
+    (every layer's stores and fits)."""
     from oodviz.models.memory import describe_memory
+    from oodviz.runs.batchprobe import BatchPeak
     from oodviz.runs.preflight import preflight
 
     report = preflight(config, runs_root)
-    description = describe_memory(report.estimate)
+    batches = [BatchPeak(**peak).describe() for peak in report.estimate["batch_peaks"]]
+    failed = [f"not measured, {name}: {why}" for name, why in report.estimate["batch_probe_failed"].items()]
+    description = "\n".join([describe_memory(report.estimate), *batches, *failed])
     if "layers" in report.estimate:  # each layer's D x D fit states too, not only when over the limits
         description += "\n\n" + report.table()
     return report.estimate, description, None if report.fits else report.message()
