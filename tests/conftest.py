@@ -341,6 +341,16 @@ def default_run(tmp_path_factory) -> DefaultRun:
     return DefaultRun(root / "r1", (root / "stdout.txt").read_text(), (root / "stderr.txt").read_text())
 
 
+@pytest.fixture
+def default_run_copy(default_run, tmp_path):
+    """A copy of the default run beside the stores it references, removed afterwards (a test writes into it)."""
+    # tmp_path's parent: one name per xdist worker too (the default run's directory is shared by the workers)
+    copy = default_run.path.parent / f"copy-{tmp_path.parent.name}-{tmp_path.name}"
+    shutil.copytree(default_run.path, copy)
+    yield copy
+    shutil.rmtree(copy)
+
+
 @pytest.fixture(scope="session")
 def default_results(default_run):
     """:func:`oodviz.results.load_results` of :func:`default_run` (shared: copy what you change)."""

@@ -1,7 +1,6 @@
 """The 2-D feature-space projection of a run: streaming PCA against scikit-learn, seeded t-SNE subsamples."""
 
 import json
-import shutil
 
 import numpy as np
 import pandas as pd
@@ -38,43 +37,33 @@ def test_streaming_pca_refuses_too_little_data():
         streaming_pca(np.ones((5, 3)), n_components=4)
 
 
-@pytest.fixture
-def run_copy(default_run, tmp_path):
-    """A copy of the default run beside the stores it references (the projection files are written into it)."""
-    # tmp_path's parent: one name per xdist worker too (the default run's directory is shared by the workers)
-    copy = default_run.path.parent / f"projection-{tmp_path.parent.name}-{tmp_path.name}"
-    shutil.copytree(default_run.path, copy)
-    yield copy
-    shutil.rmtree(copy)
-
-
 def stores_of(run_dir):
     meta = json.loads((run_dir / "meta.json").read_text())
     return {split: open_store(run_dir.parent / STORES_DIRNAME, e["store"]) for split, e in meta["splits"].items()}
 
 
-def test_a_runs_pca_projection_is_sklearns_pca_of_the_id_fit_features(run_copy, default_results):
-    frame = project_run(run_copy, "pca")
+def test_a_runs_pca_projection_is_sklearns_pca_of_the_id_fit_features(default_run_copy, default_results):
+    frame = project_run(default_run_copy, "pca")
     assert tuple(frame.columns) == PROJECTION_COLUMNS
-    assert pd.read_parquet(projection_path(run_copy, "pca")).equals(frame)
+    assert pd.read_parquet(projection_path(default_run_copy, "pca")).equals(frame)
     # the same rows, in the same order, as scores.parquet: the projection joins the scores on them
     keys = ["split", "dataset", "index", "label", "prediction"]
     assert frame[keys].equals(default_results.scores[keys].reset_index(drop=True))
-    stores = stores_of(run_copy)
+    stores = stores_of(default_run_copy)
     reference = PCA(n_components=2, svd_solver="full").fit(np.asarray(stores["id_fit"].features, dtype=np.float64))
     everything = np.concatenate([np.asarray(s.features, np.float64) for k, s in stores.items() if k != "id_fit"])
     np.testing.assert_allclose(frame[["x", "y"]].to_numpy(), reference.transform(everything), atol=1e-5)
-    info = json.loads(projection_path(run_copy, "pca").with_suffix(".json").read_text())
+    info = json.loads(projection_path(default_run_copy, "pca").with_suffix(".json").read_text())
     np.testing.assert_allclose(info["explained_variance_ratio"], reference.explained_variance_ratio_, rtol=1e-8)
 
 
-def test_a_runs_tsne_projection_embeds_a_seeded_subsample_with_as_many_points_as_asked(run_copy):
-    frame = project_run(run_copy, "tsne", max_points=150, seed=3)
+def test_a_runs_tsne_projection_embeds_a_seeded_subsample_with_as_many_points_as_asked(default_run_copy):
+    frame = project_run(default_run_copy, "tsne", max_points=150, seed=3)
     assert len(frame) == 150 and tuple(frame.columns) == PROJECTION_COLUMNS
-    assert pd.read_parquet(projection_path(run_copy, "tsne")).equals(frame)
+    assert pd.read_parquet(projection_path(default_run_copy, "tsne")).equals(frame)
     # the rows are those of the subsample, and the map is sklearn's t-SNE of exactly their features
-    stores = stores_of(run_copy)
-    meta = json.loads((run_copy / "meta.json").read_text())["splits"]
+    stores = stores_of(default_run_copy)
+    meta = json.loads((default_run_copy / "meta.json").read_text())["splits"]
     features = []
     for split, entry in meta.items():
         if split == "id_fit":
@@ -89,20 +78,20 @@ def test_a_runs_tsne_projection_embeds_a_seeded_subsample_with_as_many_points_as
     np.testing.assert_allclose(frame[["x", "y"]].to_numpy(), expected, atol=1e-4)
     assert frame.split.nunique() == 2 and frame.dataset.nunique() == len(meta) - 1  # every set is represented
     with pytest.raises(ValueError, match="method must be one of pca, tsne, umap"):
-        project_run(run_copy, "isomap")
+        project_run(default_run_copy, "isomap")
 
 
-def test_a_runs_umap_projection_is_umap_learns_map_of_the_seeded_subsample(run_copy):
+def test_a_runs_umap_projection_is_umap_learns_map_of_the_seeded_subsample(default_run_copy):
     """The same subsample as t-SNE's for the same seed, embedded by umap-learn with the same parameters."""
     umap = pytest.importorskip("umap", reason="umap-learn is not installed (pip install 'oodviz[umap]')")
-    frame = project_run(run_copy, "umap", max_points=120, seed=5)
+    frame = project_run(default_run_copy, "umap", max_points=120, seed=5)
     assert len(frame) == 120 and tuple(frame.columns) == PROJECTION_COLUMNS
-    assert pd.read_parquet(projection_path(run_copy, "umap")).equals(frame)
-    same_rows = project_run(run_copy, "tsne", max_points=120, seed=5)
+    assert pd.read_parquet(projection_path(default_run_copy, "umap")).equals(frame)
+    same_rows = project_run(default_run_copy, "tsne", max_points=120, seed=5)
     keys = ["split", "dataset", "index", "label", "prediction"]
     assert frame[keys].equals(same_rows[keys])
-    stores = stores_of(run_copy)
-    meta = json.loads((run_copy / "meta.json").read_text())["splits"]
+    stores = stores_of(default_run_copy)
+    meta = json.loads((default_run_copy / "meta.json").read_text())["splits"]
     features = []
     for split, entry in meta.items():
         if split != "id_fit":
@@ -112,10 +101,10 @@ def test_a_runs_umap_projection_is_umap_learns_map_of_the_seeded_subsample(run_c
         np.concatenate(features).astype(np.float32)
     )
     np.testing.assert_allclose(frame[["x", "y"]].to_numpy(), expected, atol=1e-4)
-    assert json.loads(projection_path(run_copy, "umap").with_suffix(".json").read_text())["n_neighbors"] == 15
+    assert json.loads(projection_path(default_run_copy, "umap").with_suffix(".json").read_text())["n_neighbors"] == 15
 
 
-def test_without_umap_learn_the_umap_projection_is_refused_and_not_offered(run_copy, monkeypatch):
+def test_without_umap_learn_the_umap_projection_is_refused_and_not_offered(default_run_copy, monkeypatch):
     import sys
 
     from oodviz.projection import available_methods
@@ -123,21 +112,21 @@ def test_without_umap_learn_the_umap_projection_is_refused_and_not_offered(run_c
     monkeypatch.setitem(sys.modules, "umap", None)  # as if umap-learn were not installed
     assert available_methods() == ["pca", "tsne"]
     with pytest.raises(ValueError, match=r"needs umap-learn: pip install 'oodviz\[umap\]'"):
-        project_run(run_copy, "umap", max_points=50)
+        project_run(default_run_copy, "umap", max_points=50)
 
 
-def test_oodviz_project_writes_the_projection(run_copy, tmp_path, capsys):
+def test_oodviz_project_writes_the_projection(default_run_copy, tmp_path, capsys):
     import subprocess
     import sys
 
     from oodviz.cli import main
 
-    command = [sys.executable, "-m", "oodviz.cli", "project", str(run_copy)]
+    command = [sys.executable, "-m", "oodviz.cli", "project", str(default_run_copy)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
     assert result.returncode == 0, result.stderr
-    assert f"points -> {projection_path(run_copy, 'pca')}" in result.stderr
-    assert len(pd.read_parquet(projection_path(run_copy, "pca"))) == sum(
-        s.n for k, s in stores_of(run_copy).items() if k != "id_fit"
+    assert f"points -> {projection_path(default_run_copy, 'pca')}" in result.stderr
+    assert len(pd.read_parquet(projection_path(default_run_copy, "pca"))) == sum(
+        s.n for k, s in stores_of(default_run_copy).items() if k != "id_fit"
     )
     assert main(["project", str(tmp_path / "none")]) == 2  # the refusal in process: no second start of the command
     assert "has no feature stores recorded" in capsys.readouterr().err

@@ -4,7 +4,6 @@ data (no hover text), and a sprite of hover thumbnails that holds each chosen sa
 import base64
 import io
 import json
-import shutil
 
 import numpy as np
 import pandas as pd
@@ -86,32 +85,24 @@ def test_the_hover_data_decodes_to_each_drawn_points_names_and_tile():
     assert hover_data(drawn, [], None, None)["sprite"] is None
 
 
-@pytest.fixture
-def run_copy(default_run, tmp_path):
-    copy = default_run.path.parent / f"projection-map-{tmp_path.parent.name}-{tmp_path.name}"
-    shutil.copytree(default_run.path, copy)
-    yield copy
-    shutil.rmtree(copy)
-
-
 def tile(sheet: Image.Image, k: int) -> np.ndarray:
     x, y = (k % SPRITE_COLUMNS) * THUMBNAIL_SIZE, (k // SPRITE_COLUMNS) * THUMBNAIL_SIZE
     return np.asarray(sheet.crop((x, y, x + THUMBNAIL_SIZE, y + THUMBNAIL_SIZE)).convert("L"), dtype=np.float64)
 
 
-def test_oodviz_project_writes_a_sprite_whose_tiles_are_the_samples_images_within_its_budget(run_copy):
+def test_oodviz_project_writes_a_sprite_whose_tiles_are_the_samples_images_within_its_budget(default_run_copy):
     from sklearn.datasets import load_digits
 
     from oodviz.data import digits_split
     from oodviz.projection import project_run
 
-    frame = project_run(run_copy, "pca")
-    keys = pd.read_parquet(thumbnails_path(run_copy, "pca", ".parquet"))
+    frame = project_run(default_run_copy, "pca")
+    keys = pd.read_parquet(thumbnails_path(default_run_copy, "pca", ".parquet"))
     # the first HOVER_THUMBNAILS rows of the seeded order, every one drawn on the map
     expected = frame.iloc[np.random.default_rng(0).permutation(len(frame))[:HOVER_THUMBNAILS]]
     assert keys.equals(expected[["split", "dataset", "index"]].reset_index(drop=True))
     assert set(expected.index) <= set(drawn_rows(len(frame)))
-    sheet = Image.open(io.BytesIO(thumbnails_path(run_copy, "pca", ".webp").read_bytes()))
+    sheet = Image.open(io.BytesIO(thumbnails_path(default_run_copy, "pca", ".webp").read_bytes()))
     assert sheet.format == "WEBP" and sheet.width == SPRITE_COLUMNS * THUMBNAIL_SIZE
     # an ID test digit's tile is sklearn's 8x8 image of it, in 4x4-pixel blocks (lossy WebP: correlated, not equal)
     images, _, source = digits_split("test")
@@ -124,7 +115,7 @@ def test_oodviz_project_writes_a_sprite_whose_tiles_are_the_samples_images_withi
             checked += 1
     assert checked == 20
     # a smaller budget: fewer thumbnails, a prefix of the same order, the sprite within it
-    config = json.loads((run_copy / "config.json").read_text())
-    count = write_hover_thumbnails(run_copy, "pca", frame, config, budget=20_000)
-    assert 0 < count < HOVER_THUMBNAILS and thumbnails_path(run_copy, "pca", ".webp").stat().st_size <= 20_000
-    assert pd.read_parquet(thumbnails_path(run_copy, "pca", ".parquet")).equals(keys.head(count))
+    config = json.loads((default_run_copy / "config.json").read_text())
+    count = write_hover_thumbnails(default_run_copy, "pca", frame, config, budget=20_000)
+    assert 0 < count < HOVER_THUMBNAILS and thumbnails_path(default_run_copy, "pca", ".webp").stat().st_size <= 20_000
+    assert pd.read_parquet(thumbnails_path(default_run_copy, "pca", ".parquet")).equals(keys.head(count))
