@@ -49,14 +49,16 @@ def combine_standardised(
     """The multi-layer score: per-layer scores standardised on ID reference scores, then summed.
 
     ``s(x) = sum_l (s_l(x) - mu_l) / sigma_l`` with ``mu_l`` and ``sigma_l`` the mean and the standard
-    deviation (``ddof=0``) of layer ``l``'s scores on the ID reference samples (a run uses its ID fit split,
-    the samples the per-layer detectors were fitted on). With Mahalanobis, ``s_l(x) = min_c (f_l(x) -
-    mu_c)^T Sigma^-1 (f_l(x) - mu_c)`` (:class:`~oodviz.detectors.mahalanobis.Mahalanobis`, higher = more
-    OOD), so the sum keeps the sign: **higher = more OOD**. Standardising puts layers whose distances live on
-    different scales (``D`` from 16 to 2048) on one footing before they are added; it is the equal-weight
-    form of the feature ensemble of Lee et al. 2018 ("A Simple Unified Framework for Detecting
-    Out-of-Distribution Samples and Adversarial Attacks", NeurIPS), which instead weights the layers with a
-    logistic regression fitted on OOD validation data (not needed here, and not biased towards one OOD set).
+    deviation (``ddof=0``) of layer ``l``'s scores on the ID reference samples (a run uses its held-out ID
+    validation split ``id_val`` when it has one, else its ID fit split, the samples the per-layer detectors were
+    fitted on: in-sample, so their scores there are lower than on unseen ID images). With Mahalanobis,
+    ``s_l(x) = min_c (f_l(x) - mu_c)^T Sigma^-1 (f_l(x) - mu_c)``
+    (:class:`~oodviz.detectors.mahalanobis.Mahalanobis`, higher = more OOD), so the sum keeps the sign: **higher =
+    more OOD**. Standardising puts layers whose distances live on different scales (``D`` from 16 to 2048) on one
+    footing before they are added; it is the equal-weight form of the feature ensemble of Lee et al. 2018 ("A
+    Simple Unified Framework for Detecting Out-of-Distribution Samples and Adversarial Attacks", NeurIPS), which
+    instead weights the layers with a logistic regression fitted on OOD validation data (not needed here, and not
+    biased towards one OOD set). :func:`standardisation_stats` then :func:`standardised_sum`.
 
     :param layer_scores: layer -> scores ``[N]`` of the samples to score (the same rows in every layer)
     :param reference_scores: layer -> scores ``[M]`` of the ID reference samples; the same layers
@@ -68,16 +70,31 @@ def combine_standardised(
             f"scores and reference scores must name the same layers, got {sorted(layer_scores)} and "
             f"{sorted(reference_scores)}"
         )
-    total, stats = None, {}
-    for layer, values in layer_scores.items():
-        reference = np.asarray(reference_scores[layer], dtype=np.float64)
+    stats = standardisation_stats({layer: reference_scores[layer] for layer in layer_scores})
+    return standardised_sum(layer_scores, stats), stats
+
+
+def standardisation_stats(reference_scores: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+    """Layer -> ``{"mean": mu_l, "std": sigma_l}`` of its ID reference scores ``[M]`` (float64, ``ddof=0``);
+    ValueError when a layer's scores have no spread."""
+    stats = {}
+    for layer, values in reference_scores.items():
+        reference = np.asarray(values, dtype=np.float64)
         mean, std = float(reference.mean()), float(reference.std())
         if not np.isfinite(std) or std <= 0:
             raise ValueError(f"layer {layer}: the ID reference scores have no spread (std {std}); cannot standardise")
-        standardised = (np.asarray(values, dtype=np.float64) - mean) / std
-        total = standardised if total is None else total + standardised
         stats[layer] = {"mean": mean, "std": std}
-    return total, stats
+    return stats
+
+
+def standardised_sum(layer_scores: dict[str, np.ndarray], stats: dict[str, dict[str, float]]) -> np.ndarray:
+    """``sum_l (s_l - mean_l) / std_l`` in float64, the layers added in the order of ``layer_scores`` (so the same
+    scores and ``stats``, e.g. those recorded in ``detectors.json``, give the same bits: ``oodviz score``)."""
+    total = None
+    for layer, values in layer_scores.items():
+        standardised = (np.asarray(values, dtype=np.float64) - stats[layer]["mean"]) / stats[layer]["std"]
+        total = standardised if total is None else total + standardised
+    return total
 
 
 def layer_ranking(metrics: pd.DataFrame, layers: list[str] | None = None) -> pd.DataFrame:

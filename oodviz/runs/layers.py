@@ -12,7 +12,8 @@ What the run scores (:func:`detector_columns`):
 - a detector that reads only the logits, or runs the model itself (the run's backbone, ``layer`` unset):
   once, under its plain name;
 - with ``mahalanobis`` at two or more layers: ``"mahalanobis@combined"``, the sum of the per-layer scores
-  standardised on the ID fit split (:func:`combine_layers`, :func:`oodviz.layers.combine_standardised`).
+  standardised on held-out ID images (``id_val``) when the run has them, else on the ID fit split (in-sample)
+  (:func:`combine_layers`, :func:`oodviz.layers.combine_standardised`).
 
 ``meta.json["layers"]`` records the layers, each layer's store per split and the detectors left out at a
 layer. Per-layer detectors are not saved for ``oodviz score`` (it scores the run's main features).
@@ -24,8 +25,13 @@ from oodviz.layers import COMBINED, COMBINED_DETECTOR, PENULTIMATE, layer_column
 
 #: the stage of :func:`combine_layers`
 COMBINE_STAGE = f"combine {COMBINED_DETECTOR} over layers"
-#: what the multi-layer Mahalanobis records in ``detectors.json``
-COMBINED_FORMULA = "sum over layers l of (s_l(x) - mean_l) / std_l; mean_l, std_l (ddof=0) of s_l on the ID fit split"
+#: what the multi-layer Mahalanobis records in ``detectors.json`` (``{split}``: the split it standardises on)
+COMBINED_FORMULA = "sum over layers l of (s_l(x) - mean_l) / std_l; mean_l, std_l (ddof=0) of s_l on the {split} split"
+#: what each standardisation split is, for ``detectors.json``
+STANDARDISED_ON = {
+    "id_val": "held-out: the ID validation images, which no detector was fitted on",
+    "id_fit": "in-sample: the ID fit images the per-layer detectors were fitted on (no id_val in the run)",
+}
 
 
 def layers_problems(config, model_known: bool) -> list[str]:
@@ -146,9 +152,12 @@ def record_layers(job) -> None:
 
 def combine_layers(job) -> None:
     """Stage ``combine mahalanobis over layers``: when ``mahalanobis`` scored two or more layers, the column
-    ``"mahalanobis@combined"`` of every scored split (:func:`oodviz.layers.combine_standardised`, standardised
-    on each layer's scores of the ID fit split); its layers, means and standard deviations go into
-    ``detectors.json``. Nothing to do in a single-layer run."""
+    ``"mahalanobis@combined"`` of every scored split (:func:`oodviz.layers.combine_standardised`). Each layer's
+    scores are standardised by their mean and standard deviation on ``id_val`` when the run has it (held-out ID
+    images: the scale the layer's scores have on unseen ID data), else on the ID fit split (in-sample: the
+    detectors were fitted on it, so its scores are smaller than on unseen ID data, and a layer that overfits more
+    weighs more). The layers, the split (``standardised_on`` and its ``reference``), the means and standard
+    deviations and the formula go into ``detectors.json``. Nothing to do in a single-layer run."""
     from oodviz.layers import combine_standardised
     from oodviz.runs.pipeline import SCORE_BATCH
 
@@ -160,6 +169,7 @@ def combine_layers(job) -> None:
     if len(parts) < 2:
         return
     name = layer_column(COMBINED_DETECTOR, COMBINED)
+    split = "id_val" if "id_val" in job.layer_stores else "id_fit"
     with (
         job.reporter.stage(COMBINE_STAGE) as stage,
         job.detector_may_fail(name, "combine the layers", stage),
@@ -167,7 +177,7 @@ def combine_layers(job) -> None:
         reference = {}
         for done, (layer, column) in enumerate(parts.items(), start=1):
             detector = job.fitted[column]
-            batches = job.store_of("id_fit", layer).batches(
+            batches = job.store_of(split, layer).batches(
                 SCORE_BATCH, device=job.device, include=detector.fields_to_read(fitting=False)
             )
             reference[layer] = detector.score(batches, device=job.device).numpy()
@@ -176,5 +186,10 @@ def combine_layers(job) -> None:
             frame[name], stats = combine_standardised(
                 {layer: frame[column].to_numpy() for layer, column in parts.items()}, reference
             )
-        job.detector_log[name] = {"layers": list(parts), "standardised_on": "id_fit", "stats": stats}
-        job.detector_log[name]["formula"] = COMBINED_FORMULA
+        job.detector_log[name] = {
+            "layers": list(parts),
+            "standardised_on": split,
+            "reference": STANDARDISED_ON[split],
+            "stats": stats,
+            "formula": COMBINED_FORMULA.format(split=split),
+        }

@@ -297,11 +297,11 @@ def extract_splits(job: Job, open_split=None) -> None:
 
 def fit_detectors(job: Job, fit_features=None) -> None:
     """One stage per detector (per detector and layer, :func:`oodviz.runs.layers.detector_columns`): fit it
-    on the ID fit split (model-based ones only check the model), with the parameters tuning chose when it
-    was tuned (tuning reads the run's main layer; its choice holds for every layer).
+    on the ID fit split (model-based ones only check the model), with the parameters tuning chose for that
+    column (at that layer) when it was tuned.
     ``fit_features(job, detector, stage, layer)`` fits a feature-based one (default :func:`fit_on_store`)."""
     for column, choice, layer in detector_columns(job.config):
-        choice = tuned_choice(job, choice)
+        choice = tuned_choice(job, choice, column)
         with job.reporter.stage(f"fit {column}") as stage, job.detector_may_fail(column, "fit", stage):
             started = time.perf_counter()
             job.fitted[column] = detector = fitted_detector(job, choice, stage, layer, fit_features)
@@ -309,8 +309,8 @@ def fit_detectors(job: Job, fit_features=None) -> None:
                 "params": _logged_params(detector, choice),
                 "fit_s": time.perf_counter() - started,
             }
-            if choice.name in job.tuning:
-                job.detector_log[column]["tuning"] = job.tuning[choice.name]
+            if column in job.tuning:
+                job.detector_log[column]["tuning"] = job.tuning[column]
     require_a_detector(job)
 
 

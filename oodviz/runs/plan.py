@@ -8,20 +8,20 @@ from oodviz.runs.config import RunConfig
 
 
 def planned_stages(config: RunConfig) -> list[str]:
-    """``load model``, ``load data``, ``extract <split>`` per split, ``tune <detector>`` per detector with a grid
-    when the run tunes (:mod:`oodviz.runs.tuning`), ``fit <column>`` per detector (per detector and layer in a
+    """``load model``, ``load data``, ``extract <split>`` per split, ``tune <column>`` per detector with a grid
+    (per detector and layer in a run over several layers) when the run tunes (:mod:`oodviz.runs.tuning`), ``fit <column>`` per detector (per detector and layer in a
     run over several layers), then per scored split (id_test, each OOD set) ``score <split> with <name>`` per
     model-based detector and ``score <split>``, then (several layers with mahalanobis) ``combine mahalanobis over
     layers``, ``save detectors`` and ``metrics`` (a sharded run's rank 0 does the last two)."""
     from oodviz.detectors import detector_class
     from oodviz.runs.layers import COMBINE_STAGE, combines_layers, detector_columns
     from oodviz.runs.splits import run_splits
-    from oodviz.runs.tuning import detector_grid, tunes, validation_splits
+    from oodviz.runs.tuning import tuned_columns, validation_splits
 
     splits = [split for split, _, _ in run_splits(config)]
     model_based = [c.name for c in config.detectors if detector_class(c.name).needs_model]
     stages = ["load model", "load data", *(f"extract {split}" for split in splits)]
-    stages += [f"tune {choice.name}" for choice in config.detectors if tunes(config) and detector_grid(choice)]
+    stages += [f"tune {column}" for column, _, _, _ in tuned_columns(config)]
     stages += [f"fit {column}" for column, _, _ in detector_columns(config)]
     validation = [split for split, _, _ in validation_splits(config)]
     for split in [s for s in splits[1:] if s not in validation]:  # id_test and the OOD sets are scored

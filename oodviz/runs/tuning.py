@@ -4,7 +4,9 @@ against an OOD validation set, before the detectors are fitted for the test sets
 A run tunes when its config names both validation splits, ``id_val`` (held-out ID images, not the ID test
 set) and ``ood_val`` (an OOD set that is not one of the test sets). Each detector then tries every point of its
 grid (``DetectorChoice.grid``: ``{parameter: [values]}``, every combination, the parameters the fit uses varying
-slowest; None = the detector's ``default_grid`` less the parameters fixed in ``params``; ``{}`` = no tuning):
+slowest; None = the detector's ``default_grid`` less the parameters fixed in ``params``; ``{}`` = no tuning).
+In a run over several layers a detector that reads features is tuned at each layer it is scored at, on that
+layer's stores: ``<detector>@<layer>`` gets its own choice (:func:`tuned_columns`).
 
 - the validation splits are extracted once, like every split (their feature stores are reused by later runs);
 - per grid point the detector is fitted on the ID fit split's store and scores the two validation stores
@@ -14,12 +16,12 @@ slowest; None = the detector's ``default_grid`` less the parameters fixed in ``p
 - AUROC (OOD positive, :func:`oodviz.metrics.ood_metrics`) on ``id_val`` vs ``ood_val`` ranks the points;
   the first of the best is chosen (ties go to the earlier grid point).
 
-``tune_detectors`` is the pipeline's stage (``tune <name>``, one per detector with a grid); what it tried and
-chose lands in ``detectors.json`` under each detector's ``"tuning"``: ``grid``, ``results`` (``params`` and
-``auroc``, or ``error``, per point), ``fits`` (how many fits it took), ``chosen`` and its ``auroc``, and the
-``validation`` sets. The fit stage then fits the chosen parameters. :func:`validation_warnings` says when a
-validation set is also a test set (the worker warns, the app shows it). :func:`tuning_problems` checks a config's
-grids before any work.
+``tune_detectors`` is the pipeline's stage (``tune <column>``, one per result column with a grid: the detector's
+name, or ``<detector>@<layer>``); what it tried and chose lands in ``detectors.json`` under each column's
+``"tuning"``: ``grid``, ``results`` (``params`` and ``auroc``, or ``error``, per point), ``fits`` (how many fits it
+took), ``chosen`` and its ``auroc``, the ``validation`` sets and (several layers) the ``layer``. The fit stage
+then fits the chosen parameters. :func:`validation_warnings` says when a validation set is also a test set (the
+worker warns, the app shows it). :func:`tuning_problems` checks a config's grids before any work.
 """
 
 from __future__ import annotations
@@ -174,36 +176,54 @@ def _value_problems(choice: DetectorChoice, key: str, value, where: str, create)
 
 # -- the stage ------------------------------------------------------------------------------------
 def tune_detectors(job: Job, fit_features=None, auroc_of=None) -> None:
-    """One stage per detector with a grid (``tune <name>``) when the run tunes: :func:`tune_detector`, recorded in
-    ``job.tuning``; a warning per :func:`validation_warnings`, and when every point of a grid failed.
-    ``fit_features`` and ``auroc_of``: as :func:`tune_detector` takes them (a sharded run passes its own)."""
+    """One stage per result column with a grid (``tune <column>``, :func:`tuned_columns`) when the run tunes:
+    :func:`tune_detector` at the column's layer, recorded in ``job.tuning[column]``; a warning per
+    :func:`validation_warnings`, and when every point of a grid failed. ``fit_features`` and ``auroc_of``: as
+    :func:`tune_detector` takes them (a sharded run passes its own)."""
     if not tunes(job.config):
         return
     for warning in validation_warnings(job.config):
         job.reporter.warn(warning)
-    for choice in job.config.detectors:
-        grid = detector_grid(choice)
-        if not grid:
-            continue
-        with job.reporter.stage(f"tune {choice.name}") as stage:
-            record = job.tuning[choice.name] = tune_detector(job, choice, grid, stage, fit_features, auroc_of)
+    for column, choice, layer, grid in tuned_columns(job.config):
+        with job.reporter.stage(f"tune {column}") as stage:
+            record = tune_detector(job, choice, grid, stage, fit_features, auroc_of, layer)
+            job.tuning[column] = record
             if "chosen" in record:
-                stage.note(f"{choice.name}: {record['chosen']} (validation AUROC {record['auroc']:.4f})")
+                stage.note(f"{column}: {record['chosen']} (validation AUROC {record['auroc']:.4f})")
             else:
                 job.reporter.warn(
-                    f"{choice.name}: every grid point failed on the validation data (first: "
+                    f"{column}: every grid point failed on the validation data (first: "
                     f"{record['results'][0]['error']}); it is fitted with its configured parameters"
                 )
 
 
+def tuned_columns(config: RunConfig) -> list[tuple]:
+    """``(result column, DetectorChoice, layer or None, grid)`` of every column a tuning run tunes, in fit order:
+    each detector with a grid, at each layer it is scored at (:func:`oodviz.runs.layers.detector_columns`; one
+    column per detector in a single-layer run)."""
+    from oodviz.runs.layers import detector_columns
+
+    if not tunes(config):
+        return []
+    columns = [(column, choice, layer, detector_grid(choice)) for column, choice, layer in detector_columns(config)]
+    return [column for column in columns if column[3]]
+
+
 def tune_detector(
-    job: Job, choice: DetectorChoice, grid: dict[str, list], stage, fit_features=None, auroc_of=None
+    job: Job,
+    choice: DetectorChoice,
+    grid: dict[str, list],
+    stage,
+    fit_features=None,
+    auroc_of=None,
+    layer: str | None = None,
 ) -> dict:
-    """Fit and score every point of ``grid`` (on top of ``choice.params``); the ``detectors.json`` record.
+    """Fit and score every point of ``grid`` (on top of ``choice.params``) on the stores of ``layer`` (None: the
+    run's main ones); the ``detectors.json`` record.
 
     ``fit_features(job, detector, stage, layer)`` fits a feature-based detector (default: on the whole ID fit
-    store, :func:`~oodviz.runs.pipeline.fit_on_store`); ``auroc_of(job, detector, stage)`` is the AUROC
-    of a fitted one on the validation splits (default :func:`validation_auroc`). A sharded run passes its own
+    store, :func:`~oodviz.runs.pipeline.fit_on_store`); ``auroc_of(job, detector, stage, layer=layer)`` is the
+    AUROC of a fitted one on the validation splits (default :func:`validation_auroc`). A sharded run passes its own
     (:mod:`oodviz.runs.sharded`), which give every rank the same AUROC or raise the same error on every rank.
 
     Parameters that only change the score (all of them for a detector with no fit; else the detector's
@@ -227,11 +247,11 @@ def tune_detector(
             if detector is None or refit != fitted_for:
                 detector = None  # a failed fit leaves nothing to rescore
                 point_choice = DetectorChoice(choice.name, {**choice.params, **point})
-                detector = fitted_detector(job, point_choice, stage, fit_features=fit_features)
+                detector = fitted_detector(job, point_choice, stage, layer, fit_features)
                 fitted_for, fits = refit, fits + 1
             else:
                 detector.set_params(**{key: point[key] for key in rescored})
-            results.append({"params": point, "auroc": auroc_of(job, detector, stage)})
+            results.append({"params": point, "auroc": auroc_of(job, detector, stage, layer=layer)})
         except Cancelled:
             raise
         except Exception as error:  # one grid point failing (k above the fit rows, NaN scores) is one row
@@ -245,6 +265,8 @@ def tune_detector(
         "fits": fits,
         "validation": {"id": config.id_val.name, "ood": config.ood_val.name},
     }
+    if layer is not None:
+        record["layer"] = layer
     scored = [row for row in results if "auroc" in row]
     if scored:
         best = max(scored, key=lambda row: row["auroc"])  # max keeps the first of equal values
@@ -252,16 +274,17 @@ def tune_detector(
     return record
 
 
-def validation_auroc(job: Job, detector, stage) -> float:
-    """AUROC (OOD positive) of a fitted detector's scores on ``id_val`` against ``ood_val``."""
+def validation_auroc(job: Job, detector, stage, layer: str | None = None) -> float:
+    """AUROC (OOD positive) of a fitted detector's scores on ``id_val`` against ``ood_val`` (at ``layer``)."""
     from oodviz.metrics import ood_metrics
 
-    id_scores, ood_scores = (validation_scores(job, detector, split, stage) for split, _, _ in VALIDATION_SPLITS)
+    id_scores, ood_scores = (validation_scores(job, detector, split, stage, layer) for split, _, _ in VALIDATION_SPLITS)
     return float(ood_metrics(id_scores, ood_scores)["auroc"])
 
 
-def validation_scores(job: Job, detector, split: str, stage):
-    """Scores ``[N]`` of a fitted detector on a validation split (its store, or its images for a model-based one)."""
+def validation_scores(job: Job, detector, split: str, stage, layer: str | None = None):
+    """Scores ``[N]`` of a fitted detector on a validation split (its store at ``layer``, None: the main one; or
+    its images for a model-based one)."""
     from oodviz.runs.model_passes import score_with_model
     from oodviz.runs.pipeline import SCORE_BATCH, finite_scores
 
@@ -269,14 +292,15 @@ def validation_scores(job: Job, detector, split: str, stage):
         values = score_with_model(job, detector, split, stage)
     else:
         fields = detector.fields_to_read(fitting=False)
-        batches = job.stores[split].batches(SCORE_BATCH, device=job.device, include=fields)
+        batches = job.store_of(split, layer).batches(SCORE_BATCH, device=job.device, include=fields)
         values = detector.score(batches, device=job.device).numpy()
     return finite_scores(detector, detector.name, split, values)
 
 
-def tuned_choice(job: Job, choice: DetectorChoice) -> DetectorChoice:
-    """``choice`` with the parameters tuning chose for it (itself when it was not tuned)."""
+def tuned_choice(job: Job, choice: DetectorChoice, column: str | None = None) -> DetectorChoice:
+    """``choice`` with the parameters tuning chose for its result ``column`` (None: the detector's name; itself
+    when it was not tuned)."""
     from oodviz.runs.config import DetectorChoice
 
-    chosen = job.tuning.get(choice.name, {}).get("chosen")
+    chosen = job.tuning.get(column or choice.name, {}).get("chosen")
     return DetectorChoice(choice.name, {**choice.params, **chosen}, choice.grid) if chosen else choice
