@@ -10,6 +10,14 @@ image folder's (RGB), extracted through the backbone's transform into a temporar
 run's precision and feature dtype, and scored by each detector from that store (the model-based ones
 run the backbone on the transformed inputs).
 
+A run over several layers (:mod:`oodviz.runs.layers`) also saves its per-layer detectors
+(``detectors/<detector>@<layer>/``) and each layer's identity (``detectors/layers.json``): the layers the
+asked detectors read are extracted in one forward pass (:func:`oodviz.engine.layers.extract_layers_or_reuse`,
+one temporary store per layer), each ``<detector>@<layer>`` scores its layer's store, the detectors with a
+plain name score the first layer's (as in the run), and ``mahalanobis@combined`` is the sum of the
+per-layer Mahalanobis scores standardised with the means and deviations the run recorded in
+``detectors.json`` (:func:`oodviz.layers.standardised_sum`).
+
 For each image and detector the result says the classifier's prediction (its class name and softmax
 probability), the score (**higher = more OOD**), its percentile among the run's ID test scores
 (``100 x`` the share of ID test scores ``<=`` it) and the verdict at the run's threshold: ``"OOD"``
@@ -30,12 +38,16 @@ import torch
 from oodviz.data.base import ImageDataset, Source, UnreadableImageError
 from oodviz.data.folders import read_image
 from oodviz.detectors.persist import referenced_files
-from oodviz.layers import split_column
+from oodviz.layers import COMBINED, COMBINED_DETECTOR, layer_column, split_column, standardised_sum
 from oodviz.results import ID_SPLIT, check_detector, default_threshold, detectors_of, load_results
 from oodviz.runs.rundir import write_json
 
 DETECTORS_DIRNAME = "detectors"
 BACKBONE_FILE = "backbone.json"
+#: layer -> the identity of the backbone's view of that layer, in a run over several layers
+LAYERS_FILE = "layers.json"
+#: the multi-layer Mahalanobis, computed from the per-layer ones (:func:`combined_parts`)
+COMBINED_COLUMN = layer_column(COMBINED_DETECTOR, COMBINED)
 #: columns of :func:`score_images`'s table, one row per image and detector
 SCORED_COLUMNS = (
     "file",
@@ -75,14 +87,18 @@ def detectors_dir(run_dir) -> Path:
     return Path(run_dir) / DETECTORS_DIRNAME
 
 
-def save_run_detectors(run_dir, backbone, fitted: dict, scratch_dir) -> dict[str, str]:
-    """Save every detector of ``fitted`` (name -> detector) under ``<run_dir>/detectors/<name>/`` and the
-    backbone's identity beside them. A detector's memory-mapped state inside ``scratch_dir`` (knn's bank
-    when the run wrote one, removed when the worker ends) is copied; a feature store's file is referenced.
-    Returns the detectors that could not be saved, name -> error (the others are saved)."""
+def save_run_detectors(run_dir, backbone, fitted: dict, scratch_dir, views: dict | None = None) -> dict[str, str]:
+    """Save every detector of ``fitted`` (result column -> detector) under ``<run_dir>/detectors/<column>/`` and the
+    backbone's identity beside them; ``views`` (layer -> the backbone's view of it, a run over several layers):
+    each layer's identity too (:data:`LAYERS_FILE`). A detector's memory-mapped state inside ``scratch_dir``
+    (knn's bank when the run wrote one, removed when the worker ends) is copied; a feature store's file (knn's
+    bank at any layer) is referenced. Returns the detectors that could not be saved, name -> error (the others
+    are saved)."""
     root = detectors_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     write_json(root / BACKBONE_FILE, backbone_identity(backbone))
+    if views:
+        write_json(root / LAYERS_FILE, {layer: backbone_identity(view) for layer, view in views.items()})
     scratch = Path(scratch_dir).resolve()
     failed = {}
     for name, detector in fitted.items():
@@ -140,7 +156,10 @@ def load_saved_detectors(run_dir, names, backbone, detectors_log: dict | None) -
         if save_error and not directory.is_dir():
             failed[name] = f"the run could not save it ({save_error})"
             continue
-        objects = {"model": backbone} if detector_class(name).needs_model else {}
+        if split_column(name)[1] is not None and not directory.is_dir():
+            failed[name] = "a run made before oodviz saved per-layer detectors; run its config again to score it"
+            continue
+        objects = {"model": backbone} if detector_class(split_column(name)[0]).needs_model else {}
         try:
             loaded[name] = load(directory, **objects)
         except (OSError, ValueError) as error:  # DetectorFileError is a ValueError
@@ -163,30 +182,76 @@ def _check_run(run_dir, detector: str | None):
             f"run {run_dir} has no saved detectors ({saved}/ is missing: a run made before oodviz saved them); "
             "run its config again (oodviz run RUN/config.json)"
         )
-    # a run over several layers saves only the detectors of its main features (oodviz.runs.layers)
-    names = [name for name in detectors_of(results.scores) if split_column(name)[1] is None]
+    names = detectors_of(results.scores)
     if detector is not None:
         check_detector(results.scores, detector)
-        if split_column(detector)[1] is not None:
-            raise RunNotScorableError(
-                f"{detector} was fitted on layer {split_column(detector)[1]!r} of a run over several layers; oodviz "
-                f"score reads the run's main features only ({', '.join(names) or 'none saved'})"
-            )
         names = [detector]
     return results, names
 
 
-def _run_backbone(config, identity: dict):
+def combined_parts(record) -> tuple[dict[str, str], dict[str, dict[str, float]]] | None:
+    """``({layer: per-layer column}, {layer: {"mean", "std"}})`` of ``mahalanobis@combined`` from its
+    ``detectors.json`` record (:func:`oodviz.runs.layers.combine_layers`); None when the record lacks them."""
+    if not isinstance(record, dict) or not isinstance(record.get("layers"), list):
+        return None
+    layers, stats = record["layers"], record.get("stats")
+    if not layers or not isinstance(stats, dict) or not all(isinstance(layer, str) for layer in layers):
+        return None
+    for layer in layers:
+        entry = stats.get(layer)
+        if not isinstance(entry, dict) or not all(isinstance(entry.get(k), float) for k in ("mean", "std")):
+            return None
+    return {layer: layer_column(COMBINED_DETECTOR, layer) for layer in layers}, {
+        layer: stats[layer] for layer in layers
+    }
 
-    backbone = config.load_backbone()
-    now = backbone_identity(backbone)
-    changed = [key for key in identity if now.get(key) != identity[key]]
+
+def _refuse_changed(now: dict, saved: dict) -> None:
+    changed = [key for key in saved if now.get(key) != saved[key]]
     if changed:
         raise RunNotScorableError(
             f"the run's model is not the one its detectors were fitted with ({', '.join(changed)} changed, e.g. "
             f"the checkpoint file was replaced); run the config again to fit them to this model"
         )
+
+
+def _run_backbone(config, identity: dict):
+    """The run's backbone loaded again, refused unless its identity is ``identity`` (``backbone.json``)."""
+    backbone = config.load_backbone()
+    _refuse_changed(backbone_identity(backbone), identity)
     return backbone
+
+
+def _extract_images(run_dir, config, backbone, detectors: dict, dataset, root, options: dict) -> dict:
+    """Layer -> the store of the images at that layer, and ``None`` -> the store the plain-named detectors score.
+    A single-layer run (or only plain-named detectors that read no features): the run's backbone's store. A run
+    over several layers: every layer the detectors read, and the run's first layer when a plain-named detector
+    reads features (the run scored it there), in one forward pass, each layer's view refused unless its identity
+    is the one the run saved (:data:`LAYERS_FILE`)."""
+    from oodviz.engine import extract
+    from oodviz.engine.layers import extract_layers_or_reuse
+    from oodviz.runs.layers import backbone_views
+    from oodviz.runs.rundir import read_json_object
+
+    layers = {split_column(name)[1] for name in detectors} - {None}
+    plain = [d for name, d in detectors.items() if split_column(name)[1] is None and not d.needs_model]
+    if config.layers and any("features" in d.fields_to_read(fitting=False) for d in plain):
+        layers.add(config.layers[0])
+    key = {"files": dataset.source.paths}
+    if not layers:
+        return {None: extract(backbone, dataset, root, key, feature_dtype=config.feature_dtype, sync=False, **options)}
+    saved, problem = read_json_object(detectors_dir(run_dir) / LAYERS_FILE)
+    if problem:
+        raise RunNotScorableError(f"{detectors_dir(run_dir) / LAYERS_FILE}: {problem}")
+    views = backbone_views(backbone, [layer for layer in config.layers if layer in layers], config.pooling)
+    for layer, view in views.items():
+        if not isinstance(saved.get(layer), dict):
+            raise RunNotScorableError(f"{detectors_dir(run_dir) / LAYERS_FILE} lacks layer {layer!r}: run again")
+        _refuse_changed(backbone_identity(view), saved[layer])
+    stores = extract_layers_or_reuse(
+        views, dataset, root, key, feature_dtype=config.feature_dtype, sync=False, **options
+    )
+    return {None: stores.get(config.layers[0], next(iter(stores.values()))), **stores}
 
 
 def _readable(paths) -> tuple[list[str], dict[str, str]]:
@@ -205,7 +270,7 @@ def score_images(run_dir, paths, detector: str | None = None, device: str = "cpu
     (all of them, or ``detector``); see the module docstring for what each row says.
     :class:`RunNotScorableError` for a run that cannot score; unreadable files and detectors that cannot
     be loaded (:func:`load_saved_detectors`) are listed, not fatal."""
-    from oodviz.engine import extract, score_inputs
+    from oodviz.engine import score_inputs
     from oodviz.models import parse_device
     from oodviz.runs.config import RunConfig
     from oodviz.runs.rundir import read_json_object
@@ -217,9 +282,15 @@ def score_images(run_dir, paths, detector: str | None = None, device: str = "cpu
     identity, problem = read_json_object(detectors_dir(run_dir) / BACKBONE_FILE)
     if problem:
         raise RunNotScorableError(f"{detectors_dir(run_dir) / BACKBONE_FILE}: {problem}")
+    combined = combined_parts((results.detectors or {}).get(COMBINED_COLUMN)) if COMBINED_COLUMN in names else None
+    wanted = [name for name in names if name != COMBINED_COLUMN] + list(combined[0].values() if combined else [])
     backbone = _run_backbone(config, identity)
-    detectors, not_loaded = load_saved_detectors(run_dir, names, backbone, results.detectors)
-    names = list(detectors)
+    detectors, not_loaded = load_saved_detectors(run_dir, list(dict.fromkeys(wanted)), backbone, results.detectors)
+    if COMBINED_COLUMN in names and (combined is None or not set(combined[0].values()) <= set(detectors)):
+        not_loaded[COMBINED_COLUMN] = (
+            "its per-layer Mahalanobis detectors or their statistics (detectors.json) are missing"
+        )
+    names = [name for name in names if name in detectors or (name == COMBINED_COLUMN and name not in not_loaded)]
     files, unreadable = _readable(paths)
     if not files:
         return ScoredImages(pd.DataFrame(columns=list(SCORED_COLUMNS)), unreadable, not_loaded)
@@ -227,11 +298,10 @@ def score_images(run_dir, paths, detector: str | None = None, device: str = "cpu
     dataset = ImageDataset("images", FileListSource(files))
     options = {"device": device, "batch_size": config.batch_size, "precision": config.precision}
     with tempfile.TemporaryDirectory(prefix="oodviz-score-") as root:
-        store = extract(
-            backbone, dataset, root, {"files": files}, feature_dtype=config.feature_dtype, sync=False, **options
-        )
-        logits = torch.from_numpy(np.array(store.logits, dtype=np.float32))
-        rows = np.asarray(store.indices)
+        stores = _extract_images(run_dir, config, backbone, detectors, dataset, root, options)
+        main = stores[None]
+        logits = torch.from_numpy(np.array(main.logits, dtype=np.float32))
+        rows = np.asarray(main.indices)
         per_detector = {}
         for name, saved in detectors.items():
             if saved.needs_model:
@@ -240,7 +310,13 @@ def score_images(run_dir, paths, detector: str | None = None, device: str = "cpu
                     raise ValueError(f"{name}: the images read differently for the model pass; score them again")
                 per_detector[name] = scored.scores.numpy()
             else:
+                store = stores[split_column(name)[1]]
                 per_detector[name] = saved.score(store.batches(SCORE_BATCH, device=device), device=device).numpy()
+    if COMBINED_COLUMN in names:  # the run's formula on the same per-layer scores, with its recorded statistics
+        columns, stats = combined
+        per_detector[COMBINED_COLUMN] = standardised_sum(
+            {layer: per_detector[c] for layer, c in columns.items()}, stats
+        )
     probabilities = logits.softmax(dim=1)
     predictions = probabilities.argmax(dim=1).numpy()
     class_names = backbone.classes or results.class_names

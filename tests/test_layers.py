@@ -106,12 +106,15 @@ def test_per_layer_scores_equal_single_layer_runs(runs):
     )
 
 
-def _mahalanobis_float64(fit: FeatureStore, rows: np.ndarray) -> np.ndarray:
+def _mahalanobis_float64(fit: FeatureStore, rows: np.ndarray, normalize: bool = False) -> np.ndarray:
     """min_c (x - mu_c)^T Sigma^+ (x - mu_c) in float64: Sigma the covariance pooled over classes (ddof=0), its
-    pseudo-inverse keeping eigenvalues above D * eps * lambda_max (oodviz's documented cutoff). The layers are
-    well conditioned (features.0, the first conv's pooled output, is not: its covariance has rank < D, and float32
-    and float64 then disagree in the near-null directions)."""
+    pseudo-inverse keeping eigenvalues above D * eps * lambda_max (oodviz's documented cutoff); ``normalize``: of
+    the L2-normalised features, fit and rows (MDS++). The layers are well conditioned (features.0, the first
+    conv's pooled output, is not: its covariance has rank < D, and float32 and float64 then disagree in the
+    near-null directions)."""
     x, y = np.asarray(fit.features, dtype=np.float64), np.asarray(fit.labels)
+    if normalize:
+        x, rows = (a / np.linalg.norm(a, axis=1, keepdims=True) for a in (x, rows))
     classes = np.unique(y)
     means = np.stack([x[y == c].mean(axis=0) for c in classes])
     centred = x - means[np.searchsorted(classes, y)]
@@ -263,17 +266,126 @@ def test_the_sidebar_takes_several_layers_from_its_layers_list():
         ) == (None, [])
 
 
-def test_oodviz_score_scores_a_multi_layer_runs_main_detectors(runs, tmp_path):
-    """Per-layer detectors are not saved; oodviz score uses the others (msp here), as the run scored them."""
+def test_oodviz_score_scores_one_per_layer_detector_of_a_multi_layer_run(runs, tmp_path):
+    """``--detector knn@features.1``: that layer's knn on one image, as the run scored it (a batch of one image
+    instead of 256: the same bits here, as single- and multi-layer extractions with other batch sizes above)."""
     from oodviz.data import load_dataset
-    from oodviz.scoring import RunNotScorableError, score_images
+    from oodviz.scoring import score_images
 
     image, _, index = load_dataset("digits-test")[0]
     image.save(tmp_path / "digit.png")
-    scored = score_images(runs["layers"], [tmp_path / "digit.png"]).table
-    assert list(scored.detector) == ["msp"]
+    scored = score_images(runs["layers"], [tmp_path / "digit.png"], detector="knn@features.1").table
+    assert list(scored.detector) == ["knn@features.1"]
     scores = pd.read_parquet(runs["layers"] / "scores.parquet")
     row = scores[(scores.split == "id_test") & (scores["index"] == index)]
-    assert scored.score.iloc[0] == pytest.approx(row.msp.iloc[0], abs=1e-6)
-    with pytest.raises(RunNotScorableError, match="fitted on layer 'features.1'"):
-        score_images(runs["layers"], [tmp_path / "digit.png"], detector="knn@features.1")
+    assert scored.score.iloc[0] == pytest.approx(float(row["knn@features.1"].iloc[0]), rel=1e-6)
+
+
+# -- tuning per layer, the combined score standardised on id_val, oodviz score over every layer ----------------
+TUNED_LAYERS = ["features.4", "penultimate"]
+KNN_GRID = [1, 5, 20]
+
+
+@pytest.fixture(scope="module")
+def tuned_layers(tmp_path_factory):
+    """A tuning run over two layers: fit on the first 800 digits-train images, validate on the last 281 against
+    rotated digits; mahalanobis tries its default grid (normalize False/True), knn k in KNN_GRID."""
+    config = small_config(
+        id_fit=DatasetChoice("digits-train", subsample=800, subsample_mode="first"),
+        id_val=DatasetChoice("digits-train", subsample=281, subsample_mode="last"),
+        ood=[DatasetChoice("noise-uniform", params={"n": 100})],
+        ood_val=DatasetChoice("digits-rotated"),
+        layers=list(TUNED_LAYERS),
+        detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis"), DetectorChoice("knn", grid={"k": KNN_GRID})],
+    )
+    run = RunDir.create(tmp_path_factory.mktemp("tuned-layers"), config.validate().to_dict())
+    assert execute(run) == "done", run.read_status()
+    return run
+
+
+def _sklearn_auroc(id_scores, ood_scores) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    return roc_auc_score(np.r_[np.zeros(len(id_scores)), np.ones(len(ood_scores))], np.r_[id_scores, ood_scores])
+
+
+@pytest.mark.parametrize(("name", "key", "grid"), [("mahalanobis", "normalize", [False, True]), ("knn", "k", KNN_GRID)])
+def test_each_layer_gets_the_choice_that_maximises_its_validation_auroc(tuned_layers, name, key, grid, tmp_path):
+    """Per layer, each grid value refitted here with the public API on that layer's ID fit store, validation AUROC
+    by sklearn on that layer's id_val / ood_val stores: the run chose each layer's argmax and fitted it."""
+    from oodviz.detectors import create
+
+    log = json.loads((tuned_layers.path / "detectors.json").read_text())
+    assert "tuning" not in log["msp"]
+    for layer in TUNED_LAYERS:
+        column = layer_column(name, layer)
+        tuning, stores = log[column]["tuning"], _stores(tuned_layers.path, layer)
+        ours = []
+        for value in grid:
+            bank = {"bank_dir": str(tmp_path / f"{layer}-{value}")} if name == "knn" else {}
+            detector = create(name, **{key: value}, **bank)
+            detector.fit(stores["id_fit"].batches(4096), head=stores["id_fit"].head)
+            ours.append(
+                _sklearn_auroc(*(detector.score(stores[s].batches(4096)).numpy() for s in ("id_val", "ood_val")))
+            )
+        assert tuning["layer"] == layer and [row["params"] for row in tuning["results"]] == [{key: v} for v in grid]
+        np.testing.assert_allclose([row["auroc"] for row in tuning["results"]], ours, atol=1e-9)
+        assert tuning["chosen"] == {key: grid[int(np.argmax(ours))]}
+        assert log[column]["params"][key] == tuning["chosen"][key]  # fitted with this layer's choice
+    stages = [e["stage"] for e in tuned_layers.read_events() if e.get("event") == "end"]
+    assert stages == planned_stages(RunConfig.load(tuned_layers.config_path))
+    assert {f"tune {layer_column(name, layer)}" for layer in TUNED_LAYERS} <= set(stages)
+
+
+def test_combined_mahalanobis_is_standardised_on_id_val(tuned_layers):
+    """sum_l (s_l - mean_l) / std_l with mean_l, std_l (ddof=0) of layer l's float64 Mahalanobis on the held-out
+    id_val images (each layer with the normalize tuning chose for it)."""
+    scores = pd.read_parquet(tuned_layers.path / "scores.parquet")
+    log = json.loads((tuned_layers.path / "detectors.json").read_text())
+    record = log[layer_column("mahalanobis", COMBINED)]
+    assert record["standardised_on"] == "id_val" and record["reference"].startswith("held-out")
+    assert "on the id_val split" in record["formula"] and record["layers"] == TUNED_LAYERS
+    expected = np.zeros(len(scores))
+    for layer in TUNED_LAYERS:
+        stores = _stores(tuned_layers.path, layer)
+        normalize = log[layer_column("mahalanobis", layer)]["params"]["normalize"]
+        val = _mahalanobis_float64(stores["id_fit"], np.asarray(stores["id_val"].features, np.float64), normalize)
+        rows = np.concatenate([np.asarray(stores[s].features, np.float64) for s in ("id_test", "ood:noise-uniform")])
+        layer_scores = _mahalanobis_float64(stores["id_fit"], rows, normalize)
+        np.testing.assert_allclose(scores[layer_column("mahalanobis", layer)], layer_scores, rtol=2e-5)
+        assert record["stats"][layer]["mean"] == pytest.approx(val.mean(), rel=1e-4)
+        assert record["stats"][layer]["std"] == pytest.approx(val.std(), rel=1e-4)
+        expected += (layer_scores - val.mean()) / val.std()
+    combined = scores[layer_column("mahalanobis", COMBINED)].to_numpy()
+    np.testing.assert_allclose(combined, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+
+
+def test_oodviz_score_reproduces_every_column_of_a_multi_layer_run_bit_for_bit(tuned_layers, tmp_path):
+    """Every ID test image written as a PNG file and scored by ``oodviz score``: each column of scores.parquet,
+    per-layer and combined, to the very bits (the same images in the same batches; one pass over both layers); the
+    saved per-layer knn references its layer's ID fit store as its bank (no copy)."""
+    from oodviz.data import load_dataset
+    from oodviz.detectors import load
+    from oodviz.results import detectors_of
+    from oodviz.scoring import detectors_dir, score_images
+
+    dataset = load_dataset("digits-test")
+    files = []
+    for i in range(len(dataset)):
+        image, _, index = dataset[i]
+        files.append(tmp_path / f"{index:04d}.png")
+        image.save(files[-1])
+    scored = score_images(tuned_layers.path, files)
+    stored = pd.read_parquet(tuned_layers.path / "scores.parquet").query("split == 'id_test'")
+    assert not scored.not_loaded and np.array_equal(stored["index"], np.arange(len(files)))
+    names = detectors_of(stored)
+    assert list(scored.table.detector.unique()) == names and layer_column("mahalanobis", COMBINED) in names
+    for name in names:
+        mine = scored.table[scored.table.detector == name]
+        assert list(mine.file) == [str(f) for f in files]
+        assert np.array_equal(mine.score.to_numpy(), stored[name].to_numpy(np.float64)), name
+    for layer in TUNED_LAYERS:
+        knn_dir = detectors_dir(tuned_layers.path) / layer_column("knn", layer)
+        bank = Path(load(knn_dir).bank_.filename)
+        assert bank == (_stores(tuned_layers.path, layer)["id_fit"].path / "features.npy").resolve()
+        assert not any(p.suffix == ".npy" for p in knn_dir.iterdir())

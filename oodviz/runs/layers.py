@@ -16,7 +16,10 @@ What the run scores (:func:`detector_columns`):
   (:func:`combine_layers`, :func:`oodviz.layers.combine_standardised`).
 
 ``meta.json["layers"]`` records the layers, each layer's store per split and the detectors left out at a
-layer. Per-layer detectors are not saved for ``oodviz score`` (it scores the run's main features).
+layer. Per-layer detectors are saved like the others (``detectors/<detector>@<layer>/``, knn referencing its
+layer's ID fit store as its bank) with each layer's backbone identity (``detectors/layers.json``), so that
+``oodviz score`` extracts the layers it needs in one pass and scores every column, the combined one included
+(:mod:`oodviz.scoring`).
 """
 
 from __future__ import annotations
@@ -99,13 +102,15 @@ def combines_layers(config) -> bool:
     return len(config.layers) > 1 and len(columns) > 1
 
 
-def layer_views(job) -> dict:
-    """Layer name -> a view of the run's model (:meth:`~oodviz.models.Backbone.with_layer`) with its features."""
-    pooling = job.config.pooling
-    return {
-        layer: job.backbone.with_layer(None if layer == PENULTIMATE else layer, pooling=pooling)
-        for layer in job.config.layers
-    }
+def layer_views(job, layers: list[str] | None = None) -> dict:
+    """Layer name -> a view of the run's model (:meth:`~oodviz.models.Backbone.with_layer`) with its features, for
+    ``layers`` (None: every layer of the run); :func:`backbone_views` of the job's backbone."""
+    return backbone_views(job.backbone, job.config.layers if layers is None else layers, job.config.pooling)
+
+
+def backbone_views(backbone, layers: list[str], pooling: str) -> dict:
+    """Layer name -> a view of ``backbone``'s model with that layer's features, pooled by ``pooling``."""
+    return {layer: backbone.with_layer(None if layer == PENULTIMATE else layer, pooling=pooling) for layer in layers}
 
 
 def extract_layers_split(job, split: str, choice, stage):

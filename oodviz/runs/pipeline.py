@@ -409,18 +409,19 @@ def failed_detectors(job: Job) -> list[str]:
 
 
 def save_detectors(job: Job) -> None:
-    """``detectors/``: every fitted detector and the backbone's identity (:func:`oodviz.scoring.save_run_detectors`),
-    for ``oodviz score``; a detector that cannot be saved keeps its results and says why in ``detectors.json``."""
+    """``detectors/``: every fitted detector (per layer too, ``<detector>@<layer>``) and the backbone's identity,
+    each layer's in a run over several layers (:func:`oodviz.scoring.save_run_detectors`), for ``oodviz score``;
+    a detector that cannot be saved keeps its results and says why in ``detectors.json``."""
+    from oodviz.runs.layers import layer_views
     from oodviz.scoring import save_run_detectors
 
     with job.reporter.stage("save detectors") as stage:
-        # per-layer detectors read other features than the run's main ones, which oodviz score extracts
-        main = {name: det for name, det in job.fitted.items() if split_column(name)[1] is None}
-        failed = save_run_detectors(job.run.path, job.backbone, main, job.run.scratch_path)
+        views = layer_views(job) if job.config.layers else {}
+        failed = save_run_detectors(job.run.path, job.backbone, job.fitted, job.run.scratch_path, views)
         for name, error in failed.items():
             job.detector_log[name]["save_error"] = error
             job.reporter.warn(f"{name} could not be saved (oodviz score will not have it): {error}")
-        stage.note(f"saved {len(main) - len(failed)} detector(s) in {job.run.path.name}/detectors")
+        stage.note(f"saved {len(job.fitted) - len(failed)} detector(s) in {job.run.path.name}/detectors")
 
 
 def write_scores(job: Job) -> None:
