@@ -400,7 +400,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     score.add_argument("run", help="a finished run directory")
     score.add_argument("images", nargs="+", help="image files")
-    score.add_argument("--detector", help="only this detector (default: every detector of the run)")
+    score.add_argument(
+        "--detector",
+        help="only this detector, as the run's scores name it (msp, knn@features.4, mahalanobis@combined; "
+        "default: every detector of the run)",
+    )
     score.add_argument("--out", help="write the table as CSV here instead of printing it")
     score.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N, auto")
     score.set_defaults(func=cmd_score)

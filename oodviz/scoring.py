@@ -156,7 +156,7 @@ def load_saved_detectors(run_dir, names, backbone, detectors_log: dict | None) -
         if save_error and not directory.is_dir():
             failed[name] = f"the run could not save it ({save_error})"
             continue
-        if split_column(name)[1] is not None and not directory.is_dir():
+        if split_column(name)[1] is not None and not (detectors_dir(run_dir) / LAYERS_FILE).is_file():
             failed[name] = "a run made before oodviz saved per-layer detectors; run its config again to score it"
             continue
         objects = {"model": backbone} if detector_class(split_column(name)[0]).needs_model else {}

@@ -281,6 +281,41 @@ def test_oodviz_score_scores_one_per_layer_detector_of_a_multi_layer_run(runs, t
     assert scored.score.iloc[0] == pytest.approx(float(row["knn@features.1"].iloc[0]), rel=1e-6)
 
 
+def test_oodviz_score_leaves_out_per_layer_detectors_it_cannot_load_and_says_why(runs, tmp_path, capsys):
+    """Copies of the run (beside it: the same stores). Without knn@features.1 and mahalanobis@features.4: the others
+    score, mahalanobis@combined is left out (one of its layers is missing). As a run made before per-layer
+    detectors were saved (no layers.json, no per-layer directory): msp scores. stderr names each with why, exit 1."""
+    import shutil
+
+    from oodviz.cli import main as cli_main
+    from oodviz.data import load_dataset
+    from oodviz.scoring import LAYERS_FILE, detectors_dir
+
+    image, _, _ = load_dataset("digits-test")[0]
+    image.save(tmp_path / "digit.png")
+    columns = list(pd.read_parquet(runs["layers"] / "scores.parquet").columns[5:])
+
+    def score_copy(name: str, remove: list[str]) -> tuple[list[str], str]:
+        copy = runs["layers"].parent / name
+        shutil.copytree(runs["layers"], copy)
+        for path in (detectors_dir(copy) / part for part in remove):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        assert cli_main(["score", str(copy), str(tmp_path / "digit.png"), "--out", str(tmp_path / f"{name}.csv")]) == 1
+        return list(pd.read_csv(tmp_path / f"{name}.csv").detector), capsys.readouterr().err
+
+    scored, errors = score_copy("copy-without-two", ["knn@features.1", "mahalanobis@features.4"])
+    for name in ("knn@features.1", "mahalanobis@features.4"):
+        assert f"not loaded: {name}: DetectorFileError: " in errors and "does not exist" in errors
+    assert "not loaded: mahalanobis@combined: its per-layer Mahalanobis detectors" in errors
+    left = {"knn@features.1", "mahalanobis@features.4", layer_column("mahalanobis", COMBINED)}
+    assert scored == [name for name in columns if name not in left]
+    per_layer = [name for name in columns if split_column(name)[1] not in (None, COMBINED)]
+    scored, errors = score_copy("copy-as-old", [LAYERS_FILE, *per_layer])
+    assert scored == ["msp"]
+    for name in per_layer:
+        assert f"not loaded: {name}: a run made before oodviz saved per-layer detectors" in errors
+
+
 # -- tuning per layer, the combined score standardised on id_val, oodviz score over every layer ----------------
 TUNED_LAYERS = ["features.4", "penultimate"]
 KNN_GRID = [1, 5, 20]
