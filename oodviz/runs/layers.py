@@ -102,10 +102,10 @@ def combines_layers(config) -> bool:
     return len(config.layers) > 1 and len(columns) > 1
 
 
-def layer_views(job, layers: list[str] | None = None) -> dict:
+def layer_views(job) -> dict:
     """Layer name -> a view of the run's model (:meth:`~oodviz.models.Backbone.with_layer`) with its features, for
-    ``layers`` (None: every layer of the run); :func:`backbone_views` of the job's backbone."""
-    return backbone_views(job.backbone, job.config.layers if layers is None else layers, job.config.pooling)
+    every layer of the run (:func:`backbone_views`)."""
+    return backbone_views(job.backbone, job.config.layers, job.config.pooling)
 
 
 def backbone_views(backbone, layers: list[str], pooling: str) -> dict:
