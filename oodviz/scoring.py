@@ -201,9 +201,8 @@ def combined_parts(record) -> tuple[dict[str, str], dict[str, dict[str, float]]]
         entry = stats.get(layer)
         if not isinstance(entry, dict) or not all(isinstance(entry.get(k), float) for k in ("mean", "std")):
             return None
-    return {layer: layer_column(COMBINED_DETECTOR, layer) for layer in layers}, {
-        layer: stats[layer] for layer in layers
-    }
+    columns = {layer: layer_column(COMBINED_DETECTOR, layer) for layer in layers}
+    return columns, {layer: stats[layer] for layer in layers}
 
 
 def _refuse_changed(now: dict, saved: dict) -> None:
