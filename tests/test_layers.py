@@ -212,6 +212,7 @@ def test_the_which_layer_tab_draws_the_ranking(runs, monkeypatch):
     np.testing.assert_allclose(_values(mahalanobis["y"]), by_layer.loc[mahalanobis["x"], "auroc"], rtol=0, atol=0)
     best = by_layer.index[by_layer["rank"] == 1][0]
     assert _values(mahalanobis["marker"]["size"]).tolist() == [14 if x == best else 7 for x in mahalanobis["x"]]
+    assert any("standardised on the ID fit split (in-sample)" in c.value for c in app.caption)  # no id_val here
 
 
 def test_a_single_layer_run_has_no_which_layer_tab(runs, monkeypatch):
@@ -372,7 +373,7 @@ def test_each_layer_gets_the_choice_that_maximises_its_validation_auroc(tuned_la
     assert {f"tune {layer_column(name, layer)}" for layer in TUNED_LAYERS} <= set(stages)
 
 
-def test_combined_mahalanobis_is_standardised_on_id_val(tuned_layers):
+def test_combined_mahalanobis_is_standardised_on_id_val(tuned_layers, monkeypatch):
     """sum_l (s_l - mean_l) / std_l with mean_l, std_l (ddof=0) of layer l's float64 Mahalanobis on the held-out
     id_val images (each layer with the normalize tuning chose for it)."""
     scores = pd.read_parquet(tuned_layers.path / "scores.parquet")
@@ -393,6 +394,8 @@ def test_combined_mahalanobis_is_standardised_on_id_val(tuned_layers):
         expected += (layer_scores - val.mean()) / val.std()
     combined = scores[layer_column("mahalanobis", COMBINED)].to_numpy()
     np.testing.assert_allclose(combined, expected, rtol=0, atol=2e-6 * np.abs(expected).max())
+    app = _app(tuned_layers.path, monkeypatch, "Which layer?")
+    assert any("standardised on the held-out ID validation images" in c.value for c in app.caption)
 
 
 def test_oodviz_score_reproduces_every_column_of_a_multi_layer_run_bit_for_bit(tuned_layers, tmp_path):

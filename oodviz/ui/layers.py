@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from oodviz.layers import COMBINED, COMBINED_DETECTOR, layer_ranking
+from oodviz.layers import COMBINED, COMBINED_DETECTOR, layer_column, layer_ranking
 from oodviz.plots_layers import layer_ranking_figure
 
 NOTHING_RANKED = (
@@ -22,11 +22,15 @@ def layers_tab(page) -> None:
         st.info(NOTHING_RANKED)
         return
     shown = [*layers, COMBINED] if (ranking.layer == COMBINED).any() else layers
+    record = (page.results.detectors or {}).get(layer_column(COMBINED_DETECTOR, COMBINED))
+    held_out = isinstance(record, dict) and record.get("standardised_on") == "id_val"
     st.caption(
         "Each detector that reads features was fitted and scored at every layer; rank 1 = the highest AUROC "
         "(mean over the OOD sets). Detectors that read only the logits, or run the model, are the same at every "
         f"layer and not listed. **{COMBINED}** ({COMBINED_DETECTOR} only): the sum of the per-layer scores, each "
-        "standardised on the ID fit split (Lee et al. 2018)."
+        "standardised on "
+        + ("the held-out ID validation images" if held_out else "the ID fit split (in-sample)")
+        + " (Lee et al. 2018)."
     )
     st.plotly_chart(layer_ranking_figure(ranking, shown), width="stretch", key="layer-ranking")
     table = ranking.rename(columns={"auroc": "mean AUROC", "fpr95": "mean FPR95"})
