@@ -298,8 +298,9 @@ def holds_bank_shard(detector) -> bool:
 
 
 def scores_on_root(job: Job, detector, split: str, stage, world: World, layer: str | None = None) -> np.ndarray | None:
-    """The scores of every row of ``split`` (its store at ``layer``; None: the main one) on rank 0 (None on the others), checked finite; rank 0 raises when any
-    rank failed, the others never do (they send their error), so every rank goes through the same collectives.
+    """The scores of every row of ``split`` (its store at ``layer``, None: the main one) on rank 0 (None on the
+    others), checked finite; rank 0 raises when any rank failed, the others never do (they send their error), so
+    every rank goes through the same collectives.
 
     A feature-based detector: each rank scores its contiguous rows, rank 0 gathers them in rank order; one holding
     a bank shard: every rank searches every row against its shard, rank 0 merges the top-``k`` lists
@@ -356,8 +357,8 @@ def score_sharded_splits(job: Job, world: World) -> None:
             job.fitted = {name: det for name, det in job.fitted.items() if name in kept}
 
 
-def validation_auroc_across_ranks(job: Job, detector, stage, world: World) -> float:
-    """Tuning's AUROC of a fitted detector on the validation splits, scored as the test splits are
+def validation_auroc_across_ranks(job: Job, detector, stage, world: World, layer: str | None = None) -> float:
+    """Tuning's AUROC of a fitted detector on the validation splits (at ``layer``), scored as the test splits are
     (:func:`scores_on_root`): rank 0's AUROC on every rank, or its error as a ValueError on every rank."""
     from oodviz.metrics import ood_metrics
     from oodviz.runs.tuning import VALIDATION_SPLITS
@@ -365,7 +366,7 @@ def validation_auroc_across_ranks(job: Job, detector, stage, world: World) -> fl
     scores, outcome = [], None
     for split, _, _ in VALIDATION_SPLITS:
         try:
-            scores.append(scores_on_root(job, detector, split, stage, world))
+            scores.append(scores_on_root(job, detector, split, stage, world, layer))
         except Cancelled:
             raise
         except Exception as error:  # rank 0 only; its message goes to every rank
