@@ -1,5 +1,6 @@
 """Runs on several processes (torch.distributed, gloo on the CPU) give the single-process answer; faults end them."""
 
+import json
 import os
 import shutil
 import signal
@@ -223,6 +224,83 @@ def test_two_nodes_on_localhost_reuse_a_single_process_store_and_give_the_same_s
     assert len(reused) == 8  # every split's store, extracted by one process, reused by two
     assert sum(str(e.get("message")).startswith("reused store") for e in events if e.get("event") == "note") == 8
     assert_same_scores(default_run.path, out, ["msp", "mahalanobis", "knn"])
+
+
+LAYERS = ["penultimate", "features.1", "features.4"]  # the first is the run's main layer, which tuning reads
+
+
+def test_two_processes_over_three_layers_give_one_processs_stores_and_per_layer_scores(tmp_path):
+    """A run over three layers of the bundled digits CNN (issue 16 with 17.3) on 1 and on 2 processes, each
+    under its own runs root: every layer's stores equal (same keys, same rows), every ``<detector>@<layer>`` and
+    ``mahalanobis@combined`` within the sharded tolerances; knn's bank split per layer, vim (needs the head) at
+    the penultimate layer only, msp once; knn's k tuned on validation splits, the same choice."""
+    config = RunConfig(
+        id_fit=DatasetChoice("digits-train", subsample=300),
+        id_test=DatasetChoice("digits-test", subsample=101),  # odd: the two shards differ by one row
+        ood=[DatasetChoice("noise-uniform", params={"n": 60})],
+        id_val=DatasetChoice("digits-train", subsample=80, subsample_mode="last"),
+        ood_val=DatasetChoice("noise-gaussian", params={"n": 40}),
+        detectors=[
+            DetectorChoice("msp", grid={}),
+            DetectorChoice("mahalanobis", grid={}),
+            DetectorChoice("knn", grid={"k": [3, 9]}),
+            DetectorChoice("vim", {"dim": 16}, grid={}),
+        ],
+        layers=list(LAYERS),
+        batch_size=64,
+        device="cpu",
+    )
+    config.save(tmp_path / "layers.json")
+    outs = {procs: tmp_path / f"root{procs}" / "runs" / "run" for procs in (1, 2)}
+    result = oodviz_run(tmp_path / "layers.json", "--out", outs[1], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    single = stores_by_key(outs[1].parent / ".features")
+    reused = json.loads((outs[1] / "meta.json").read_text())["layers"]["stores"]["features.4"].values()
+    for key in reused:  # the 2-process run finds features.4's stores and extracts the other two layers
+        shutil.copytree(single[key].path, outs[2].parent / ".features" / key)
+    result = oodviz_run(tmp_path / "layers.json", "--nproc-per-node", 2, "--out", outs[2], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metas = {procs: json.loads((out / "meta.json").read_text()) for procs, out in outs.items()}
+    assert metas[2]["layers"] == metas[1]["layers"] and metas[2]["world_size"] == 2
+    sharded = stores_by_key(outs[2].parent / ".features")
+    assert sorted(sharded) == sorted(single) and len(single) == 5 * 3  # five splits (two to tune on) at three layers
+    for layer, by_split in metas[2]["layers"]["stores"].items():
+        for split, key in by_split.items():
+            store = sharded[key]
+            if layer == "features.4":
+                assert "world_size" not in store.meta
+            else:
+                assert store.meta["world_size"] == 2 and [s["rows"] for s in store.meta["shards"]] == [
+                    (store.n + 1) // 2,
+                    store.n // 2,
+                ]
+            for name in ARRAYS:
+                np.testing.assert_array_equal(store.array(name), single[key].array(name), f"{layer} {split} {name}")
+    columns = [
+        "msp",
+        *(f"{detector}@{layer}" for detector in ("mahalanobis", "knn") for layer in LAYERS),
+        "vim@penultimate",
+        "mahalanobis@combined",
+    ]
+    assert list(pd.read_parquet(outs[1] / "scores.parquet").columns[len(ARRAY_COLUMNS) :]) == columns
+    assert_same_scores(outs[1], outs[2], columns)
+    logs = [json.loads((out / "detectors.json").read_text()) for out in outs.values()]
+    combined = [log["mahalanobis@combined"] for log in logs]
+    assert combined[1]["layers"] == LAYERS
+    for layer in LAYERS:  # the per-layer reference scores' mean and std, float64 over float32 scores
+        for stat in ("mean", "std"):
+            np.testing.assert_allclose(combined[1]["stats"][layer][stat], combined[0]["stats"][layer][stat], 1e-5)
+    for layer in LAYERS:  # tuning on the validation splits, its bank split over the ranks: the same AUROCs, choice
+        one, two = (log[f"knn@{layer}"]["tuning"] for log in logs)
+        assert two["chosen"] == one["chosen"] and [r["params"] for r in two["results"]] == [{"k": 3}, {"k": 9}]
+        np.testing.assert_allclose([r["auroc"] for r in two["results"]], [r["auroc"] for r in one["results"]], 1e-6)
+    events = RunDir(outs[2]).read_events()
+    ends = {e["stage"] for e in events if e.get("kind") == "end" and e.get("rank") == 1}
+    assert ends >= {"extract id_fit", "fit knn@features.1", "fit vim@penultimate"}
+    notes = [e["message"] for e in events if "note" in (e["event"], e.get("kind")) and e["stage"].startswith("fit ")]
+    for rank, rows in ((0, "0..149"), (1, "150..299")):  # per layer: knn's bank split, mahalanobis and vim merged
+        assert notes.count(f"fit split: rank {rank} of 2: its bank shard rows {rows} of 300") == 3
+        assert notes.count(f"fit split: rank {rank} of 2: updates on rows {rows} of 300") == 4
 
 
 # ---- faults ---------------------------------------------------------------------------------------------

@@ -127,6 +127,13 @@ def extract_layers_split(job, split: str, choice, stage):
         feature_dtype=job.config.feature_dtype,
         **job.model_pass_options(stage),
     )
+    return keep_layer_stores(job, split, stores)
+
+
+def keep_layer_stores(job, split: str, stores: dict):
+    """Keep ``stores`` (layer -> store of ``split``, in ``config.layers`` order) as ``job.layer_stores[split]``,
+    warning of each damaged store replaced; returns the first layer's, the split's main store. ValueError when
+    the layers' stores disagree on the rows. (A sharded run opens its stores its own way, :mod:`oodviz.runs.sharded`.)"""
     first = next(iter(stores.values()))
     for layer, store in stores.items():
         if store.reuse_warning and store is not first:  # the first's is the split's, warned by extract_splits

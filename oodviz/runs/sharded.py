@@ -14,18 +14,23 @@ Started by torch's elastic launcher, each process runs ``python -m oodviz.runs.w
   shards in rank order into the split's store (:func:`merge_shards`): the same key, the same rows in the same
   order as a single-process extraction, so either reuses the other's store whatever the world size. A rank
   that dies leaves shards in scratch only; the split's store is written only once every shard is complete.
+  A run over several layers (``layers = [...]``, :mod:`oodviz.runs.layers`) does the same per layer: each rank
+  extracts its rows of every layer whose store is missing in one forward pass, rank 0 merges each layer's
+  shards into that layer's store (the key and rows of a single-process run's).
 - **Fit.** A mergeable detector (the state protocol, :mod:`oodviz.detectors.protocol`: mahalanobis, rmd, klm,
   she, gmm, vim, react, vra, dice, fdbd, nci, tempscale, openmax, weiper) is fitted split: each rank updates on its
   contiguous rows of ``id_fit``, the float64 states are gathered and merged in rank order on every rank, and
   every rank finalizes the same state, pass after pass (:func:`~oodviz.distributed.fit_across_ranks`). knn and
   nnguide keep this rank's rows as their bank shard (:func:`~oodviz.distributed.fit_bank_across_ranks`). Every
   other detector is fitted by every rank on the whole store (a read of the memory-mapped store; the same
-  float64 stream on every rank, so every rank holds the same state).
+  float64 stream on every rank, so every rank holds the same state). Over several layers: per detector and
+  layer (``<detector>@<layer>``), on that layer's store, as a single-process run fits them.
 - **Scoring.** Each rank scores its contiguous rows of each split with the feature-based detectors; rank 0
   gathers the scores in rank order and writes them. A detector holding a bank shard searches every row of
   the split against its shard and rank 0 merges the top-``k`` lists exactly
   (:func:`~oodviz.distributed.search_across_ranks`). Model-based detectors (odin, mcd) run on rank 0 over the
-  whole split (mcd's dropout masks follow the batch sequence, so a shard would change them).
+  whole split (mcd's dropout masks follow the batch sequence, so a shard would change them). Rank 0 then adds
+  ``mahalanobis@combined`` (:func:`~oodviz.runs.layers.combine_layers`, on the stores every rank shares).
 - **Saved detectors.** Rank 0 saves every detector that scored (its state is every rank's) under
   ``<run>/detectors/`` as a single-process run does, for ``oodviz score``; knn and nnguide are refitted on the
   whole store first, so that the saved one searches the whole bank.
@@ -62,6 +67,8 @@ from oodviz.distributed import (
     shard_bounds,
 )
 from oodviz.engine import Cancelled
+from oodviz.layers import split_column
+from oodviz.runs.layers import combine_layers, keep_layer_stores, layer_views
 from oodviz.runs.pipeline import (
     SCORE_BATCH,
     Job,
@@ -178,50 +185,65 @@ def merge_shards(shards: list, root: Path, key: str, spec: dict):
         writer.abort()  # no-op after the commit
 
 
-def sharded_split(job: Job, split: str, choice, stage, world: World):
-    """The store of ``split``: reused when rank 0 trusts one, else extracted in shards and merged by rank 0."""
+def sharded_stores(job: Job, split: str, choice, stage, world: World, views: dict) -> dict:
+    """Layer -> the store of ``split`` at that layer (``views``: layer -> Backbone view of the run's model, as
+    :func:`oodviz.runs.layers.layer_views` makes them; ``{None: backbone}`` for a one-layer run): each reused
+    when rank 0 trusts it, the others extracted in shards (every missing layer in one forward pass, as a single
+    process does, :func:`oodviz.engine.layers.extract_layers_or_reuse`) and merged per layer by rank 0."""
     from oodviz.engine import extract
     from oodviz.engine.extract import trusted_store
+    from oodviz.engine.layers import extract_layers_or_reuse
     from oodviz.engine.store import FeatureStore, key_spec, store_key
 
-    config, backbone, dataset = job.config, job.backbone, job.datasets[split]
+    config, dataset = job.config, job.datasets[split]
     root = feature_store_root(job.run)
     key_params = store_key_params(config, choice)
     content = {"feature_dtype": config.feature_dtype, "precision": config.precision}
-    key = store_key(backbone, dataset, key_params, **content)
+    keys = {layer: store_key(view, dataset, key_params, **content) for layer, view in views.items()}
     found = None
     if world.is_root:
-        store, warning = trusted_store(root, key, "cheap")
-        found = (store is not None, warning)
-    reused, warning = broadcast_from_root(found, world)
-    if not reused:
+        found = {layer: trusted_store(root, key, "cheap") for layer, key in keys.items()}
+        found = {layer: (store is not None, warning) for layer, (store, warning) in found.items()}
+    found = broadcast_from_root(found, world)
+    missing = [layer for layer in views if not found[layer][0]]
+    if missing:
         start, stop = shard_bounds(len(dataset), world.rank, world.size)
         stage.note(f"rank {world.rank} of {world.size}: rows {start}..{stop - 1} of {len(dataset)}")
-        shard_root = job.run.scratch_path / "shards" / key
-        shard = None
+        shard_root = job.run.scratch_path / "shards" / keys[missing[0]]
+        shards = None
         if stop > start or not len(dataset):  # an empty split: extract's own error, on every rank
-            shard_params = {**key_params, "shard": [start, stop]}
-            options = job.model_pass_options(stage)
-            shard = extract(
-                backbone,
-                DatasetSlice(dataset, start, stop),
-                shard_root,
-                shard_params,
-                feature_dtype=config.feature_dtype,
-                sync=False,  # a shard lives until the merge; the merged store is synced
-                **options,
-            )
-        paths = gather_to_root(None if shard is None else str(shard.path), world)
+            part, shard_params = DatasetSlice(dataset, start, stop), {**key_params, "shard": [start, stop]}
+            options = {**job.model_pass_options(stage), "feature_dtype": config.feature_dtype}
+            options["sync"] = False  # a shard lives until the merge; the merged store is synced
+            if job.config.layers:  # every missing layer in one forward pass, as extract_layers_split does
+                shards = extract_layers_or_reuse({layer: views[layer] for layer in missing}, part, shard_root,
+                                                 shard_params, **options)  # fmt: skip
+            else:
+                shards = {None: extract(job.backbone, part, shard_root, shard_params, **options)}
+            shards = {layer: str(store.path) for layer, store in shards.items()}
+        paths = gather_to_root(shards, world)
         if world.is_root:
-            shards = [FeatureStore(p) for p in paths if p is not None]
-            merge_shards(shards, root, key, key_spec(backbone, dataset, key_params, **content))
+            for layer in missing:
+                parts = [FeatureStore(p[layer]) for p in paths if p is not None]
+                merge_shards(parts, root, keys[layer], key_spec(views[layer], dataset, key_params, **content))
         barrier(world)
         shutil.rmtree(shard_root, ignore_errors=True)
-    store = FeatureStore(Path(root) / key)
-    store.reused, store.reuse_warning = reused, warning
-    if reused:
+    stores = {}
+    for layer, key in keys.items():
+        stores[layer] = store = FeatureStore(Path(root) / key)
+        store.reused, store.reuse_warning = found[layer]
+    if not missing:
+        store = next(iter(stores.values()))
         stage.progress(store.n, store.n, {"stage": "reused", "batch_size": store.meta.get("batch_size_in_force")})
-    return store
+    return stores
+
+
+def sharded_split(job: Job, split: str, choice, stage, world: World):
+    """The store of ``split`` (:func:`sharded_stores`); in a run over several layers, the first layer's, the others
+    in ``job.layer_stores[split]`` (:func:`oodviz.runs.layers.keep_layer_stores`)."""
+    if not job.config.layers:
+        return sharded_stores(job, split, choice, stage, world, {None: job.backbone})[None]
+    return keep_layer_stores(job, split, sharded_stores(job, split, choice, stage, world, layer_views(job)))
 
 
 # -- scoring ---------------------------------------------------------------------------------------------
@@ -255,9 +277,9 @@ class ShardRows:
 
 def fit_sharded(job: Job, detector, stage, layer: str | None, world: World) -> None:
     """A mergeable detector: fitted on this rank's rows of ``id_fit``, merged across the ranks; knn and nnguide:
-    this rank's rows are its bank shard (when every rank has rows); any other: on the whole store, by every rank
-    (a sharded run has one layer: ``layer`` is None)."""
-    store = job.stores["id_fit"]
+    this rank's rows are its bank shard (when every rank has rows); any other: on the whole store, by every rank.
+    ``layer``: the layer of a run over several layers (its own store and head), None for the run's main store."""
+    store = job.store_of("id_fit", layer)
     bank = isinstance(detector, KNN) and store.n >= world.size
     if not (world.distributed and (detector.mergeable or bank)):
         fit_on_store(job, detector, stage, layer)
@@ -267,7 +289,8 @@ def fit_sharded(job: Job, detector, stage, layer: str | None, world: World) -> N
     stage.note(f"fit split: rank {world.rank} of {world.size}: {what} rows {start}..{stop - 1} of {store.n}")
     rows = Watched(ShardRows(store, start, stop, job.device), stage)
     fit = fit_bank_across_ranks if bank else fit_across_ranks
-    fit(detector, rows, world, head=job.backbone.head, device=job.device)
+    head = job.backbone.head if layer is None else store.head
+    fit(detector, rows, world, head=head, device=job.device)
 
 
 def holds_bank_shard(detector) -> bool:
@@ -325,9 +348,9 @@ def score_sharded_splits(job: Job, world: World) -> None:
                     continue
                 elif world.is_root:
                     with job.detector_may_fail(name, f"score {split}", stage):
-                        frame[name] = scores_on_root(job, detector, split, stage, world)
+                        frame[name] = scores_on_root(job, detector, split, stage, world, split_column(name)[1])
                 else:
-                    scores_on_root(job, detector, split, stage, world)
+                    scores_on_root(job, detector, split, stage, world, split_column(name)[1])
             if world.is_root:
                 job.frames.append(frame)
             kept = broadcast_from_root(list(job.fitted), world)
@@ -361,12 +384,12 @@ def validation_auroc_across_ranks(job: Job, detector, stage, world: World, layer
 
 def save_whole_banks(job: Job) -> None:
     """Rank 0's :func:`~oodviz.runs.pipeline.save_detectors`, after refitting each detector that holds a bank shard on
-    the whole ID fit store (a saved knn must search the whole bank: knn's is then the store itself, nnguide's is
-    written in rank 0's scratch)."""
+    the whole ID fit store of its layer (a saved knn must search the whole bank: knn's is then the store itself,
+    nnguide's is written in rank 0's scratch)."""
     for name, detector in job.fitted.items():
         if holds_bank_shard(detector):
             with job.reporter.stage(f"fit {name} on the whole bank (to save it)") as stage:
-                fit_on_store(job, detector, stage)
+                fit_on_store(job, detector, stage, split_column(name)[1])
     save_detectors(job)
 
 
@@ -390,6 +413,7 @@ def sharded_stages(world: World) -> tuple:
         partial(tune_detectors, fit_features=fit, auroc_of=partial(validation_auroc_across_ranks, world=world)),
         partial(fit_detectors, fit_features=fit),
         partial(score_sharded_splits, world=world),
+        on_root(combine_layers, world),
         on_root(save_whole_banks, world),
         on_root(write_scores, world),
         on_root(write_metrics, world),
@@ -402,10 +426,6 @@ def run_rank(world: World):
     failed detectors``. It joins the process group on the rank's device and leaves it at the end."""
 
     def pipeline(config, run, reporter) -> list[str]:
-        from oodviz.runs.validation import ConfigError
-
-        if config.layers:
-            raise ConfigError(["a sharded run extracts one layer: run layers = [...] without torchrun, or one layer"])
         job = start_job(config, run, reporter)
         job.device = reporter.device = rank_device(job.device, world)
         job.meta.update(device=str(job.device), world_size=world.size)
