@@ -240,21 +240,20 @@ def test_the_fixes_a_refusal_names_become_changes_of_the_form():
     )
 
 
-def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_path, capsys):
-    """Two layers of digits-cnn: the disk need is both layers' stores, each layer's mahalanobis fit is at that
-    layer's D; a disk cap between one layer's stores and both refuses the run (``oodviz run``, exit 2)."""
+def digits_layer_stores() -> tuple[dict, int, dict, dict]:
+    """digits-cnn over two layers: each layer's D (avg-pooled: one per channel) from a hook, C, each layer's
+    stores written out from the formula, N x (D x 4 + C x 4 + 24) bytes summed over the run's 3 splits, and
+    the run's settings."""
     import torch
 
     from oodviz.data import load_dataset
     from oodviz.models.digits import DigitsCNN
-    from oodviz.models.memory import describe_memory
-    from oodviz.runs.preflight import preflight
 
     model = DigitsCNN()
     seen = {}
     model.features[3].register_forward_hook(lambda module, inputs, output: seen.update(channels=output.shape[1]))
     model(torch.zeros(1, 1, 8, 8))
-    dims = {"features.3": seen["channels"], "penultimate": model.fc.in_features}  # avg-pooled: one per channel
+    dims = {"features.3": seen["channels"], "penultimate": model.fc.in_features}
     c = model.fc.out_features
     sizes = [len(load_dataset(name)) for name in ("digits-train", "digits-test", "digits-heldout")]
     store = {layer: sum(n * (d * 4 + c * 4 + 24) for n in sizes) for layer, d in dims.items()}
@@ -265,6 +264,44 @@ def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_
         "ood": ["digits-heldout"],
         "detectors": ["mahalanobis", "msp"],
     }
+    return dims, c, store, settings
+
+
+def test_the_run_checks_the_free_disk_for_every_layers_new_stores(tmp_path, monkeypatch):
+    """``load data`` refuses a run over several layers when the free disk holds less than every layer's new
+    stores plus the margin (the main layer's alone would fit), and starts with exactly that much free."""
+    import oodviz.engine.store.space
+    from oodviz.engine import DiskFullError
+    from oodviz.engine.store.space import MARGIN_BYTES, MARGIN_FRACTION
+    from oodviz.runs import pipeline
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+
+    _, _, store, settings = digits_layer_stores()
+    needed = sum(store.values())
+    enough = needed + max(MARGIN_BYTES, int(MARGIN_FRACTION * needed))
+    assert enough - 1 > max(store.values()) + max(MARGIN_BYTES, int(MARGIN_FRACTION * max(store.values())))
+    config = RunConfig.from_dict(settings)
+    for free in (enough - 1, enough):
+        monkeypatch.setattr(oodviz.engine.store.space, "free_bytes", lambda root, free=free: free)
+        run = RunDir.create(tmp_path / str(free), config.to_dict())
+        job = pipeline.start_job(config, run, Reporter(run))
+        pipeline.load_model(job)
+        if free < enough:
+            with pytest.raises(DiskFullError, match=f"^disk full: needed ~{format_bytes(enough)}"):
+                pipeline.load_data(job)
+        else:
+            pipeline.load_data(job)
+            assert set(job.datasets) == {"id_fit", "id_test", "ood:digits-heldout"}
+
+
+def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_path, capsys):
+    """Two layers of digits-cnn: the disk need is both layers' stores, each layer's mahalanobis fit is at that
+    layer's D; a disk cap between one layer's stores and both refuses the run (``oodviz run``, exit 2)."""
+    from oodviz.models.memory import describe_memory
+    from oodviz.runs.preflight import preflight
+
+    dims, c, store, settings = digits_layer_stores()
     report = preflight(RunConfig.from_dict(settings), tmp_path / "runs")
     (disk,) = [need for need in report.needs if need.resource == "disk"]
     assert disk.needed == store["features.3"] + store["penultimate"]
