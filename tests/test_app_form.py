@@ -237,3 +237,28 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
     assert not widget(app, "button", "Start run").disabled and not app.sidebar.warning
     click(app, "Start run")
     assert [config.layers for config in submitted] == [["features.0", "features.3"]]
+
+
+def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default_run_copy, monkeypatch):
+    """The worker's warning event and the results page say the same: the page shows it once, above the results
+    (with "Tuning:"), not again in the run's warnings."""
+    from oodviz.runs.config import RunConfig
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+    from oodviz.runs.tuning import validation_warnings
+
+    config = RunConfig.load(default_run_copy / "config.json")
+    config.id_val = DatasetChoice("digits-train", subsample=50, subsample_mode="last")
+    config.ood_val = config.ood[0]
+    config.save(default_run_copy / "config.json")
+    (warning,) = validation_warnings(config)
+    Reporter(RunDir(default_run_copy)).warn(warning)  # as the worker's tuning stage does
+    Reporter(RunDir(default_run_copy)).warn("another warning")
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(default_run_copy.parent))
+    page = AppTest.from_file(APP, default_timeout=120)
+    page.query_params["run"] = default_run_copy.name
+    page.run()
+    assert not page.exception
+    shown = [w.value for w in page.main.warning]
+    assert [w for w in shown if "is also test set ood[0]" in w] == [f"Tuning: {warning}."]
+    assert "another warning" in shown
