@@ -224,11 +224,10 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
     widget(app, "multiselect", "OOD datasets").set_value(["digits-heldout"])
     widget(app, "multiselect", "Detectors").set_value(["msp", "mahalanobis"])
     click(app, "Estimate memory")
-    (refusal,) = [w.value for w in app.sidebar.warning]
-    assert (
-        "feature stores, 3 layers" in refusal
-        and f"fewer layers: the widest is penultimate (D={dims['penultimate']})" in refusal
-    )
+    (refusal,) = [w.value for w in app.sidebar.warning]  # the fixes; the needs table beside the estimate
+    assert f"- fewer layers: the widest is penultimate (D={dims['penultimate']})" in refusal.splitlines()
+    ((needs,),) = [[c.value for c in app.sidebar.code]]
+    assert "feature stores, 3 layers" in needs and needs.count("OVER") == 1
     assert widget(app, "button", "Start run").disabled
     click(app, f"Fix: Leave out layer penultimate (the widest, D={dims['penultimate']})")
     assert widget(app, "multiselect", "Layers").value == ["features.0", "features.3"]

@@ -179,7 +179,7 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     start = [button for button in app.sidebar.button if button.label == "Start run"][0]
     start.click().run()
     assert not app.exception
-    shown = " ".join(w.value for w in app.sidebar.warning)
+    shown = " ".join([*(w.value for w in app.sidebar.warning), *(c.value for c in app.sidebar.code)])  # fixes, table
     assert "fit mahalanobis (D=151,296" in shown and "pooling='avg' gives D=768 instead of 151,296" in shown
     assert any("Not started" in e.value for e in app.sidebar.error) and submitted == []
 
@@ -202,6 +202,24 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     assert any(s.value.startswith("Applied: Pool the features") for s in app.sidebar.success)
     assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
     assert not button("Start run").disabled and not [b for b in app.sidebar.button if b.label.startswith("Fix:")]
+
+
+def test_a_run_over_several_layers_is_told_to_pool_its_widest_layer():
+    """The main (first) layer is pooled already; the unpooled ViT block beside it is what pooling shrinks."""
+    block = VIT_UNPOOLED["layer"]
+    sizes = {"id_fit": 1_000, "id_test": 100, "ood:noise": 100}
+    config = RunConfig(pooling="none", layers=["penultimate", block], detectors=[DetectorChoice("mahalanobis")])
+    layers = {
+        "penultimate": (estimate_of(768, 1000, sizes), list(sizes)),
+        block: (estimate_of(151_296, 1000, sizes, pooled=768), list(sizes)),
+    }
+    report = assess(config, layers["penultimate"][0], {"disk": 10**15, "ram": 16 * GiB}, layers=layers)
+    assert [need.what.split()[1] for need in report.over] == [f"mahalanobis@{block}"]
+    assert (
+        report.fixes[0]
+        == "pool the features: pooling='avg' gives D=768 instead of 151,296 (197 x 768 per sample, 197x smaller)"
+    )
+    assert f"fewer layers: the widest is {block} (D=151,296)" in report.fixes
 
 
 def test_the_fixes_a_refusal_names_become_changes_of_the_form():

@@ -410,6 +410,15 @@ def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
     return found
 
 
+def refusal_parts(message: str) -> tuple[str, str, list[str]]:
+    """A pre-flight refusal (:meth:`~oodviz.runs.preflight.Preflight.message`) in its parts, for a narrow sidebar:
+    its first line, its needs table (aligned columns: shown as code) and its fixes (the ``"- "`` lines after
+    ``"To make it fit:"``)."""
+    head, _, rest = message.partition("\n")
+    table, _, fixes = rest.partition("\nTo make it fit:\n")
+    return head, table, [line[2:] for line in fixes.splitlines() if line.startswith("- ")]
+
+
 @dataclass(frozen=True)
 class ParamField:
     """How the form edits one detector parameter: ``kind`` is ``"int"``, ``"float"`` (``optional``: blank =
