@@ -188,3 +188,76 @@ def test_edited_grids_are_read_as_their_parameters_kinds_and_checked_like_a_conf
     assert unread == "mahalanobis grid: write parameter: value, value (got 'true')"
     untuned = FormValues(**{**tuned.__dict__, "tune": False})  # an edited grid without tuning is not used
     assert [d.grid for d in config_from_form(untuned).detectors] == [None, None, None]
+
+
+def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(app, submitted, monkeypatch):
+    """Three digits-cnn layers over a disk that holds two of them: the pre-flight's "fewer layers" fix is a button
+    that takes exactly the widest layer out of Layers and estimates again, which then fits. The estimate runs
+    in this process (the app runs it in a subprocess) against that disk; the stores written out from the formula,
+    N x (D x 4 + C x 4 + 24) bytes per split (D: avg-pooled, one per channel)."""
+    import json
+
+    import oodviz.runs.preflight
+    from oodviz.models.digits import DigitsCNN
+    from oodviz.runs.config import RunConfig
+    from oodviz.runs.probe import estimate_for_config
+
+    model = DigitsCNN()
+    dims = {"features.0": model.features[0].out_channels, "features.3": model.features[2].out_channels}
+    dims["penultimate"] = model.fc.in_features
+    assert max(dims, key=dims.get) == "penultimate"
+    n = sum(len(load_dataset(name)) for name in ("digits-train", "digits-test", "digits-heldout"))
+    store = {layer: n * (d * 4 + model.fc.out_features * 4 + 24) for layer, d in dims.items()}
+    disk = store["features.0"] + store["features.3"] + store["penultimate"] // 2  # all but half the widest
+    limits = oodviz.runs.preflight.machine_limits
+
+    def with_small_disk(root, device, cap=None):
+        return {**limits(root, device, cap), "disk": disk}
+
+    monkeypatch.setattr(oodviz.runs.preflight, "machine_limits", with_small_disk)
+    monkeypatch.setattr(
+        oodviz.ui.main,
+        "memory_estimate",
+        lambda config, root: estimate_for_config(RunConfig.from_dict(json.loads(config)), root),
+    )
+    widget(app, "multiselect", "Layers").set_value(list(dims))
+    widget(app, "multiselect", "OOD datasets").set_value(["digits-heldout"])
+    widget(app, "multiselect", "Detectors").set_value(["msp", "mahalanobis"])
+    click(app, "Estimate memory")
+    (refusal,) = [w.value for w in app.sidebar.warning]  # the fixes; the needs table beside the estimate
+    assert f"- fewer layers: the widest is penultimate (D={dims['penultimate']})" in refusal.splitlines()
+    ((needs,),) = [[c.value for c in app.sidebar.code]]
+    assert "feature stores, 3 layers" in needs and needs.count("OVER") == 1
+    assert widget(app, "button", "Start run").disabled
+    click(app, f"Fix: Leave out layer penultimate (the widest, D={dims['penultimate']})")
+    assert widget(app, "multiselect", "Layers").value == ["features.0", "features.3"]
+    assert any(s.value.startswith("Applied: Leave out layer penultimate") for s in app.sidebar.success)
+    assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
+    assert not widget(app, "button", "Start run").disabled and not app.sidebar.warning
+    click(app, "Start run")
+    assert [config.layers for config in submitted] == [["features.0", "features.3"]]
+
+
+def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default_run_copy, monkeypatch):
+    """The worker's warning event and the results page say the same: the page shows it once, above the results
+    (with "Tuning:"), not again in the run's warnings."""
+    from oodviz.runs.config import RunConfig
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+    from oodviz.runs.tuning import validation_warnings
+
+    config = RunConfig.load(default_run_copy / "config.json")
+    config.id_val = DatasetChoice("digits-train", subsample=50, subsample_mode="last")
+    config.ood_val = config.ood[0]
+    config.save(default_run_copy / "config.json")
+    (warning,) = validation_warnings(config)
+    Reporter(RunDir(default_run_copy)).warn(warning)  # as the worker's tuning stage does
+    Reporter(RunDir(default_run_copy)).warn("another warning")
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(default_run_copy.parent))
+    page = AppTest.from_file(APP, default_timeout=120)
+    page.query_params["run"] = default_run_copy.name
+    page.run()
+    assert not page.exception
+    shown = [w.value for w in page.main.warning]
+    assert [w for w in shown if "is also test set ood[0]" in w] == [f"Tuning: {warning}."]
+    assert "another warning" in shown

@@ -179,7 +179,7 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     start = [button for button in app.sidebar.button if button.label == "Start run"][0]
     start.click().run()
     assert not app.exception
-    shown = " ".join(w.value for w in app.sidebar.warning)
+    shown = " ".join([*(w.value for w in app.sidebar.warning), *(c.value for c in app.sidebar.code)])  # fixes, table
     assert "fit mahalanobis (D=151,296" in shown and "pooling='avg' gives D=768 instead of 151,296" in shown
     assert any("Not started" in e.value for e in app.sidebar.error) and submitted == []
 
@@ -202,6 +202,24 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     assert any(s.value.startswith("Applied: Pool the features") for s in app.sidebar.success)
     assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
     assert not button("Start run").disabled and not [b for b in app.sidebar.button if b.label.startswith("Fix:")]
+
+
+def test_a_run_over_several_layers_is_told_to_pool_its_widest_layer():
+    """The main (first) layer is pooled already; the unpooled ViT block beside it is what pooling shrinks."""
+    block = VIT_UNPOOLED["layer"]
+    sizes = {"id_fit": 1_000, "id_test": 100, "ood:noise": 100}
+    config = RunConfig(pooling="none", layers=["penultimate", block], detectors=[DetectorChoice("mahalanobis")])
+    layers = {
+        "penultimate": (estimate_of(768, 1000, sizes), list(sizes)),
+        block: (estimate_of(151_296, 1000, sizes, pooled=768), list(sizes)),
+    }
+    report = assess(config, layers["penultimate"][0], {"disk": 10**15, "ram": 16 * GiB}, layers=layers)
+    assert [need.what.split()[1] for need in report.over] == [f"mahalanobis@{block}"]
+    assert (
+        report.fixes[0]
+        == "pool the features: pooling='avg' gives D=768 instead of 151,296 (197 x 768 per sample, 197x smaller)"
+    )
+    assert f"fewer layers: the widest is {block} (D=151,296)" in report.fixes
 
 
 def test_the_fixes_a_refusal_names_become_changes_of_the_form():
@@ -240,21 +258,20 @@ def test_the_fixes_a_refusal_names_become_changes_of_the_form():
     )
 
 
-def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_path, capsys):
-    """Two layers of digits-cnn: the disk need is both layers' stores, each layer's mahalanobis fit is at that
-    layer's D; a disk cap between one layer's stores and both refuses the run (``oodviz run``, exit 2)."""
+def digits_layer_stores() -> tuple[dict, int, dict, dict]:
+    """digits-cnn over two layers: each layer's D (avg-pooled: one per channel) from a hook, C, each layer's
+    stores written out from the formula, N x (D x 4 + C x 4 + 24) bytes summed over the run's 3 splits, and
+    the run's settings."""
     import torch
 
     from oodviz.data import load_dataset
     from oodviz.models.digits import DigitsCNN
-    from oodviz.models.memory import describe_memory
-    from oodviz.runs.preflight import preflight
 
     model = DigitsCNN()
     seen = {}
     model.features[3].register_forward_hook(lambda module, inputs, output: seen.update(channels=output.shape[1]))
     model(torch.zeros(1, 1, 8, 8))
-    dims = {"features.3": seen["channels"], "penultimate": model.fc.in_features}  # avg-pooled: one per channel
+    dims = {"features.3": seen["channels"], "penultimate": model.fc.in_features}
     c = model.fc.out_features
     sizes = [len(load_dataset(name)) for name in ("digits-train", "digits-test", "digits-heldout")]
     store = {layer: sum(n * (d * 4 + c * 4 + 24) for n in sizes) for layer, d in dims.items()}
@@ -265,6 +282,44 @@ def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_
         "ood": ["digits-heldout"],
         "detectors": ["mahalanobis", "msp"],
     }
+    return dims, c, store, settings
+
+
+def test_the_run_checks_the_free_disk_for_every_layers_new_stores(tmp_path, monkeypatch):
+    """``load data`` refuses a run over several layers when the free disk holds less than every layer's new
+    stores plus the margin (the main layer's alone would fit), and starts with exactly that much free."""
+    import oodviz.engine.store.space
+    from oodviz.engine import DiskFullError
+    from oodviz.engine.store.space import MARGIN_BYTES, MARGIN_FRACTION
+    from oodviz.runs import pipeline
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+
+    _, _, store, settings = digits_layer_stores()
+    needed = sum(store.values())
+    enough = needed + max(MARGIN_BYTES, int(MARGIN_FRACTION * needed))
+    assert enough - 1 > max(store.values()) + max(MARGIN_BYTES, int(MARGIN_FRACTION * max(store.values())))
+    config = RunConfig.from_dict(settings)
+    for free in (enough - 1, enough):
+        monkeypatch.setattr(oodviz.engine.store.space, "free_bytes", lambda root, free=free: free)
+        run = RunDir.create(tmp_path / str(free), config.to_dict())
+        job = pipeline.start_job(config, run, Reporter(run))
+        pipeline.load_model(job)
+        if free < enough:
+            with pytest.raises(DiskFullError, match=f"^disk full: needed ~{format_bytes(enough)}"):
+                pipeline.load_data(job)
+        else:
+            pipeline.load_data(job)
+            assert set(job.datasets) == {"id_fit", "id_test", "ood:digits-heldout"}
+
+
+def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_path, capsys):
+    """Two layers of digits-cnn: the disk need is both layers' stores, each layer's mahalanobis fit is at that
+    layer's D; a disk cap between one layer's stores and both refuses the run (``oodviz run``, exit 2)."""
+    from oodviz.models.memory import describe_memory
+    from oodviz.runs.preflight import preflight
+
+    dims, c, store, settings = digits_layer_stores()
     report = preflight(RunConfig.from_dict(settings), tmp_path / "runs")
     (disk,) = [need for need in report.needs if need.resource == "disk"]
     assert disk.needed == store["features.3"] + store["penultimate"]

@@ -227,29 +227,33 @@ def load_data(job: Job) -> None:
         sizes = {split: len(ds) for split, ds in job.datasets.items()}
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())
-        new = check_disk_space(job, estimate)
         root = feature_store_root(job.run)
-        limits = machine_limits(root, job.device, disk_cap_bytes(config))
         layers = layer_estimates(  # a run over several layers: every layer's stores and fits
             config, backbone, sizes, lambda view: splits_to_extract(config, view, job.datasets, job.splits, root)
         )
+        new = check_disk_space(job, estimate, layers)
+        limits = machine_limits(root, job.device, disk_cap_bytes(config))
         report = assess(config, next(iter(layers.values()))[0] if layers else estimate, limits, new, layers)
         if not report.fits:  # started anyway (--force, the app's "run anyway"): say what will not fit
             job.reporter.warn(report.message())
 
 
-def check_disk_space(job: Job, estimate) -> list[str]:
-    """The splits whose store is still to extract (reused ones cost nothing); raise
-    :class:`~oodviz.engine.DiskFullError` when their stores would not fit under the feature store root."""
+def check_disk_space(job: Job, estimate, layers: dict | None = None) -> list[str]:
+    """The splits whose main store is still to extract (reused ones cost nothing); raise
+    :class:`~oodviz.engine.DiskFullError` when the new stores would not fit under the feature store root:
+    ``estimate``'s (:func:`oodviz.models.estimate_memory`), or, for a run over several layers, every layer's
+    (``layers``: layer -> ``(estimate, new splits)``, :func:`oodviz.runs.preflight.layer_estimates`)."""
     from oodviz.engine.store import DiskFullError, check_free_space
     from oodviz.runs.preflight import splits_to_extract
 
     root = feature_store_root(job.run)
-    new = splits_to_extract(job.config, job.backbone, job.datasets, job.splits, root)
-    message = check_free_space(root, sum(estimate["splits"][split]["total_bytes"] for split in new))
+    if not layers:
+        layers = {None: (estimate, splits_to_extract(job.config, job.backbone, job.datasets, job.splits, root))}
+    needed = sum(int(part["splits"][split]["total_bytes"]) for part, new in layers.values() for split in new)
+    message = check_free_space(root, needed)
     if message:
         raise DiskFullError(message)
-    return new
+    return next(iter(layers.values()))[1]
 
 
 def extract_or_reuse_split(job: Job, split: str, choice: DatasetChoice, stage: Stage):

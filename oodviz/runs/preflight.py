@@ -168,7 +168,8 @@ def assess(
     report = Preflight(needs, estimate=dict(estimate))
     if len(layers) > 1:
         report.estimate["layers"] = {layer: dict(layer_estimate) for layer, (layer_estimate, _) in layers.items()}
-    report.fixes = fixes(estimate, report, fits, limits, dims) + batch_fixes(batches or [], limits)
+    widest = max((part for part, _ in layers.values()), key=lambda part: int(part["feature_dim"]))  # pool it
+    report.fixes = fixes(widest, report, fits, limits, dims) + batch_fixes(batches or [], limits)
     return report
 
 
@@ -245,7 +246,8 @@ def fixes(
 ) -> list[str]:
     """What would make an over-the-limit run fit: pool, another layer (fewer layers, the widest named, for a run
     over several), subsample, float16, fewer detectors; for a run that fits but has ``D > WIDE_FEATURES``, the
-    detectors with a ``D x D`` state (a note). ``fits``: ``(result column, bytes, D)``; ``dims``: layer -> D."""
+    detectors with a ``D x D`` state (a note). ``estimate``: the widest layer's for a run over several (pooling
+    it is the fix). ``fits``: ``(result column, bytes, D)``; ``dims``: layer -> D."""
     d, pooled = int(estimate["feature_dim"]), int(estimate.get("pooled_dim") or estimate["feature_dim"])
     widest = max(dim for _, _, dim in fits) if fits else d
     square = sorted({column.split("@")[0] for column, needed, dim in fits if needed >= 8 * dim * dim})

@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 
 import streamlit as st
 
-from oodviz.ui.form import FormFix, FormValues, suggested_fixes
+from oodviz.ui.form import FormFix, FormValues, refusal_parts, suggested_fixes
 
 #: session keys: the last estimate, the form filled by a fix, "estimate on the next rerun", the checkbox
 PREFLIGHT = "preflight"
@@ -103,13 +103,20 @@ def estimate_panel(values: FormValues) -> None:
         st.sidebar.error(f"Could not estimate the run's needs: {entry['error']}")
         return
     st.sidebar.markdown("**Estimated needs**")
-    st.sidebar.code(entry["description"], language=None)
+    head, table, fixes = refusal_parts(entry["refusal"] or "")
+    # the refusal's table of needs beside the estimate (once: a run over several layers has it there already),
+    # lines wrapped: nothing cut in the sidebar
+    described = entry["description"] if table in entry["description"] else f"{entry['description']}\n\n{table}"
+    st.sidebar.code(described.strip(), language=None, wrap_lines=True)
     if not entry["refusal"]:
         st.sidebar.caption("Fits this machine's free disk, RAM and GPU memory.")
         return
     if entry.get("refused_start") and not st.session_state.get(RUN_ANYWAY):
         st.sidebar.error("Not started: the run is over this machine's limits. Apply a fix, or tick Run anyway.")
-    st.sidebar.warning(entry["refusal"])
+    st.sidebar.warning(
+        f"{head.rstrip(':')} (the needs marked OVER above)."
+        + ("\n\nTo make it fit:\n" + "\n".join(f"- {fix}" for fix in fixes) if fixes else "")
+    )
     fix_buttons(entry["refusal"], values, st.sidebar, "Fix: ", "preflight-fix")
     st.sidebar.checkbox(
         "Run anyway, over this machine's limits",

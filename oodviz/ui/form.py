@@ -364,6 +364,7 @@ class FormFix:
 _OUT_OF_MEMORY = ("out of memory", "can't allocate", "cannot allocate", "memoryerror", "sigkill", "smaller batch")
 _LEAVE_OUT = re.compile(r"leave out ([a-z0-9_]+(?:, [a-z0-9_]+)*)")
 _LARGEST_SPLIT = re.compile(r"subsample the largest splits \((\w+): ([\d,]+) samples\)")
+_WIDEST_LAYER = re.compile(r"fewer layers: the widest is (\S+) \(D=([\d,]+)\)")
 
 
 def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
@@ -371,6 +372,8 @@ def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
     :meth:`~oodviz.runs.preflight.Preflight.message`) as changes of the form ``values``, in this order:
 
     - "pool" with ``pooling="none"``: ``pooling="avg"``;
+    - "fewer layers: the widest is L (D=...)" (:func:`~oodviz.runs.preflight.fixes`): layer L out of the form's
+      layers (when others remain);
     - "leave out A, B": those detectors out (when others remain);
     - "subsample the largest splits (S: N samples)": every split at most ``N // 2`` images;
     - "float16": ``feature_dtype="float16"``;
@@ -381,6 +384,11 @@ def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
     found = []
     if "pool" in lower and values.pooling == "none":
         found.append(FormFix("Pool the features (pooling avg)", replace(values, pooling="avg")))
+    widest = _WIDEST_LAYER.search(message)
+    if widest and widest.group(1) in values.layers and len(values.layers) > 1:
+        layer, dim = widest.groups()
+        kept = [name for name in values.layers if name != layer]
+        found.append(FormFix(f"Leave out layer {layer} (the widest, D={dim})", replace(values, layers=kept)))
     named = {name for match in _LEAVE_OUT.finditer(lower) for name in match.group(1).split(", ")}
     dropped = [name for name in values.detectors if name in named]
     if dropped and len(dropped) < len(values.detectors):
@@ -400,6 +408,15 @@ def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
         smaller = max(values.batch_size // 4, 1)
         found.append(FormFix(f"Batch size {values.batch_size:,} → {smaller:,}", replace(values, batch_size=smaller)))
     return found
+
+
+def refusal_parts(message: str) -> tuple[str, str, list[str]]:
+    """A pre-flight refusal (:meth:`~oodviz.runs.preflight.Preflight.message`) in its parts, for a narrow sidebar:
+    its first line, its needs table (aligned columns: shown as code) and its fixes (the ``"- "`` lines after
+    ``"To make it fit:"``)."""
+    head, _, rest = message.partition("\n")
+    table, _, fixes = rest.partition("\nTo make it fit:\n")
+    return head, table, [line[2:] for line in fixes.splitlines() if line.startswith("- ")]
 
 
 @dataclass(frozen=True)

@@ -167,12 +167,13 @@ def run_warnings(run: RunDir, limit: int = 8) -> list[str]:
 
 def run_page(run: RunDir, values: FormValues) -> None:
     from oodviz.ui.results import results_page
+    from oodviz.ui.tuning import without_validation_warnings
     from oodviz.ui.watch import job_panel
 
     status = refresh(run)
     state = status.get("state")
     where = f" · {run.path.resolve()}" if show_server_details() else ""
-    _, config_problem = read_json_object(run.config_path)
+    config, config_problem = read_json_object(run.config_path)
     if state == "damaged" or config_problem:
         damage = status.get("error") if state == "damaged" else f"damaged: {config_problem}"
         st.error(f"This run cannot be shown: {damage}. Delete it from Past runs (All runs).")
@@ -188,7 +189,7 @@ def run_page(run: RunDir, values: FormValues) -> None:
     except (ValueError, OSError):  # a config this version cannot read: the rest of the page still shows
         pass
     label_editor(run)
-    for message in run_warnings(run):
+    for message in without_validation_warnings(run_warnings(run), config):  # those: above the results
         st.warning(message)
     if state == "failed":
         st.error(f"The run failed: {status.get('error') or 'no error was recorded (was the worker killed?)'}")

@@ -165,12 +165,14 @@ def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> 
         help="Each detector tries every point of its grid (below) and keeps the one with the best AUROC on the ID "
         "validation images against the OOD validation set, then is fitted with it.",
     )
+    st.caption("The fields below are used only when this is ticked.")
     fit_size = fit_set_size(replace(data, tune=tune))
     id_val = st.selectbox(
         "ID validation",
         list(ID_VALIDATION_CHOICES),
         index=ID_VALIDATION_CHOICES.index(defaults.id_val),
-        help="Held-out ID images the detectors are not fitted on (not the ID test set).",
+        help="Held-out ID images the detectors are not fitted on (not the ID test set): the last images of the ID "
+        "fit set (how many: below), or an image folder (its path: below).",
     )
     suggested = defaults.id_val_images or (fit_size // 5 if fit_size else 0)
     counted = f"of the {fit_size:,} ID fit images" if fit_size else "of the ID fit images"
@@ -181,7 +183,7 @@ def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> 
         help="The last N images of the ID fit set; the detectors are fitted on the images before them.",
     )
     slots["id_val"], slots["id_val-warning"] = st.empty(), st.empty()
-    id_val_folder = st.text_input("ID validation folder", defaults.id_val_folder)
+    id_val_folder = st.text_input("ID validation folder (image folder only)", defaults.id_val_folder)
     slots["id_val_folder"] = st.empty()
     choices = [NO_VALIDATION, *OOD_CHOICES]
     ood_val = st.selectbox(

@@ -65,9 +65,17 @@ def config_warnings(config: dict) -> list[str]:
 
 
 def validation_warning(results) -> None:
-    """A warning above the results when a validation set is also a test (or fit) set."""
+    """A warning above the results when a validation set is also a test (or fit) set: said once, here, by the
+    metrics it is about (the run's warning events drop it, :func:`without_validation_warnings`)."""
     for warning in config_warnings(results.config):
         st.warning(f"Tuning: {warning}.")
+
+
+def without_validation_warnings(messages: list[str], config: dict) -> list[str]:
+    """A run's warning ``messages`` less those :func:`validation_warning` shows above its results (the worker
+    warns the same, :func:`oodviz.runs.tuning.tune_detectors`)."""
+    shown = set(config_warnings(config))
+    return [message for message in messages if message not in shown]
 
 
 def tuning_panel(results) -> None:
