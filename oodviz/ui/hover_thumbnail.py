@@ -5,10 +5,12 @@ its ``layout.meta`` and, on plotly's own ``plotly_hover`` event, shows beside th
 index, true class, prediction and thumbnail, from :func:`oodviz.projection_map.hover_data` sent once.
 
 The sprite's points show their thumbnail at once. For any other point, once the mouse has rested on it, the
-panel asks a second component (``hover_thumbnail_answers.js``) in its own fragment, :func:`thumbnail_answers`,
-for that point and its nearest drawn neighbours without one: its trigger value carries their drawn rows, its
-callback answers with :func:`oodviz.projection_map.thumbnail_answer`, and only that fragment reruns (the map is
-not sent again). The page keeps every answered thumbnail, so a point is fetched once.
+panel asks (a window event) a second component that shows nothing, ``hover_thumbnail_answers.js`` in a
+fragment of its own (:func:`thumbnail_answers`), for that point and its nearest drawn neighbours without one:
+its ``request`` trigger value carries their drawn rows, its callback answers with
+:func:`oodviz.projection_map.thumbnail_answer`, only that fragment reruns (the map is not sent again), and the
+answer reaches the panel by a window event too. The page keeps every answered thumbnail, so a point is fetched
+once.
 """
 
 from __future__ import annotations

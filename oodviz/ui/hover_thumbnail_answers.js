@@ -1,8 +1,5 @@
-// The on-demand half of oodviz's hover thumbnails (oodviz/ui/hover_thumbnail.py): a Streamlit v2 component in
-// a fragment of its own that takes no room. The hover panel (hover_thumbnail.js) asks it, by a window event,
-// for the thumbnails of a few drawn rows of its map; it sends them to Python as its `request` trigger value
-// (only its fragment reruns) and hands the answer that comes back in `data.answer` to the panel, by a window
-// event too. It shows nothing itself.
+// Relays hover_thumbnail.js's requests to Python and its answers back (see oodviz/ui/hover_thumbnail.py).
+// Kept short: Streamlit sends this source with every answer.
 
 const REQUEST_EVENT = "oodviz-hover-thumbnail-request";
 const ANSWER_EVENT = "oodviz-hover-thumbnail-answer";
