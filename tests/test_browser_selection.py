@@ -305,6 +305,14 @@ def test_the_feature_map_shows_a_hovered_points_thumbnail_and_the_images_of_a_bo
     assert not any(b"PCA of the features" in (m if isinstance(m, bytes) else m.encode()) for m in answered)
     page.mouse.move(area["x"] + 2, area["y"] + area["height"] + 60)  # off the plot: the panel goes
     panel.wait_for(state="hidden", timeout=30_000)
+    before = len(received)  # hovered again: the page has it, nothing is asked for
+    hover(page, chart, row)
+    panel.wait_for(state="visible", timeout=30_000)
+    assert panel.get_attribute("data-source") == "server" and panel.locator("img").is_visible()
+    page.wait_for_timeout(1000)  # more than the panel waits before it asks
+    assert len(received) == before
+    page.mouse.move(area["x"] + 2, area["y"] + area["height"] + 60)
+    panel.wait_for(state="hidden", timeout=30_000)
     chart.locator('[data-title="Box Select"]').click(force=True)  # a box, not the map's default lasso
     drag(page, area, 0.3, 0.7, top=0.3, bottom=0.7)
     heading = paragraph(page, r"^[\d,]+ selected point\(s\)")
