@@ -19,19 +19,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from app_bench import Wire, serve  # the app served as the other browser benchmark serves it
 
 from oodviz.projection_map import ANSWER_TILES, KEYS, drawn_rows, thumbnail_answer, thumbnails_path
 
-REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"
 SHOWN = (
     "row => { const p = document.querySelector('.oodviz-hover-thumbnail'), i = p && p.querySelector('img');"
@@ -41,12 +38,6 @@ PAGE_XY = (
     "(gd, p) => { const L = gd._fullLayout, r = gd.getBoundingClientRect();"
     " return [r.left + L._size.l + L.xaxis.l2p(p[0]), r.top + L._size.t + L.yaxis.l2p(p[1])]; }"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def answers_in_process(run: Path, frame: pd.DataFrame, batches: int = 20) -> dict:
@@ -75,25 +66,14 @@ def hovers(run: Path, frame: pd.DataFrame, points: int) -> list[dict]:
 
     keys = pd.read_parquet(thumbnails_path(run, "pca", ".parquet"))
     in_sprite = frame.assign(row=np.arange(len(frame))).merge(keys).row.to_numpy()
-    port = free_port()
-    env = dict(os.environ, OODVIZ_RUNS_ROOT=str(run.parent))
-    command = [sys.executable, "-m", "streamlit", "run", str(REPO / "app.py"), "--server.headless", "true"]
-    command += ["--server.port", str(port), "--server.address", "127.0.0.1", "--browser.gatherUsageStats", "false"]
-    command += ["--server.fileWatcherType", "none"]
-    server = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    received: list[int] = []
+    server, url = serve(run.parent)
     results = []
     try:
         with sync_playwright() as playwright:
             browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: received.append(len(payload))))
-            for _ in range(120):
-                try:
-                    page.goto(f"http://127.0.0.1:{port}/?run={run.name}")
-                    break
-                except Exception:  # the server is still starting
-                    time.sleep(0.5)
+            wire = Wire(page)
+            page.goto(f"{url}/?run={run.name}")
             page.get_by_role("tab", name="Feature space").click(timeout=120_000)
             chart = page.locator(".js-plotly-plot").filter(has_text="PCA of the features")
             chart.wait_for(timeout=120_000)
@@ -107,7 +87,7 @@ def hovers(run: Path, frame: pd.DataFrame, points: int) -> list[dict]:
             for row in outside[np.argsort(-gaps)][:points]:
                 x, y = chart.evaluate(PAGE_XY, [float(frame.x.iloc[row]), float(frame.y.iloc[row])])
                 page.mouse.move(x - 3, y - 3)
-                before = len(received)
+                before = time.monotonic()
                 started = time.perf_counter()
                 page.mouse.move(x, y, steps=3)
                 try:
@@ -116,7 +96,7 @@ def hovers(run: Path, frame: pd.DataFrame, points: int) -> list[dict]:
                     results.append({"row": int(row), "shown": False})
                     continue
                 seconds = time.perf_counter() - started
-                came = sum(received[before:])
+                came = wire.since(before)
                 results.append({"row": int(row), "shown": True, "ms": round(1000 * seconds), "ws_bytes": came})
                 page.mouse.move(area["x"] + 2, area["y"] + area["height"] + 60)
                 page.wait_for_timeout(300)
