@@ -10,12 +10,15 @@ selection returns) and, for the hover panel (:mod:`oodviz.ui.hover_thumbnail`), 
 index (int32), true class and prediction (int16): 21 bytes before base64, no per-point text. The sprite is
 ``<run>/projection-<method>-thumbnails.webp`` (tiles of :data:`THUMBNAIL_SIZE` px, :data:`SPRITE_COLUMNS` a line,
 in permutation order) with the samples' keys in ``projection-<method>-thumbnails.parquet``; it is made with the
-projection (``oodviz project``, a subprocess), never in the page.
+projection (``oodviz project``, a subprocess), never in the page. Any other drawn point's thumbnail is sent on
+demand: the page asks for a few drawn rows (:func:`requested_rows` checks them, they are untrusted) and
+:func:`thumbnail_answer` returns their images (lossless WebP).
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 from pathlib import Path
 
@@ -32,6 +35,7 @@ SPRITE_COLUMNS = 40
 SPRITE_BUDGET = 256 * 1024  # bytes of the WebP sprite (before base64)
 SPRITE_QUALITY = 80
 KEYS = ["split", "dataset", "index"]
+ANSWER_TILES = 8  # thumbnails per on-demand answer: the hovered point and its nearest drawn neighbours
 
 
 def map_order(n: int, seed: int = 0) -> np.ndarray:
@@ -83,19 +87,60 @@ def write_hover_thumbnails(
     return count
 
 
+def requested_rows(request, n: int) -> list[int]:
+    """The drawn rows whose thumbnails the page asks for, checked: ``request`` (sent by the browser, untrusted)
+    must be ``{"rows": [...]}`` with 1 to :data:`ANSWER_TILES` integers (not bools, not floats) in ``[0, n)``.
+    Returns them in order, without repeats; raises ValueError for anything else."""
+    rows = request.get("rows") if isinstance(request, dict) else None
+    if not isinstance(rows, list) or not 1 <= len(rows) <= ANSWER_TILES:
+        raise ValueError(f"a thumbnail request is a list of 1 to {ANSWER_TILES} drawn rows")
+    if not all(type(row) is int and 0 <= row < n for row in rows):
+        raise ValueError(f"a thumbnail request's rows are integers in [0, {n})")
+    return list(dict.fromkeys(rows))
+
+
+def lossless_webp_url(image) -> str:
+    """``image`` (PIL, RGB) as a lossless WebP ``data:`` URL (its pixels exactly; about 150 bytes for a 32 px
+    digit, half its PNG)."""
+    buffer = io.BytesIO()
+    image.save(buffer, "WEBP", lossless=True)
+    return "data:image/webp;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def thumbnail_answer(config: dict, drawn_keys: pd.DataFrame, request) -> dict:
+    """The answer to a hover panel's ``request`` for thumbnails (:func:`requested_rows` of ``drawn_keys``, the
+    drawn table's :data:`KEYS`, row ``k`` the point whose customdata is ``k``): ``{"rows": [k, ...],
+    "images": [url, ...]}``, each image the sample's :func:`oodviz.thumbnails.thumbnails` at
+    :data:`THUMBNAIL_SIZE` px (from the run ``config``'s datasets, kept open process-wide) as a lossless WebP
+    data URL, pixel for pixel. Raises ValueError for a request that is not a valid one."""
+    from oodviz.thumbnails import thumbnails
+
+    rows = requested_rows(request, len(drawn_keys))
+    images = thumbnails(config, drawn_keys.iloc[rows], size=THUMBNAIL_SIZE)
+    return {"rows": rows, "images": [lossless_webp_url(image) for image in images]}
+
+
 def _b64(values: np.ndarray, dtype) -> str:
     return base64.b64encode(np.ascontiguousarray(values, dtype=np.dtype(dtype).newbyteorder("<")).tobytes()).decode()
 
 
-def hover_data(drawn: pd.DataFrame, class_names, thumbnail_keys=None, sprite_bytes: bytes | None = None) -> dict:
+def hover_data(
+    drawn: pd.DataFrame, class_names, thumbnail_keys=None, sprite_bytes: bytes | None = None, run: str = ""
+) -> dict:
     """What the hover panel needs for the ``drawn`` table (its row ``k`` is the point whose customdata is
-    ``k``): set names and codes, source indices, true classes (``-1`` OOD) and predictions as base64
-    little-endian arrays (uint8, int32, int16, int16), the class names, and when ``sprite_bytes`` is given
-    the sprite as a data URL with ``positions`` (drawn rows) and ``tiles`` (their tile numbers)."""
+    ``k``): ``map_id``, a digest of ``run`` (the run's path) and the drawn samples' keys in order, under which
+    the page keeps the thumbnails it was sent on demand (the same map drawn again needs none again); set names
+    and codes, source indices, true classes (``-1`` OOD) and predictions as base64
+    little-endian arrays (uint8, int32, int16, int16), the class names, how many thumbnails one request for
+    others may ask (:data:`ANSWER_TILES`), and when ``sprite_bytes`` is given the sprite as a data URL with
+    ``positions`` (drawn rows) and ``tiles`` (their tile numbers)."""
     sets = list(dict.fromkeys(drawn.dataset.astype(str)))
     code = drawn.dataset.astype(str).map({name: k for k, name in enumerate(sets)}).to_numpy()
     label = np.where(drawn.split.to_numpy() == "id_test", drawn.label.to_numpy(), -1)
+    digest = hashlib.sha256(run.encode())
+    digest.update(pd.util.hash_pandas_object(drawn[KEYS], index=False).to_numpy().tobytes())
     data = {
+        "map_id": digest.hexdigest()[:32],
         "sets": sets,
         "classes": [str(c) for c in class_names or []],
         "set": _b64(code, np.uint8),
@@ -103,6 +148,7 @@ def hover_data(drawn: pd.DataFrame, class_names, thumbnail_keys=None, sprite_byt
         "label": _b64(label, np.int16),
         "prediction": _b64(drawn.prediction.to_numpy(), np.int16),
         "sprite": None,
+        "answer_tiles": ANSWER_TILES,
     }
     if sprite_bytes is not None and thumbnail_keys is not None and len(thumbnail_keys):
         tiles = thumbnail_keys[KEYS].assign(tile=np.arange(len(thumbnail_keys)))

@@ -1,6 +1,7 @@
 """From a chart to its images, in a real browser (Debian's Chromium) on a copy of the default run: a box dragged
 over the score histogram, a click on a ROC point and a box over a stretch of a ROC curve, a hovered point and a
-box on the feature-space map, each checked against the run's scores.parquet (and projection files) or sklearn."""
+box on the feature-space map, each checked against the run's scores.parquet (and projection files) or sklearn; a
+hovered point outside the sprite gets its thumbnail from the server, only the answer's fragment rerunning."""
 
 import re
 import shutil
@@ -203,15 +204,38 @@ def test_a_box_over_a_stretch_of_a_roc_curve_shows_the_images_between_its_thresh
         assert truth == ood_set or truth in {str(c) for c in range(8)}, caption
 
 
+def isolated_digit(frame: pd.DataFrame, unit: np.ndarray, rows: np.ndarray) -> pd.Series:
+    """The ID test digit among the map's ``rows`` farthest from any other point (``unit``: each point's place in
+    pixels): the mouse on it hovers it and no other point."""
+    candidates = [r for r in rows if frame.dataset.iloc[r] == "digits-test"]
+    gaps = [np.sort(np.hypot(*(unit - unit[r]).T))[1] for r in candidates]
+    return frame.iloc[candidates[int(np.argmax(gaps))]]
+
+
+def hover(page, chart, row: pd.Series) -> None:
+    where = chart.evaluate(
+        "(gd, p) => { const L = gd._fullLayout, r = gd.getBoundingClientRect();"
+        " return [r.left + L._size.l + L.xaxis.l2p(p[0]), r.top + L._size.t + L.yaxis.l2p(p[1])]; }",
+        [float(row.x), float(row.y)],
+    )
+    page.mouse.move(where[0] - 3, where[1] - 3)
+    page.mouse.move(*where, steps=3)
+
+
 def test_the_feature_map_shows_a_hovered_points_thumbnail_and_the_images_of_a_box(page, app_url, run_copy, tmp_path):  # noqa: F811
     import base64
     import io
+    import json
 
     from PIL import Image
     from sklearn.datasets import load_digits
 
     from oodviz.data import digits_split
+    from oodviz.projection_map import KEYS, THUMBNAIL_SIZE
+    from oodviz.thumbnails import thumbnails
 
+    received = []  # each websocket message from the server
+    page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: received.append(payload)))
     page.goto(f"{app_url}/?run={run_copy.name}")
     page.get_by_role("tab", name="Feature space").click(timeout=120_000)
     page.get_by_role("button", name="Compute the PCA map").click(timeout=60_000)
@@ -222,20 +246,14 @@ def test_the_feature_map_shows_a_hovered_points_thumbnail_and_the_images_of_a_bo
     page.get_by_text("Select points on the map").wait_for(timeout=60_000)
     chart.scroll_into_view_if_needed()  # the mouse reaches only what is in view
     area = chart.locator(".nsewdrag").first.bounding_box()
-    # the most isolated ID test digit that has a thumbnail: the mouse on it hovers it and no other point
+    # the most isolated ID test digit that has a thumbnail in the sprite
     ranges = chart.evaluate("gd => [gd._fullLayout.xaxis.range, gd._fullLayout.yaxis.range]")
     (x0, x1), (y0, y1) = ranges
     unit = np.c_[(frame.x - x0) / (x1 - x0) * area["width"], (frame.y - y0) / (y1 - y0) * area["height"]]
-    candidates = frame.assign(row=np.arange(len(frame))).merge(keys[keys.dataset == "digits-test"])
-    gaps = [np.sort(np.hypot(*(unit - unit[r]).T))[1] for r in candidates.row]
-    row = frame.iloc[candidates.row.iloc[int(np.argmax(gaps))]]
-    where = chart.evaluate(
-        "(gd, p) => { const L = gd._fullLayout, r = gd.getBoundingClientRect();"
-        " return [r.left + L._size.l + L.xaxis.l2p(p[0]), r.top + L._size.t + L.yaxis.l2p(p[1])]; }",
-        [float(row.x), float(row.y)],
-    )
-    page.mouse.move(where[0] - 3, where[1] - 3)
-    page.mouse.move(*where, steps=3)
+    in_sprite = frame.assign(row=np.arange(len(frame))).merge(keys).row.to_numpy()
+    assert len(frame) <= 15_000 and len(in_sprite) < len(frame)  # every point drawn, some outside the sprite
+    row = isolated_digit(frame, unit, in_sprite)
+    hover(page, chart, row)
     panel = page.locator(".oodviz-hover-thumbnail")
     panel.wait_for(state="visible", timeout=30_000)
     named = re.match(r"^(\S+) #(\d+) · true (\S+) · predicted (\S+)$", panel.inner_text().strip())
@@ -250,7 +268,50 @@ def test_the_feature_map_shows_a_hovered_points_thumbnail_and_the_images_of_a_bo
     reference = np.kron(digit, np.ones((shown.shape[0] // 8, shown.shape[1] // 8)))
     assert np.corrcoef(shown.ravel(), reference.ravel())[0, 1] > 0.95
     shoot(page, tmp_path, "feature-space-hover")
+    # a digit outside the sprite: once the mouse rests on it the server sends its thumbnail (lossless), which the
+    # page decodes to the pixels of oodviz.thumbnails' image of that sample and of sklearn's digit
+    page.mouse.move(area["x"] + 2, area["y"] + area["height"] + 60)
+    panel.wait_for(state="hidden", timeout=30_000)
+    row = isolated_digit(frame, unit, np.setdiff1d(np.arange(len(frame)), in_sprite))
+    before = len(received)
+    hover(page, chart, row)
+    panel.wait_for(state="visible", timeout=30_000)
+    page.wait_for_function(
+        "() => { const p = document.querySelector('.oodviz-hover-thumbnail'), i = p && p.querySelector('img');"
+        " return p.dataset.source === 'server' && i.complete && i.naturalWidth > 0 && i.style.display !== 'none'; }",
+        timeout=60_000,
+    )
+    assert panel.get_attribute("data-row") == str(frame.index.get_loc(row.name)) and not panel.get_attribute(
+        "data-tile"
+    )
+    named = re.match(r"^(\S+) #(\d+) · true (\S+) · predicted (\S+)$", panel.inner_text().strip())
+    assert named and (named.group(1), int(named.group(2))) == (row.dataset, int(row["index"])), panel.inner_text()
+    rgba = panel.locator("img").evaluate(
+        "img => { const c = document.createElement('canvas'); c.width = img.naturalWidth; c.height = img.naturalHeight;"
+        " const g = c.getContext('2d'); g.drawImage(img, 0, 0);"
+        " return [c.width, c.height, Array.from(g.getImageData(0, 0, c.width, c.height).data)]; }"
+    )
+    width, height, pixels = rgba
+    decoded = np.array(pixels, dtype=np.uint8).reshape(height, width, 4)[..., :3]
+    config = json.loads((run_copy / "config.json").read_text())
+    [expected] = thumbnails(config, pd.DataFrame([row[KEYS]]), size=THUMBNAIL_SIZE)
+    np.testing.assert_array_equal(decoded, np.asarray(expected.convert("RGB")))
+    digit = np.round(load_digits().images[digits_split("test")[2][int(row["index"])]] * 255 / 16)
+    np.testing.assert_array_equal(decoded[..., 0], np.kron(digit, np.ones((4, 4))))
+    # only the answer's fragment reran: a few KiB came, and not the map (its title is in its spec)
+    answered = received[before:]
+    size = sum(len(m) for m in answered)
+    assert 0 < size < 16 * 1024, size
+    assert not any(b"PCA of the features" in (m if isinstance(m, bytes) else m.encode()) for m in answered)
     page.mouse.move(area["x"] + 2, area["y"] + area["height"] + 60)  # off the plot: the panel goes
+    panel.wait_for(state="hidden", timeout=30_000)
+    before = len(received)  # hovered again: the page has it, nothing is asked for
+    hover(page, chart, row)
+    panel.wait_for(state="visible", timeout=30_000)
+    assert panel.get_attribute("data-source") == "server" and panel.locator("img").is_visible()
+    page.wait_for_timeout(1000)  # more than the panel waits before it asks
+    assert len(received) == before
+    page.mouse.move(area["x"] + 2, area["y"] + area["height"] + 60)
     panel.wait_for(state="hidden", timeout=30_000)
     chart.locator('[data-title="Box Select"]').click(force=True)  # a box, not the map's default lasso
     drag(page, area, 0.3, 0.7, top=0.3, bottom=0.7)

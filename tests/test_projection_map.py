@@ -1,5 +1,6 @@
 """What the page gets of a feature map: a seeded subsample of at most MAP_POINTS points with compact per-point
-data (no hover text), and a sprite of hover thumbnails that holds each chosen sample's own image."""
+data (no hover text), a sprite of hover thumbnails that holds each chosen sample's own image, and on demand any
+other drawn point's thumbnail (the request checked: it comes from the browser)."""
 
 import base64
 import io
@@ -12,13 +13,17 @@ import pytest
 from PIL import Image
 
 from oodviz.projection_map import (
+    ANSWER_TILES,
     HOVER_THUMBNAILS,
+    KEYS,
     MAP_POINTS,
     SPRITE_COLUMNS,
     THUMBNAIL_SIZE,
     drawn_rows,
     hover_data,
     projection_figure,
+    requested_rows,
+    thumbnail_answer,
     thumbnails_path,
     write_hover_thumbnails,
 )
@@ -83,6 +88,16 @@ def test_the_hover_data_decodes_to_each_drawn_points_names_and_tile():
     assert tile_of == {700: 0, 3: 1, 512: 2}
     assert data["sprite"] == "data:image/webp;base64," + base64.b64encode(b"RIFF-not-decoded-here").decode()
     assert hover_data(drawn, [], None, None)["sprite"] is None
+    assert data["answer_tiles"] == ANSWER_TILES
+
+
+def test_the_map_id_names_the_run_and_the_drawn_samples_in_order():
+    drawn = synthetic_map(500)
+    map_id = hover_data(drawn, [], run="runs/a")["map_id"]
+    assert hover_data(drawn.copy(), ["other names"], run="runs/a")["map_id"] == map_id  # the same samples, in order
+    assert hover_data(drawn, [], run="runs/b")["map_id"] != map_id
+    assert hover_data(drawn.iloc[::-1].reset_index(drop=True), [], run="runs/a")["map_id"] != map_id
+    assert hover_data(drawn.assign(index=drawn["index"] + 1), [], run="runs/a")["map_id"] != map_id
 
 
 def tile(sheet: Image.Image, k: int) -> np.ndarray:
@@ -119,3 +134,71 @@ def test_oodviz_project_writes_a_sprite_whose_tiles_are_the_samples_images_withi
     count = write_hover_thumbnails(default_run_copy, "pca", frame, config, budget=20_000)
     assert 0 < count < HOVER_THUMBNAILS and thumbnails_path(default_run_copy, "pca", ".webp").stat().st_size <= 20_000
     assert pd.read_parquet(thumbnails_path(default_run_copy, "pca", ".parquet")).equals(keys.head(count))
+
+
+def decode_url(url: str, kind: str) -> np.ndarray:
+    prefix = f"data:image/{kind};base64,"
+    assert url.startswith(prefix)
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(url[len(prefix) :]))).convert("RGB"))
+
+
+def test_a_thumbnail_answer_is_each_asked_points_own_image_pixel_for_pixel(default_run):
+    from sklearn.datasets import load_digits
+
+    from oodviz.data import digits_split
+    from oodviz.thumbnails import thumbnails
+
+    config = json.loads((default_run.path / "config.json").read_text())
+    drawn = pd.read_parquet(default_run.path / "scores.parquet")[KEYS]  # any table of samples, row k = point k
+    digits_test = np.flatnonzero(drawn.dataset == "digits-test")
+    others = np.flatnonzero(drawn.dataset != "digits-test")
+    rows = [int(digits_test[-1]), int(others[7]), int(digits_test[3]), int(others[-1]), int(digits_test[3])]
+    answer = thumbnail_answer(config, drawn, {"rows": rows})
+    assert answer["rows"] == rows[:4]  # in order, once each
+    images = thumbnails(config, drawn.iloc[rows[:4]], size=THUMBNAIL_SIZE)
+    source = digits_split("test")[2]
+    for row, url, image in zip(answer["rows"], answer["images"], images):
+        shown = decode_url(url, "webp")  # lossless: oodviz.thumbnails' pixels exactly
+        np.testing.assert_array_equal(shown, np.asarray(image.convert("RGB")))
+        assert shown.shape == (THUMBNAIL_SIZE, THUMBNAIL_SIZE, 3) and image.info["oodviz"] == "ok"
+        if drawn.dataset.iloc[row] == "digits-test":  # and sklearn's digit: 0..16 to 0..255, in 4x4-pixel blocks
+            digit = np.round(load_digits().images[source[drawn["index"].iloc[row]]] * 255 / 16)
+            for channel in range(3):
+                np.testing.assert_array_equal(shown[..., channel], np.kron(digit, np.ones((4, 4))))
+    assert len(json.dumps(answer)) < 4 * 1024  # a few KiB for a batch of digits
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        None,
+        [3],
+        "rows=3",
+        {},
+        {"rows": 3},
+        {"rows": []},
+        {"rows": [100]},  # n = 100: one past the last row
+        {"rows": [-1]},
+        {"rows": [1.0]},
+        {"rows": [1.5]},
+        {"rows": ["3"]},
+        {"rows": [True]},
+        {"rows": [None]},
+        {"rows": [[1]]},
+        {"rows": [2**70]},
+        {"rows": [3, 200]},
+        {"rows": list(range(ANSWER_TILES + 1))},
+    ],
+)
+def test_a_thumbnail_request_other_than_1_to_8_integer_rows_in_range_is_refused(request_):
+    with pytest.raises(ValueError):
+        requested_rows(request_, 100)
+    with pytest.raises(ValueError):  # refused before any dataset is opened (the config names none)
+        thumbnail_answer({}, synthetic_map(100)[KEYS], request_)
+
+
+def test_a_valid_thumbnail_request_gives_its_rows_in_order_once_each():
+    assert requested_rows({"rows": [99, 0, 99, 5]}, 100) == [99, 0, 5]
+    assert requested_rows({"rows": list(range(ANSWER_TILES)), "other": "ignored"}, ANSWER_TILES) == list(
+        range(ANSWER_TILES)
+    )

@@ -21,7 +21,16 @@ from oodviz.detectors import describe, detector_class
 from oodviz.layers import split_column
 from oodviz.plots_risk import risk_coverage_figure
 from oodviz.projection import available_methods, projection_path
-from oodviz.projection_map import MAP_POINTS, SPRITE_BUDGET, drawn_rows, hover_data, projection_figure, thumbnails_path
+from oodviz.projection_map import (
+    ANSWER_TILES,
+    KEYS,
+    MAP_POINTS,
+    SPRITE_BUDGET,
+    drawn_rows,
+    hover_data,
+    projection_figure,
+    thumbnails_path,
+)
 from oodviz.results import Results, detectors_of, read_table
 from oodviz.runs.rundir import read_json_object
 from oodviz.scoring import detectors_dir
@@ -129,7 +138,8 @@ def projection_view(
     """The run's 2-D feature map (computed on request by ``oodviz project`` in a subprocess), coloured by
     ``color_by``: ``"dataset"``, ``"label"`` or a detector's score; t-SNE or UMAP on ``max_points`` samples.
     At most :data:`~oodviz.projection_map.MAP_POINTS` points are drawn (a seeded subsample). Hovering a point
-    shows its set, index, true class, prediction and thumbnail (:mod:`oodviz.ui.hover_thumbnail`); selecting
+    shows its set, index, true class, prediction and thumbnail (:mod:`oodviz.ui.hover_thumbnail`: from the
+    sprite sent with the map, or asked for on demand); selecting
     points shows their images with ``detector``'s score (default: the ``color_by`` detector, else the run's
     first)."""
     path = projection_path(results.path, method)
@@ -147,8 +157,7 @@ def projection_view(
         st.error(f"{path.name} cannot be read; compute it again")
         return
     if color_by not in ("dataset", "label"):
-        keys = ["split", "dataset", "index"]
-        frame = frame.merge(results.scores[[*keys, color_by]], on=keys).reset_index(drop=True)
+        frame = frame.merge(results.scores[[*KEYS, color_by]], on=KEYS).reset_index(drop=True)
     drawn = frame.iloc[drawn_rows(len(frame))].reset_index(drop=True)
     meta = f"oodviz-projection-{method}-{color_by}"
     title = f"{method.upper()} of the features ({len(drawn):,} of {len(frame):,} points)"
@@ -161,18 +170,18 @@ def projection_view(
     )
     keys = read_table(thumbnails_path(results.path, method, ".parquet"))
     sprite = thumbnails_path(results.path, method, ".webp")
-    data = hover_data(
-        drawn, results.class_names, keys, sprite.read_bytes() if keys is not None and sprite.exists() else None
-    )
-    hover_panel(data, meta, key=f"{meta}-hover")
+    sprite_bytes = sprite.read_bytes() if keys is not None and sprite.exists() else None
+    data = hover_data(drawn, results.class_names, keys, sprite_bytes, run=str(results.path))
+    hover_panel(data, meta, key=f"{meta}-hover", config=results.config, drawn_keys=drawn[KEYS])
     shown = f"all {len(frame):,} points"
     if len(drawn) < len(frame):
         shown = f"{len(drawn):,} of {len(frame):,} points (a uniform subsample, seed 0)"
     thumbs = len(keys) if keys is not None else 0
     st.caption(
-        f"The map draws {shown}. Hovering a point shows its set, index, true class and prediction, and its "
-        f"thumbnail for {thumbs:,} of them (the first of the same seeded order, as many as fit in "
-        f"{SPRITE_BUDGET // 1024} KiB)."
+        f"The map draws {shown}. Hovering a point shows its set, index, true class, prediction and thumbnail: "
+        f"at once for {thumbs:,} of them (sent with the map, the first of the same seeded order, as many as fit "
+        f"in {SPRITE_BUDGET // 1024} KiB), a moment later for any other (asked for when the mouse rests on it, "
+        f"with its {ANSWER_TILES - 1} nearest neighbours)."
     )
     shown_by = detector or (color_by if color_by not in ("dataset", "label") else detectors_of(results.scores)[0])
     projection_selection_gallery(results, selected_samples(drawn, (event or {}).get("selection")), shown_by)
