@@ -261,3 +261,17 @@ def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default
     shown = [w.value for w in page.main.warning]
     assert [w for w in shown if "is also test set ood[0]" in w] == [f"Tuning: {warning}."]
     assert "another warning" in shown
+
+
+def test_the_fewer_layers_fix_is_offered_only_for_a_layer_the_form_has_beside_others():
+    """From a refusal or a failed run's warning (a run started anyway): the widest layer out, the others kept in
+    order; nothing for a form with that layer alone, or without it."""
+    from oodviz.ui.form import suggested_fixes
+
+    said = "This run does not fit ...\nTo make it fit:\n- fewer layers: the widest is features.3 (D=32)"
+    three = FormValues(layers=["features.0", "features.3", "penultimate"])
+    ((label, fixed),) = [(fix.label, fix.values) for fix in suggested_fixes(said, three)]
+    assert (label, fixed.layers) == ("Leave out layer features.3 (the widest, D=32)", ["features.0", "penultimate"])
+    assert fixed == FormValues(layers=["features.0", "penultimate"])  # nothing else changed
+    assert suggested_fixes(said, FormValues(layers=["features.3"])) == []
+    assert suggested_fixes(said, FormValues(layers=["features.0", "penultimate"])) == []

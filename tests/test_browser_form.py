@@ -57,3 +57,31 @@ def test_a_tuned_two_layer_run_from_the_form(page, app_url, runs_root, tmp_path)
     chosen = ", ".join(f"{key}={value}" for key, value in tuning["chosen"].items())
     page.get_by_text(f"energy: {chosen} (every grid point)").wait_for(timeout=30_000)  # the choice tuning made
     shoot(page, tmp_path, "form-tuning")
+
+
+#: Elements of the sidebar whose text is clipped (an ellipsis or cut off: wider than their box, overflow hidden),
+#: formulas aside (KaTeX scrolls), and text fields whose value is wider than the field.
+CLIPPED = """() => [
+  ...[...document.querySelectorAll('[data-testid=stSidebar] *')]
+    .filter(e => e.textContent.trim() && e.scrollWidth > e.clientWidth + 1 && !e.closest('.katex')
+                 && ['hidden', 'clip'].includes(getComputedStyle(e).overflowX))
+    .map(e => e.textContent.trim()),
+  ...[...document.querySelectorAll('[data-testid=stSidebar] input[type=text], [data-testid=stSidebar] textarea')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.value)]"""
+
+
+def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  # noqa: F811
+    """The whole form at 1000 px, detector parameters and tuning grids open: no label, switch or grid cut."""
+    page.set_viewport_size({"width": 1000, "height": 1000})
+    page.goto(app_url)
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    sidebar.get_by_role("button", name="Start run").wait_for(timeout=120_000)
+    sidebar.get_by_text("Tune parameters on validation data").click()
+    for expander in ("Detector parameters", "Grids tried"):
+        sidebar.locator("summary").filter(has_text=expander).click()
+    sidebar.get_by_text("mahalanobis: normalize").wait_for(timeout=30_000)
+    sidebar.get_by_text("odin grid").wait_for(timeout=30_000)
+    clipped = page.evaluate(CLIPPED)
+    if clipped:
+        shoot(page, tmp_path, "form-clipped")
+    assert clipped == []

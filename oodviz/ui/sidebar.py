@@ -40,6 +40,8 @@ from oodviz.ui.form_tuning import (
 )
 
 USER_MODEL = "torchscript"
+#: the characters a grid's one-line field shows whole in the sidebar at 1000 px
+GRID_FIELD_CHARS = 32
 
 
 def _device_label(fact: dict) -> str:
@@ -74,7 +76,8 @@ def _param_input(place, detector: str, field: ParamField, value, generation: str
 
 
 def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
-    """Every detector's editable parameters, two to a row; only the values that differ from the detector's
+    """Every detector's editable parameters, numbers and choices two to a row, switches on a row of their own
+    (a half row cuts "mahalanobis: normalize" at 1000 px); only the values that differ from the detector's
     defaults are returned (a blank optional number is its default, None)."""
     params = {}
     for name in available():
@@ -82,9 +85,10 @@ def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
         if not fields:
             continue
         chosen = {}
-        for start in range(0, len(fields), 2):
-            row = fields[start : start + 2]
-            for col, field in zip(st.columns(2), row):
+        boxes = [field for field in fields if field.kind != "bool"]
+        rows = [boxes[start : start + 2] for start in range(0, len(boxes), 2)]
+        for row in rows + [[field] for field in fields if field.kind == "bool"]:
+            for col, field in zip([st] if row[0].kind == "bool" else st.columns(2), row):
                 default = defaults.detector_params.get(name, {}).get(field.name, field.default)
                 value = _param_input(col, name, field, default, generation)
                 if value is None and not field.optional:
@@ -220,7 +224,10 @@ def _grid_editor(defaults: FormValues, detectors: list[str], params: dict[str, d
             default = grid_text(grid)
             if not grid and name not in defaults.detector_grids:
                 continue
-            typed = st.text_input(f"{name} grid", defaults.detector_grids.get(name, default))
+            value = defaults.detector_grids.get(name, default)
+            # a grid longer than the field is a text area: wrapped, every value in sight at 1000 px
+            field = st.text_area if max(len(value), len(default)) > GRID_FIELD_CHARS else st.text_input
+            typed = field(f"{name} grid", value, **({"height": "content"} if field is st.text_area else {}))
             if typed.strip() != default:
                 edited[name] = typed.strip()
         untuned = [name for name, grid in grids.items() if not grid and name not in defaults.detector_grids]
