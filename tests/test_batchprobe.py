@@ -129,6 +129,35 @@ def test_the_probe_figure_for_odin_matches_a_direct_peak_rss_measurement(tmp_pat
     assert odin.per_row_bytes > peaks["extraction"].per_row_bytes  # activations and gradients kept vs streamed
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_probe_measures_in_the_runs_precision(precision):
+    """Every pass the probe measures (the extraction's and ODIN's) runs under the autocast of the run's precision,
+    as the run's own passes do (a bf16 run's batches were measured in float32 before: its extraction batch of 512
+    fashion-cnn rows measured 116 MiB in float32, 61 in bf16). ODIN turns autocast off for its gradient step
+    itself (odin.py), so its second forward is the one in the run's precision."""
+    from oodviz.runs.batchprobe import batch_peaks
+    from oodviz.runs.splits import load_split
+
+    config = RunConfig.from_dict({**FASHION_ODIN, "batch_size": 16, "precision": precision})
+    backbone = config.load_backbone()
+    seen = []
+    forward = backbone.features_and_logits
+
+    def recording(x, **kwargs):
+        autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        seen.append(("extraction" if torch.is_inference_mode_enabled() else "odin", autocast))
+        return forward(x, **kwargs)
+
+    backbone.features_and_logits = recording
+    peaks, failed = batch_peaks(config, backbone, load_split(config, config.id_fit, False, backbone.classes))
+    assert [peak.what for peak in peaks] == ["extraction", "odin"] and failed == {}
+    run_autocast = (True, torch.bfloat16) if precision == "bf16" else (False, torch.get_autocast_dtype("cpu"))
+    extraction = [autocast for what, autocast in seen if what == "extraction"]
+    odin = [autocast for what, autocast in seen if what == "odin"]
+    assert len(extraction) >= 5 and set(extraction) == {run_autocast}  # five passes or more
+    assert odin.count(run_autocast) >= 5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_probe_figure_for_odin_matches_the_allocator_peak_of_one_batch(tmp_path):
     from oodviz.runs.probe import estimate_for_config
