@@ -13,7 +13,9 @@ and for ``Sigma = X_c^T X_c / N`` (eigenvalues ``lambda / N``) the whitening ``S
 
 keeping the eigenpairs above the cutoff ``D * eps(float64) * lambda_max`` of
 :func:`oodviz.detectors.mahalanobis.inverse_sqrt`, so both paths give the same ``Sigma^+`` (float64
-rounding apart). This is an exact path, not shrinkage: the scores equal those of the ``D x D`` path.
+rounding apart). This is an exact path, not shrinkage: the scores equal those of the ``D x D`` path. On an
+oversubscribed CPU the eigendecomposition runs on one BLAS thread (:func:`eigensolver_threads`): there, two
+threads made the N < D fits 2-4x slower than pytorch-ood 0.4's, one makes them as fast (``bench/RESULTS.md``).
 
 :class:`FewRows` keeps copies of the first rows of a fit stream while there are at most ``D / 2`` of
 them (``N x D`` in the features' dtype: at most a quarter of ``D^2`` float64 for float32 features) and
