@@ -304,24 +304,22 @@ class ModelBatches:
             else:
                 ram = available_bytes(torch.device("cpu"))
                 gpu = available_bytes(device) if device.type == "cuda" else None
-                self.records[name] = {
+                record = {
                     "rows": rows_from_memory(peak, batch_size, ram, gpu),
                     "run_batch_size": batch_size,
                     "measured": True,
                     "per_row_bytes": peak.per_row_bytes,
                     "fixed_bytes": peak.fixed_bytes,
                     "available_ram_bytes": ram,
-                    **(
-                        {}
-                        if gpu is None
-                        else {
-                            "gpu_per_row_bytes": peak.gpu_per_row_bytes,
-                            "gpu_fixed_bytes": peak.gpu_fixed_bytes,
-                            "available_gpu_bytes": gpu,
-                        }
-                    ),
                     "memory_fraction": MEMORY_FRACTION,
                 }
+                if gpu is not None:
+                    record.update(
+                        gpu_per_row_bytes=peak.gpu_per_row_bytes,
+                        gpu_fixed_bytes=peak.gpu_fixed_bytes,
+                        available_gpu_bytes=gpu,
+                    )
+                self.records[name] = record
             self.records[name].update(in_force=self.records[name]["rows"], oom_backoffs=0)
         record = self.records[name]
         detector.batch_rows = record["rows"] if record["measured"] else None
