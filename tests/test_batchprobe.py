@@ -382,3 +382,30 @@ def test_batch_rows_scale_the_measured_line_and_name_the_batch_that_fits():
     assert only_extraction.fixes == [
         "a smaller batch: batch_size=120 or less fits one batch through the model (now 256 rows)"
     ]
+
+
+def test_a_runs_own_probe_hands_each_peak_to_the_stage_before_resetting_it(monkeypatch):
+    """The probe resets the kernel's peak (VmHWM) before every pass; in a run the stage's peak so far is folded in
+    first (``Reporter.fold_kernel_peak``), so the load data stage's recorded peak still covers every pass."""
+    from types import SimpleNamespace
+
+    import oodviz.runs.telemetry
+    from oodviz.runs.batchprobe import ModelBatches, measure_for_run
+    from oodviz.runs.splits import load_split
+
+    order = []
+    reset = oodviz.runs.telemetry.reset_peak_rss
+    monkeypatch.setattr(oodviz.runs.telemetry, "reset_peak_rss", lambda: order.append("reset") or reset())
+    config = RunConfig.from_dict({**FASHION_ODIN, "batch_size": 16})
+    backbone = config.load_backbone()
+    job = SimpleNamespace(
+        config=config,
+        backbone=backbone,
+        datasets={"id_fit": load_split(config, config.id_fit, False, backbone.classes)},
+        model_batches=ModelBatches(),
+        reporter=SimpleNamespace(fold_kernel_peak=lambda: order.append("fold")),
+    )
+    notes = []
+    (peak,) = measure_for_run(job, SimpleNamespace(note=notes.append))
+    assert peak.what == "odin" and notes == [f"measured {peak.describe()}"]
+    assert len(order) >= 2 * 4 and order == ["fold", "reset"] * (len(order) // 2)  # four passes or more

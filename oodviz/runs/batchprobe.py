@@ -118,9 +118,12 @@ def trim_heap() -> None:
         pass
 
 
-def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, int | None, float]:
+def pass_peak(
+    work: Callable[[], object], device: torch.device, before_reset: Callable[[], None] | None = None
+) -> tuple[int, int | None, float]:
     """(host bytes, GPU bytes or None) that ``work()`` took above what was held before it, at its peak, and the
-    seconds it took (this process's CPU seconds on the CPU, wall seconds on CUDA)."""
+    seconds it took (this process's CPU seconds on the CPU, wall seconds on CUDA). ``before_reset()`` is called
+    before the kernel's peak is reset (a run's stage keeps the peak so far: ``Reporter.fold_kernel_peak``)."""
     from oodviz.runs.telemetry import cpu_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     gc.collect(1)  # the young generations, where the previous pass's cycles are: a full one takes 0.3 s in a run
@@ -131,6 +134,8 @@ def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, in
         torch.cuda.reset_peak_memory_stats(device)
         gpu_before = torch.cuda.memory_allocated(device)
     before = cpu_rss_bytes()
+    if before_reset is not None:
+        before_reset()
     if not reset_peak_rss():
         raise BatchProbeError("the batch probe needs Linux's /proc/self/clear_refs to measure peak memory")
     clock = time.perf_counter if cuda else time.process_time  # CPU time: the same on a loaded machine
@@ -144,10 +149,16 @@ def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, in
 
 
 def measure(
-    what: str, run: Callable[[torch.Tensor, torch.Tensor], object], inputs, rows: int, device, precision: str = "fp32"
+    what: str,
+    run: Callable[[torch.Tensor, torch.Tensor], object],
+    inputs,
+    rows: int,
+    device,
+    precision: str = "fp32",
+    before_reset: Callable[[], None] | None = None,
 ) -> BatchPeak:
     """:class:`BatchPeak` of ``run(inputs, labels)`` (see the module's docstring) on :class:`ProbeInputs`, for
-    batches of ``rows``, under the autocast of ``precision``."""
+    batches of ``rows``, under the autocast of ``precision`` (``before_reset``: as for :func:`pass_peak`)."""
     import psutil
 
     from oodviz.engine.batched import autocast_for
@@ -160,7 +171,7 @@ def measure(
                 for _ in range(times):
                     run(x, y)
 
-        return pass_peak(work, device)
+        return pass_peak(work, device, before_reset)
 
     x1 = inputs.take(1)[0]
     input_row = x1.numel() * x1.element_size()  # the batch's own inputs, made before each pass: added per row
@@ -224,12 +235,17 @@ def model_detector_pass(name: str, params: dict, backbone, device: torch.device)
 
 
 def batch_peaks(
-    config: RunConfig, backbone, dataset, extraction: bool = True, names: list[str] | None = None
+    config: RunConfig,
+    backbone,
+    dataset,
+    extraction: bool = True,
+    names: list[str] | None = None,
+    before_reset: Callable[[], None] | None = None,
 ) -> tuple[list[BatchPeak], dict[str, str]]:
     """The :class:`BatchPeak` of the extraction (unless not ``extraction``) and of every model-based detector of
     ``config`` (those in ``names`` when given), at ``config.batch_size`` rows (``backbone`` loaded, ``dataset``
     the ID fit split), in this process, and ``{detector: error}`` for those that cannot run on this model (the
-    run's own stage reports them too)."""
+    run's own stage reports them too). ``before_reset``: as for :func:`pass_peak`."""
     from oodviz.detectors import detector_class
     from oodviz.models.placement import model_on_device
     from oodviz.runs.pipeline import resolve_device
@@ -245,12 +261,16 @@ def batch_peaks(
     peaks, failed = [], {}
     with model_on_device(module, device):
         if extraction:
-            peaks.append(measure(EXTRACTION, extract, inputs, config.batch_size, device, config.precision))
+            peaks.append(
+                measure(EXTRACTION, extract, inputs, config.batch_size, device, config.precision, before_reset)
+            )
         for choice in config.detectors:
             if detector_class(choice.name).needs_model and (names is None or choice.name in names):
                 try:
                     run = model_detector_pass(choice.name, choice.params, backbone, device)
-                    peaks.append(measure(choice.name, run, inputs, config.batch_size, device, config.precision))
+                    peaks.append(
+                        measure(choice.name, run, inputs, config.batch_size, device, config.precision, before_reset)
+                    )
                 except (ValueError, TypeError, RuntimeError) as error:  # e.g. mcd on a model without dropout
                     failed[choice.name] = f"{type(error).__name__}: {error}"
     return peaks, failed
@@ -344,9 +364,10 @@ def measure_for_run(job, stage) -> list[BatchPeak]:
         c.name for c in job.config.detectors if detector_class(c.name).needs_model and c.name not in batches.peaks
     ]
     if missing:
-        job.reporter.fold_kernel_peak()  # the probe resets the kernel's peak: the stage keeps its own so far
-        try:
-            peaks, failed = batch_peaks(job.config, job.backbone, job.datasets["id_fit"], False, missing)
+        try:  # the probe resets the kernel's peak before each pass: the stage folds in its peak so far first
+            peaks, failed = batch_peaks(
+                job.config, job.backbone, job.datasets["id_fit"], False, missing, job.reporter.fold_kernel_peak
+            )
         except BatchProbeError as error:
             peaks, failed = [], dict.fromkeys(missing, str(error))
         batches.peaks.update((peak.what, peak) for peak in peaks)
