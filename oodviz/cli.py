@@ -45,7 +45,8 @@ def cmd_run(args) -> int:
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
-    if refused_by_preflight(config, Path(args.out).parent if args.out else Path(args.runs_root), args.force):
+    report = preflight_report(config, Path(args.out).parent if args.out else Path(args.runs_root), args.force)
+    if report is False:
         return 2
     if args.nproc_per_node > 1 or args.nnodes > 1:
         from oodviz.runs.launch import torchrun_argv
@@ -83,7 +84,13 @@ def cmd_run(args) -> int:
 
         state = launch(run, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
     else:
-        state = execute(run, echo=TerminalProgress())
+        from functools import partial
+
+        from oodviz.runs.batchprobe import BatchPeak
+        from oodviz.runs.pipeline import run_pipeline
+
+        peaks = [BatchPeak(**peak) for peak in report.estimate["batch_peaks"]] if report else None
+        state = execute(run, echo=TerminalProgress(), pipeline=partial(run_pipeline, batch_peaks=peaks))
     status = run.read_status()
     print(f"{state} in {time.monotonic() - started:.1f}s: {run.path}", file=sys.stderr)
     if state == "failed":
@@ -103,27 +110,28 @@ def cmd_run(args) -> int:
     return 0
 
 
-def refused_by_preflight(config, runs_root: Path, force: bool) -> bool:
-    """True (the table and the fixes printed) when the run's needs are over this machine's limits and not
+def preflight_report(config, runs_root: Path, force: bool):
+    """The pre-flight's report (:func:`oodviz.runs.preflight.preflight`; the run takes its measured batches), or
+    False (the table and the fixes printed) when the run's needs are over this machine's limits and not
     ``force``; with ``force`` the table is printed as a warning. A pre-flight that cannot load the model or
-    the data refuses nothing: the run's own stages report that."""
+    the data refuses nothing (None): the run's own stages report that."""
     from oodviz.runs.preflight import preflight
 
     try:
         report = preflight(config, runs_root)
     except Exception as error:  # the run reports the same problem with its stage and context
         print(f"pre-flight skipped: {type(error).__name__}: {error}", file=sys.stderr)
-        return False
+        return None
     if report.fits:
         for note in report.fixes:  # wide features that fit: which detectors hold a D x D state
             print(f"note: {note}", file=sys.stderr)
-        return False
+        return report
     print(report.message(), file=sys.stderr)
     if force:
         print("--force: running anyway", file=sys.stderr)
-        return False
+        return report
     print("nothing was started; run with --force to start anyway", file=sys.stderr)
-    return True
+    return False
 
 
 def cmd_runs(args) -> int:

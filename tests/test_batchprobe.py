@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pandas as pd
 import pytest
 import torch
 
@@ -128,6 +129,35 @@ def test_the_probe_figure_for_odin_matches_a_direct_peak_rss_measurement(tmp_pat
     assert odin.per_row_bytes > peaks["extraction"].per_row_bytes  # activations and gradients kept vs streamed
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_probe_measures_in_the_runs_precision(precision):
+    """Every pass the probe measures (the extraction's and ODIN's) runs under the autocast of the run's precision,
+    as the run's own passes do (a bf16 run's batches were measured in float32 before: its extraction batch of 512
+    fashion-cnn rows measured 116 MiB in float32, 61 in bf16). ODIN turns autocast off for its gradient step
+    itself (odin.py), so its second forward is the one in the run's precision."""
+    from oodviz.runs.batchprobe import batch_peaks
+    from oodviz.runs.splits import load_split
+
+    config = RunConfig.from_dict({**FASHION_ODIN, "batch_size": 16, "precision": precision})
+    backbone = config.load_backbone()
+    seen = []
+    forward = backbone.features_and_logits
+
+    def recording(x, **kwargs):
+        autocast = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        seen.append(("extraction" if torch.is_inference_mode_enabled() else "odin", autocast))
+        return forward(x, **kwargs)
+
+    backbone.features_and_logits = recording
+    peaks, failed = batch_peaks(config, backbone, load_split(config, config.id_fit, False, backbone.classes))
+    assert [peak.what for peak in peaks] == ["extraction", "odin"] and failed == {}
+    run_autocast = (True, torch.bfloat16) if precision == "bf16" else (False, torch.get_autocast_dtype("cpu"))
+    extraction = [autocast for what, autocast in seen if what == "extraction"]
+    odin = [autocast for what, autocast in seen if what == "odin"]
+    assert len(extraction) >= 5 and set(extraction) == {run_autocast}  # five passes or more
+    assert odin.count(run_autocast) >= 5
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_probe_figure_for_odin_matches_the_allocator_peak_of_one_batch(tmp_path):
     from oodviz.runs.probe import estimate_for_config
@@ -143,30 +173,185 @@ def test_on_a_gpu_the_probe_figure_for_odin_matches_the_allocator_peak_of_one_ba
     assert odin.gpu_bytes_at(BATCH) == pytest.approx(measured, rel=0.3)
 
 
-def test_the_cli_refuses_when_one_odin_batch_is_over_the_available_ram(tmp_path, capsys, fashion_odin, monkeypatch):
-    ram = 64 * MiB
+def fake_probe(peaks):
+    """A stand-in for :func:`oodviz.runs.batchprobe.batch_peaks` that "measures" ``peaks`` (copies)."""
+
+    def batch_peaks(config, backbone, dataset, extraction=True, names=None):
+        found = [p for p in peaks if (extraction if p.what == "extraction" else names is None or p.what in names)]
+        return [BatchPeak(**vars(p)) for p in found], {}
+
+    return batch_peaks
+
+
+def small_ram(monkeypatch, ram):
     real_limits = oodviz.runs.preflight.machine_limits
+    monkeypatch.setattr(
+        oodviz.runs.preflight,
+        "machine_limits",
+        lambda store_root, device, disk_cap=None: {**real_limits(store_root, device, disk_cap), "ram": ram},
+    )
 
-    def small_ram(store_root, device, disk_cap=None):
-        return {**real_limits(store_root, device, disk_cap), "ram": ram}
 
-    monkeypatch.setattr(oodviz.runs.preflight, "machine_limits", small_ram)
+def test_the_cli_refuses_naming_the_batch_size_that_fits_and_the_app_proposes_that_size(
+    tmp_path, capsys, fashion_odin, monkeypatch
+):
+    """RAM 100 MiB. Extraction: 20 MiB + 256 x 1 MiB is over; (100 - 20) / 1 = 80 rows fit: batch_size=80. ODIN
+    sizes its own batch, max(1, floor((0.5 x 100 - 99) / 2)) = 1 row, 99 + 2 = 101 MiB: over even at one row."""
+    import oodviz.runs.batchprobe
+
+    peaks = [
+        BatchPeak("extraction", BATCH, fixed_bytes=20 * MiB, per_row_bytes=MiB),
+        BatchPeak("odin", BATCH, fixed_bytes=99 * MiB, per_row_bytes=2 * MiB),
+    ]
+    monkeypatch.setattr(oodviz.runs.batchprobe, "batch_peaks", fake_probe(peaks))
+    small_ram(monkeypatch, 100 * MiB)
     runs_root = tmp_path / "runs"
     code = main(["run", fashion_odin, "--runs-root", str(runs_root)])
     err = capsys.readouterr().err
     assert code == 2, err
     assert not runs_root.exists()  # nothing written
-    (line,) = [line for line in err.splitlines() if "batch of odin (256 rows at once)" in line]
-    assert line.endswith("OVER") and format_bytes(ram) in line
-    assert "a smaller batch: batch_size=" in err and "leave out odin" in err
+    (line,) = [line for line in err.splitlines() if "batch of odin (1 rows at once)" in line]
+    assert line.endswith("OVER") and format_bytes(101 * MiB) in line
+    assert "a smaller batch: batch_size=80 or less fits one batch through the model (now 256 rows)" in err
+    assert "leave out odin" in err
     assert "pool the features" not in err  # the store and the fits are not what is over
     fixes = [fix.label for fix in suggested_fixes(err, FormValues(detectors=["msp", "odin"], batch_size=BATCH))]
-    assert fixes == ["Leave out odin", "Batch size 256 → 64"]
+    assert fixes == ["Leave out odin", "Batch size 256 → 80"]  # the size the pre-flight names, not a quarter
+    # ODIN at 20 MiB + 2 MiB per row fits its own batch: (50 - 20) / 2 = 15 rows; only the extraction is over
+    peaks[1] = BatchPeak("odin", BATCH, fixed_bytes=20 * MiB, per_row_bytes=2 * MiB)
+    assert main(["run", fashion_odin, "--runs-root", str(runs_root)]) == 2
+    err = capsys.readouterr().err
+    (line,) = [line for line in err.splitlines() if "batch of odin (15 rows at once)" in line]
+    assert not line.endswith("OVER") and format_bytes(50 * MiB) in line
+    assert "leave out odin" not in err
+    assert [fix.label for fix in suggested_fixes(err, FormValues(detectors=["msp", "odin"], batch_size=BATCH))] == [
+        "Batch size 256 → 80"
+    ]
+
+
+def odin_scores_of_the_images(config: dict, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """ODIN on every image of ``split`` (``id_test`` or an OOD set's name) directly: all rows at once, and one row
+    at a time."""
+    from oodviz.batch import Batch
+    from oodviz.detectors import create
+    from oodviz.runs.splits import load_split
+
+    run_config = RunConfig.from_dict(config)
+    backbone = run_config.load_backbone()
+    choice = run_config.id_test if split == "id_test" else next(c for c in run_config.ood if c.name == split)
+    dataset = load_split(run_config, choice, split != "id_test", backbone.classes)
+    images = torch.stack([backbone.transform(dataset[i][0]) for i in range(len(dataset))])
+    whole = create("odin", model=backbone)
+    whole.batch_rows = len(images)
+    one = create("odin", model=backbone)
+    one.batch_rows = 1
+    return whole.score(Batch(inputs=images)), one.score(Batch(inputs=images))
+
+
+def batch_sizes_in_events(run_path, stage: str) -> set[int]:
+    events = [json.loads(line) for line in (run_path / "events.jsonl").read_text().splitlines()]
+    return {e["batch_size"] for e in events if e.get("stage") == stage and e.get("event") == "progress"}
+
+
+def test_the_run_takes_odins_batch_size_from_the_preflights_probe_with_the_same_scores(
+    tmp_path, capsys, fashion_odin, monkeypatch
+):
+    """``oodviz run`` hands the pre-flight's measured peaks to the run (no second probe): with 1 MiB + 1 MiB per
+    row and 17 MiB available, ODIN passes max(1, floor((0.5 x 17 - 1) / 1)) = 7 rows at once, recorded in
+    detectors.json; its scores equal ODIN's over the whole split at once and one row at a time."""
+    import oodviz.runs.batchprobe
+    from oodviz.detectors import modelmemory
+
+    peaks = [
+        BatchPeak("extraction", BATCH, fixed_bytes=MiB, per_row_bytes=MiB // 64),
+        BatchPeak("odin", BATCH, fixed_bytes=MiB, per_row_bytes=MiB),
+    ]
+    monkeypatch.setattr(oodviz.runs.batchprobe, "batch_peaks", fake_probe(peaks))
+    monkeypatch.setattr(modelmemory, "available_bytes", lambda device: 17 * MiB)
+    out = tmp_path / "runs" / "odin"
+    assert main(["run", fashion_odin, "--out", str(out)]) == 0, capsys.readouterr().err
+    record = json.loads((out / "detectors.json").read_text())["odin"]["batch"]
+    assert record == {
+        "rows": 7,
+        "run_batch_size": BATCH,
+        "measured": True,
+        "per_row_bytes": MiB,
+        "fixed_bytes": MiB,
+        "available_ram_bytes": 17 * MiB,
+        "memory_fraction": 0.5,
+        "in_force": 7,
+        "oom_backoffs": 0,
+    }
+    assert batch_sizes_in_events(out, "score id_test with odin") == {7}
+    scores = pd.read_parquet(out / "scores.parquet")
+    whole, one_by_one = odin_scores_of_the_images(FASHION_ODIN, "id_test")
+    ran = torch.tensor(scores[scores.split == "id_test"]["odin"].to_numpy())
+    torch.testing.assert_close(ran, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ran, one_by_one, rtol=1e-5, atol=1e-6)
+
+
+def test_a_run_without_a_preflight_measures_odin_itself_and_sizes_its_batch_from_that(tmp_path, monkeypatch):
+    """``run_pipeline`` alone (the app's worker, the Python API): the run measures ODIN's batch before extracting
+    and passes ``min(256, max(1, floor((0.5 x available - fixed) / per_row)))`` rows at once."""
+    from oodviz.detectors import modelmemory
+    from oodviz.runs.pipeline import run_pipeline
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+
+    available = 128 * MiB
+    monkeypatch.setattr(modelmemory, "available_bytes", lambda device: available)
+    config = RunConfig.from_dict(FASHION_ODIN)
+    run = RunDir.create(tmp_path, config.to_dict())
+    run_pipeline(config, run, Reporter(run))
+    record = json.loads((run.path / "detectors.json").read_text())["odin"]["batch"]
+    assert record["measured"] and record["per_row_bytes"] > 10 * 1024  # autograd over a 28 x 28 image
+    expected = min(BATCH, max(1, (available // 2 - record["fixed_bytes"]) // record["per_row_bytes"]))
+    assert record["rows"] == expected and 1 < expected < BATCH
+    assert batch_sizes_in_events(run.path, "score ood:noise-gaussian with odin") == {expected}
+    notes = [json.loads(line) for line in (run.path / "events.jsonl").read_text().splitlines()]
+    assert any(e.get("stage") == "load data" and "measured batch of odin" in e.get("message", "") for e in notes)
+    scores = pd.read_parquet(run.path / "scores.parquet")
+    whole, _ = odin_scores_of_the_images(FASHION_ODIN, "noise-gaussian")
+    ran = torch.tensor(scores[scores.split == "ood"]["odin"].to_numpy())
+    torch.testing.assert_close(ran, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_rows_from_memory_is_the_arithmetic_of_the_measured_peak():
+    from oodviz.runs.batchprobe import ModelBatches, rows_from_memory, sized
+
+    peak = BatchPeak(
+        "odin", BATCH, fixed_bytes=10 * MiB, per_row_bytes=3 * MiB, gpu_fixed_bytes=MiB, gpu_per_row_bytes=MiB
+    )
+    assert rows_from_memory(peak, BATCH, ram=200 * MiB) == (100 - 10) // 3 == 30
+    assert rows_from_memory(peak, BATCH, ram=200 * MiB, gpu=41 * MiB) == int((20.5 - 1) // 1) == 19  # the GPU's
+    assert rows_from_memory(peak, 16, ram=200 * MiB) == 16  # never above the run's batch size
+    assert rows_from_memory(peak, BATCH, ram=10 * MiB) == 1  # at least one row (the pre-flight says if it is over)
+    extraction = BatchPeak("extraction", BATCH, fixed_bytes=10 * MiB, per_row_bytes=3 * MiB)
+    assert [p.rows for p in sized([extraction, peak], {"ram": 200 * MiB})] == [BATCH, 30]
+
+    class Odin:
+        name = "odin"
+        batch_rows = None
+
+    odin, batches = Odin(), ModelBatches([extraction, peak])
+    assert set(batches.peaks) == {"odin"}
+    assert (
+        batches.rows(odin, BATCH, torch.device("cpu"))
+        == odin.batch_rows
+        == rows_from_memory(peak, BATCH, ram=batches.records["odin"]["available_ram_bytes"])
+    )
+    batches.ran("odin", 4, 2)
+    batches.ran("odin", 8, 0)
+    assert (batches.records["odin"]["in_force"], batches.records["odin"]["oom_backoffs"]) == (4, 2)
+    unmeasured = Odin()
+    unmeasured.name = "mcd"
+    assert ModelBatches().rows(unmeasured, BATCH, torch.device("cpu")) == BATCH and unmeasured.batch_rows is None
 
 
 def test_batch_rows_scale_the_measured_line_and_name_the_batch_that_fits():
-    """Needs are ``fixed + rows x per_row``; the batch size fix is the largest whose every batch fits; the
-    extraction is never "left out"."""
+    """Needs are ``fixed + rows x per_row`` at the rows each batch has (a model-based detector's: those it chose,
+    :func:`~oodviz.runs.batchprobe.sized`); the batch size fix is the largest whose extraction batch fits; a
+    detector over at its rows is left out; the extraction is never "left out"."""
     estimate = {
         "feature_dim": 64,
         "num_classes": 10,
@@ -191,12 +376,36 @@ def test_batch_rows_scale_the_measured_line_and_name_the_batch_that_fits():
         ("ram", "batch of mcd (64 rows at once)"): 33 * MiB,
     }
     assert [(need.resource, need.what.split()[2]) for need in report.over] == [("ram", "odin"), ("gpu", "odin")]
-    # odin: (100 - 10) MiB / 1 MiB = 90 rows of RAM, (200 - 1) / 1 = 199 of GPU
-    assert report.fixes == [
-        "a smaller batch: batch_size=90 or less fits one batch through the model (now 256 rows)",
-        "fewer detectors: leave out odin (one batch of it is over the memory)",
-    ]
+    # odin chooses its own batch size: no batch_size fix for it, only leaving it out
+    assert report.fixes == ["fewer detectors: leave out odin (one batch of it is over the memory)"]
     only_extraction = assess(config, estimate, {"disk": 10**12, "ram": 50 * MiB}, batches=batches[:1])
     assert only_extraction.fixes == [
         "a smaller batch: batch_size=120 or less fits one batch through the model (now 256 rows)"
     ]
+
+
+def test_a_runs_own_probe_hands_each_peak_to_the_stage_before_resetting_it(monkeypatch):
+    """The probe resets the kernel's peak (VmHWM) before every pass; in a run the stage's peak so far is folded in
+    first (``Reporter.fold_kernel_peak``), so the load data stage's recorded peak still covers every pass."""
+    from types import SimpleNamespace
+
+    import oodviz.runs.telemetry
+    from oodviz.runs.batchprobe import ModelBatches, measure_for_run
+    from oodviz.runs.splits import load_split
+
+    order = []
+    reset = oodviz.runs.telemetry.reset_peak_rss
+    monkeypatch.setattr(oodviz.runs.telemetry, "reset_peak_rss", lambda: order.append("reset") or reset())
+    config = RunConfig.from_dict({**FASHION_ODIN, "batch_size": 16})
+    backbone = config.load_backbone()
+    job = SimpleNamespace(
+        config=config,
+        backbone=backbone,
+        datasets={"id_fit": load_split(config, config.id_fit, False, backbone.classes)},
+        model_batches=ModelBatches(),
+        reporter=SimpleNamespace(fold_kernel_peak=lambda: order.append("fold")),
+    )
+    notes = []
+    (peak,) = measure_for_run(job, SimpleNamespace(note=notes.append))
+    assert peak.what == "odin" and notes == [f"measured {peak.describe()}"]
+    assert len(order) >= 2 * 4 and order == ["fold", "reset"] * (len(order) // 2)  # four passes or more

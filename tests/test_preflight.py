@@ -126,7 +126,7 @@ def test_force_starts_the_unpooled_vit_run(tmp_path, capsys, vit_config, monkeyp
     class Started(Exception):
         pass
 
-    def execute(run, echo=None):  # the run itself would extract 52,000 ViT images: stop where it starts
+    def execute(run, echo=None, pipeline=None):  # the run itself would extract 52,000 ViT images: stop where it starts
         started.append(run.path)
         raise Started
 

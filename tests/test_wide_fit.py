@@ -199,3 +199,32 @@ def test_a_big_cpu_batch_reaches_the_gpu_a_chunk_at_a_time():
     assert torch.cuda.max_memory_allocated() - base < 48 * 2**20
     reference = create("mahalanobis").fit(_batches(x, y, size=4096)).score(Batch(x))
     torch.testing.assert_close(scores, reference, rtol=1e-3, atol=1e-3)
+
+
+def test_on_an_oversubscribed_cpu_the_gram_eigendecomposition_runs_on_one_blas_thread(monkeypatch):
+    """Load average above the core count: scipy's eigh runs inside a one-thread BLAS limit (threadpoolctl's own
+    report, read in the call) and the whitening is still the float64 pseudo-inverse; below it, the BLAS keeps its
+    threads."""
+    import os
+
+    from threadpoolctl import threadpool_info
+
+    threads, eigh = [], scipy.linalg.eigh
+
+    def recording(a, *args, **kwargs):
+        threads.append({info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"})
+        return eigh(a, *args, **kwargs)
+
+    monkeypatch.setattr(scipy.linalg, "eigh", recording)
+    x, y = _wide(dtype=torch.float64)
+    for load in (4.0 * (os.cpu_count() or 1), 0.0):
+        monkeypatch.setattr(os, "getloadavg", lambda load=load: (load, load, load))
+        rows = FewRows()
+        rows.add(x, y)
+        rows.release()
+        centred = (x - rows.means[y]).numpy()
+        s = rows.inverse_sqrt_within(torch.float64)
+        pinv = _pinv(centred.T @ centred / len(x))
+        np.testing.assert_allclose((s @ s.T).numpy(), pinv, rtol=1e-9, atol=1e-12 * np.abs(pinv).max())
+    blas_threads = {info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
+    assert threads == [{1}, blas_threads]

@@ -399,6 +399,9 @@ class ModelDetector(Detector):
     needs_model = True
     #: copies of one input's activations alive at once while scoring (see :mod:`oodviz.detectors.modelmemory`)
     activation_copies: ClassVar[int] = 1
+    #: inputs scored at once, set by a run from its batch probe (:class:`oodviz.runs.batchprobe.ModelBatches`);
+    #: None: from the activation estimate (:meth:`_chunk_bytes`)
+    batch_rows: int | None = None
 
     def __init__(self, model=None):
         self.model = _check_model_object(model)
@@ -464,10 +467,12 @@ class ModelDetector(Detector):
             return Detector.score(self, itertools.chain([first], iterator), device=device)
 
     def _chunk_bytes(self, batch: Batch, device: torch.device) -> int | None:
-        """Inputs scored at once: as many as fit in the memory share at the activation cost of one input,
-        measured once per input shape and device (:mod:`oodviz.detectors.modelmemory`); a plain callable
-        (no module to measure) gets the default."""
+        """Inputs scored at once: :attr:`batch_rows` when set, else as many as fit in the memory share at the
+        activation cost of one input, measured once per input shape and device (:mod:`oodviz.detectors.modelmemory`);
+        a plain callable (no module to measure) gets the default."""
         module = self.module
+        if batch.inputs is not None and self.batch_rows is not None:
+            return self.batch_rows * batch.inputs[0].numel() * batch.inputs.element_size()
         if module is None or batch.inputs is None:
             return None
         key = (tuple(batch.inputs.shape[1:]), batch.inputs.dtype, str(device))

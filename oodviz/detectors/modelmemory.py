@@ -12,6 +12,11 @@ pass with hooks (:func:`activation_bytes`; no graph, the random state restored, 
 ``copies`` the detector's ``activation_copies`` (ODIN 2: the activations and their gradients) and
 ``available`` the device's free memory (CUDA) or the host's available RAM. The out-of-memory back-off of
 :mod:`oodviz.engine.batched` stays as the safety net.
+
+This estimate serves a detector scored on its own (``create("odin", model=m).score(batches)``). A run measures
+instead: its batch probe (:mod:`oodviz.runs.batchprobe`) gives a model-based detector's peak per row and its
+fixed part, and the run passes ``rows_within(fixed, per_row, MEMORY_FRACTION x available)`` rows at once
+(:func:`oodviz.runs.batchprobe.rows_from_memory`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from torch import Tensor, nn
 
 #: the share of the available memory a model-based detector's activations may take
 MEMORY_FRACTION = 0.5
+#: rows "without a limit": a batch whose bytes do not grow with its rows
+NO_LIMIT = 10**9
 
 
 def activation_bytes(module: nn.Module, forward: Callable[[Tensor], object], x: Tensor) -> int:
@@ -56,6 +63,14 @@ def available_bytes(device: torch.device) -> int:
     return psutil.virtual_memory().available
 
 
+def rows_within(fixed_bytes: int, per_row_bytes: int, available: float) -> int:
+    """The most rows with ``fixed_bytes + rows x per_row_bytes <= available`` (0 when not even one;
+    :data:`NO_LIMIT` when the rows cost nothing and the fixed part fits)."""
+    if per_row_bytes <= 0:
+        return NO_LIMIT if fixed_bytes <= available else 0
+    return max(0, int((available - fixed_bytes) // per_row_bytes))
+
+
 def rows_that_fit(per_input_bytes: int, copies: int, device: torch.device) -> int:
     """How many inputs of ``per_input_bytes`` activations (``copies`` of them alive) fit in the memory share."""
-    return max(1, int(MEMORY_FRACTION * available_bytes(device) // max(1, copies * per_input_bytes)))
+    return max(1, rows_within(0, copies * per_input_bytes, MEMORY_FRACTION * available_bytes(device)))

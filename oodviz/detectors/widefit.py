@@ -13,7 +13,9 @@ and for ``Sigma = X_c^T X_c / N`` (eigenvalues ``lambda / N``) the whitening ``S
 
 keeping the eigenpairs above the cutoff ``D * eps(float64) * lambda_max`` of
 :func:`oodviz.detectors.mahalanobis.inverse_sqrt`, so both paths give the same ``Sigma^+`` (float64
-rounding apart). This is an exact path, not shrinkage: the scores equal those of the ``D x D`` path.
+rounding apart). This is an exact path, not shrinkage: the scores equal those of the ``D x D`` path. On an
+oversubscribed CPU the eigendecomposition runs on one BLAS thread (:func:`eigensolver_threads`): there, two
+threads made the N < D fits 2-4x slower than pytorch-ood 0.4's, one makes them as fast (``bench/RESULTS.md``).
 
 :class:`FewRows` keeps copies of the first rows of a fit stream while there are at most ``D / 2`` of
 them (``N x D`` in the features' dtype: at most a quarter of ``D^2`` float64 for float32 features) and
@@ -41,7 +43,9 @@ within-class rows ``c_i = x_i - mu_{y_i}`` and the class offsets ``o_k = mu_k - 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -69,6 +73,21 @@ def block_buffer(scratch: Scratch, name: str, shape: tuple[int, ...], device: to
     (blocks of varying sizes fragment its heap, which then grows by a block per allocation)."""
     size = math.prod(shape)
     return scratch.get(name, (max(size, BLOCK_BYTES // 8),), ACCUMULATE, device)[:size].view(shape)
+
+
+def eigensolver_threads(device: torch.device):
+    """The BLAS threads of the Gram matrix's eigendecomposition: one while the CPU is oversubscribed (its 1-minute
+    load average above its core count), else the library's own (a null context; also off the CPU).
+
+    LAPACK's symmetric eigensolvers reduce the matrix to tridiagonal form with level-2 BLAS, which synchronises
+    its threads at every column; when the cores are shared with other busy processes a descheduled thread stalls
+    the others: the 1000 x 1000 Gram matrix took 5.7-17.6 s on two threads and 0.95-1.8 s on one (scipy's MRRR and
+    divide-and-conquer drivers and torch's, same process, load average 13 on 2 cores; ``bench/RESULTS.md``)."""
+    if device.type != "cpu" or os.getloadavg()[0] <= (os.cpu_count() or 1):
+        return contextlib.nullcontext()
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def gram_inverse_sqrt(
@@ -106,7 +125,8 @@ def gram_inverse_sqrt(
             gram[rows] += torch.index_select(cross[rows], 1, labels, out=part)  # R[i, y_j]
             gram[rows] += torch.index_select(cross.T, 0, labels[rows], out=part)  # R[j, y_i]
         del cross
-    values, vectors = symmetric_eigh(gram, overwrite=True)  # ascending
+    with eigensolver_threads(device):
+        values, vectors = symmetric_eigh(gram, overwrite=True)  # ascending
     del gram
     cutoff = values.amax().clamp(min=0) * dim * torch.finfo(values.dtype).eps
     first = int((values <= cutoff).sum())  # ascending: the dropped eigenpairs come first

@@ -122,6 +122,12 @@ def context_lost(err: BaseException, device: torch.device, what: str) -> CudaCon
     )
 
 
+def autocast_for(precision: str, device: torch.device):
+    """The autocast context of ``precision`` (:data:`PRECISIONS`) on ``device``'s type; a null context for fp32."""
+    dtype = PRECISIONS[precision]
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type=device.type, dtype=dtype)
+
+
 def check_pass_options(batch_size, num_workers, precision) -> None:
     """A ValueError naming the fix when ``batch_size``, ``num_workers`` or ``precision`` is not usable."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -446,12 +452,7 @@ class BatchedPass:
         :raises torch.cuda.OutOfMemoryError: when even one row does not fit on the device
         :raises CudaContextLost: after a sticky CUDA error (in ``submit`` or ``collect``): the run must restart
         """
-        autocast_dtype = PRECISIONS[self.precision]
-        autocast = (
-            torch.autocast(device_type=self.device.type, dtype=autocast_dtype)
-            if autocast_dtype is not None
-            else contextlib.nullcontext()
-        )
+        autocast = autocast_for(self.precision, self.device)
         transform = getattr(self.backbone, "transform", None)
         loader, self.note = make_loader(self.dataset, transform, self.batch_size, self.num_workers, self.device)
         iterator = iter(loader)

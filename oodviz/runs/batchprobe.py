@@ -34,11 +34,20 @@ the pass's fixed part once per ``n`` rows, again on the safe side). A model whos
 over a quarter of :data:`PROBE_SECONDS` (ViT-B on a CPU) is measured by that pass alone: ``per_row = first``,
 ``fixed = 0``, an upper bound (its fixed part counted once per row) at the cost of one row.
 
-The batch a run passes at once needs ``fixed + rows x per_row``: ``rows`` = the run's
-``batch_size`` for the extraction and for the fits of adascale and gram (a fit step takes the whole batch),
-``min(batch_size, rows_that_fit)`` for scoring (``ModelDetector`` scores a batch in chunks sized by
-:func:`oodviz.detectors.modelmemory.rows_that_fit` on this machine). Measured in float32 whatever the run's
-``precision`` (autocast needs less: an upper bound).
+Every pass runs under the autocast of the run's ``precision`` (:func:`oodviz.engine.batched.autocast_for`), as
+the run's passes do: a bf16 run is measured in bf16.
+
+The batch a run passes at once needs ``fixed + rows x per_row``: ``rows`` = the run's ``batch_size`` for the
+extraction; a model-based detector gets a batch size of its own from its measured peak and the memory available
+when it runs (:func:`rows_from_memory`),
+
+    rows = min(batch_size, max(1, floor((MEMORY_FRACTION x available - fixed) / per_row)))
+
+over the host's available RAM, and on CUDA the GPU's free memory as well (the smaller), ``MEMORY_FRACTION`` of
+:mod:`oodviz.detectors.modelmemory` (a half): the pre-flight sizes it with the machine's limits, and the run
+(:class:`ModelBatches`) again when the detector first runs, from the peaks the pre-flight measured in the same
+process (``oodviz run``) or measured by the run itself before extracting (:func:`measure_for_run`). The
+out-of-memory back-off of :mod:`oodviz.engine.batched` halves it further if a batch still fails.
 """
 
 from __future__ import annotations
@@ -47,10 +56,11 @@ import ctypes
 import gc
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
+from oodviz.detectors.modelmemory import NO_LIMIT
 from oodviz.runs.config import RunConfig
 
 #: host bytes the probe's batch may take, at the one-row peak (and at most a quarter of the available RAM)
@@ -108,12 +118,15 @@ def trim_heap() -> None:
         pass
 
 
-def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, int | None, float]:
+def pass_peak(
+    work: Callable[[], object], device: torch.device, before_reset: Callable[[], None] | None = None
+) -> tuple[int, int | None, float]:
     """(host bytes, GPU bytes or None) that ``work()`` took above what was held before it, at its peak, and the
-    seconds it took (this process's CPU seconds on the CPU, wall seconds on CUDA)."""
+    seconds it took (this process's CPU seconds on the CPU, wall seconds on CUDA). ``before_reset()`` is called
+    before the kernel's peak is reset (a run's stage keeps the peak so far: ``Reporter.fold_kernel_peak``)."""
     from oodviz.runs.telemetry import cpu_rss_bytes, peak_rss_bytes, reset_peak_rss
 
-    gc.collect()
+    gc.collect(1)  # the young generations, where the previous pass's cycles are: a full one takes 0.3 s in a run
     trim_heap()
     cuda = device.type == "cuda"
     if cuda:
@@ -121,6 +134,8 @@ def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, in
         torch.cuda.reset_peak_memory_stats(device)
         gpu_before = torch.cuda.memory_allocated(device)
     before = cpu_rss_bytes()
+    if before_reset is not None:
+        before_reset()
     if not reset_peak_rss():
         raise BatchProbeError("the batch probe needs Linux's /proc/self/clear_refs to measure peak memory")
     clock = time.perf_counter if cuda else time.process_time  # CPU time: the same on a loaded machine
@@ -133,14 +148,30 @@ def pass_peak(work: Callable[[], object], device: torch.device) -> tuple[int, in
     return host, (torch.cuda.max_memory_allocated(device) - gpu_before) if cuda else None, seconds
 
 
-def measure(what: str, run: Callable[[torch.Tensor, torch.Tensor], object], inputs, rows: int, device) -> BatchPeak:
+def measure(
+    what: str,
+    run: Callable[[torch.Tensor, torch.Tensor], object],
+    inputs,
+    rows: int,
+    device,
+    precision: str = "fp32",
+    before_reset: Callable[[], None] | None = None,
+) -> BatchPeak:
     """:class:`BatchPeak` of ``run(inputs, labels)`` (see the module's docstring) on :class:`ProbeInputs`, for
-    batches of ``rows``."""
+    batches of ``rows``, under the autocast of ``precision`` (``before_reset``: as for :func:`pass_peak`)."""
     import psutil
+
+    from oodviz.engine.batched import autocast_for
 
     def passes(n: int, times: int = 1) -> tuple[int, int | None, float]:
         x, y = inputs.take(n)
-        return pass_peak(lambda: [run(x, y) for _ in range(times)], device)
+
+        def work() -> None:
+            with autocast_for(precision, device):
+                for _ in range(times):
+                    run(x, y)
+
+        return pass_peak(work, device, before_reset)
 
     x1 = inputs.take(1)[0]
     input_row = x1.numel() * x1.element_size()  # the batch's own inputs, made before each pass: added per row
@@ -185,13 +216,14 @@ class ProbeInputs:
         return torch.stack([self.inputs[i] for i in order]), torch.tensor([self.labels[i] for i in order])
 
 
-def model_detector_pass(name: str, params: dict, backbone, device: torch.device, batch_size: int, inputs):
-    """(the pass ``run(inputs, labels)`` of detector ``name``, the rows a run gives it at once)."""
+def model_detector_pass(name: str, params: dict, backbone, device: torch.device):
+    """The pass ``run(inputs, labels)`` of detector ``name`` made as a run makes it: its fit on the batch when it
+    learns from inputs, then its score."""
     from oodviz.batch import Batch
     from oodviz.detectors import create
-    from oodviz.detectors.modelmemory import activation_bytes, rows_that_fit
 
     detector = create(name, **{**params, "model": backbone})
+    detector.batch_rows = NO_LIMIT  # the whole batch at once: the probe measures what one batch of it takes
 
     def run(inputs: torch.Tensor, labels: torch.Tensor) -> None:
         batch = Batch(inputs=inputs.to(device), labels=labels.to(device))
@@ -199,17 +231,21 @@ def model_detector_pass(name: str, params: dict, backbone, device: torch.device,
             detector.fit(batch, device=device)
         detector.score(batch, device=device)
 
-    module = detector.module
-    if detector.needs_fit or module is None:
-        return run, batch_size
-    per_input = activation_bytes(module, detector.logits, inputs.take(1)[0].to(device))
-    return run, min(batch_size, rows_that_fit(per_input, detector.activation_copies, device))
+    return run
 
 
-def batch_peaks(config: RunConfig, backbone, dataset) -> tuple[list[BatchPeak], dict[str, str]]:
-    """The :class:`BatchPeak` of the extraction and of every model-based detector of ``config`` (``backbone``
-    loaded, ``dataset`` the ID fit split), in this process, and ``{detector: error}`` for those that cannot run
-    on this model (the run's own stage reports them too)."""
+def batch_peaks(
+    config: RunConfig,
+    backbone,
+    dataset,
+    extraction: bool = True,
+    names: list[str] | None = None,
+    before_reset: Callable[[], None] | None = None,
+) -> tuple[list[BatchPeak], dict[str, str]]:
+    """The :class:`BatchPeak` of the extraction (unless not ``extraction``) and of every model-based detector of
+    ``config`` (those in ``names`` when given), at ``config.batch_size`` rows (``backbone`` loaded, ``dataset``
+    the ID fit split), in this process, and ``{detector: error}`` for those that cannot run on this model (the
+    run's own stage reports them too). ``before_reset``: as for :func:`pass_peak`."""
     from oodviz.detectors import detector_class
     from oodviz.models.placement import model_on_device
     from oodviz.runs.pipeline import resolve_device
@@ -218,20 +254,124 @@ def batch_peaks(config: RunConfig, backbone, dataset) -> tuple[list[BatchPeak], 
     inputs = ProbeInputs(backbone, dataset)
     module = backbone.model if isinstance(backbone.model, torch.nn.Module) else None
 
-    def extraction(inputs: torch.Tensor, _labels) -> None:
+    def extract(inputs: torch.Tensor, _labels) -> None:
         with torch.inference_mode():
             backbone.features_and_logits(inputs.to(device))
 
     peaks, failed = [], {}
     with model_on_device(module, device):
-        peaks.append(measure(EXTRACTION, extraction, inputs, config.batch_size, device))
+        if extraction:
+            peaks.append(
+                measure(EXTRACTION, extract, inputs, config.batch_size, device, config.precision, before_reset)
+            )
         for choice in config.detectors:
-            if detector_class(choice.name).needs_model:
+            if detector_class(choice.name).needs_model and (names is None or choice.name in names):
                 try:
-                    run, rows = model_detector_pass(
-                        choice.name, choice.params, backbone, device, config.batch_size, inputs
+                    run = model_detector_pass(choice.name, choice.params, backbone, device)
+                    peaks.append(
+                        measure(choice.name, run, inputs, config.batch_size, device, config.precision, before_reset)
                     )
-                    peaks.append(measure(choice.name, run, inputs, rows, device))
                 except (ValueError, TypeError, RuntimeError) as error:  # e.g. mcd on a model without dropout
                     failed[choice.name] = f"{type(error).__name__}: {error}"
     return peaks, failed
+
+
+def rows_from_memory(peak: BatchPeak, batch_size: int, ram: int, gpu: int | None = None) -> int:
+    """The rows a model-based detector passes at once (the module's docstring): at most ``batch_size``, at least
+    one, and as many as fit ``MEMORY_FRACTION`` of ``ram`` (available host bytes) and, when the peak was measured on
+    a GPU, of ``gpu`` (free device bytes)."""
+    from oodviz.detectors.modelmemory import MEMORY_FRACTION, rows_within
+
+    rows = rows_within(peak.fixed_bytes, peak.per_row_bytes, MEMORY_FRACTION * ram)
+    if gpu is not None and peak.gpu_per_row_bytes is not None:
+        rows = min(rows, rows_within(peak.gpu_fixed_bytes, peak.gpu_per_row_bytes, MEMORY_FRACTION * gpu))
+    return min(batch_size, max(1, rows))
+
+
+def sized(peaks: list[BatchPeak], limits: dict[str, int]) -> list[BatchPeak]:
+    """``peaks`` with each model-based detector's ``rows`` the batch size it gets within ``limits`` (``ram``, and
+    ``gpu`` on CUDA; :func:`rows_from_memory`); the extraction's stay the run's batch size."""
+    return [
+        peak
+        if peak.what == EXTRACTION
+        else replace(peak, rows=rows_from_memory(peak, peak.rows, limits["ram"], limits.get("gpu")))
+        for peak in peaks
+    ]
+
+
+class ModelBatches:
+    """The batch size of each model-based detector of a run (the run's ``Job.model_batches``): ``peaks`` by
+    detector name, from the pre-flight or :func:`measure_for_run`; :meth:`rows` chooses a detector's batch size
+    the first time it runs (:func:`rows_from_memory`, the memory available then) and keeps it for the run's
+    later passes; :attr:`records` is what ``detectors.json`` shows under ``batch``."""
+
+    def __init__(self, peaks: list[BatchPeak] | None = None):
+        self.peaks = {peak.what: peak for peak in peaks or [] if peak.what != EXTRACTION}
+        self.records: dict[str, dict] = {}
+        self.not_measured: dict[str, str] = {}
+
+    def rows(self, detector, batch_size: int, device: torch.device) -> int:
+        """The rows ``detector`` passes at once; without a measured peak, ``batch_size`` (the detector then
+        scores it in chunks of its own activation estimate, :mod:`oodviz.detectors.modelmemory`)."""
+        from oodviz.detectors.modelmemory import MEMORY_FRACTION, available_bytes
+
+        name = detector.name
+        if name not in self.records:
+            peak = self.peaks.get(name)
+            if peak is None:
+                why = self.not_measured.get(name, "no batch probe ran")
+                self.records[name] = {"rows": batch_size, "run_batch_size": batch_size, "measured": False, "why": why}
+            else:
+                ram = available_bytes(torch.device("cpu"))
+                gpu = available_bytes(device) if device.type == "cuda" else None
+                record = {
+                    "rows": rows_from_memory(peak, batch_size, ram, gpu),
+                    "run_batch_size": batch_size,
+                    "measured": True,
+                    "per_row_bytes": peak.per_row_bytes,
+                    "fixed_bytes": peak.fixed_bytes,
+                    "available_ram_bytes": ram,
+                    "memory_fraction": MEMORY_FRACTION,
+                }
+                if gpu is not None:
+                    record.update(
+                        gpu_per_row_bytes=peak.gpu_per_row_bytes,
+                        gpu_fixed_bytes=peak.gpu_fixed_bytes,
+                        available_gpu_bytes=gpu,
+                    )
+                self.records[name] = record
+            self.records[name].update(in_force=self.records[name]["rows"], oom_backoffs=0)
+        record = self.records[name]
+        detector.batch_rows = record["rows"] if record["measured"] else None
+        return record["rows"]
+
+    def ran(self, name: str, batch_size_in_force: int, oom_backoffs: int) -> None:
+        """After a pass of detector ``name``: the smallest batch size in force so far and the back-offs in all."""
+        record = self.records[name]
+        record["in_force"] = min(record["in_force"], batch_size_in_force)
+        record["oom_backoffs"] += oom_backoffs
+
+
+def measure_for_run(job, stage) -> list[BatchPeak]:
+    """Measure, in the run's process before it extracts anything, the model-based detectors of ``job`` whose peak
+    the pre-flight did not hand over (``job.model_batches``); each measured line is a note of ``stage``, and a
+    detector that cannot be measured keeps the run's batch size (why, in ``detectors.json``). Returns every
+    detector's peak."""
+    from oodviz.detectors import detector_class
+
+    batches = job.model_batches
+    missing = [
+        c.name for c in job.config.detectors if detector_class(c.name).needs_model and c.name not in batches.peaks
+    ]
+    if missing:
+        try:  # the probe resets the kernel's peak before each pass: the stage folds in its peak so far first
+            peaks, failed = batch_peaks(
+                job.config, job.backbone, job.datasets["id_fit"], False, missing, job.reporter.fold_kernel_peak
+            )
+        except BatchProbeError as error:
+            peaks, failed = [], dict.fromkeys(missing, str(error))
+        batches.peaks.update((peak.what, peak) for peak in peaks)
+        batches.not_measured.update(failed)
+        for peak in peaks:
+            stage.note(f"measured {peak.describe()}")
+    return list(batches.peaks.values())

@@ -4,7 +4,10 @@ Detectors that run the model again (``needs_model``) read no feature store: :fun
 fits those that learn from in-distribution inputs (adascale, gram) on the ID fit split's images, and
 :func:`score_with_model` scores a split's images, both through :func:`oodviz.engine.score_inputs`
 (batching, OOM back-off, progress, cancel) with the job's device and loader settings
-(``Job.model_pass_options``). :mod:`oodviz.runs.pipeline` calls them from its fit and score stages.
+(``Job.model_pass_options``) and the detector's own batch size: from its measured peak and the memory available
+when it first runs (``Job.model_batches``, :class:`oodviz.runs.batchprobe.ModelBatches`), recorded with the
+batch size in force after any out-of-memory back-off under ``batch`` in ``detectors.json``.
+:mod:`oodviz.runs.pipeline` calls them from its fit and score stages.
 """
 
 from __future__ import annotations
@@ -17,6 +20,24 @@ from oodviz.runs.reporter import Stage
 
 if TYPE_CHECKING:
     from oodviz.runs.pipeline import Job
+
+
+def pass_options(job: Job, detector, stage: Stage) -> dict:
+    """``Job.model_pass_options`` with ``detector``'s own batch size (noted on ``stage`` the first time)."""
+    first = detector.name not in job.model_batches.records
+    rows = job.model_batches.rows(detector, job.config.batch_size, job.device)
+    record = job.model_batches.records[detector.name]
+    if first:
+        how = "from its measured peak and the memory available" if record["measured"] else record["why"]
+        stage.note(f"{detector.name}: {rows:,} rows at once ({how}; the run's batch size is {job.config.batch_size:,})")
+    return {**job.model_pass_options(stage), "batch_size": rows}
+
+
+def ran(job: Job, detector, result) -> None:
+    """Record the batch size in force after ``result``'s pass (``detectors.json``'s ``batch``)."""
+    job.model_batches.ran(detector.name, result.batch_size_in_force, result.oom_backoffs)
+    if detector.name in job.detector_log:
+        job.detector_log[detector.name]["batch"] = job.model_batches.records[detector.name]
 
 
 def fit_on_inputs(job: Job, detector, stage: Stage) -> None:
@@ -32,8 +53,9 @@ def fit_on_inputs(job: Job, detector, stage: Stage) -> None:
             job.backbone,
             job.datasets["id_fit"],
             what=f"fitting {detector.name} on",
-            **job.model_pass_options(stage),
+            **pass_options(job, detector, stage),
         )
+        ran(job, detector, result)
         detector.end_pass(pass_index, result.scores)
 
 
@@ -47,8 +69,9 @@ def score_with_model(job: Job, detector, split: str, stage: Stage) -> np.ndarray
         job.backbone,
         job.datasets[split],
         what=f"scoring {detector.name} on",
-        **job.model_pass_options(stage),
+        **pass_options(job, detector, stage),
     )
+    ran(job, detector, result)
     if not np.array_equal(result.indices, np.asarray(store.indices)):
         raise ValueError(
             f"the dataset gave other items ({len(result.indices)} rows) than when its features were extracted "

@@ -50,6 +50,7 @@ from oodviz.results import (
     score_frame,
     write_table,
 )
+from oodviz.runs.batchprobe import ModelBatches, measure_for_run, sized
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.layers import combine_layers, detector_columns, extract_layers_split, record_layers
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
@@ -128,6 +129,7 @@ class Job:
     frames: list = field(default_factory=list)
     scores: pd.DataFrame | None = None
     tuning: dict = field(default_factory=dict)
+    model_batches: ModelBatches = field(default_factory=ModelBatches)
 
     @property
     def splits(self) -> list[tuple[str, DatasetChoice, bool]]:
@@ -205,8 +207,10 @@ def load_model(job: Job) -> None:
 def load_data(job: Job) -> None:
     """Open every split's dataset, then, before any extraction: refuse detector parameters the data's sizes
     rule out (knn ``k`` above the fit rows, vim ``dim`` >= D), warn when the ID classes are not the model's,
-    refuse a run whose new feature stores would not fit on the disk, and warn when a need is over the machine's
-    limits (:mod:`oodviz.runs.preflight`; ``oodviz run`` refuses such a run before it starts, unless ``--force``)."""
+    refuse a run whose new feature stores would not fit on the disk, measure one batch of each model-based detector
+    the pre-flight did not (:func:`oodviz.runs.batchprobe.measure_for_run`: their batch sizes come from it), and
+    warn when a need is over the machine's limits (:mod:`oodviz.runs.preflight`; ``oodviz run`` refuses such a run
+    before it starts, unless ``--force``)."""
     from oodviz.data import class_mismatch
     from oodviz.models import estimate_memory
     from oodviz.runs.preflight import assess, disk_cap_bytes, layer_estimates, machine_limits, splits_to_extract
@@ -233,7 +237,8 @@ def load_data(job: Job) -> None:
         )
         new = check_disk_space(job, estimate, layers)
         limits = machine_limits(root, job.device, disk_cap_bytes(config))
-        report = assess(config, next(iter(layers.values()))[0] if layers else estimate, limits, new, layers)
+        batches = sized(measure_for_run(job, stage), limits)  # model-based detectors' batches, measured here
+        report = assess(config, next(iter(layers.values()))[0] if layers else estimate, limits, new, layers, batches)
         if not report.fits:  # started anyway (--force, the app's "run anyway"): say what will not fit
             job.reporter.warn(report.message())
 
@@ -468,10 +473,12 @@ STAGES = (
 )
 
 
-def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter) -> list[str]:
+def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter, batch_peaks: list | None = None) -> list[str]:
     """Run every stage of :data:`STAGES` on ``config``'s job, writing its results into ``run``; returns
-    the detectors that failed (:func:`failed_detectors`). RuntimeError when every detector failed."""
+    the detectors that failed (:func:`failed_detectors`). RuntimeError when every detector failed.
+    ``batch_peaks``: the pre-flight's :class:`~oodviz.runs.batchprobe.BatchPeak` (measured in this process)."""
     job = start_job(config, run, reporter)
+    job.model_batches = ModelBatches(batch_peaks)
     for stage in STAGES:
         stage(job)
     return failed_detectors(job)

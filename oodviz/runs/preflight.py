@@ -12,7 +12,11 @@ Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
 - **RAM (and GPU) of one batch through the model**, when the run has model-based detectors (odin, mcd, rankfeat,
   adascale, gram): the extraction batch and each such detector's batch (odin's autograd, mcd's dropout passes),
   measured by a one-batch probe (:mod:`oodviz.runs.batchprobe`; in the app, inside the estimate's own process)
-  and scaled to the rows the run passes at once; over the limit, the fixes are a smaller batch and leaving those detectors out.
+  in the run's precision and scaled to the rows the run passes at once: the extraction's ``batch_size``, and for
+  each such detector the batch size of its own that the memory allows
+  (:func:`~oodviz.runs.batchprobe.rows_from_memory`), so that only a detector of which not even one row fits is
+  over. Over the limit, the fixes are the largest ``batch_size`` whose extraction batch fits, and leaving out the
+  detectors that do not fit at one row.
 
 A run over several layers (``RunConfig.layers``) needs a store per layer and split, and fits each detector that
 reads features at every layer (:func:`oodviz.runs.layers.detector_columns`): each layer's ``D`` counts, so
@@ -32,12 +36,11 @@ from pathlib import Path
 import psutil
 
 from oodviz.models.memory import format_bytes
+from oodviz.runs.batchprobe import EXTRACTION
 
 #: Features wider than this get the detectors with a ``D x D`` state named even when they fit.
 WIDE_FEATURES = 16_384
 KNN_DEFAULT_CHUNK = 16_384
-#: rows "without a limit": a batch whose bytes do not grow with its rows
-NO_LIMIT = 10**9
 
 
 @dataclass
@@ -213,11 +216,10 @@ def batch_needs(batches: list, limits: dict[str, int]) -> list[Need]:
 
 
 def batch_fixes(batches: list, limits: dict[str, int]) -> list[str]:
-    """For batches over the memory: the largest ``batch_size`` whose batches fit (``fixed + rows x per_row`` at
-    most the available RAM, and GPU memory on CUDA), and the model-based detectors to leave out."""
-
-    def rows_within(fixed: int, per_row: int, available: int) -> int:
-        return (available - fixed) // per_row if per_row else (NO_LIMIT if fixed <= available else 0)
+    """For batches over the memory: the largest ``batch_size`` whose extraction batch fits (``fixed + rows x
+    per_row`` at most the available RAM, and GPU memory on CUDA), and the model-based detectors to leave out (they
+    choose a batch size of their own: over at the rows they chose, they are over at one row)."""
+    from oodviz.detectors.modelmemory import rows_within
 
     def rows_that_fit(peak) -> int:
         rows = rows_within(peak.fixed_bytes, peak.per_row_bytes, limits["ram"])
@@ -227,15 +229,13 @@ def batch_fixes(batches: list, limits: dict[str, int]) -> list[str]:
 
     over = [(peak, rows_that_fit(peak)) for peak in batches]
     over = [(peak, rows) for peak, rows in over if rows < peak.rows]
-    if not over:
-        return []
     found = []
-    fitting, largest = min(rows for _, rows in over), max(peak.rows for peak, _ in over)
-    if fitting >= 1:
-        found.append(
-            f"a smaller batch: batch_size={fitting:,} or less fits one batch through the model (now {largest:,} rows)"
-        )
-    detectors = [peak.what for peak, _ in over if peak.what != "extraction"]
+    for peak, rows in over:
+        if peak.what == EXTRACTION and rows >= 1:
+            found.append(
+                f"a smaller batch: batch_size={rows:,} or less fits one batch through the model (now {peak.rows:,} rows)"
+            )
+    detectors = [peak.what for peak, _ in over if peak.what != EXTRACTION]
     if detectors:
         found.append(f"fewer detectors: leave out {', '.join(detectors)} (one batch of it is over the memory)")
     return found
@@ -311,12 +311,13 @@ def preflight(config, runs_root) -> Preflight:
     detectors, one batch of the extraction and of each of them is measured
     (:func:`oodviz.runs.batchprobe.batch_peaks`), when the stores and the fits fit (a refusal for those comes
     first, without the cost of running the model); the report's ``estimate`` gets ``batch_peaks`` (each
-    :class:`~oodviz.runs.batchprobe.BatchPeak` as a dict) and ``batch_probe_failed`` (what could not be
+    :class:`~oodviz.runs.batchprobe.BatchPeak` as a dict, a model-based detector's ``rows`` the batch size it gets
+    within these limits, :func:`~oodviz.runs.batchprobe.sized`) and ``batch_probe_failed`` (what could not be
     measured, and why)."""
     from oodviz.detectors import detector_class
     from oodviz.engine import STORES_DIRNAME
     from oodviz.models import estimate_memory
-    from oodviz.runs.batchprobe import BatchProbeError, batch_peaks
+    from oodviz.runs.batchprobe import BatchProbeError, batch_peaks, sized
     from oodviz.runs.pipeline import resolve_device
     from oodviz.runs.splits import load_split, run_splits
 
@@ -344,6 +345,7 @@ def preflight(config, runs_root) -> Preflight:
             batches, failed = batch_peaks(config, backbone, datasets["id_fit"])
         except BatchProbeError as error:  # the store and fit checks stand without it
             failed = {"batch probe": str(error)}
+        batches = sized(batches, limits)
         report = assess(config, estimate, limits, new, layers, batches)
     report.estimate.update(batch_peaks=[asdict(peak) for peak in batches], batch_probe_failed=failed)
     return report

@@ -104,7 +104,7 @@ class Reporter:
         cuda = self.device is not None and self.device.type == "cuda"
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._fold_kernel_peak()  # an enclosing stage keeps the peak so far before the reset
+        self.fold_kernel_peak()  # an enclosing stage keeps the peak so far before the reset
         stage.kernel_peak = reset_peak_rss()
         self._open.append(stage)
         self.run.write_status(stage=name)
@@ -112,7 +112,7 @@ class Reporter:
         try:
             yield stage
         finally:
-            self._fold_kernel_peak()
+            self.fold_kernel_peak()
             self._open.remove(stage)
         if cuda:  # the stage's kernels may still be running: its time ends when they do
             torch.cuda.synchronize(self.device)
@@ -128,7 +128,7 @@ class Reporter:
         self._summary[name] = summary
         self.emit(stage, {"event": "end", **summary})
 
-    def _fold_kernel_peak(self) -> None:
+    def fold_kernel_peak(self) -> None:
         """Add the kernel's peak RSS since the last reset to every open stage that measures by it."""
         peak = peak_rss_bytes()
         for stage in self._open:

@@ -365,6 +365,8 @@ _OUT_OF_MEMORY = ("out of memory", "can't allocate", "cannot allocate", "memorye
 _LEAVE_OUT = re.compile(r"leave out ([a-z0-9_]+(?:, [a-z0-9_]+)*)")
 _LARGEST_SPLIT = re.compile(r"subsample the largest splits \((\w+): ([\d,]+) samples\)")
 _WIDEST_LAYER = re.compile(r"fewer layers: the widest is (\S+) \(D=([\d,]+)\)")
+#: the pre-flight's "a smaller batch: batch_size=N or less fits ..."
+_BATCH_THAT_FITS = re.compile(r"batch_size=([\d,]+) or less")
 
 
 def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
@@ -377,7 +379,8 @@ def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
     - "leave out A, B": those detectors out (when others remain);
     - "subsample the largest splits (S: N samples)": every split at most ``N // 2`` images;
     - "float16": ``feature_dtype="float16"``;
-    - an allocation failure or the OOM killer (:data:`_OUT_OF_MEMORY`): a quarter of the batch size.
+    - "batch_size=N or less" (the pre-flight's batch that fits): ``batch_size=N``; otherwise an allocation
+      failure or the OOM killer (:data:`_OUT_OF_MEMORY`): a quarter of the batch size.
 
     A fix that would change nothing is left out; an empty list when the message names none."""
     lower = message.lower()
@@ -404,8 +407,12 @@ def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
             found.append(FormFix(f"Subsample every split to at most {cap:,} images", replace(values, **capped)))
     if "float16" in lower and values.feature_dtype != "float16":
         found.append(FormFix("Store the features as float16", replace(values, feature_dtype="float16")))
-    if any(marker in lower for marker in _OUT_OF_MEMORY) and values.batch_size > 1:
-        smaller = max(values.batch_size // 4, 1)
+    named_batch = _BATCH_THAT_FITS.search(lower)
+    if named_batch:
+        smaller = min(max(int(named_batch.group(1).replace(",", "")), 1), values.batch_size)
+    else:
+        smaller = max(values.batch_size // 4, 1) if any(marker in lower for marker in _OUT_OF_MEMORY) else None
+    if smaller is not None and smaller < values.batch_size:
         found.append(FormFix(f"Batch size {values.batch_size:,} → {smaller:,}", replace(values, batch_size=smaller)))
     return found
 
