@@ -160,8 +160,11 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
         format_func=lambda d: f"{d} (best mean AUROC)" if d == page.best else d,
     )
     keep("detector", page.detector)
-    with st.expander(f"What {page.detector} does"):  # full width: the formula fits
-        teaching_panel(page.detector)
+    # full width: the formula fits; drawn only once opened (the detector classes, torch modules, are imported then)
+    about = st.expander(f"What {page.detector} does", key=f"teaching-{page.detector}", on_change="rerun")
+    if about.open:
+        with about:
+            teaching_panel(page.detector)
     if not with_threshold:
         return
     bases = [EVERY_SET, *page.sets, POOLED]
