@@ -57,35 +57,4 @@ def feature_shape(backbone, sample_input=None):
     return backbone.feature_shape(sample_input)
 
 
-__all__ = [
-    "DEVICE_CHOICES",
-    "POOLINGS",
-    "Backbone",
-    "DigitsCNN",
-    "DigitsTransform",
-    "FashionCNN",
-    "FashionTransform",
-    "FeatureShape",
-    "MemoryEstimate",
-    "RGBTransform",
-    "available_backbones",
-    "architecture_layer_names",
-    "backbone_classes",
-    "backbone_family",
-    "backbone_info",
-    "default_weights_dir",
-    "describe_memory",
-    "device_problem",
-    "digits_arrays",
-    "estimate_memory",
-    "feature_shape",
-    "format_bytes",
-    "imagenet_transform",
-    "load_backbone",
-    "load_scripted",
-    "model_on_device",
-    "parse_device",
-    "pool_features",
-    "warn_if_over",
-    "wrap_model",
-]
+__all__ = sorted([*_MODULE_OF, "feature_shape"])
