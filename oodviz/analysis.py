@@ -227,14 +227,18 @@ def counts_at_threshold(scores: pd.DataFrame, detector: str, threshold: float) -
     """
     check_detector(scores, detector)
     threshold = float(threshold)
-    id_values = score_values(scores[scores.split == ID_SPLIT], detector)
+    split = scores.split.to_numpy()
+    values = score_values(scores, detector)
+    id_values = values[split == ID_SPLIT]
     false_alarms = int((id_values >= threshold).sum())
+    is_ood = split == OOD_SPLIT
+    # one pass over the OOD rows, counted per set (codes in order of first appearance: ood_datasets_of's order)
+    codes, names = pd.factorize(scores.dataset.to_numpy()[is_ood])
+    sizes = np.bincount(codes, minlength=len(names))
+    misses = np.bincount(codes, weights=values[is_ood] < threshold, minlength=len(names))
     ood = {}
-    for name in ood_datasets_of(scores):
-        v = score_values(scores[(scores.split == OOD_SPLIT) & (scores.dataset == name)], detector)
-        missed = int((v < threshold).sum())
-        n = int(v.size)
-        ood[name] = {"n": n, "detected": n - missed, "missed": missed, "miss_rate": _rate(missed, n)}
+    for name, n, missed in zip(names, sizes.tolist(), misses.astype(np.int64).tolist()):
+        ood[str(name)] = {"n": n, "detected": n - missed, "missed": missed, "miss_rate": _rate(missed, n)}
     n_ood = sum(d["n"] for d in ood.values())
     missed = sum(d["missed"] for d in ood.values())
     return {

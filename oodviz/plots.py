@@ -181,13 +181,43 @@ def histogram_figure(
     if mode == "log count":
         fig.update_yaxes(type="log")
     if threshold is not None:
-        fig.add_vline(
-            x=float(threshold),
-            line={"color": THRESHOLD_COLOR, "width": 2, "dash": "dash"},
-            annotation_text=f"{threshold_label}: {float(threshold):.4g}",
-            annotation_position="top right",
-            annotation_font_size=11,
-        )
+        threshold_line(fig, float(threshold), f"{threshold_label}: {float(threshold):.4g}")
+    return fig
+
+
+def threshold_line(fig: go.Figure, x: float, text: str) -> go.Figure:
+    """A vertical dashed line at ``x`` over the whole plot height, annotated ``text`` at its top right: what
+    ``fig.add_vline(x, annotation_position="top right")`` draws, set unchecked (add_vline's checks were a third
+    of the histogram's build, redone at every slider step); ``tests/test_plots.py`` checks both agree."""
+    validate, fig.layout._validate = fig.layout._validate, False
+    try:
+        fig.layout["shapes"] = [
+            {
+                "type": "line",
+                "x0": x,
+                "x1": x,
+                "xref": "x",
+                "y0": 0,
+                "y1": 1,
+                "yref": "y domain",
+                "line": {"color": THRESHOLD_COLOR, "width": 2, "dash": "dash"},
+            }
+        ]
+        fig.layout["annotations"] = [
+            {
+                "text": text,
+                "x": x,
+                "xref": "x",
+                "y": 1,
+                "yref": "y domain",
+                "xanchor": "left",
+                "yanchor": "top",
+                "showarrow": False,
+                "font": {"size": 11},
+            }
+        ]
+    finally:
+        fig.layout._validate = validate
     return fig
 
 

@@ -154,6 +154,7 @@ def test_counts_at_threshold_match_direct_computation(scores):
         missed = int((v < threshold).sum())
         missed_total += missed
         assert counts["ood"][name] == {"n": n, "detected": n - missed, "missed": missed, "miss_rate": missed / n}
+    assert list(counts["ood"]) == list(pd.unique(scores.loc[scores.split == "ood", "dataset"]))  # config order
     assert counts["total"] == {
         "n_id": 200,
         "n_ood": 250,

@@ -149,6 +149,24 @@ def shown_threshold_tab(app, tab):
     return app.run()
 
 
+def test_the_shared_detectors_explanation_is_drawn_once_opened(app):
+    """ "What <detector> does" above the tabs draws nothing while closed (it imports the detector classes, torch
+    modules); opened, it shows the formula the detector's module declares."""
+    from oodviz.detectors import describe
+
+    app.query_params["run"] = "r1"
+    app.run()
+    shown_threshold_tab(app, "Score histograms")
+    [detector_box] = [s for s in app.selectbox if s.label.startswith("Detector")]
+    [about] = [e for e in app.expander if e.label == f"What {detector_box.value} does"]
+    assert not about.latex
+    app.session_state[f"teaching-{detector_box.value}"] = True
+    app.run()
+    assert not app.exception
+    [about] = [e for e in app.expander if e.label == f"What {detector_box.value} does"]
+    assert [latex.value.strip("$\n") for latex in about.latex] == [describe(detector_box.value)["formula"]]
+
+
 def test_one_threshold_and_detector_shared_by_the_tabs_per_set_by_default(app, runs_root):
     """The threshold starts at 95% recall of every OOD set (the lowest of the per-set thresholds), can be
     switched to the pooled one, and the histogram and the failure cases tabs share it and the detector."""

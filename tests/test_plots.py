@@ -41,6 +41,23 @@ def test_histogram_figure_bars_and_threshold_line(scores):
     assert colours[0] == P.ID_COLOR and len(set(colours)) == 3
 
 
+def test_the_threshold_line_is_what_plotly_add_vline_draws(scores):
+    import plotly.graph_objects as go
+
+    hist = A.score_histogram(scores, "det", bins=20)
+    drawn = P.histogram_figure(hist, threshold=0.25, threshold_label="every set")
+    expected = P.histogram_figure(hist)
+    expected.add_vline(
+        x=0.25,
+        line={"color": P.THRESHOLD_COLOR, "width": 2, "dash": "dash"},
+        annotation_text="every set: 0.25",
+        annotation_position="top right",
+        annotation_font_size=11,
+    )
+    assert drawn.to_plotly_json() == expected.to_plotly_json()
+    assert go.Figure(drawn.to_dict()).to_plotly_json() == drawn.to_plotly_json()  # plotly's checks accept it
+
+
 def test_histogram_figure_density_log_and_custom_label(scores):
     hist = A.score_histogram(scores, "tied", bins=10)
     fig = P.histogram_figure(hist, threshold=1.0, threshold_label="threshold", mode="density", title="T")

@@ -18,58 +18,43 @@ See :mod:`oodviz.models.registry` (the loaders: names, weights, checkpoints, mod
 :mod:`oodviz.models.placement` (device names, a model held on a device for a block).
 """
 
-from oodviz.models.architectures import (
-    RGBTransform,
-    architecture_layer_names,
-    available_backbones,
-    backbone_family,
-    backbone_info,
-    default_weights_dir,
-    imagenet_transform,
-)
-from oodviz.models.backbone import POOLINGS, Backbone, FeatureShape, pool_features
-from oodviz.models.digits import DigitsCNN, DigitsTransform, digits_arrays
-from oodviz.models.fashion import FashionCNN, FashionTransform
-from oodviz.models.memory import MemoryEstimate, describe_memory, estimate_memory, format_bytes, warn_if_over
-from oodviz.models.placement import DEVICE_CHOICES, device_problem, model_on_device, parse_device
-from oodviz.models.registry import backbone_classes, load_backbone, load_scripted, wrap_model
+#: Each public name and the submodule that defines it. The package imports a submodule when one of its names is
+#: first used, so that ``oodviz.models.memory`` (``format_bytes``) and the other torch-free parts can be imported
+#: without torch (the app's results page); the architectures, loaders and modules import torch.
+_SOURCES = {
+    "architectures": (
+        "RGBTransform",
+        "architecture_layer_names",
+        "available_backbones",
+        "backbone_family",
+        "backbone_info",
+        "default_weights_dir",
+        "imagenet_transform",
+    ),
+    "backbone": ("POOLINGS", "Backbone", "FeatureShape", "pool_features"),
+    "digits": ("DigitsCNN", "DigitsTransform", "digits_arrays"),
+    "fashion": ("FashionCNN", "FashionTransform"),
+    "memory": ("MemoryEstimate", "describe_memory", "estimate_memory", "format_bytes", "warn_if_over"),
+    "placement": ("DEVICE_CHOICES", "device_problem", "model_on_device", "parse_device"),
+    "registry": ("backbone_classes", "load_backbone", "load_scripted", "wrap_model"),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 
 
-def feature_shape(backbone: Backbone, sample_input=None) -> FeatureShape:
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'oodviz.models' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"oodviz.models.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def feature_shape(backbone, sample_input=None):
     """``backbone.feature_shape(sample_input)``: per-sample feature shape before/after pooling,
     from one forward pass of a 1-sample input (default: a fixed random tensor)."""
     return backbone.feature_shape(sample_input)
 
 
-__all__ = [
-    "DEVICE_CHOICES",
-    "POOLINGS",
-    "Backbone",
-    "DigitsCNN",
-    "DigitsTransform",
-    "FashionCNN",
-    "FashionTransform",
-    "FeatureShape",
-    "MemoryEstimate",
-    "RGBTransform",
-    "available_backbones",
-    "architecture_layer_names",
-    "backbone_classes",
-    "backbone_family",
-    "backbone_info",
-    "default_weights_dir",
-    "describe_memory",
-    "device_problem",
-    "digits_arrays",
-    "estimate_memory",
-    "feature_shape",
-    "format_bytes",
-    "imagenet_transform",
-    "load_backbone",
-    "load_scripted",
-    "model_on_device",
-    "parse_device",
-    "pool_features",
-    "warn_if_over",
-    "wrap_model",
-]
+__all__ = sorted([*_MODULE_OF, "feature_shape"])

@@ -16,11 +16,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from oodviz.data.base import SUBSAMPLE_MODES
-from oodviz.data.registry import GROUPS
-from oodviz.engine import FEATURE_DTYPES, PRECISIONS
-from oodviz.engine.loading import AUTO_WORKERS
-from oodviz.models import POOLINGS, device_problem
 from oodviz.params import describe, matches, non_finite, param_problems, shown
 from oodviz.runs.tuning import tuning_problems
 from oodviz.runs.validation import MAX_BATCH_SIZE, ConfigError, cpu_count, device_problem_here, read_config_file
@@ -149,6 +144,11 @@ class RunConfig:
     def problems(self) -> list[str]:
         """Every problem with this config (empty when it is valid), checked against this machine's devices
         and the model's layer names and classes; no data is loaded, no weights are read."""
+        # torch: only when a config is checked (a run is started), not when one is read (the results page)
+        from oodviz.engine import FEATURE_DTYPES, PRECISIONS
+        from oodviz.engine.loading import AUTO_WORKERS
+        from oodviz.models import POOLINGS, device_problem
+
         wrong = _type_problems(self, _FIELD_TYPES, "")
         found = list(wrong.values())
         model_found = self._model_problems(wrong)
@@ -289,6 +289,8 @@ def _dataset_problems(choice: DatasetChoice, where: str, config: RunConfig | Non
     """What is wrong with one dataset choice; ``config`` (None when its model is wrong) gives the model's
     classes for ``class_map="model"``."""
     from oodviz.data import available_datasets, dataset_param_problems
+    from oodviz.data.base import SUBSAMPLE_MODES
+    from oodviz.data.registry import GROUPS
     from oodviz.models import backbone_classes
 
     if not isinstance(choice, DatasetChoice):

@@ -17,7 +17,6 @@ import pandas as pd
 import streamlit as st
 
 from oodviz.analysis import risk_coverage_curves
-from oodviz.detectors import describe, detector_class
 from oodviz.layers import split_column
 from oodviz.plots_risk import risk_coverage_figure
 from oodviz.projection import available_methods, projection_path
@@ -33,7 +32,6 @@ from oodviz.projection_map import (
 )
 from oodviz.results import Results, detectors_of, read_table
 from oodviz.runs.rundir import read_json_object
-from oodviz.scoring import detectors_dir
 from oodviz.selection import selected_samples
 from oodviz.ui.chart_selection import projection_selection_gallery
 from oodviz.ui.figure_export import chart
@@ -45,6 +43,8 @@ SUBPROCESS_TIMEOUT_S = 600
 def teaching_panel(detector: str) -> None:
     """What ``detector`` does: its formula, paper, inputs and when it fails (from its own module); a per-layer
     result column (``"knn@features.4"``, :mod:`oodviz.layers`) shows its detector's."""
+    from oodviz.detectors import describe, detector_class  # torch: only where a detector is explained
+
     detector = split_column(detector)[0]
     try:
         about = describe(detector)
@@ -84,6 +84,8 @@ def _oodviz(*args: str) -> subprocess.CompletedProcess:
 
 def probe_view(results: Results, key: str = "probe") -> None:
     """Upload images; a subprocess scores them with the run's saved detectors (``oodviz score``)."""
+    from oodviz.scoring import detectors_dir  # torch: only when the probe tab is open
+
     if not detectors_dir(results.path).is_dir():
         st.info(
             "This run has no saved detectors (made before oodviz saved them); run its config again to probe images."

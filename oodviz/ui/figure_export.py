@@ -29,9 +29,14 @@ def chart(fig: go.Figure, key: str, name: str | None = None, **plotly_chart):
 def export_buttons(fig: go.Figure, key: str, name: str) -> None:
     if kaleido_problem() is not None or BROKEN in st.session_state:
         return
-    digest = hashlib.sha256(fig.to_json().encode()).hexdigest()[:16]
     stored = f"figure-export:{key}"
-    if st.button("Export PNG / SVG", key=f"{stored}:button", help="Draws this figure as files (takes a few seconds)"):
+    clicked = st.button(
+        "Export PNG / SVG", key=f"{stored}:button", help="Draws this figure as files (takes a few seconds)"
+    )
+    if not clicked and stored not in st.session_state:
+        return  # nothing drawn for this chart: no need to serialise the figure for its digest (every slider step)
+    digest = hashlib.sha256(fig.to_json().encode()).hexdigest()[:16]
+    if clicked:
         with st.spinner("Drawing the figure..."):
             try:
                 st.session_state[stored] = (digest, figure_images([fig])[0])
@@ -39,7 +44,7 @@ def export_buttons(fig: go.Figure, key: str, name: str) -> None:
                 st.session_state[BROKEN] = str(error)
                 st.warning(f"Figures cannot be exported here: {error}")
                 return
-    if stored in st.session_state and st.session_state[stored][0] == digest:
+    if st.session_state[stored][0] == digest:
         files = st.session_state[stored][1]
         left, right = st.columns(2)
         left.download_button("Download PNG", files["png"], f"{name}.png", "image/png", key=f"{stored}:png")

@@ -19,7 +19,6 @@ from oodviz.runs.config import ConfigError, RunConfig, preset
 from oodviz.runs.jobs import QueueFull, refresh, submit
 from oodviz.runs.plan import run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
-from oodviz.runs.telemetry import device_facts
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
 from oodviz.ui.fixes import (
     ESTIMATE_NEXT,
@@ -117,6 +116,8 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
         store_estimate(values, description, refusal)
     if action == "start":
         if not over_limits(values) or st.session_state.get(RUN_ANYWAY):
+            from oodviz.runs.telemetry import device_facts  # torch: only when a run starts
+
             gpus = sum(f["device"].startswith("cuda") for f in device_facts())
             start_run(config, slots["form"], processes=processes_of(values, gpus))
             return

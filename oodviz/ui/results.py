@@ -75,7 +75,8 @@ KEPT = "results-kept"
 @dataclass
 class Page:
     """What every tab of one run's results reads: the results, its detectors (best first in the
-    picker), the colours of its sets, and the shared choices (``detector``, ``threshold`` and the
+    picker), its OOD sets in the config's order and their colours (found once per page, not at every click in
+    the results fragment), and the shared choices (``detector``, ``threshold`` and the
     ``basis`` it was chosen on) once the controls above the tabs are drawn."""
 
     run: RunDir
@@ -83,6 +84,7 @@ class Page:
     results: Results
     detectors: list[str]
     best: str | None
+    sets: list[str]
     colors: dict
     detector: str | None = None
     threshold: float | None = None
@@ -148,8 +150,6 @@ def keep(key: str, value) -> None:
 
 def shared_controls(page: Page, with_threshold: bool) -> None:
     """The detector (and the threshold) every tab shares, drawn above the tabs; sets them on ``page``."""
-    scores = page.results.scores
-    sets = ood_datasets_of(scores)
     c1, c2 = st.columns([1, 1])
     chosen = kept("detector", page.best)
     page.detector = c1.selectbox(
@@ -160,11 +160,14 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
         format_func=lambda d: f"{d} (best mean AUROC)" if d == page.best else d,
     )
     keep("detector", page.detector)
-    with st.expander(f"What {page.detector} does"):  # full width: the formula fits
-        teaching_panel(page.detector)
+    # full width: the formula fits; drawn only once opened (the detector classes, torch modules, are imported then)
+    about = st.expander(f"What {page.detector} does", key=f"teaching-{page.detector}", on_change="rerun")
+    if about.open:
+        with about:
+            teaching_panel(page.detector)
     if not with_threshold:
         return
-    bases = [EVERY_SET, *sets, POOLED]
+    bases = [EVERY_SET, *page.sets, POOLED]
     basis = kept("basis", EVERY_SET)
     page.basis = c2.selectbox(
         "Start the threshold at",
@@ -299,11 +302,11 @@ def curves_tab(page: Page) -> None:
     )
     colors = page.colors
     if mode == "OOD sets for this detector":
-        sets = ood_datasets_of(scores)
+        sets = page.sets
         curves = {name: _curves(path, page.finished, page.detector, name, curve_points(len(sets))) for name in sets}
         title = f"{page.detector}: one curve per OOD set"
     else:
-        dataset = st.selectbox("OOD set", ood_datasets_of(scores), key="curves-dataset")
+        dataset = st.selectbox("OOD set", page.sets, key="curves-dataset")
         names = detectors_of(scores)
         curves = {name: _curves(path, page.finished, name, dataset, curve_points(len(names))) for name in names}
         colors, title = None, f"{dataset}: one curve per detector"
@@ -348,7 +351,7 @@ def failures_tab(page: Page) -> None:
     rows = selection.selection.rows if selection else []
     id_class = int(per_class.iloc[rows[0]]["class"]) if rows else None
     g1, g2 = st.columns(2)
-    ood_filter = g1.selectbox("OOD set for the second gallery", ["all OOD sets", *ood_datasets_of(results.scores)])
+    ood_filter = g1.selectbox("OOD set for the second gallery", ["all OOD sets", *page.sets])
     order = g2.radio("Show", ["nearest the threshold", "most extreme"], horizontal=True, key="gallery-order")
     nearest = order == "nearest the threshold"
     ranked_id, ranked_ood = _failures(
@@ -446,9 +449,8 @@ def results_page(run: RunDir) -> None:
         st.warning("This run has no results yet.")
         return
     best = best_detector(results.metrics)["best_detector"]
-    page = Page(
-        run, finished, results, detectors_of(results.scores), best, plots.color_map(ood_datasets_of(results.scores))
-    )
+    sets = ood_datasets_of(results.scores)
+    page = Page(run, finished, results, detectors_of(results.scores), best, sets, plots.color_map(sets))
     detector_failures(results)
     validation_warning(results)
     results_area(page)
