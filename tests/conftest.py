@@ -1,5 +1,6 @@
 """Shared fixtures: a small, seeded classification problem with a linear head; the default run."""
 
+import io
 import json
 import os
 import shutil
@@ -7,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,6 +270,20 @@ def stop_server(server: subprocess.Popen, grace_s: float = 5.0) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait(timeout=20)
+
+
+def oodviz_in_process(*args) -> subprocess.CompletedProcess:
+    """``oodviz ARGS`` run by the command's own code (:func:`oodviz.cli.main`) in this process: its exit code and
+    what it printed on stdout and stderr, as a finished process of the command would give them. For tests whose
+    subject is what the command does, not the process (kills, signals, a fresh interpreter): they save a new
+    interpreter's imports (torch, pandas: ~4 s of CPU a start)."""
+    from oodviz.cli import main
+
+    argv = list(map(str, args))
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with redirect_stdout(stdout), redirect_stderr(stderr):
+        code = main(argv)
+    return subprocess.CompletedProcess(["oodviz", *argv], code, stdout.getvalue(), stderr.getvalue())
 
 
 @pytest.fixture(scope="session")
