@@ -11,6 +11,7 @@ import tempfile
 from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -284,6 +285,31 @@ def oodviz_in_process(*args) -> subprocess.CompletedProcess:
     with redirect_stdout(stdout), redirect_stderr(stderr):
         code = main(argv)
     return subprocess.CompletedProcess(["oodviz", *argv], code, stdout.getvalue(), stderr.getvalue())
+
+
+@pytest.fixture
+def probe_in_process(monkeypatch):
+    """The app's memory estimate (:func:`oodviz.runs.probe.estimate_in_subprocess`) with its probe,
+    ``python -m oodviz.runs.probe``, run by the probe's own ``main`` in this process: the same JSON on stdin and
+    stdout, parsed the same way. For tests of what the page does with an estimate (AppTest), not of the probe's
+    process (tests/test_security.py and tests/test_batchprobe.py start that one): each estimate saves a new
+    interpreter's imports. Streamlit's cached estimates are dropped before and after."""
+    from oodviz.runs import probe
+    from oodviz.ui.sidebar import memory_estimate
+
+    def run_probe(argv, input, **_):
+        assert argv[1:3] == ["-m", probe.__name__], argv
+        stdout = io.StringIO()
+        with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout):
+            patch.setattr(sys, "argv", [probe.__file__, *argv[3:]])
+            patch.setattr(sys, "stdin", io.StringIO(input))
+            code = probe.main()
+        return subprocess.CompletedProcess(argv, code, stdout.getvalue(), "")
+
+    monkeypatch.setattr(probe, "subprocess", SimpleNamespace(run=run_probe, TimeoutExpired=subprocess.TimeoutExpired))
+    memory_estimate.clear()
+    yield
+    memory_estimate.clear()
 
 
 @pytest.fixture(scope="session")
