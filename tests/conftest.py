@@ -1,5 +1,6 @@
 """Shared fixtures: a small, seeded classification problem with a linear head; the default run."""
 
+import importlib
 import io
 import json
 import os
@@ -273,40 +274,44 @@ def stop_server(server: subprocess.Popen, grace_s: float = 5.0) -> None:
         server.wait(timeout=20)
 
 
-def oodviz_in_process(*args) -> subprocess.CompletedProcess:
-    """``oodviz ARGS`` run by the command's own code (:func:`oodviz.cli.main`) in this process: its exit code and
-    what it printed on stdout and stderr, as a finished process of the command would give them. For tests whose
-    subject is what the command does, not the process (kills, signals, a fresh interpreter): they save a new
-    interpreter's imports (torch, pandas: ~4 s of CPU a start)."""
-    from oodviz.cli import main
-
-    argv = list(map(str, args))
+def run_in_process(command: list[str], input: str | None = None, **_) -> subprocess.CompletedProcess:
+    """``[python, -m, MODULE, *ARGS]`` (as :func:`subprocess.run` takes it, its other options ignored) run by
+    ``MODULE.main()`` in this process, with those ``sys.argv`` and ``input`` on stdin: its exit code and what it
+    printed on stdout and stderr, as the finished process would give them. For tests whose subject is what the
+    command does, not its process (kills, signals, a fresh interpreter): each saves a new interpreter's imports
+    (torch, pandas: ~4 s of CPU)."""
+    assert command[:2] == [sys.executable, "-m"], command
+    module = importlib.import_module(command[2])
     stdout, stderr = io.StringIO(), io.StringIO()
-    with redirect_stdout(stdout), redirect_stderr(stderr):
-        code = main(argv)
-    return subprocess.CompletedProcess(["oodviz", *argv], code, stdout.getvalue(), stderr.getvalue())
+    with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout), redirect_stderr(stderr):
+        patch.setattr(sys, "argv", [module.__file__, *command[3:]])
+        patch.setattr(sys, "stdin", io.StringIO(input or ""))
+        try:
+            code = module.main()
+        except SystemExit as exit:  # argparse's usage errors
+            code = exit.code if isinstance(exit.code, int) else 1
+    return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
+
+
+def oodviz_in_process(*args) -> subprocess.CompletedProcess:
+    """``oodviz ARGS`` run by the command's own code in this process (:func:`run_in_process`)."""
+    return run_in_process([sys.executable, "-m", "oodviz.cli", *map(str, args)])
 
 
 @pytest.fixture
-def probe_in_process(monkeypatch):
-    """The app's memory estimate (:func:`oodviz.runs.probe.estimate_in_subprocess`) with its probe,
-    ``python -m oodviz.runs.probe``, run by the probe's own ``main`` in this process: the same JSON on stdin and
-    stdout, parsed the same way. For tests of what the page does with an estimate (AppTest), not of the probe's
-    process (tests/test_security.py and tests/test_batchprobe.py start that one): each estimate saves a new
-    interpreter's imports. Streamlit's cached estimates are dropped before and after."""
+def app_subprocesses_in_process(monkeypatch):
+    """The app's child processes run in this process (:func:`run_in_process`): the memory estimate's probe
+    (``python -m oodviz.runs.probe``, :mod:`oodviz.runs.probe`) and the explore tabs' ``oodviz project`` and
+    ``oodviz score`` (:mod:`oodviz.ui.explore`). For AppTest tests of what the page does with their answers, not of
+    the processes: tests/test_security.py and tests/test_batchprobe.py start the probe process, test_browser's
+    probe and feature-map views the explore ones. Streamlit's cached estimates are dropped before and after."""
     from oodviz.runs import probe
+    from oodviz.ui import explore
     from oodviz.ui.sidebar import memory_estimate
 
-    def run_probe(argv, input, **_):
-        assert argv[1:3] == ["-m", probe.__name__], argv
-        stdout = io.StringIO()
-        with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout):
-            patch.setattr(sys, "argv", [probe.__file__, *argv[3:]])
-            patch.setattr(sys, "stdin", io.StringIO(input))
-            code = probe.main()
-        return subprocess.CompletedProcess(argv, code, stdout.getvalue(), "")
-
-    monkeypatch.setattr(probe, "subprocess", SimpleNamespace(run=run_probe, TimeoutExpired=subprocess.TimeoutExpired))
+    here = SimpleNamespace(run=run_in_process, TimeoutExpired=subprocess.TimeoutExpired)
+    for module in (probe, explore):
+        monkeypatch.setattr(module, "subprocess", here)
     memory_estimate.clear()
     yield
     memory_estimate.clear()
