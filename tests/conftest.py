@@ -274,9 +274,9 @@ def stop_server(server: subprocess.Popen, grace_s: float = 5.0) -> None:
         server.wait(timeout=20)
 
 
-def run_in_process(command: list[str], input: str | None = None, **_) -> subprocess.CompletedProcess:
+def run_in_process(command: list[str], input: str | None = None, cwd=None, **_) -> subprocess.CompletedProcess:
     """``[python, -m, MODULE, *ARGS]`` (as :func:`subprocess.run` takes it, its other options ignored) run by
-    ``MODULE.main()`` in this process, with those ``sys.argv`` and ``input`` on stdin: its exit code and what it
+    ``MODULE.main()`` in this process, with those ``sys.argv``, ``input`` on stdin and ``cwd``: its exit code and what it
     printed on stdout and stderr, as the finished process would give them. For tests whose subject is what the
     command does, not its process (kills, signals, a fresh interpreter): each saves a new interpreter's imports
     (torch, pandas: ~4 s of CPU)."""
@@ -286,6 +286,8 @@ def run_in_process(command: list[str], input: str | None = None, **_) -> subproc
     with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout), redirect_stderr(stderr):
         patch.setattr(sys, "argv", [module.__file__, *command[3:]])
         patch.setattr(sys, "stdin", io.StringIO(input or ""))
+        if cwd is not None:
+            patch.chdir(cwd)
         try:
             code = module.main()
         except SystemExit as exit:  # argparse's usage errors
@@ -293,9 +295,9 @@ def run_in_process(command: list[str], input: str | None = None, **_) -> subproc
     return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
 
 
-def oodviz_in_process(*args) -> subprocess.CompletedProcess:
+def oodviz_in_process(*args, cwd=None) -> subprocess.CompletedProcess:
     """``oodviz ARGS`` run by the command's own code in this process (:func:`run_in_process`)."""
-    return run_in_process([sys.executable, "-m", "oodviz.cli", *map(str, args)])
+    return run_in_process([sys.executable, "-m", "oodviz.cli", *map(str, args)], cwd=cwd)
 
 
 @pytest.fixture
