@@ -1,7 +1,7 @@
 """Faults of the runs layer: failing detectors, damaged run directories, killed processes, reused pids,
-deleted runs, a full queue, a full disk. Each runs the real processes and files a user would meet; the foreground
-``oodviz run``s whose processes are not the subject (a failing detector, a full disk) run the command's code in
-this process (:func:`conftest.oodviz_in_process`)."""
+deleted runs, a full queue, a full disk. Each runs the real processes and files a user would meet; the ``oodviz``
+commands whose processes are not the subject (a failing detector, a full disk, the listings) run the command's code
+in this process (:func:`conftest.oodviz_in_process`)."""
 
 import json
 import os
@@ -28,12 +28,6 @@ MSP = DetectorChoice("msp")
 #: fails to fit on digits-cnn, which has no dropout layers (a data-dependent knn k is refused before extraction)
 MCD_NO_DROPOUT = DetectorChoice("mcd")
 MCD_ERROR = "ValueError: mcd needs dropout layers to sample from, but the model (DigitsCNN) has no nn.Dropout"
-
-
-def oodviz_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "oodviz.cli", *map(str, args)], capture_output=True, text=True, timeout=300
-    )
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +156,7 @@ def damaged_root(default_run, tmp_path_factory) -> Path:
 
 def test_damaged_runs_are_listed_as_damaged_by_the_cli_and_summarise_and_listing_never_writes(damaged_root):
     before = {p: p.stat().st_mtime_ns for p in damaged_root.rglob("*")}
-    listing = oodviz_cli("runs", "--runs-root", damaged_root)
+    listing = oodviz_in_process("runs", "--runs-root", damaged_root)  # test_runs starts `oodviz runs` itself
     assert listing.returncode == 0, listing.stderr
     assert {p: p.stat().st_mtime_ns for p in damaged_root.rglob("*")} == before  # the listing wrote nothing
     lines = {line.split()[0]: line for line in listing.stdout.splitlines()}
