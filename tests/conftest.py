@@ -311,7 +311,7 @@ def app_subprocesses_in_process(monkeypatch):
     from oodviz.ui import explore
     from oodviz.ui.sidebar import memory_estimate
 
-    here = SimpleNamespace(run=run_in_process, TimeoutExpired=subprocess.TimeoutExpired)
+    here = SimpleNamespace(**{**vars(subprocess), "run": run_in_process})  # the module, but its run
     for module in (probe, explore):
         monkeypatch.setattr(module, "subprocess", here)
     memory_estimate.clear()
