@@ -1,4 +1,5 @@
-"""Shared fixtures: a small, seeded classification problem with a linear head; the default run."""
+"""Shared fixtures: a small, seeded classification problem with a linear head; the default run; commands and the
+app's child processes run in this process where their process is not under test."""
 
 import importlib
 import io
@@ -279,7 +280,7 @@ def run_in_process(command: list[str], input: str | None = None, cwd=None, **_) 
     ``MODULE.main()`` in this process, with those ``sys.argv``, ``input`` on stdin and ``cwd``: its exit code and what it
     printed on stdout and stderr, as the finished process would give them. For tests whose subject is what the
     command does, not its process (kills, signals, a fresh interpreter): each saves a new interpreter's imports
-    (torch, pandas: ~4 s of CPU)."""
+    (torch, pandas: ~3 s of CPU)."""
     assert command[:2] == [sys.executable, "-m"], command
     module = importlib.import_module(command[2])
     stdout, stderr = io.StringIO(), io.StringIO()
@@ -290,8 +291,8 @@ def run_in_process(command: list[str], input: str | None = None, cwd=None, **_) 
             patch.chdir(cwd)
         try:
             code = module.main()
-        except SystemExit as exit:  # argparse's usage errors
-            code = exit.code if isinstance(exit.code, int) else 1
+        except SystemExit as stopped:  # argparse's usage errors
+            code = stopped.code if isinstance(stopped.code, int) else 1
     return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
 
 
