@@ -1,5 +1,8 @@
-"""Shared fixtures: a small, seeded classification problem with a linear head; the default run."""
+"""Shared fixtures: a small, seeded classification problem with a linear head; the default run; commands and the
+app's child processes run in this process where their process is not under test."""
 
+import importlib
+import io
 import json
 import os
 import shutil
@@ -7,8 +10,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -268,6 +273,51 @@ def stop_server(server: subprocess.Popen, grace_s: float = 5.0) -> None:
     except subprocess.TimeoutExpired:
         server.kill()
         server.wait(timeout=20)
+
+
+def run_in_process(command: list[str], input: str | None = None, cwd=None, **_) -> subprocess.CompletedProcess:
+    """``[python, -m, MODULE, *ARGS]`` (as :func:`subprocess.run` takes it, its other options ignored) run by
+    ``MODULE.main()`` in this process, with those ``sys.argv``, ``input`` on stdin and ``cwd``: its exit code and what it
+    printed on stdout and stderr, as the finished process would give them. For tests whose subject is what the
+    command does, not its process (kills, signals, a fresh interpreter): each saves a new interpreter's imports
+    (torch, pandas: ~3 s of CPU)."""
+    assert command[:2] == [sys.executable, "-m"], command
+    module = importlib.import_module(command[2])
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout), redirect_stderr(stderr):
+        patch.setattr(sys, "argv", [module.__file__, *command[3:]])
+        patch.setattr(sys, "stdin", io.StringIO(input or ""))
+        if cwd is not None:
+            patch.chdir(cwd)
+        try:
+            code = module.main()
+        except SystemExit as stopped:  # argparse's usage errors
+            code = stopped.code if isinstance(stopped.code, int) else 1
+    return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
+
+
+def oodviz_in_process(*args, cwd=None) -> subprocess.CompletedProcess:
+    """``oodviz ARGS`` run by the command's own code in this process (:func:`run_in_process`)."""
+    return run_in_process([sys.executable, "-m", "oodviz.cli", *map(str, args)], cwd=cwd)
+
+
+@pytest.fixture
+def app_subprocesses_in_process(monkeypatch):
+    """The app's child processes run in this process (:func:`run_in_process`): the memory estimate's probe
+    (``python -m oodviz.runs.probe``, :mod:`oodviz.runs.probe`) and the explore tabs' ``oodviz project`` and
+    ``oodviz score`` (:mod:`oodviz.ui.explore`). For AppTest tests of what the page does with their answers, not of
+    the processes: tests/test_security.py and tests/test_batchprobe.py start the probe process, test_browser's
+    probe and feature-map views the explore ones. Streamlit's cached estimates are dropped before and after."""
+    from oodviz.runs import probe
+    from oodviz.ui import explore
+    from oodviz.ui.sidebar import memory_estimate
+
+    here = SimpleNamespace(**{**vars(subprocess), "run": run_in_process})  # the module, but its run
+    for module in (probe, explore):
+        monkeypatch.setattr(module, "subprocess", here)
+    memory_estimate.clear()
+    yield
+    memory_estimate.clear()
 
 
 @pytest.fixture(scope="session")

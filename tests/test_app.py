@@ -272,7 +272,9 @@ def test_a_failed_run_offers_the_fixes_its_error_names_and_a_click_fills_the_for
     shutil.rmtree(failed)
 
 
-def test_the_parameter_editor_sets_choices_booleans_and_numbers(app, runs_root, monkeypatch):
+def test_the_parameter_editor_sets_choices_booleans_and_numbers(
+    app, runs_root, monkeypatch, app_subprocesses_in_process
+):
     """Non-numeric detector parameters are edited as what they are (a choice, a checkbox); only the values
     changed from the detector's defaults go into the config."""
     import oodviz.ui.main

@@ -21,8 +21,9 @@ DIGITS_FIT = len(load_dataset("digits-train"))
 
 
 @pytest.fixture
-def submitted(tmp_path, monkeypatch):
-    """The configs Start submits (recorded, not queued); the app's runs root is empty."""
+def submitted(tmp_path, monkeypatch, app_subprocesses_in_process):
+    """The configs Start submits (recorded, not queued); the app's runs root is empty; the estimate before a start
+    in this process (``app_subprocesses_in_process``)."""
     configs = []
 
     def submit(config, root, nproc_per_node=1):

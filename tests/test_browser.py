@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from conftest import chromium, free_port, stop_server
+from conftest import chromium, free_port, oodviz_in_process, stop_server
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -206,26 +206,15 @@ def _fashion_installed() -> bool:
     not _fashion_installed(), reason="needs Debian's dataset-fashion-mnist (make test installs it as root)"
 )
 def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, runs_root, tmp_path):
-    """The Fashion-MNIST preset's quick example config, run by the CLI, analysed in the app (README screenshots)."""
+    """The Fashion-MNIST preset's quick example config, run by the CLI (in this process), analysed in the app (README
+    screenshots)."""
     from oodviz.runs.config import RunConfig
 
     config = RunConfig.load(REPO / "examples" / "fashion-mnist-quick.toml")
     config.data_root = str(tmp_path / "data")
     config.save(tmp_path / "quick.json")
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "oodviz.cli",
-            "run",
-            str(tmp_path / "quick.json"),
-            "--out",
-            str(runs_root / "fashion-quick"),
-        ],
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    done = oodviz_in_process("run", tmp_path / "quick.json", "--out", runs_root / "fashion-quick")
+    assert done.returncode == 0, done.stderr[-3000:]
     page.goto(f"{app_url}/?run=fashion-quick")
     page.get_by_text("Best detector per column").wait_for(timeout=60_000)
     # means view: no row per OOD set, and the near mean says which sets it averages
@@ -340,16 +329,12 @@ CUT_TEXTS = """() => [...document.querySelectorAll('p, span, label, button, div'
 
 
 def cli_run(runs_root: Path, name: str, config: dict) -> Path:
-    """A real run made by ``oodviz run CONFIG --out runs_root/name`` (the default data unless ``config`` says)."""
+    """A real run made by ``oodviz run CONFIG --out runs_root/name`` (the default data unless ``config`` says), the
+    command's code in this process (the page is under test here, not the command's process)."""
     path = runs_root.parent / f"{name}.json"
     path.write_text(json.dumps(config))
     out = runs_root / name
-    done = subprocess.run(
-        [sys.executable, "-m", "oodviz.cli", "run", str(path), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = oodviz_in_process("run", path, "--out", out)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
 

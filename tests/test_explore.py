@@ -118,7 +118,7 @@ def points_in(chart) -> int:
     return sum(len(values(trace["x"])) for trace in figure["data"])
 
 
-def test_the_feature_space_tab_projects_as_many_points_as_asked(app, runs_root):
+def test_the_feature_space_tab_projects_as_many_points_as_asked(app, runs_root, app_subprocesses_in_process):
     open_tab(app, "Feature space")
     [compute] = [b for b in app.button if b.label == "Compute the PCA map"]
     compute.click().run()

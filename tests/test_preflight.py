@@ -151,7 +151,7 @@ def test_force_runs_a_small_run_over_a_tiny_disk_cap_to_the_end(tmp_path, capsys
     assert (run / "metrics.csv").is_file()
 
 
-def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkeypatch):
+def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkeypatch, app_subprocesses_in_process):
     from pathlib import Path
 
     from streamlit.testing.v1 import AppTest

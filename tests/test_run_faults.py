@@ -1,5 +1,7 @@
 """Faults of the runs layer: failing detectors, damaged run directories, killed processes, reused pids,
-deleted runs, a full queue, a full disk. Each runs the real processes and files a user would meet."""
+deleted runs, a full queue, a full disk. Each runs the real processes and files a user would meet; the ``oodviz``
+commands whose processes are not the subject (a failing detector, a full disk, the listings) run the command's code
+in this process (:func:`conftest.oodviz_in_process`)."""
 
 import json
 import os
@@ -13,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 import psutil
 import pytest
+from conftest import oodviz_in_process
 from test_runs import extraction_started, slow_config, small_config, wait_for
 
 from oodviz.runs.config import DatasetChoice, DetectorChoice
@@ -27,12 +30,6 @@ MCD_NO_DROPOUT = DetectorChoice("mcd")
 MCD_ERROR = "ValueError: mcd needs dropout layers to sample from, but the model (DigitsCNN) has no nn.Dropout"
 
 
-def oodviz_cli(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "oodviz.cli", *map(str, args)], capture_output=True, text=True, timeout=300, cwd=cwd
-    )
-
-
 @pytest.fixture(scope="module")
 def runs_root(tmp_path_factory) -> Path:
     """One runs root for the CLI runs of this module: they share the feature stores (extracted once)."""
@@ -42,7 +39,7 @@ def runs_root(tmp_path_factory) -> Path:
 def cli_run(runs_root: Path, detectors, name: str) -> tuple[subprocess.CompletedProcess, RunDir]:
     config = small_config(ood=[DatasetChoice("digits-heldout")], detectors=detectors)
     config.save(runs_root.parent / f"{runs_root.name}-{name}.json")
-    result = oodviz_cli("run", runs_root.parent / f"{runs_root.name}-{name}.json", "--out", runs_root / name)
+    result = oodviz_in_process("run", runs_root.parent / f"{runs_root.name}-{name}.json", "--out", runs_root / name)
     return result, RunDir(runs_root / name)
 
 
@@ -57,7 +54,7 @@ def test_a_run_whose_only_detector_fails_ends_failed_exit_1_and_the_list_still_w
     assert status["error"].startswith(f"RuntimeError: every detector failed (mcd: {MCD_ERROR}")
     assert not (run.path / "metrics.csv").exists() and not (run.path / "scores.parquet").exists()
     assert "error: RuntimeError: every detector failed" in result.stderr
-    listing = oodviz_cli("runs", "--runs-root", runs_root)
+    listing = oodviz_in_process("runs", "--runs-root", runs_root)
     assert listing.returncode == 0, listing.stderr
     line = next(line for line in listing.stdout.splitlines() if line.startswith("mcd-alone"))
     assert line.split()[1] == "failed" and "every detector failed" in line
@@ -159,7 +156,7 @@ def damaged_root(default_run, tmp_path_factory) -> Path:
 
 def test_damaged_runs_are_listed_as_damaged_by_the_cli_and_summarise_and_listing_never_writes(damaged_root):
     before = {p: p.stat().st_mtime_ns for p in damaged_root.rglob("*")}
-    listing = oodviz_cli("runs", "--runs-root", damaged_root)
+    listing = oodviz_in_process("runs", "--runs-root", damaged_root)  # test_runs starts `oodviz runs` itself
     assert listing.returncode == 0, listing.stderr
     assert {p: p.stat().st_mtime_ns for p in damaged_root.rglob("*")} == before  # the listing wrote nothing
     lines = {line.split()[0]: line for line in listing.stdout.splitlines()}
@@ -317,11 +314,11 @@ def test_a_full_disk_fails_the_run_with_the_cause_and_leaves_no_temporary_file(s
     filler = small_disk / "filler"
     with open(filler, "wb") as f:  # leave ~200 KB: the run's files fit, the 500 KiB of feature stores do not
         f.write(b"\0" * (psutil.disk_usage(str(small_disk)).free - 200_000))
-    refused = oodviz_cli("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs")
+    refused = oodviz_in_process("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs")
     assert refused.returncode == 2 and "OVER" in refused.stderr, refused.stderr[-2000:]  # the CLI's pre-flight
     assert not (small_disk / "runs").exists()
     # --force skips the CLI's refusal: the run's own check before extraction fails it
-    result = oodviz_cli("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs", "--force")
+    result = oodviz_in_process("run", small_disk.parent / "run.json", "--runs-root", small_disk / "runs", "--force")
     assert result.returncode == 1, result.stderr[-2000:]
     (run,) = list_runs(small_disk / "runs")
     status = run.read_status()

@@ -55,6 +55,16 @@ def wait_final(run: RunDir, timeout=180.0) -> dict:
     return wait_for(lambda: (s := refresh(run))["state"] in ("done", "failed", "cancelled") and s, timeout)
 
 
+def run_here(config: RunConfig, runs_root: Path) -> RunDir:
+    """``config`` run to its end in this process (the worker's :func:`oodviz.runs.worker.execute`), for tests of
+    what a run does rather than of the background job's processes (:func:`submit`, tested below)."""
+    from oodviz.runs.worker import execute
+
+    run = RunDir.create(runs_root, config.validate().to_dict())
+    execute(run)
+    return run
+
+
 def extraction_started(run: RunDir, split: str) -> bool:
     return any(e.get("stage") == f"extract {split}" and e.get("event") == "progress" for e in run.read_events())
 
@@ -259,8 +269,8 @@ def test_a_run_on_device_cuda_matches_the_same_run_on_the_cpu(tmp_path):
 
 def test_a_failing_detector_is_recorded_and_the_others_go_on(tmp_path):
     config = small_config(detectors=[DetectorChoice("mcd"), DetectorChoice("msp")])  # digits-cnn has no dropout
-    run = submit(config, tmp_path)
-    assert wait_final(run)["state"] == "done"
+    run = run_here(config, tmp_path)
+    assert run.read_status()["state"] == "done"
     log = json.loads((run.path / "detectors.json").read_text())
     assert "mcd needs dropout layers to sample from" in log["mcd"]["error"]
     assert "error" not in log["msp"]
@@ -404,8 +414,8 @@ def test_a_torchvision_model_with_random_weights_end_to_end_on_image_folders(tmp
         detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis"), DetectorChoice("knn", {"k": 3})],
         batch_size=4,
     )
-    run = submit(config, tmp_path / "runs")
-    assert wait_final(run, timeout=300)["state"] == "done", run.read_status()
+    run = run_here(config, tmp_path / "runs")
+    assert run.read_status()["state"] == "done", run.read_status()
     scores = pd.read_parquet(run.path / "scores.parquet")
     assert (scores.split == "id_test").sum() == 8 and (scores.split == "ood").sum() == 5  # the broken file skipped
     assert set(scores.label[scores.split == "id_test"]) == {0, 1}

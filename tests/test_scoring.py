@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from conftest import oodviz_in_process
 from PIL import Image
 
 from oodviz.cli import main as cli_main
@@ -166,7 +167,8 @@ def test_oodviz_score_scores_with_the_detectors_that_load_and_says_why_the_other
     log["energy"]["save_error"] = "OSError: [Errno 28] No space left on device"
     (copy / "detectors.json").write_text(json.dumps(log))
 
-    result = oodviz_score(copy, image_files[0], "--out", tmp_path / "s.csv", cwd=tmp_path)
+    # the command's code in this process: test_oodviz_score_writes_each_images... starts its process
+    result = oodviz_in_process("score", copy, image_files[0], "--out", tmp_path / "s.csv", cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert "not loaded: knn: DetectorFileError:" in result.stderr and "does not exist" in result.stderr
     assert "not loaded: mahalanobis: DetectorFileError:" in result.stderr and "changed" in result.stderr
@@ -184,7 +186,7 @@ def test_oodviz_score_scores_with_the_detectors_that_load_and_says_why_the_other
 
     for name in expected:  # none left: the run cannot score, each reason said
         shutil.rmtree(saved / name)
-    result = oodviz_score(copy, image_files[0], cwd=tmp_path)
+    result = oodviz_in_process("score", copy, image_files[0], cwd=tmp_path)
     assert (
         result.returncode == 2
         and "no saved detector of run" in result.stderr
