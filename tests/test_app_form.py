@@ -4,11 +4,13 @@ default detector list that follows the backbone's family."""
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
 import oodviz.ui.main
 from oodviz.data import load_dataset
+from oodviz.results import ood_datasets_of
 from oodviz.runs.config import DatasetChoice, DetectorChoice
 from oodviz.runs.defaults import default_detector_params
 from oodviz.runs.jobs import QueueFull
@@ -259,7 +261,10 @@ def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default
     page.run()
     assert not page.exception
     shown = [w.value for w in page.main.warning]
-    assert [w for w in shown if "is also test set ood[0]" in w] == [f"Tuning: {warning}."]
+    ood_name = config.ood[0].name  # as the results name the set, not its place in the config
+    assert [w for w in shown if f"is also the OOD test set {ood_name} " in w] == [f"Tuning: {warning}."]
+    assert ood_name == ood_datasets_of(pd.read_parquet(default_run_copy / "scores.parquet"))[0]  # the results' name
+    assert "ood[" not in warning
     assert "another warning" in shown
 
 
