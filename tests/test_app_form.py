@@ -105,7 +105,7 @@ def test_bad_validation_fields_show_every_error_under_its_field_and_submit_nothi
         "Fix first: 2 problem(s), shown under their fields above.",
     ]
     (warning,) = [w.value for w in app.sidebar.warning if "validation" in w.value]
-    assert warning.startswith("the OOD validation set noise-uniform is also test set ood[5]")
+    assert warning.startswith("the OOD validation set noise-uniform is also the OOD test set noise-uniform (same")
     # each message right under its field: nothing but captions drawn between them
     shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.sidebar]
     for field, message in (

@@ -235,7 +235,7 @@ def test_the_app_shows_the_choice_and_warns_when_validation_ood_is_a_test_set(tu
     app = app_on(runs_root, "overlap", monkeypatch)
     app.run()
     assert not app.exception
-    assert [w for w in app.warning if "Tuning:" in w.value and "also test set ood[0]" in w.value]
+    assert [w for w in app.warning if "Tuning:" in w.value and "also the OOD test set digits-heldout (" in w.value]
 
 
 # -- config errors --------------------------------------------------------------------------------
