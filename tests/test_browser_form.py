@@ -45,7 +45,9 @@ def test_a_tuned_two_layer_run_from_the_form(page, app_url, runs_root, tmp_path)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not page.get_by_role("tab", name="Which layer?").count():
         time.sleep(1)
-    page.get_by_text("the OOD validation set noise-uniform is also test set").first.wait_for(timeout=60_000)
+    page.get_by_text("the OOD validation set noise-uniform is also the OOD test set noise-uniform").first.wait_for(
+        timeout=60_000
+    )
     page.get_by_role("tab", name="Which layer?").click()
     page.get_by_text("Each detector that reads features was fitted and scored at every layer").wait_for(timeout=60_000)
     ranking = page.locator(".js-plotly-plot").filter(has_text="features.3").filter(has_text="combined")

@@ -18,6 +18,7 @@ import streamlit as st
 
 from oodviz.analysis import risk_coverage_curves
 from oodviz.detectors import describe, detector_class
+from oodviz.detectors.teaching import formula_clauses
 from oodviz.layers import split_column
 from oodviz.plots_risk import risk_coverage_figure
 from oodviz.projection import available_methods, projection_path
@@ -53,7 +54,9 @@ def teaching_panel(detector: str) -> None:
         st.markdown(f"**{detector}**: {cls.summary} ([paper]({cls.paper}))")
         return
     st.markdown(f"**{detector}**: {about['summary']}")
-    st.latex(about["formula"])
+    # inline math, a clause a line: KaTeX wraps inline math at its = + -, so no formula scrolls in the sidebar
+    *definitions, last = formula_clauses(about["formula"])
+    st.markdown("  \n".join([*(f"${clause},$" for clause in definitions), f"${last}$"]))
     st.markdown(f"{about['citation']} ([paper]({about['paper']}))  \nReads {about['reads']}.")
     st.caption(f"Fails when: {about['fails_when']}")
 
