@@ -8,6 +8,8 @@ import time
 from conftest import chromium
 from test_browser import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
 
+from oodviz.detectors import available, describe
+from oodviz.detectors.teaching import formula_clauses
 from oodviz.ui.form_tuning import HELD_OUT
 
 pytestmark = chromium
@@ -72,8 +74,15 @@ CLIPPED = """() => [
     .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.value)]"""
 
 
+#: Formulas of the sidebar wider than the text around them (they would scroll sideways): [width, container width].
+WIDE_FORMULAS = """() => [...document.querySelectorAll('[data-testid=stSidebar] .katex')]
+  .map(k => [k.getBoundingClientRect().width, k.closest('[data-testid=stMarkdownContainer]').clientWidth])
+  .filter(([width, room]) => width > room + 1)"""
+
+
 def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  # noqa: F811
-    """The whole form at 1000 px, detector parameters and tuning grids open: no label, switch or grid cut."""
+    """The whole form at 1000 px, detector parameters and tuning grids open: no label, switch or grid cut; the
+    longest formulas of "What each detector does" wrap within the panel."""
     page.set_viewport_size({"width": 1000, "height": 1000})
     page.goto(app_url)
     sidebar = page.locator('[data-testid="stSidebar"]')
@@ -87,3 +96,12 @@ def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  #
     if clipped:
         shoot(page, tmp_path, "form-clipped")
     assert clipped == []
+    sidebar.get_by_text("What each detector does").click()
+    longest = sorted(available(), key=lambda name: max(map(len, formula_clauses(describe(name)["formula"]))))
+    for name in longest[-4:]:  # the longest clauses: each wrapped within the panel, no sideways scrollbar
+        choose(page, sidebar, "Explain", name)
+        sidebar.locator("strong").filter(has_text=re.compile(f"^{name}$")).wait_for(timeout=30_000)
+        wide = page.evaluate(WIDE_FORMULAS)
+        if wide:
+            shoot(page, tmp_path, f"formula-{name}")
+        assert wide == [], name
