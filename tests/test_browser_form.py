@@ -82,7 +82,8 @@ WIDE_FORMULAS = """() => [...document.querySelectorAll('[data-testid=stSidebar] 
 
 def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  # noqa: F811
     """The whole form at 1000 px, detector parameters and tuning grids open: no label, switch or grid cut; the
-    longest formulas of "What each detector does" wrap within the panel."""
+    longest formulas of "What each detector does" wrap within the panel, and so does a ViT layer's long name in
+    its Layers chip."""
     page.set_viewport_size({"width": 1000, "height": 1000})
     page.goto(app_url)
     sidebar = page.locator('[data-testid="stSidebar"]')
@@ -105,3 +106,11 @@ def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  #
         if wide:
             shoot(page, tmp_path, f"formula-{name}")
         assert wide == [], name
+    choose(page, sidebar, "Backbone", "vit_b_16")
+    sidebar.locator('[class*="st-key-layers-vit_b_16-"]').wait_for(timeout=60_000)  # the form redrawn for ViT
+    choose(page, sidebar, "Layers", "encoder.layers.encoder_layer_11")  # a long name: its chip wraps, uncut
+    sidebar.locator('[data-tag] [title="encoder.layers.encoder_layer_11"]').wait_for(timeout=30_000)
+    clipped = page.evaluate(CLIPPED)
+    if clipped:
+        shoot(page, tmp_path, "layers-clipped")
+    assert clipped == []
