@@ -76,7 +76,8 @@ CLIPPED = """() => [
 
 #: Formulas of the sidebar wider than the text around them (they would scroll sideways): [width, container width].
 WIDE_FORMULAS = """() => [...document.querySelectorAll('[data-testid=stSidebar] .katex')]
-  .map(k => [k.getBoundingClientRect().width, k.closest('[data-testid=stMarkdownContainer]').clientWidth])
+  .map(k => [Math.max(k.scrollWidth, k.getBoundingClientRect().width),
+              k.closest('[data-testid=stMarkdownContainer]').clientWidth])
   .filter(([width, room]) => width > room + 1)"""
 
 
