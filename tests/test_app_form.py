@@ -186,7 +186,7 @@ def test_edited_grids_are_read_as_their_parameters_kinds_and_checked_like_a_conf
     problems = form_problems(bad)
     assert list(problems) == ["grids"]
     unknown, unread = problems["grids"]  # the config's check, then what could not be read
-    assert unknown.startswith("detectors[0] (knn): grid names 'nope', which is not a parameter to tune")
+    assert unknown.startswith("knn: grid names 'nope', which is not a parameter to tune")  # not the config's index
     assert unread == "mahalanobis grid: write parameter: value, value (got 'true')"
     untuned = FormValues(**{**tuned.__dict__, "tune": False})  # an edited grid without tuning is not used
     assert [d.grid for d in config_from_form(untuned).detectors] == [None, None, None]
