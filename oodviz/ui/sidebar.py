@@ -430,6 +430,7 @@ LAYER_CHIPS_STYLE = """<style>
   white-space: normal; overflow-wrap: anywhere; text-overflow: clip; overflow: visible; max-width: none; }
 </style>"""
 
+
 @st.cache_data(show_spinner="Estimating the run's needs…", max_entries=32, ttl=30)
 def memory_estimate(config_json: str, runs_root: str) -> tuple[dict, str, str | None]:
     """(estimate, description, refusal) for a config run under ``runs_root``: the refusal is the pre-flight
