@@ -4,11 +4,13 @@ default detector list that follows the backbone's family."""
 
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
 import oodviz.ui.main
 from oodviz.data import load_dataset
+from oodviz.results import ood_datasets_of
 from oodviz.runs.config import DatasetChoice, DetectorChoice
 from oodviz.runs.defaults import default_detector_params
 from oodviz.runs.jobs import QueueFull
@@ -104,7 +106,7 @@ def test_bad_validation_fields_show_every_error_under_its_field_and_submit_nothi
         "Fix first: 2 problem(s), shown under their fields above.",
     ]
     (warning,) = [w.value for w in app.sidebar.warning if "validation" in w.value]
-    assert warning.startswith("the OOD validation set noise-uniform is also test set ood[5]")
+    assert warning.startswith("the OOD validation set noise-uniform is also the OOD test set noise-uniform (same")
     # each message right under its field: nothing but captions drawn between them
     shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.sidebar]
     for field, message in (
@@ -185,7 +187,7 @@ def test_edited_grids_are_read_as_their_parameters_kinds_and_checked_like_a_conf
     problems = form_problems(bad)
     assert list(problems) == ["grids"]
     unknown, unread = problems["grids"]  # the config's check, then what could not be read
-    assert unknown.startswith("detectors[0] (knn): grid names 'nope', which is not a parameter to tune")
+    assert unknown.startswith("knn: grid names 'nope', which is not a parameter to tune")  # not the config's index
     assert unread == "mahalanobis grid: write parameter: value, value (got 'true')"
     untuned = FormValues(**{**tuned.__dict__, "tune": False})  # an edited grid without tuning is not used
     assert [d.grid for d in config_from_form(untuned).detectors] == [None, None, None]
@@ -260,7 +262,10 @@ def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default
     page.run()
     assert not page.exception
     shown = [w.value for w in page.main.warning]
-    assert [w for w in shown if "is also test set ood[0]" in w] == [f"Tuning: {warning}."]
+    ood_name = config.ood[0].name  # as the results name the set, not its place in the config
+    assert [w for w in shown if f"is also the OOD test set {ood_name} " in w] == [f"Tuning: {warning}."]
+    assert ood_name == ood_datasets_of(pd.read_parquet(default_run_copy / "scores.parquet"))[0]  # the results' name
+    assert "ood[" not in warning
     assert "another warning" in shown
 
 

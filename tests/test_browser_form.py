@@ -8,6 +8,8 @@ import time
 from conftest import chromium
 from test_browser import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
 
+from oodviz.detectors import available, describe
+from oodviz.detectors.teaching import formula_clauses
 from oodviz.ui.form_tuning import HELD_OUT
 
 pytestmark = chromium
@@ -45,7 +47,9 @@ def test_a_tuned_two_layer_run_from_the_form(page, app_url, runs_root, tmp_path)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and not page.get_by_role("tab", name="Which layer?").count():
         time.sleep(1)
-    page.get_by_text("the OOD validation set noise-uniform is also test set").first.wait_for(timeout=60_000)
+    page.get_by_text("the OOD validation set noise-uniform is also the OOD test set noise-uniform").first.wait_for(
+        timeout=60_000
+    )
     page.get_by_role("tab", name="Which layer?").click()
     page.get_by_text("Each detector that reads features was fitted and scored at every layer").wait_for(timeout=60_000)
     ranking = page.locator(".js-plotly-plot").filter(has_text="features.3").filter(has_text="combined")
@@ -70,8 +74,17 @@ CLIPPED = """() => [
     .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.value)]"""
 
 
+#: Formulas of the sidebar wider than the text around them (they would scroll sideways): [width, container width].
+WIDE_FORMULAS = """() => [...document.querySelectorAll('[data-testid=stSidebar] .katex')]
+  .map(k => [Math.max(k.scrollWidth, k.getBoundingClientRect().width),
+              k.closest('[data-testid=stMarkdownContainer]').clientWidth])
+  .filter(([width, room]) => width > room + 1)"""
+
+
 def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  # noqa: F811
-    """The whole form at 1000 px, detector parameters and tuning grids open: no label, switch or grid cut."""
+    """The whole form at 1000 px, detector parameters and tuning grids open: no label, switch or grid cut; the
+    longest formulas of "What each detector does" wrap within the panel, and so does a ViT layer's long name in
+    its Layers chip."""
     page.set_viewport_size({"width": 1000, "height": 1000})
     page.goto(app_url)
     sidebar = page.locator('[data-testid="stSidebar"]')
@@ -84,4 +97,21 @@ def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  #
     clipped = page.evaluate(CLIPPED)
     if clipped:
         shoot(page, tmp_path, "form-clipped")
+    assert clipped == []
+    sidebar.get_by_text("What each detector does").click()
+    longest = sorted(available(), key=lambda name: max(map(len, formula_clauses(describe(name)["formula"]))))
+    for name in longest[-4:]:  # the longest clauses: each wrapped within the panel, no sideways scrollbar
+        choose(page, sidebar, "Explain", name)
+        sidebar.locator("strong").filter(has_text=re.compile(f"^{name}$")).wait_for(timeout=30_000)
+        wide = page.evaluate(WIDE_FORMULAS)
+        if wide:
+            shoot(page, tmp_path, f"formula-{name}")
+        assert wide == [], name
+    choose(page, sidebar, "Backbone", "vit_b_16")
+    sidebar.locator('[class*="st-key-layers-vit_b_16-"]').wait_for(timeout=60_000)  # the form redrawn for ViT
+    choose(page, sidebar, "Layers", "encoder.layers.encoder_layer_11")  # a long name: its chip wraps, uncut
+    sidebar.locator('[data-tag] [title="encoder.layers.encoder_layer_11"]').wait_for(timeout=30_000)
+    clipped = page.evaluate(CLIPPED)
+    if clipped:
+        shoot(page, tmp_path, "layers-clipped")
     assert clipped == []

@@ -64,19 +64,27 @@ def assert_same_scores(reference: Path, other: Path, some: list[str] | None = No
 
 
 def assert_saved_detectors_score_like_the_run(run: Path) -> None:
-    """Every feature detector saved in ``run/detectors`` (by rank 0) scores the run's ID test store to the
-    bits of its ``scores.parquet``, as a single-process run's do (tests/test_scoring.py)."""
+    """Every feature detector saved in ``run/detectors`` (by rank 0) scores the ID test store of its layer to the
+    bits of its ``scores.parquet`` column, as a single-process run's do (tests/test_scoring.py): a
+    ``<detector>@<layer>`` the layer's store (``meta.json["layers"]``), a plain name the run's. The combined
+    Mahalanobis is computed from the per-layer ones, not saved."""
     from oodviz.detectors import detector_class, load
     from oodviz.engine import STORES_DIRNAME, open_store
+    from oodviz.layers import split_column
     from oodviz.results import ID_SPLIT, load_results
-    from oodviz.scoring import detectors_dir
+    from oodviz.scoring import COMBINED_COLUMN, detectors_dir
 
     results = load_results(run)
-    store = open_store(run.parent / STORES_DIRNAME, results.meta["splits"]["id_test"]["store"])
+    layer_stores = results.meta.get("layers", {}).get("stores", {})
     stored = results.scores[results.scores.split == ID_SPLIT]
     saved = sorted(p.name for p in detectors_dir(run).iterdir() if p.is_dir())
-    assert saved == sorted(results.detectors)
-    for name in (n for n in saved if not detector_class(n).needs_model):
+    assert saved == sorted(name for name in results.detectors if name != COMBINED_COLUMN)
+    for name in saved:
+        detector, layer = split_column(name)
+        if detector_class(detector).needs_model:
+            continue
+        key = layer_stores[layer]["id_test"] if layer else results.meta["splits"]["id_test"]["store"]
+        store = open_store(run.parent / STORES_DIRNAME, key)
         scores = load(detectors_dir(run) / name).score(store.batches(4096)).numpy()
         assert np.array_equal(scores, stored[name].to_numpy()), name
 
@@ -284,6 +292,7 @@ def test_two_processes_over_three_layers_give_one_processs_stores_and_per_layer_
     ]
     assert list(pd.read_parquet(outs[1] / "scores.parquet").columns[len(ARRAY_COLUMNS) :]) == columns
     assert_same_scores(outs[1], outs[2], columns)
+    assert_saved_detectors_score_like_the_run(outs[2])  # each <detector>@<layer> on its layer's store
     logs = [json.loads((out / "detectors.json").read_text()) for out in outs.values()]
     combined = [log["mahalanobis@combined"] for log in logs]
     assert combined[1]["layers"] == LAYERS

@@ -138,9 +138,14 @@ def test_the_feature_space_tab_projects_as_many_points_as_asked(app, runs_root, 
 
 def test_the_sidebar_explains_the_chosen_detector_from_its_module(app):
     app.run()
-    app.sidebar.selectbox(key="teach-detector").select("energy").run()
-    about = describe("energy")
-    assert [latex.value.strip("$\n") for latex in app.sidebar.latex] == [about["formula"]]
+    app.sidebar.selectbox(key="teach-detector").select("odin").run()
+    about = describe("odin")
+    # the formula as inline math (KaTeX wraps it in the narrow sidebar), the score and each definition a line
+    clauses = about["formula"].split(r",\quad ")
+    assert len(clauses) == 3 and f"${clauses[0]},$  \n${clauses[1]},$  \n${clauses[2]}$" in [
+        m.value for m in app.sidebar.markdown
+    ]
+    assert not app.sidebar.latex
     assert any(about["fails_when"] in c.value for c in app.sidebar.caption)
 
 
@@ -167,7 +172,9 @@ def test_the_views_render_a_real_run(default_run, tmp_path):
         app = AppTest.from_function(views, args=(str(copy),), default_timeout=120)
         app.run()
         assert not app.exception
-        assert "\\Sigma^{-1}" in app.latex[0].value
+        assert [m.value for m in app.markdown if "\\Sigma^{-1}" in m.value] == [
+            f"${describe('mahalanobis')['formula']}$"
+        ]
         aurc = app.dataframe[0].value
         curves = risk_coverage_curves(pd.read_parquet(copy / "scores.parquet"))
         assert list(aurc.index) == ["msp", "knn", ORACLE]

@@ -7,6 +7,7 @@ import pytest
 import oodviz.detectors as detectors
 from oodviz.detectors import Teaching, available, describe, detector_class
 from oodviz.detectors.mahalanobis import Mahalanobis
+from oodviz.detectors.teaching import formula_clauses
 
 
 @pytest.mark.parametrize("name", available())
@@ -53,3 +54,17 @@ def test_teaching_refuses_empty_or_multi_line_texts():
         Teaching(formula="s(x) = x", citation=" ", reads="x", fails_when="never")
     with pytest.raises(ValueError, match="one line"):
         Teaching(formula="s(x) = x", citation="A, *T*, V 2020", reads="x", fails_when="a\nb")
+
+
+def test_a_formula_splits_into_its_top_level_clauses():
+    """One line each in the narrow panel: the score, then its definitions; a ``,\\quad`` inside braces stays."""
+    assert formula_clauses(r"s(x) = -\max_k p_k,\quad p = \operatorname{softmax}(z),\quad T = 1") == [
+        r"s(x) = -\max_k p_k",
+        r"p = \operatorname{softmax}(z)",
+        "T = 1",
+    ]
+    assert formula_clauses(r"s(x) = \min_k d_k") == [r"s(x) = \min_k d_k"]
+    assert formula_clauses(r"s(x) = f_{a,\quad b} + \{c\},\quad e = 1") == [r"s(x) = f_{a,\quad b} + \{c\}", "e = 1"]
+    for name in available():  # every clause of every formula: balanced braces, the score first
+        clauses = formula_clauses(describe(name)["formula"])
+        assert clauses[0].startswith("s(x) = ") and all(clause.count("{") == clause.count("}") for clause in clauses)

@@ -188,7 +188,10 @@ def test_validation_warnings_name_the_overlap_and_the_fix():
     assert validation_warnings(tuning_config()) == []
     assert validation_warnings(RunConfig()) == []  # no tuning, nothing to say
     [warning] = validation_warnings(tuning_config(ood_val=DatasetChoice("noise-uniform", params={"n": 200})))
-    assert "also test set ood[1]" in warning and "not a test set" in warning
+    assert warning.startswith(
+        "the OOD validation set noise-uniform is also the OOD test set noise-uniform (same dataset and parameters): "
+    )
+    assert "ood[" not in warning and "not a test set" in warning
     other_seed = DatasetChoice("noise-uniform", params={"n": 200, "noise_seed": 1})
     assert validation_warnings(tuning_config(ood_val=other_seed)) == []  # other images: a distinct set
     [warning] = validation_warnings(tuning_config(id_val=DatasetChoice("digits-train", subsample=281)))
@@ -232,7 +235,7 @@ def test_the_app_shows_the_choice_and_warns_when_validation_ood_is_a_test_set(tu
     app = app_on(runs_root, "overlap", monkeypatch)
     app.run()
     assert not app.exception
-    assert [w for w in app.warning if "Tuning:" in w.value and "also test set ood[0]" in w.value]
+    assert [w for w in app.warning if "Tuning:" in w.value and "also the OOD test set digits-heldout (" in w.value]
 
 
 # -- config errors --------------------------------------------------------------------------------

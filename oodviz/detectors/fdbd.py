@@ -73,7 +73,7 @@ class FDBD(FeatureMeanFit):
     summary = "Mean distance to the decision boundaries over the distance to the mean feature (negated)."
     paper = "https://arxiv.org/abs/2312.11536"
     teaching = Teaching(
-        formula=r"s(x) = -\frac{1}{C-1}\sum_{j \ne c} \frac{|z_c - z_j|}{\|w_c - w_j\|} \Big/ \|x - \mu\|",
+        formula=r"s(x) = -\frac{\bar d(x)}{\|x - \mu\|},\quad \bar d(x) = \frac{1}{C-1}\sum_{j \ne c} \frac{|z_c - z_j|}{\|w_c - w_j\|}",
         citation="Liu & Qin, *Fast Decision Boundary based Out-of-Distribution Detector*, ICML 2024",
         reads="the features of the fit split (their mean) and the head",
         fails_when="Assumes ID features lie far from the decision boundaries; poorly separated classes make ID look OOD.",

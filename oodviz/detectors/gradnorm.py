@@ -60,7 +60,7 @@ class GradNorm(Detector):
     )
     paper = "https://arxiv.org/abs/2110.00218"
     teaching = Teaching(
-        formula=r"s(x) = -\Big\| \frac{\partial}{\partial W} \mathrm{KL}\big(u \,\|\, \operatorname{softmax}(z/T)\big) \Big\|_1",
+        formula=r"s(x) = -\Big\| \frac{\partial L}{\partial W} \Big\|_1,\quad L = \mathrm{KL}\big(u \,\|\, \operatorname{softmax}(z/T)\big)",
         citation="Huang, Geng & Li, *On the Importance of Gradients for Detecting Distributional Shifts in the Wild*, NeurIPS 2021",
         reads="the features, logits and the head (gradient in closed form)",
         fails_when="Scales with the feature norm, so it fails when OOD inputs have larger activations than ID ones.",

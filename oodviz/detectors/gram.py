@@ -72,7 +72,7 @@ class Gram(FittedModelDetector):
     summary = "Deviation of per-layer Gram-matrix statistics from their range on the predicted class (runs the model)."
     paper = "https://arxiv.org/abs/1912.12510"
     teaching = Teaching(
-        formula=r"s(x) = \sum_l \frac{1}{E_l} \sum_{p, j} \Big(\frac{\mathrm{relu}(m_{\hat y j} - g^{lp}_j)}{|m_{\hat y j}|} + \frac{\mathrm{relu}(g^{lp}_j - M_{\hat y j})}{|M_{\hat y j}|}\Big)",
+        formula=r"s(x) = \sum_l \frac{1}{E_l} \sum_{p, j} \delta^{lp}_j,\quad \delta^{lp}_j = \frac{\mathrm{relu}(m_{\hat y j} - g^{lp}_j)}{|m_{\hat y j}|} + \frac{\mathrm{relu}(g^{lp}_j - M_{\hat y j})}{|M_{\hat y j}|}",
         citation="Sastry & Oore, *Detecting Out-of-Distribution Examples with Gram Matrices*, ICML 2020",
         reads="the model itself (the feature maps of several layers) and the ID inputs and labels of the fit split (per-class ranges)",
         fails_when="Needs unpooled layers: on pooled vectors or token sequences the Gram statistics are those of one position and say little.",

@@ -108,7 +108,7 @@ class MCD(ModelDetector):
     )
     paper = "https://arxiv.org/abs/1506.02142"
     teaching = Teaching(
-        formula=r"s(x) = -\max_k \frac{1}{N}\sum_{n=1}^{N} \operatorname{softmax}(f_n(x))_k",
+        formula=r"s(x) = -\max_k \bar p_k,\quad \bar p = \frac{1}{N}\sum_{n=1}^{N} \operatorname{softmax}(f_n(x))",
         citation="Gal & Ghahramani, *Dropout as a Bayesian Approximation: Representing Model Uncertainty in Deep Learning*, ICML 2016",
         reads="the model itself, run N times with dropout on",
         fails_when="Needs dropout in the model, costs N forward passes, and dropout noise rarely separates far-OOD inputs.",

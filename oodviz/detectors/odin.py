@@ -123,7 +123,7 @@ class ODIN(ModelDetector):
     paper = "https://arxiv.org/abs/1706.02690"
     default_grid = {"temperature": (1.0, 10.0, 100.0, 1000.0), "epsilon": (0.0014, 0.0028)}
     teaching = Teaching(
-        formula=r"s(x) = -\max_k \operatorname{softmax}\big(f(x')/T\big)_k,\quad x' = x - \varepsilon\, \operatorname{sign}(-\nabla_x \log S_{\hat y}(x;T))",
+        formula=r"s(x) = -\max_k S_k(x';T),\quad S(x;T) = \operatorname{softmax}\big(f(x)/T\big),\quad x' = x - \varepsilon\, \operatorname{sign}(-\nabla_x \log S_{\hat y}(x;T))",
         citation="Liang, Li & Srikant, *Enhancing The Reliability of Out-of-distribution Image Detection in Neural Networks*, ICLR 2018",
         reads="the model itself: one backward and two forward passes per input",
         fails_when="Its temperature and step size are tuned per dataset; with defaults on a new model it can be worse than MSP.",

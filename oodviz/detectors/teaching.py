@@ -3,12 +3,14 @@
 Every detector class declares ``teaching = Teaching(...)`` next to its ``summary`` and ``paper``, so the
 app's "what it does" panel, the report and the docs read the same words as the code they describe:
 
-- ``formula``: the score in LaTeX (as the module docstring has it; **higher = more OOD**);
+- ``formula``: the score in LaTeX (as the module docstring has it; **higher = more OOD**), its definitions
+  after the score as clauses separated by a top-level ``,\\quad``;
 - ``citation``: the paper, as "Authors, *Title*, Venue Year" (the class's ``paper`` is its link);
 - ``reads``: what the detector reads (logits, features, labels, the head, the model) and what it fits;
 - ``fails_when``: one line on when it is known to do badly.
 
-:func:`describe` returns them with the class's other facts. A subclass declares its own (an inherited
+:func:`describe` returns them with the class's other facts; :func:`formula_clauses` splits a formula into the
+clauses a narrow panel shows one per line. A subclass declares its own (an inherited
 ``teaching`` would describe its parent), and ``tests/test_teaching.py`` checks every registered detector.
 """
 
@@ -55,3 +57,24 @@ def describe(name: str) -> dict:
         "needs_head": cls.needs_head,
         "needs_model": cls.needs_model,
     }
+
+
+CLAUSE_SEPARATOR = r",\quad"
+
+
+def formula_clauses(formula: str) -> list[str]:
+    r"""``formula`` split at its top-level :data:`CLAUSE_SEPARATOR` (``s(x) = ...,\quad T = ...`` -> ``["s(x) = ...",
+    "T = ..."]``), each clause stripped; one clause for a formula without definitions. A separator inside braces
+    (``{...}``) belongs to a sub-formula and stays."""
+    clauses, depth, start, i = [], 0, 0, 0
+    while i < len(formula):
+        if formula.startswith(("\\{", "\\}"), i):  # escaped braces: literal set braces, not groups
+            i += 2
+            continue
+        depth += {"{": 1, "}": -1}.get(formula[i], 0)
+        if depth == 0 and formula.startswith(CLAUSE_SEPARATOR, i):
+            clauses.append(formula[start:i].strip())
+            i = start = i + len(CLAUSE_SEPARATOR)
+            continue
+        i += 1
+    return [*clauses, formula[start:].strip()]

@@ -65,7 +65,7 @@ class TemperatureScaling(Detector):
     summary = "MSP after temperature scaling fitted by NLL on the in-distribution labels."
     paper = "https://arxiv.org/abs/1706.04599"
     teaching = Teaching(
-        formula=r"s(x) = -\max_k \operatorname{softmax}(z(x)/T)_k,\quad T = \arg\min_T \mathrm{NLL}",
+        formula=r"s(x) = -\max_k p_k,\quad p = \operatorname{softmax}(z(x)/T),\quad T = \arg\min_T \mathrm{NLL}",
         citation="Guo et al., *On Calibration of Modern Neural Networks*, ICML 2017",
         reads="the logits and labels of the fit split (to fit T)",
         fails_when="Calibrates confidence on in-distribution data only; a monotone rescaling rarely changes the OOD ranking much.",

@@ -52,7 +52,7 @@ class VRA(Detector):
     summary = "Energy of the logits after clipping each feature unit between two percentiles of its training values."
     paper = "https://arxiv.org/abs/2302.11716"
     teaching = Teaching(
-        formula=r"s(x) = -\log \sum_k e^{(\operatorname{clip}(x, \ell, h) W^\top + b)_k},\quad \ell, h = \text{per-unit percentiles}",
+        formula=r"s(x) = -\log \sum_k e^{(\bar x W^\top + b)_k},\quad \bar x = \operatorname{clip}(x, \ell, h),\quad \ell, h = \text{per-unit percentiles}",
         citation="Xu, Lian, Liu & Tao, *VRA: Variational Rectified Activation for Out-of-distribution Detection*, NeurIPS 2023",
         reads="the features of the fit split (a lower and an upper percentile per unit) and the head",
         fails_when="Helps only when OOD activations are abnormally low or high per unit; OOD inputs inside the ID ranges keep their energy.",

@@ -135,7 +135,7 @@ class WeiPer(Detector):
     summary = "Histogram KL to the training mean of the features and of many randomly perturbed class projections."
     paper = "https://arxiv.org/abs/2405.17164"
     teaching = Teaching(
-        formula=r"s(x) = \mathrm{KL}_s(p, q_x) + \lambda_1 \mathrm{KL}_s(\tilde p, \tilde q_x) - \frac{\lambda_2}{r} \sum_{i=1}^{r} \max_c \operatorname{softmax}(x \tilde W_i^\top + b)_c",
+        formula=r"s(x) = \mathrm{KL}_s(p, q_x) + \lambda_1 \mathrm{KL}_s(\tilde p, \tilde q_x) - \frac{\lambda_2}{r} \sum_{i=1}^{r} m_i(x),\quad m_i(x) = \max_c \operatorname{softmax}(x \tilde W_i^\top + b)_c",
         citation="Granz, Heurich & Landgraf, *WeiPer: OOD Detection using Weight Perturbations of Class Projections*, NeurIPS 2024",
         reads="the features of the fit split (value ranges, mean histograms) and the head, perturbed at random",
         fails_when="Its default 100 bins are too many for narrow features: a histogram of few activations per sample is mostly noise.",

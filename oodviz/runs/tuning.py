@@ -79,12 +79,13 @@ def validation_warnings(config: RunConfig) -> list[str]:
     if not tunes(config):
         return []
     found = []
-    for i, choice in enumerate(config.ood):
+    for choice in config.ood:  # named as the results name an OOD set (OOD names are unique in a config)
         if _same_data(choice, config.ood_val):
             found.append(
-                f"the OOD validation set {config.ood_val.name} is also test set ood[{i}]: its parameters were chosen "
-                "on the data they are tested on, so its test metrics are optimistic; choose an OOD validation set "
-                "that is not a test set (another dataset, or other params such as a seed)"
+                f"the OOD validation set {choice.name} is also the OOD test set {choice.name} (same dataset and "
+                "parameters): its parameters were chosen on the data they are tested on, so its test metrics are "
+                "optimistic; choose an OOD validation set that is not a test set (another dataset, or other params "
+                "such as a seed)"
             )
     fit, val = config.id_fit, config.id_val
     if _same_data(val, fit) and {fit.subsample_mode, val.subsample_mode} != {"first", "last"}:

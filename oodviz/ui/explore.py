@@ -44,6 +44,7 @@ def teaching_panel(detector: str) -> None:
     """What ``detector`` does: its formula, paper, inputs and when it fails (from its own module); a per-layer
     result column (``"knn@features.4"``, :mod:`oodviz.layers`) shows its detector's."""
     from oodviz.detectors import describe, detector_class  # torch: only where a detector is explained
+    from oodviz.detectors.teaching import formula_clauses
 
     detector = split_column(detector)[0]
     try:
@@ -53,7 +54,9 @@ def teaching_panel(detector: str) -> None:
         st.markdown(f"**{detector}**: {cls.summary} ([paper]({cls.paper}))")
         return
     st.markdown(f"**{detector}**: {about['summary']}")
-    st.latex(about["formula"])
+    # inline math, a clause a line: KaTeX wraps inline math at its = + -, so no formula scrolls in the sidebar
+    *definitions, last = formula_clauses(about["formula"])
+    st.markdown("  \n".join([*(f"${clause},$" for clause in definitions), f"${last}$"]))
     st.markdown(f"{about['citation']} ([paper]({about['paper']}))  \nReads {about['reads']}.")
     st.caption(f"Fails when: {about['fails_when']}")
 

@@ -308,6 +308,11 @@ def folder_problem(path: str) -> str | None:
     return None
 
 
+#: "detectors[0] (knn): " of a config problem: the form's detectors are unique, so it says "knn: " (the name the
+#: form shows) without the config's index
+_CONFIG_DETECTOR = re.compile(r"^detectors\[\d+\] \(([^)]+)\): ")
+
+
 def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
     """Every problem of the form, keyed by the field it is about (:data:`FORM_FIELDS`): the typed paths
     refused by ``policy`` (an :class:`~oodviz.ui.access.AccessPolicy`), each image folder that cannot be
@@ -338,7 +343,7 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
         name = problem_field(problem, values)
         if name in found and name.endswith("_folder"):
             continue  # the folder's own message says it better
-        found.setdefault(name, []).append(problem)
+        found.setdefault(name, []).append(_CONFIG_DETECTOR.sub(r"\1: ", problem))
     for name in values.detectors if values.tune else []:
         for problem in parse_grid(name, values.detector_grids[name])[1] if name in values.detector_grids else []:
             found.setdefault("grids", []).append(problem)

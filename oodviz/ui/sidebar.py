@@ -282,6 +282,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         )
         slots["checkpoint"] = st.empty()
         main_layers = defaults.layers if backbone == defaults.backbone else [PENULTIMATE]
+        st.html(LAYER_CHIPS_STYLE)
         # Full width: layer names such as "penultimate" are cut short in a two-thirds column at 1000 px.
         layers = st.multiselect(
             "Layers",
@@ -419,6 +420,15 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         teaching_panel(st.selectbox("Explain", available(), index=available().index(chosen), key="teach-detector"))
 
     return values, "start" if start else "estimate" if estimate else None, slots
+
+
+#: The Layers multiselect's chips wrap a long name (ViT's "encoder.layers.encoder_layer_11") over lines instead
+#: of cutting it with an ellipsis at 1000 px; scoped by the widget's key class, the other multiselects unchanged.
+LAYER_CHIPS_STYLE = """<style>
+[class*="st-key-layers-"] [data-tag] { height: auto; max-width: 100%; }
+[class*="st-key-layers-"] [data-tag] > span[title] {
+  white-space: normal; overflow-wrap: anywhere; text-overflow: clip; overflow: visible; max-width: none; }
+</style>"""
 
 
 @st.cache_data(show_spinner="Estimating the run's needs…", max_entries=32, ttl=30)
