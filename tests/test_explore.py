@@ -137,6 +137,10 @@ def test_the_feature_space_tab_projects_as_many_points_as_asked(app, runs_root, 
 
 
 def test_the_sidebar_explains_the_chosen_detector_from_its_module(app):
+    """Drawn only once opened (the detector classes are torch modules; a cold page load imports none)."""
+    app.run()
+    assert not [s for s in app.sidebar.selectbox if s.key == "teach-detector"] and not app.sidebar.latex
+    app.session_state["teach-open"] = True
     app.run()
     app.sidebar.selectbox(key="teach-detector").select("odin").run()
     about = describe("odin")

@@ -7,22 +7,28 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from oodviz.runs.config import RunConfig, preset
 
 HEAVY = ("torch", "torchvision", "sklearn", "scipy")
-#: What the run page imports and reads before it draws the results (the app's sidebar aside: its detector
-#: lists and parameters come from the detector classes, which are torch modules).
+#: What the run page imports and reads before it draws the results.
 PAGE_MODULES = ("oodviz.ui.results", "oodviz.ui.history", "oodviz.ui.watch", "oodviz.runs.config", "oodviz.runs.plan")
+
+
+APP = str(Path(__file__).resolve().parent.parent / "app.py")
+#: Prints the top-level packages of :data:`HEAVY` in ``sys.modules``.
+REPORT = f"import sys\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))"
 
 
 def imported_after(code: str) -> list[str]:
     """The top-level packages of :data:`HEAVY` in ``sys.modules`` after ``code`` runs in a fresh interpreter."""
-    probe = f"{code}\nimport sys\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))"
+    probe = f"{code}\n{REPORT}"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1].replace("'", '"'))
 
@@ -61,3 +67,29 @@ def test_sizes_format_without_torch_and_every_model_name_is_its_submodules():
         assert defined and all(getattr(models, name) is value for value in defined), name
     with pytest.raises(AttributeError):
         models.no_such_name  # noqa: B018
+
+
+def test_a_run_page_with_its_sidebar_form_imports_no_torch_torchvision_sklearn_or_scipy(default_run, tmp_path):
+    """The whole app script on a finished run's page, in a fresh interpreter: the sidebar form (backbones, layers,
+    detectors, parameters, grids, devices, the ID fit set's count) reads :mod:`oodviz.catalog`; the detector
+    explanation below it is drawn only once opened. Its count is the loaded set's. The results page's last step,
+    :func:`oodviz.ui.results.prefetch` (background threads that open the galleries' datasets and import
+    scikit-learn once the page is drawn), is recorded here instead of started."""
+    from oodviz.data import load_dataset
+
+    shutil.copytree(default_run.path, tmp_path / "r1")
+    code = (
+        f"import os\nos.environ['OODVIZ_RUNS_ROOT'] = {str(tmp_path)!r}\n"
+        "from streamlit.testing.v1 import AppTest\nimport oodviz.ui.results as page\n"
+        "prefetched = []\npage.prefetch = prefetched.append\n"
+        f"app = AppTest.from_file({APP!r}, default_timeout=300)\n"
+        "app.query_params['run'] = 'r1'\napp.run()\nassert not app.exception, app.exception\nassert prefetched\n"
+        "print([n.label for n in app.sidebar.number_input if n.label.startswith('Held-out ID images')])\n"
+        "print(len([m for m in app.sidebar.multiselect if m.label == 'Detectors'][0].options))"
+    )
+    done = subprocess.run([sys.executable, "-c", f"{code}\n{REPORT}"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    held_out, detectors, heavy = done.stdout.strip().splitlines()[-3:]
+    assert json.loads(heavy.replace("'", '"')) == []
+    assert held_out == str([f"Held-out ID images (of the {len(load_dataset('digits-train')):,} ID fit images)"])
+    assert int(detectors) == len(importlib.import_module("oodviz.detectors").available())

@@ -2,7 +2,9 @@
 
 ``RunConfig(backbone=...)`` without ``detectors`` takes :func:`default_detector_params` of its backbone's family
 (:func:`oodviz.models.architectures.backbone_family`); :data:`FAMILY_REASONS` says why, with the OpenOOD v1.5
-ImageNet-1k leaderboard figures (near/far AUROC, %), and the app shows it under the detector list.
+ImageNet-1k leaderboard figures (near/far AUROC, %), and the app shows it under the detector list. The detectors'
+``in_defaults`` and the families are read from :mod:`oodviz.catalog` (checked equal to the code that declares
+them), so that neither a config nor the app's form imports torch for them.
 
 - ``cnn``: every detector with ``in_defaults`` (activation shaping, SCALE and ASH, and NCI lead on ResNet-50);
 - ``transformer``: the same less ``ash`` and ``gradnorm``, which collapse on ViT, with ``mahalanobis`` and
@@ -11,7 +13,7 @@ ImageNet-1k leaderboard figures (near/far AUROC, %), and the app shows it under 
 
 from __future__ import annotations
 
-from oodviz.models.architectures import backbone_family
+from oodviz.catalog import backbone_family, default_detector_names
 
 #: What each family changes in the list of ``in_defaults`` detectors: those it leaves out, and parameters.
 FAMILY_CHANGES: dict[str, dict] = {
@@ -39,13 +41,11 @@ FAMILY_REASONS: dict[str, str] = {
 
 def default_detector_params(backbone) -> dict[str, dict]:
     """Detector name -> its parameters, in registry order: the default detectors of ``backbone``'s family."""
-    from oodviz.detectors import available, detector_class
-
     changes = FAMILY_CHANGES[backbone_family(backbone)]
     return {
         name: dict(changes["params"].get(name, {}))
-        for name in available()
-        if detector_class(name).in_defaults and name not in changes["leave_out"]
+        for name in default_detector_names()
+        if name not in changes["leave_out"]
     }
 
 

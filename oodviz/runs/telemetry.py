@@ -26,10 +26,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 MiB = 2**20
 
@@ -74,7 +76,10 @@ def job_environment(environ: dict[str, str]) -> dict[str, str]:
 
 def memory_snapshot(device: torch.device | None) -> dict:
     """``cpu_rss`` and, on CUDA, ``gpu_allocated``/``gpu_reserved``/``gpu_peak``/``gpu_total`` (bytes) and
-    ``gpu_util`` (percent, where NVML is available)."""
+    ``gpu_util`` (percent, where NVML is available). Imports torch only here: the app's form lists devices
+    (:func:`device_facts`) without it."""
+    import torch
+
     snapshot = {"cpu_rss": cpu_rss_bytes()}
     if device is not None and device.type == "cuda" and torch.cuda.is_available():
         index = device.index if device.index is not None else torch.cuda.current_device()

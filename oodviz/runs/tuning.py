@@ -27,7 +27,7 @@ worker warns, the app shows it). :func:`tuning_problems` checks a config's grids
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from oodviz.params import param_problems, shown
@@ -52,14 +52,18 @@ def validation_splits(config: RunConfig) -> list[tuple]:
     return [(split, getattr(config, key), as_ood) for split, key, as_ood in VALIDATION_SPLITS] if tunes(config) else []
 
 
-def detector_grid(choice: DetectorChoice) -> dict[str, list]:
-    """The values ``choice`` tries per parameter: its ``grid``, or (None) its detector's ``default_grid`` less the
-    parameters its ``params`` fix."""
-    from oodviz.detectors import detector_class
-
+def detector_grid(choice: DetectorChoice, default_grid: Callable[[str], Mapping] | None = None) -> dict[str, list]:
+    """The values ``choice`` tries per parameter: its ``grid``, or (None) its detector's default grid less the
+    parameters its ``params`` fix. ``default_grid(name)``: the detector class's ``default_grid`` unless given (the
+    app's form passes :func:`oodviz.catalog.default_grid`, the same grids read without importing torch)."""
     if choice.grid is not None:
         return {key: list(values) for key, values in choice.grid.items()}
-    default = detector_class(choice.name).default_grid
+    if default_grid is None:
+        from oodviz.detectors import detector_class
+
+        default = detector_class(choice.name).default_grid
+    else:
+        default = default_grid(choice.name)
     return {key: list(values) for key, values in default.items() if key not in choice.params}
 
 

@@ -196,12 +196,13 @@ def report_download(results: Results) -> None:
     """A button that builds the self-contained HTML report (:func:`oodviz.report.report_html`) and offers it;
     with each figure also as PNG and SVG downloads when ticked (offered where kaleido and Chromium are)."""
     from oodviz.export import kaleido_problem
-    from oodviz.report import report_html
 
     with_files = kaleido_problem() is None and st.checkbox(
         "with each figure as PNG and SVG", key="report-figure-files", help="Drawn by kaleido in Chromium: slower"
     )
     if st.button("Build the HTML report", key="build-report"):
+        from oodviz.report import report_html  # the detectors' explanations: torch modules, imported on demand
+
         with st.spinner("Building the report..."):
             try:
                 st.session_state[f"report-html:{results.path}"] = report_html(results.path, figure_files=with_files)

@@ -60,11 +60,10 @@ OOD_CHOICES = (
 
 
 def ood_label(name: str) -> str:
-    from oodviz.data import dataset_info
+    from oodviz.catalog import dataset_group_and_source
 
-    info = dataset_info(name)
-    group = info.group or "far"
-    return f"{name} ({group}, {info.source})"
+    group, source = dataset_group_and_source(name)
+    return f"{name} ({group or 'far'}, {source})"
 
 
 @dataclass
@@ -444,9 +443,18 @@ class ParamField:
 
 
 def param_fields(detector: str) -> list[ParamField]:
+    """:func:`declared_param_fields` of ``detector`` as :mod:`oodviz.catalog` holds them (no torch import); ``[]``
+    for an unknown name."""
+    from oodviz.catalog import detector_params
+
+    return [ParamField(**{**field, "choices": tuple(field["choices"])}) for field in detector_params(detector)]
+
+
+def declared_param_fields(detector: str) -> list[ParamField]:
     """The parameters of ``detector`` a browser user may edit, from its constructor's signature: numbers (also
     ``int | None``), booleans and the strings of :attr:`~oodviz.detectors.Detector.param_choices`. Paths
-    (``bank_dir``), module names, lists and the model are left to config files."""
+    (``bank_dir``), module names, lists and the model are left to config files. Imports the detector classes
+    (torch): the form reads them from :mod:`oodviz.catalog` (:func:`param_fields`)."""
     import inspect
     import types
     import typing

@@ -44,9 +44,9 @@ def layer_options(backbone: str, chosen: list[str]) -> list[str]:
     (:func:`oodviz.models.architecture_layer_names`, the names the config is checked against), then any
     ``chosen`` name that is not one of them (a run's config, shown so that its check can say what is wrong).
     A user's own model file offers only ``"penultimate"`` (no hooks can be attached to it)."""
-    from oodviz.models import architecture_layer_names, available_backbones
+    from oodviz.catalog import backbone_layers, backbone_names
 
-    names = architecture_layer_names(backbone) if backbone in available_backbones() else []
+    names = backbone_layers(backbone) if backbone in backbone_names() else []
     offered = [PENULTIMATE, *names]
     return offered + [name for name in chosen if name not in offered]
 
@@ -156,9 +156,10 @@ def grid_of(values, name: str) -> dict | None:
 
 
 def tuned_grids(config) -> dict[str, dict]:
-    """Detector -> the grid it tries in ``config`` (:func:`oodviz.runs.tuning.detector_grid`), for each known
-    detector; ``{}`` for one with nothing to tune."""
-    from oodviz.detectors import available
+    """Detector -> the grid it tries in ``config`` (:func:`oodviz.runs.tuning.detector_grid`, with the default grids
+    of :mod:`oodviz.catalog`: no torch import), for each known detector; ``{}`` for one with nothing to tune."""
+    from oodviz.catalog import default_grid, detector_names
     from oodviz.runs.tuning import detector_grid
 
-    return {choice.name: detector_grid(choice) for choice in config.detectors if choice.name in available()}
+    known = detector_names()
+    return {choice.name: detector_grid(choice, default_grid) for choice in config.detectors if choice.name in known}

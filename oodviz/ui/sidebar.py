@@ -8,10 +8,9 @@ from dataclasses import asdict, replace
 
 import streamlit as st
 
-from oodviz.detectors import available
-from oodviz.engine import FEATURE_DTYPES, PRECISIONS
+from oodviz.catalog import backbone_names, choices, detector_names, known_split_size
 from oodviz.layers import PENULTIMATE
-from oodviz.models import POOLINGS, available_backbones, format_bytes
+from oodviz.models import format_bytes
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.defaults import default_detector_params, defaults_reason
 from oodviz.runs.probe import estimate_in_subprocess
@@ -80,7 +79,7 @@ def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
     (a half row cuts "mahalanobis: normalize" at 1000 px); only the values that differ from the detector's
     defaults are returned (a blank optional number is its default, None)."""
     params = {}
-    for name in available():
+    for name in detector_names():
         fields = param_fields(name)
         if not fields:
             continue
@@ -144,7 +143,9 @@ def _count_images(choice_json: str, data_root: str) -> int | None:
 
 def fit_set_size(values: FormValues) -> int | None:
     """The size of the form's whole ID fit set (no subsample), from paths the server allows; None otherwise, and
-    for an image folder unless the form tunes (a folder is walked to count it)."""
+    for an image folder unless the form tunes (a folder is walked to count it). Read without torch where the
+    catalog knows how (:func:`oodviz.catalog.known_split_size`: the bundled digits, the MNIST-style files), else
+    counted by loading the set."""
     if values.id_preset == FOLDER_PRESET and not values.tune:
         return None
     try:
@@ -154,7 +155,8 @@ def fit_set_size(values: FormValues) -> int | None:
     fit = replace(config.id_fit, subsample=None, subsample_mode="first")
     if fit.name == "folder" and not str(fit.params.get("path", "")).strip():
         return None
-    return _count_images(json.dumps(asdict(fit), sort_keys=True), config.data_root)
+    known = known_split_size(fit.name, fit.params, config.data_root)
+    return known if known is not None else _count_images(json.dumps(asdict(fit), sort_keys=True), config.data_root)
 
 
 def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> dict:
@@ -257,7 +259,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
     st.session_state.setdefault(keys["defaults_of"], defaults.backbone)
     st.sidebar.subheader("Model")
     # outside the form: a new backbone reruns the page, so its layers and default detectors are offered
-    backbones = available_backbones() + [USER_MODEL]
+    backbones = backbone_names() + [USER_MODEL]
     backbone = st.sidebar.selectbox(
         "Backbone",
         backbones,
@@ -293,7 +295,8 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             "and compared in the results' Which layer? tab; mahalanobis is also combined over them.",
         )
         slots["layers"] = st.empty()
-        pooling = st.selectbox("Pooling", list(POOLINGS), index=list(POOLINGS).index(defaults.pooling))
+        poolings = choices("poolings")
+        pooling = st.selectbox("Pooling", poolings, index=poolings.index(defaults.pooling))
         slots["pooling"] = st.empty()
 
         st.subheader("Data")
@@ -332,7 +335,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         st.subheader("Detectors")
         detectors = st.multiselect(
             "Detectors",
-            available(),
+            detector_names(),
             default=None if keys["detectors"] in st.session_state else defaults.detectors,
             key=keys["detectors"],
             help="Higher score = more OOD for every detector. See 'What each detector does' below the form.",
@@ -369,15 +372,15 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         batch_size = r1.number_input("Batch size", min_value=1, value=defaults.batch_size)
         precision = r2.selectbox(
             "Precision",
-            list(PRECISIONS),
-            index=list(PRECISIONS).index(defaults.precision),
+            choices("precisions"),
+            index=choices("precisions").index(defaults.precision),
             help="bf16/fp16 autocast applies on GPUs only.",
         )
         slots["batch_size"], slots["precision"] = r1.empty(), r2.empty()
         feature_dtype = st.selectbox(
             "Features on disk",
-            list(FEATURE_DTYPES),
-            index=list(FEATURE_DTYPES).index(defaults.feature_dtype),
+            choices("feature_dtypes"),
+            index=choices("feature_dtypes").index(defaults.feature_dtype),
             format_func=lambda d: "float16 (half the disk)" if d == "float16" else d,
             help="float16 halves the size of the feature stores.",
         )
@@ -415,9 +418,13 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         slots["form"] = st.empty()
     estimate_panel(values)
 
-    with st.sidebar.expander("What each detector does"):
-        chosen = detectors[0] if detectors else available()[0]
-        teaching_panel(st.selectbox("Explain", available(), index=available().index(chosen), key="teach-detector"))
+    # drawn only once opened (the detector classes, torch modules, are imported then)
+    about = st.sidebar.expander("What each detector does", key="teach-open", on_change="rerun")
+    if about.open:
+        with about:
+            names = detector_names()
+            chosen = detectors[0] if detectors else names[0]
+            teaching_panel(st.selectbox("Explain", names, index=names.index(chosen), key="teach-detector"))
 
     return values, "start" if start else "estimate" if estimate else None, slots
 
