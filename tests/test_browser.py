@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -171,18 +172,38 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     assert len(settled) == 2 and settled[-1] != captions, "the galleries did not follow the threshold slider"
 
 
-def test_reload_mid_run_reattaches_to_the_same_run(page, app_url, tmp_path):
+def running_worker_pid(run_dir: Path, timeout_s: float = 30) -> int:
+    """The pid of ``run_dir``'s worker once its ``status.json`` says it runs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status = json.loads((run_dir / "status.json").read_text())
+        except (OSError, ValueError):  # not written yet, or caught mid-replace
+            status = {}
+        if status.get("state") == "running" and status.get("worker_pid"):
+            return int(status["worker_pid"])
+        time.sleep(0.05)
+    raise AssertionError(f"no running worker in {run_dir} after {timeout_s} s")
+
+
+def test_reload_mid_run_reattaches_to_the_same_run(page, app_url, runs_root, tmp_path):
     run_id = start_default(page, app_url)
-    page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
-    page.reload()
-    assert page.url.endswith(f"run={run_id}")
-    page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
-    other = page.context.new_page()
-    other.goto(f"{app_url}/?run={run_id}")  # another tab, same run
-    other.get_by_text(run_id).first.wait_for(timeout=30_000)
-    # both tabs follow the live run: a cancel from the second shows in the reloaded first (and the run's
-    # remaining stages are not waited for, a full run already ran in the test above)
-    other.get_by_role("button", name="Cancel run").click(timeout=30_000)
+    # The worker is paused while the tabs reload and cancel: the run reuses the stores of the run before it and
+    # finished in 14 s once in CI, before a loaded browser had clicked Cancel in the second tab.
+    worker = running_worker_pid(runs_root / run_id)
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
+        page.reload()
+        assert page.url.endswith(f"run={run_id}")
+        page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
+        other = page.context.new_page()
+        other.goto(f"{app_url}/?run={run_id}")  # another tab, same run
+        other.get_by_text(run_id).first.wait_for(timeout=30_000)
+        # both tabs follow the live run: a cancel from the second shows in the reloaded first
+        other.get_by_role("button", name="Cancel run").click(timeout=30_000)
+    finally:
+        os.kill(worker, signal.SIGCONT)
     page.get_by_text("The run was cancelled").wait_for(timeout=60_000)
     assert page.url.endswith(f"run={run_id}")
     other.close()
