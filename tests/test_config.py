@@ -79,6 +79,14 @@ def test_the_default_config_and_the_presets_have_no_problems():
         assert make().problems() == []
 
 
+def test_a_detector_listed_twice_is_refused_since_both_would_write_one_result_column():
+    config = small_config()
+    config.detectors = [DetectorChoice("knn", {"k": 5}), DetectorChoice("msp"), DetectorChoice("knn", {"k": 50})]
+    assert config.problems() == ["detector 'knn' is listed twice: keep one (to compare its parameters, give it a grid)"]
+    config.detectors = config.detectors[:2]
+    assert config.problems() == []
+
+
 def test_a_config_built_in_code_is_type_checked_like_a_file():
     config = small_config(batch_size=2.0, seed=False, memory_budget_gb=float("inf"), checkpoint="a\0b", pooling=None)
     config.ood.append(DatasetChoice("noise-uniform", {"n": 10.5, "noise_seed": -1}, subsample=True))

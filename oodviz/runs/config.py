@@ -174,6 +174,9 @@ class RunConfig:
                 found.append("choose at least one detector")
             for i, choice in enumerate(self.detectors):
                 found += _detector_problems(choice, f"detectors[{i}]")
+            names = [d.name for d in self.detectors if isinstance(d, DetectorChoice) and isinstance(d.name, str)]
+            for name in sorted({n for n in names if names.count(n) > 1}):  # one result column per name
+                found.append(f"detector {name!r} is listed twice: keep one (to compare its parameters, give it a grid)")
         # device_problem checks the type too, with the message that lists the accepted names
         if problem := device_problem(self.device) or device_problem_here(self.device):
             found.append(problem)
