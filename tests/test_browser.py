@@ -209,9 +209,14 @@ def test_reload_mid_run_reattaches_to_the_same_run(page, app_url, runs_root, tmp
     other.close()
 
 
-def test_cancel_a_run(page, app_url, tmp_path):
+def test_cancel_a_run(page, app_url, runs_root, tmp_path):
     run_id = start_default(page, app_url)
-    page.get_by_role("button", name="Cancel run").click(timeout=30_000)
+    worker = running_worker_pid(runs_root / run_id)
+    os.kill(worker, signal.SIGSTOP)  # paused until the click: a short run cannot finish first (the reload test)
+    try:
+        page.get_by_role("button", name="Cancel run").click(timeout=30_000)
+    finally:
+        os.kill(worker, signal.SIGCONT)
     page.get_by_text("The run was cancelled").wait_for(timeout=60_000)
     assert page.url.endswith(f"run={run_id}")
     shoot(page, tmp_path, "cancelled")
