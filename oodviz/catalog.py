@@ -14,8 +14,8 @@ module (issue 14.5, cold first load). So the facts it shows are written once int
 - ``poolings``, ``precisions``, ``feature_dtypes``: the choices of those fields;
 - ``datasets``: per registered dataset, its ``group`` and ``source`` (:func:`oodviz.data.dataset_info`);
 - ``bundled_sizes``: the image count of each bundled ID split (:data:`BUNDLED_SPLITS`), ``fashion_id_classes``
-  (:data:`oodviz.data.FASHION_ID_CLASSES`) and ``system_dirs`` (:data:`oodviz.data.torchvision_sets.SYSTEM_DIRS`),
-  for :func:`known_split_size`.
+  (:data:`oodviz.data.FASHION_ID_CLASSES`), ``system_dirs``, ``mnist_folders`` and ``mnist_files``
+  (:mod:`oodviz.data.torchvision_sets`' ``SYSTEM_DIRS``, ``MNIST_FOLDERS``, ``MNIST_FILES``), for :func:`known_split_size`.
 
 ``tests/test_catalog.py`` checks that the file equals what :func:`build` reads from the code, so it cannot drift:
 after changing a detector's parameters, grid or ``in_defaults``, a backbone or a dataset, regenerate it with
@@ -36,9 +36,7 @@ import numpy as np
 PATH = Path(__file__).with_name("catalog.json")
 #: The bundled ID splits whose size the catalog holds (they ship with scikit-learn: always there).
 BUNDLED_SPLITS = ("digits-train", "digits-test")
-#: Where torchvision keeps each MNIST-style set under the data root (``<root>/<folder>/raw``).
-MNIST_FOLDERS = {"mnist": "MNIST", "fashion-mnist": "FashionMNIST", "kmnist": "KMNIST"}
-_MNIST_PREFIXES = ("train", "t10k")
+_MNIST_PREFIXES = ("train", "t10k")  # of the label file per split (train, test)
 
 
 @functools.cache
@@ -90,14 +88,20 @@ def dataset_group_and_source(name: str) -> tuple[str | None, str]:
     return entry["group"], entry["source"]
 
 
+def mnist_folders() -> dict[str, str]:
+    """Each MNIST-style set's folder under the data root (``<root>/<folder>/raw``;
+    :data:`oodviz.data.torchvision_sets.MNIST_FOLDERS`)."""
+    return dict(catalog()["mnist_folders"])
+
+
 def _mnist_labels_file(name: str, root: str, split: str) -> str | None:
     """The label file the loader reads for MNIST-style ``name``'s ``split``: under the data root when all four files
     (or their ``.gz``) are there, else in the system copy when the root has none of them and the copy has all; None
     when neither (or torchvision's legacy ``processed/`` cache is there)."""
-    folder = os.path.join(root, MNIST_FOLDERS[name], "raw")
+    folder = os.path.join(root, catalog()["mnist_folders"][name], "raw")
     if os.path.exists(os.path.join(folder, "..", "processed")):
         return None
-    files = [f"{prefix}-{kind}-ubyte" for prefix in _MNIST_PREFIXES for kind in ("images-idx3", "labels-idx1")]
+    files = catalog()["mnist_files"]
     label = f"{_MNIST_PREFIXES[split == 'test']}-labels-idx1-ubyte"
     there = [
         next((p for p in (os.path.join(folder, f), os.path.join(folder, f + ".gz")) if os.path.isfile(p)), None)
@@ -129,7 +133,7 @@ def known_split_size(name: str, params: dict, root: str) -> int | None:
     if name in BUNDLED_SPLITS and not params:
         return catalog()["bundled_sizes"][name]
     base = "fashion-mnist" if name == "fashion-mnist-id" else name
-    if base not in MNIST_FOLDERS or set(params) != {"split"} or params["split"] not in ("train", "test"):
+    if base not in catalog()["mnist_folders"] or set(params) != {"split"} or params["split"] not in ("train", "test"):
         return None
     path = _mnist_labels_file(base, root, params["split"])
     try:
@@ -144,7 +148,7 @@ def known_split_size(name: str, params: dict, root: str) -> int | None:
 def build() -> dict:
     """The catalog read from the code that declares it (imports torch, torchvision and every detector)."""
     from oodviz.data import FASHION_ID_CLASSES, available_datasets, dataset_info, load_dataset
-    from oodviz.data.torchvision_sets import SYSTEM_DIRS
+    from oodviz.data.torchvision_sets import MNIST_FILES, MNIST_FOLDERS, SYSTEM_DIRS
     from oodviz.detectors import available, detector_class
     from oodviz.engine import FEATURE_DTYPES, PRECISIONS
     from oodviz.models import POOLINGS, architecture_layer_names, available_backbones
@@ -175,6 +179,8 @@ def build() -> dict:
         "bundled_sizes": {name: len(load_dataset(name)) for name in BUNDLED_SPLITS},
         "fashion_id_classes": list(FASHION_ID_CLASSES),
         "system_dirs": dict(SYSTEM_DIRS),
+        "mnist_folders": dict(MNIST_FOLDERS),
+        "mnist_files": list(MNIST_FILES),
     }
 
 

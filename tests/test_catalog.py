@@ -86,9 +86,9 @@ def test_the_known_split_sizes_are_the_loaded_sets(tmp_path, gz, monkeypatch):
     monkeypatch.setitem(catalog.catalog()["system_dirs"], "fashion-mnist", str(tmp_path / "no-system-copy"))
     for name in catalog.BUNDLED_SPLITS:
         assert catalog.known_split_size(name, {}, str(tmp_path)) == loaded_size(name, {}, tmp_path)
-    for folder in catalog.MNIST_FOLDERS.values():
+    for folder in catalog.mnist_folders().values():
         _fake_mnist(tmp_path / folder / "raw", gz)
-    cases = [(name, {"split": split}) for name in [*catalog.MNIST_FOLDERS, "fashion-mnist-id"] for split in SPLITS]
+    cases = [(name, {"split": split}) for name in [*catalog.mnist_folders(), "fashion-mnist-id"] for split in SPLITS]
     for name, params in cases:
         expected = loaded_size(name, params, tmp_path)
         assert expected in (23, 11, 19, 9) and catalog.known_split_size(name, params, str(tmp_path)) == expected

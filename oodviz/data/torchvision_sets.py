@@ -43,7 +43,8 @@ from PIL import Image
 from oodviz.data.base import Source, UnreadableImageError
 from oodviz.data.registry import DatasetInfo, register_dataset
 
-_MNIST_FILES = (
+#: The four files of an MNIST-style set, all needed whatever the split (and their ``.gz`` archives).
+MNIST_FILES = (
     "train-images-idx3-ubyte",
     "train-labels-idx1-ubyte",
     "t10k-images-idx3-ubyte",
@@ -87,7 +88,7 @@ class _Spec:
         from torchvision import datasets
 
         if self.class_name in ("MNIST", "FashionMNIST", "KMNIST"):
-            return list(_MNIST_FILES)
+            return list(MNIST_FILES)
         if self.class_name in ("CIFAR10", "CIFAR100"):
             cls = getattr(datasets, self.class_name)
             return [f for f, _ in cls.train_list + cls.test_list] + [cls.meta["filename"]]
@@ -110,6 +111,12 @@ _SPECS = {
 }
 
 
+#: Where each MNIST-style set's files sit under the data root: ``<root>/<folder>/raw``.
+MNIST_FOLDERS = {
+    name: spec.class_name for name, spec in _SPECS.items() if spec.class_name in ("MNIST", "FashionMNIST", "KMNIST")
+}
+
+
 def _unpack_gz(folder: str, names: list[str]) -> None:
     """Unpack ``name.gz`` into ``name`` for each missing ``name`` whose archive is there."""
     for name in names:
@@ -123,7 +130,7 @@ def _unpack_gz(folder: str, names: list[str]) -> None:
 
 
 def _mnist_family(spec: _Spec) -> bool:
-    return spec.class_name in ("MNIST", "FashionMNIST", "KMNIST")
+    return spec.name in MNIST_FOLDERS
 
 
 def _missing(spec: _Spec, root: str, split: str, partition: int) -> list[str]:
