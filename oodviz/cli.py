@@ -182,13 +182,13 @@ def cmd_app(args) -> NoReturn:
 
     The process becomes Streamlit's server (exec), so a signal sent to ``oodviz app`` reaches the server.
     It listens on ``--host`` (127.0.0.1 by default); the access policy travels in the environment.
-    No usage statistics, no first-run e-mail prompt.
+    Streamlit's ``run`` through :mod:`oodviz.ui.serve` (the pages imported while the server starts), with
+    :data:`oodviz.ui.SERVER_FLAGS`.
     """
-    from oodviz.ui import APP_SCRIPT, streamlit_has_option
+    from oodviz.ui import SERVER_FLAGS, streamlit_has_option
 
     policy = access_policy(args)
-    command = [sys.executable, "-m", "streamlit", "run", str(APP_SCRIPT)]
-    command += ["--browser.gatherUsageStats", "false", "--server.showEmailPrompt", "false"]
+    command = [sys.executable, "-m", "oodviz.ui.serve", *SERVER_FLAGS]
     command += ["--server.address", args.host, "--server.enableCORS", "true", "--server.enableXsrfProtection", "true"]
     if streamlit_has_option("server.allowedHosts"):
         for host in policy.allowed_hosts:  # Streamlit refuses a websocket whose Host is not one of these

@@ -22,6 +22,8 @@ import pytest
 from conftest import chromium, free_port, oodviz_in_process, stop_server
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from oodviz.ui import SERVER_FLAGS
+
 REPO = Path(__file__).resolve().parent.parent
 SCREENSHOTS = REPO / "assets" / "screenshots"
 
@@ -45,17 +47,14 @@ def app_url(runs_root):
         [
             sys.executable,
             "-m",
-            "streamlit",
-            "run",
-            str(REPO / "app.py"),
+            "oodviz.ui.serve",
             "--server.headless",
             "true",
             "--server.port",
             str(port),
             "--server.address",
             "127.0.0.1",
-            "--browser.gatherUsageStats",
-            "false",
+            *SERVER_FLAGS,
             "--server.fileWatcherType",
             "none",
         ],
@@ -105,9 +104,9 @@ def test_run_the_default_watch_it_and_analyse_it(page, app_url, tmp_path):
     shoot(page, tmp_path, "landing")
     run_id = start_default(page, app_url)
     page.get_by_text(f"Run {run_id}").first.wait_for(timeout=30_000)
-    assert page.get_by_text(
+    page.get_by_text(  # the headline says what runs (waited on: a loaded browser draws it a moment later)
         re.compile(r"^digits-cnn · ID digits-test · OOD digits-heldout, .* · 20 detectors$")
-    ).count()
+    ).first.wait_for(timeout=30_000)
     seen = set()
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not page.get_by_text("Best detector per column").count():
