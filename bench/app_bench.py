@@ -4,8 +4,10 @@ Serves the app as ``oodviz app`` does (``python -m oodviz.ui.serve`` with ``oodv
 root holding one finished run, drives Debian's Chromium (Playwright, 1000 x 1400 px) and measures, from the
 browser:
 
-- **cold first load**: a fresh server and browser, ``goto(?run=ID)`` until the metrics table is drawn and
-  the app is idle (Streamlit's status widget gone, two animation frames later);
+- **server ready**: from starting the server until it prints that its modules are imported (``oodviz app:
+  ready``, :mod:`oodviz.ui.serve`);
+- **cold first load**: then a fresh browser, ``goto(?run=ID)`` until the metrics table is drawn and the app is
+  idle (Streamlit's status widget gone, two animation frames later): the run's files read for the first time;
 - **tab switch**: click a tab until its pixels are settled: the later of the server's last websocket frame for
   it and the page's last DOM change (a MutationObserver installed before the page's scripts); the last frame's
   time alone is given beside it (``..._last_frame_s``; median of ``--repeats``);
@@ -42,6 +44,7 @@ import time
 from pathlib import Path
 
 from oodviz.ui import SERVER_FLAGS
+from oodviz.ui.serve import READY
 
 REPO = Path(__file__).resolve().parent.parent
 IDLE = "() => !document.querySelector('[data-testid=\"stStatusWidget\"]')"
@@ -60,24 +63,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(runs_root: Path) -> tuple[subprocess.Popen, str]:
+def serve(runs_root: Path) -> tuple[subprocess.Popen, str, float]:
+    """A server of the app on ``runs_root``, once it has printed :data:`oodviz.ui.serve.READY` (its modules
+    imported, as a user finds it who opens the page after ``oodviz app`` says so); with the seconds that took."""
     port = free_port()
+    started = time.monotonic()
     server = subprocess.Popen(
         [sys.executable, "-m", "oodviz.ui.serve", *SERVER_FLAGS, "--server.headless", "true"]
         + ["--server.port", str(port), "--server.address", "127.0.0.1", "--server.fileWatcherType", "none"],
         cwd=REPO,
         env=dict(os.environ, OODVIZ_RUNS_ROOT=str(runs_root)),
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        text=True,
     )
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    for line in server.stdout:
+        if line.startswith(READY):
             break
-        except OSError:
-            time.sleep(0.2)
-    return server, f"http://127.0.0.1:{port}"
+    else:
+        raise RuntimeError(f"the app's server exited ({server.wait()}) before it was ready")
+    ready_s = time.monotonic() - started
+    threading.Thread(target=server.stdout.read, daemon=True).start()  # the rest of its output: drained
+    return server, f"http://127.0.0.1:{port}", ready_s
 
 
 class Wire:
@@ -342,9 +349,9 @@ def main() -> None:
         root.mkdir()
         source = args.run or default_run(Path(tmp))
         shutil.copytree(source, root / "bench")
-        server, url = serve(root)
+        server, url, ready_s = serve(root)
         try:
-            result = {"run": str(source.name)}
+            result = {"run": str(source.name), "server_ready_s": round(ready_s, 2)}
             if not (args.live_only or args.live_lengths_only):
                 result.update(measure_results(url, "bench", args.repeats))
             if not args.no_live:

@@ -4,11 +4,14 @@ server's (DNS rebinding) is refused."""
 
 import base64
 import os
+import queue
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -33,7 +36,7 @@ def reachable(address: str, port: int) -> bool:
 
 @pytest.fixture
 def serve(tmp_path):
-    """Start ``oodviz app --headless --port P <args>``; returns (port, its first line of output)."""
+    """Start ``oodviz app --headless --port P <args>``; returns (port, its first line of output, the process)."""
     servers = []
 
     def start(*args):
@@ -53,7 +56,7 @@ def serve(tmp_path):
         while time.monotonic() < deadline and not reachable("127.0.0.1", port):
             assert server.poll() is None, server.stdout.read()
             time.sleep(0.3)
-        return port, server.stdout.readline()
+        return port, server.stdout.readline(), server
 
     yield start
     for server in servers:
@@ -75,7 +78,7 @@ def websocket_handshake(port: int, host: str) -> str:
 
 
 def test_by_default_the_app_answers_on_loopback_only_and_to_its_own_host_names(serve):
-    port, _ = serve()
+    port, _, _ = serve()
     assert reachable("127.0.0.1", port)
     address = non_loopback_ipv4()
     if address is not None:  # the machine has another address: nobody may connect through it
@@ -88,7 +91,7 @@ def test_by_default_the_app_answers_on_loopback_only_and_to_its_own_host_names(s
 
 @chromium
 def test_serving_others_needs_the_printed_token(serve, page):
-    port, announced = serve("--host", "0.0.0.0")
+    port, announced, _ = serve("--host", "0.0.0.0")
     found = re.fullmatch(rf"oodviz app: open http://\S+:{port}/\?token=([\w-]+)\n", announced)
     assert found, announced
     token = found.group(1)
@@ -111,3 +114,21 @@ def test_serving_others_needs_the_printed_token(serve, page):
     page.goto(f"http://127.0.0.1:{port}/?token={token}")
     page.get_by_role("button", name="Run the default").wait_for(timeout=60_000)
     assert page.get_by_label("Access token").count() == 0
+
+
+def test_the_server_imports_the_apps_modules_before_any_page_is_opened(serve):
+    """:mod:`oodviz.ui.serve`: the pages and the results tabs' torch are imported while the server starts (no
+    browser has connected), then "ready" is printed; the first page does not wait for them."""
+    from oodviz.ui.serve import READY
+
+    port, first_line, server = serve()
+    assert psutil.Process(server.pid).cmdline()[1:3] == ["-m", "oodviz.ui.serve"]  # `oodviz app` became it
+    output = queue.Queue()
+    threading.Thread(target=lambda: [output.put(line) for line in server.stdout], daemon=True).start()
+    lines = [first_line]
+    while not lines[-1].startswith(READY):
+        lines.append(output.get(timeout=120))  # queue.Empty: not ready in 2 minutes
+    assert re.fullmatch(rf"{READY} \(the pages, torch and scikit-learn imported in \d+\.\d s\)\n", lines[-1])
+    mapped = {Path(m.path).name for m in psutil.Process(server.pid).memory_maps()}
+    assert "libtorch_cpu.so" in mapped  # torch is loaded in the server, before any session asked for it
+    assert websocket_handshake(port, f"127.0.0.1:{port}").endswith("101 Switching Protocols")
