@@ -21,8 +21,17 @@ import time
 
 from oodviz.ui import APP_SCRIPT
 
-#: What the app's pages import at their first draw (the landing page, a run's results, the live panel).
-PAGE_MODULES = ("oodviz.ui.main", "oodviz.ui.results", "oodviz.ui.watch")
+#: What the app's pages import at their first draw: the landing page, a run's results, the live panel, and what
+#: those import lazily when they first draw (the page icon's emoji table, scores.parquet's reader, the metrics
+#: table's Styler and its jinja2: 0.2-0.3 s of a first run's page otherwise).
+PAGE_MODULES = (
+    "oodviz.ui.main",
+    "oodviz.ui.results",
+    "oodviz.ui.watch",
+    "streamlit.emojis",
+    "pyarrow.parquet",
+    "pandas.io.formats.style",
+)
 #: What the results tabs import later: the galleries' datasets (torch, torchvision), the ROC / PR curves.
 TAB_MODULES = ("oodviz.data", "sklearn.metrics")
 READY = "oodviz app: ready"
