@@ -4,7 +4,7 @@ with the app's modules imported while the server starts.
 Streamlit executes the app's script only when the first browser connects, so a server started from
 ``streamlit run`` imports the pages (pandas, plotly, the sidebar's form, the results tabs) during the first page
 load (1.2 s of a 3.2 s cold first load on a quiet 2-core machine), and the results tabs' torch, torchvision and
-scikit-learn while the user clicks the first tabs (a first tab switch took 1.5-4 s). Here a thread imports them
+scikit-learn in background threads after it, while the user clicks the first tabs. Here a thread imports them
 beside Streamlit's start-up (:data:`PAGE_MODULES`, then :data:`TAB_MODULES`), prints when it is done, and hides
 what it imported from the garbage collector (``gc.freeze``: the ~500k objects of those modules are never garbage,
 and a full collection that scans them holds the GIL for 0.25 s). A browser that connects earlier waits only for
