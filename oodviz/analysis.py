@@ -74,13 +74,13 @@ def score_histogram(scores: pd.DataFrame, detector: str, bins: int = 60, clip_pe
     if not hi > lo:  # all scores (almost) equal: a unit-wide range around them
         lo, hi = lo - 0.5, hi + 0.5
     edges = np.linspace(lo, hi, bins + 1)
-    groups = [(id_label(scores), scores[scores.split == ID_SPLIT])]
-    ood = scores[scores.split == OOD_SPLIT]
-    groups += [(name, ood[ood.dataset == name]) for name in ood_datasets_of(scores)]
+    split, dataset = scores.split.to_numpy(), scores.dataset.to_numpy()
+    ood = split == OOD_SPLIT
+    groups = [(id_label(scores), values[split == ID_SPLIT])]
+    groups += [(name, values[ood & (dataset == name)]) for name in ood_datasets_of(scores)]
     counts, sizes = {}, {}
     low = high = nan = 0
-    for label, rows in groups:
-        v = score_values(rows, detector)
+    for label, v in groups:
         nan += int(np.isnan(v).sum())
         v = v[~np.isnan(v)]
         low += int((v < lo).sum())

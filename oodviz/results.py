@@ -116,11 +116,12 @@ def default_threshold(
     that dataset only (the ``threshold`` column of ``metrics.csv``).
     """
     check_detector(scores, detector)
-    rows = scores[scores.split == OOD_SPLIT]
+    ood = scores.split == OOD_SPLIT
     if ood_dataset is not None:
         check_ood_dataset(scores, ood_dataset)
-        rows = rows[rows.dataset == ood_dataset]
-    return threshold_at_recall(score_values(rows, detector), recall)
+        ood &= scores.dataset == ood_dataset
+    # the one score column of those rows, not a filtered copy of the whole table
+    return threshold_at_recall(scores.loc[ood, detector].to_numpy(dtype=np.float64), recall)
 
 
 # -- metrics.csv ------------------------------------------------------------------------------------
