@@ -1,7 +1,7 @@
 """On-demand hover thumbnails of the feature map (issue 15.4): bytes per answer and the time from hover to image.
 
-Starts the app (``streamlit run app.py``) on a finished run, opens its Feature space tab in Debian's Chromium
-(Playwright) and hovers, one after the other, the ``--points`` most isolated drawn points that are not in the
+Starts the app (``app_bench.serve``: ``python -m oodviz.ui.serve``) on a finished run, opens its Feature space
+tab in Debian's Chromium (Playwright) and hovers, one after the other, the ``--points`` most isolated drawn points that are not in the
 hover sprite (so the mouse hovers that point and no other). For each it records the time from the mouse reaching
 the point to the panel's image being decoded (the panel waits ``DWELL_MS`` before it asks), the bytes that came
 over the websocket meanwhile (the answer's fragment: the component's new data, with up to ``ANSWER_TILES``
@@ -66,7 +66,7 @@ def hovers(run: Path, frame: pd.DataFrame, points: int) -> list[dict]:
 
     keys = pd.read_parquet(thumbnails_path(run, "pca", ".parquet"))
     in_sprite = frame.assign(row=np.arange(len(frame))).merge(keys).row.to_numpy()
-    server, url = serve(run.parent)
+    server, url, _ = serve(run.parent)
     results = []
     try:
         with sync_playwright() as playwright:
