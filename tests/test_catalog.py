@@ -3,11 +3,11 @@ form's readers give what the detector classes, the model registry and the datase
 
 from __future__ import annotations
 
-import gzip
 import json
 
 import numpy as np
 import pytest
+from test_data import _write_idx
 
 from oodviz import catalog
 from oodviz.data import load_dataset
@@ -58,12 +58,6 @@ def test_the_forms_layers_are_the_architectures():
     for backbone in available_backbones():
         assert layer_options(backbone, ["penultimate"]) == ["penultimate", *architecture_layer_names(backbone)]
     assert layer_options("torchscript", ["penultimate", "x"]) == ["penultimate", "x"]
-
-
-def _write_idx(path, array: np.ndarray, gz: bool) -> None:
-    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(n).to_bytes(4, "big") for n in array.shape)
-    with gzip.open(str(path) + ".gz", "wb") if gz else open(path, "wb") as file:
-        file.write(header + np.ascontiguousarray(array, dtype=np.uint8).tobytes())
 
 
 def _fake_mnist(folder, gz: bool, sizes=(("train", 23), ("t10k", 11))) -> None:

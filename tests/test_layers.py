@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
+from test_tuning import sklearn_auroc
 
 from oodviz.engine.store import FeatureStore
 from oodviz.layers import COMBINED, layer_column, layer_ranking, split_column
@@ -339,12 +340,6 @@ def tuned_layers(tmp_path_factory):
     return run
 
 
-def _sklearn_auroc(id_scores, ood_scores) -> float:
-    from sklearn.metrics import roc_auc_score
-
-    return roc_auc_score(np.r_[np.zeros(len(id_scores)), np.ones(len(ood_scores))], np.r_[id_scores, ood_scores])
-
-
 @pytest.mark.parametrize(("name", "key", "grid"), [("mahalanobis", "normalize", [False, True]), ("knn", "k", KNN_GRID)])
 def test_each_layer_gets_the_choice_that_maximises_its_validation_auroc(tuned_layers, name, key, grid, tmp_path):
     """Per layer, each grid value refitted here with the public API on that layer's ID fit store, validation AUROC
@@ -362,7 +357,7 @@ def test_each_layer_gets_the_choice_that_maximises_its_validation_auroc(tuned_la
             detector = create(name, **{key: value}, **bank)
             detector.fit(stores["id_fit"].batches(4096), head=stores["id_fit"].head)
             ours.append(
-                _sklearn_auroc(*(detector.score(stores[s].batches(4096)).numpy() for s in ("id_val", "ood_val")))
+                sklearn_auroc(*(detector.score(stores[s].batches(4096)).numpy() for s in ("id_val", "ood_val")))
             )
         assert tuning["layer"] == layer and [row["params"] for row in tuning["results"]] == [{key: v} for v in grid]
         np.testing.assert_allclose([row["auroc"] for row in tuning["results"]], ours, atol=1e-9)
