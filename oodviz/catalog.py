@@ -69,8 +69,9 @@ def backbone_names() -> list[str]:
 
 def backbone_family(name) -> str:
     """As :func:`oodviz.models.architectures.backbone_family`: ``"transformer"`` or ``"cnn"`` (any other name)."""
-    key = name.strip().lower() if isinstance(name, str) else name
-    return catalog()["backbones"].get(key, {}).get("family", "cnn") if isinstance(key, str) else "cnn"
+    if not isinstance(name, str):
+        return "cnn"
+    return catalog()["backbones"].get(name.strip().lower(), {}).get("family", "cnn")
 
 
 def backbone_layers(name: str) -> list[str]:
@@ -136,11 +137,11 @@ def known_split_size(name: str, params: dict, root: str) -> int | None:
     if base not in catalog()["mnist_folders"] or set(params) != {"split"} or params["split"] not in ("train", "test"):
         return None
     path = _mnist_labels_file(base, root, params["split"])
-    try:
-        labels = None if path is None else _idx_labels(path)
-    except (OSError, ValueError, EOFError):
+    if path is None:
         return None
-    if labels is None:
+    try:
+        labels = _idx_labels(path)
+    except (OSError, ValueError, EOFError):
         return None
     return int(np.isin(labels, catalog()["fashion_id_classes"]).sum()) if base != name else len(labels)
 

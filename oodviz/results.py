@@ -121,7 +121,7 @@ def default_threshold(
         check_ood_dataset(scores, ood_dataset)
         ood &= scores.dataset == ood_dataset
     # the one score column of those rows, not a filtered copy of the whole table
-    return threshold_at_recall(scores.loc[ood, detector].to_numpy(dtype=np.float64), recall)
+    return threshold_at_recall(score_values(scores, detector)[ood.to_numpy()], recall)
 
 
 # -- metrics.csv ------------------------------------------------------------------------------------

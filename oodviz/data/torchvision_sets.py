@@ -62,6 +62,10 @@ class DatasetNotFoundError(FileNotFoundError):
     """A file-based dataset whose files are not under the data root (and were not downloaded)."""
 
 
+#: The torchvision classes of the MNIST-style sets (idx files under ``<root>/<class name>/raw``).
+_MNIST_CLASSES = ("MNIST", "FashionMNIST", "KMNIST")
+
+
 @dataclass(frozen=True)
 class _Spec:
     """How one torchvision dataset lays out its files and takes its split."""
@@ -73,7 +77,7 @@ class _Spec:
 
     def folder(self, root: str, split: str, partition: int) -> str:
         """Directory holding the files, as torchvision computes it."""
-        if self.class_name in ("MNIST", "FashionMNIST", "KMNIST"):
+        if self.class_name in _MNIST_CLASSES:
             return os.path.join(root, self.class_name, "raw")
         if self.class_name == "CIFAR10":
             return os.path.join(root, "cifar-10-batches-py")
@@ -87,7 +91,7 @@ class _Spec:
         """Files torchvision checks for, relative to :meth:`folder` (all of them, whatever the split)."""
         from torchvision import datasets
 
-        if self.class_name in ("MNIST", "FashionMNIST", "KMNIST"):
+        if self.class_name in _MNIST_CLASSES:
             return list(MNIST_FILES)
         if self.class_name in ("CIFAR10", "CIFAR100"):
             cls = getattr(datasets, self.class_name)
@@ -112,9 +116,7 @@ _SPECS = {
 
 
 #: Where each MNIST-style set's files sit under the data root: ``<root>/<folder>/raw``.
-MNIST_FOLDERS = {
-    name: spec.class_name for name, spec in _SPECS.items() if spec.class_name in ("MNIST", "FashionMNIST", "KMNIST")
-}
+MNIST_FOLDERS = {name: spec.class_name for name, spec in _SPECS.items() if spec.class_name in _MNIST_CLASSES}
 
 
 def _unpack_gz(folder: str, names: list[str]) -> None:

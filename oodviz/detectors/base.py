@@ -470,16 +470,18 @@ class ModelDetector(Detector):
         """Inputs scored at once: :attr:`batch_rows` when set, else as many as fit in the memory share at the
         activation cost of one input, measured once per input shape and device (:mod:`oodviz.detectors.modelmemory`);
         a plain callable (no module to measure) gets the default."""
-        module = self.module
-        if batch.inputs is not None and self.batch_rows is not None:
-            return self.batch_rows * batch.inputs[0].numel() * batch.inputs.element_size()
-        if module is None or batch.inputs is None:
+        if batch.inputs is None:
             return None
-        key = (tuple(batch.inputs.shape[1:]), batch.inputs.dtype, str(device))
-        if getattr(self, "_rows_measured", (None,))[0] != key:
-            per_input = activation_bytes(module, self.logits, batch.inputs[:1].to(device))
-            self._rows_measured = (key, rows_that_fit(per_input, self.activation_copies, device))
-        return self._rows_measured[1] * batch.inputs[0].numel() * batch.inputs.element_size()
+        rows = self.batch_rows
+        if rows is None:
+            if self.module is None:
+                return None
+            key = (tuple(batch.inputs.shape[1:]), batch.inputs.dtype, str(device))
+            if getattr(self, "_rows_measured", (None,))[0] != key:
+                per_input = activation_bytes(self.module, self.logits, batch.inputs[:1].to(device))
+                self._rows_measured = (key, rows_that_fit(per_input, self.activation_copies, device))
+            rows = self._rows_measured[1]
+        return rows * batch.inputs[0].numel() * batch.inputs.element_size()
 
     def _scoring(self, device: torch.device):
         """A context manager around one ``score`` call, entered after the model is on ``device`` in eval mode."""

@@ -104,8 +104,11 @@ def combines_layers(config) -> bool:
 
 def layer_views(job) -> dict:
     """Layer name -> a view of the run's model (:meth:`~oodviz.models.Backbone.with_layer`) with its features, for
-    every layer of the run (:func:`backbone_views`)."""
-    return backbone_views(job.backbone, job.config.layers, job.config.pooling)
+    every layer of the run (:func:`backbone_views`); made once per run and kept in ``job.layer_views`` (each view
+    finds its feature size with a probe forward)."""
+    if job.layer_views is None:
+        job.layer_views = backbone_views(job.backbone, job.config.layers, job.config.pooling)
+    return job.layer_views
 
 
 def backbone_views(backbone, layers: list[str], pooling: str) -> dict:

@@ -112,7 +112,8 @@ class Job:
     ``fitted``: the detectors still in the run, in config order, by result column; ``detector_log``: what becomes
     ``detectors.json``; ``frames``: the scores table of each scored split; ``scores``: all of them
     (``scores.parquet``); ``meta``: what becomes ``meta.json``; ``tuning``: per tuned detector, what tuning
-    on validation data tried and chose (:mod:`oodviz.runs.tuning`).
+    on validation data tried and chose (:mod:`oodviz.runs.tuning`); ``layer_views``: the model's view per layer
+    of a run over several layers, once made (:func:`oodviz.runs.layers.layer_views`).
     """
 
     config: RunConfig
@@ -130,6 +131,7 @@ class Job:
     scores: pd.DataFrame | None = None
     tuning: dict = field(default_factory=dict)
     model_batches: ModelBatches = field(default_factory=ModelBatches)
+    layer_views: dict | None = None
 
     @property
     def splits(self) -> list[tuple[str, DatasetChoice, bool]]:
@@ -139,6 +141,11 @@ class Job:
     def store_of(self, split: str, layer: str | None):
         """The feature store of ``split`` at ``layer``; ``None``: the split's main store."""
         return self.stores[split] if layer is None else self.layer_stores[split][layer]
+
+    def head_of(self, split: str, layer: str | None):
+        """The classifier head for the features of ``split`` at ``layer``: the backbone's for its main layer, else
+        the one its store recorded."""
+        return self.backbone.head if layer is None else self.store_of(split, layer).head
 
     @property
     def scored_splits(self) -> list[tuple[str, str, str]]:
@@ -345,7 +352,7 @@ def fit_on_store(job: Job, detector, stage: Stage, layer: str | None = None) -> 
     fields = detector.fields_to_read(fitting=True)
     store = job.store_of("id_fit", layer)
     batches = Watched(store.batches(SCORE_BATCH, device=job.device, include=fields), stage)
-    detector.fit(batches, head=job.backbone.head if layer is None else store.head, device=job.device)
+    detector.fit(batches, head=job.head_of("id_fit", layer), device=job.device)
 
 
 def score_splits(job: Job) -> None:

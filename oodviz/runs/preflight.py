@@ -191,16 +191,15 @@ def layer_estimates(config, backbone, sizes: dict[str, int], new_splits) -> dict
     """Layer -> ``(estimate, new splits)`` of its stores, for a run over several layers (``config.layers``; each
     layer a view of ``backbone``, :meth:`~oodviz.models.Backbone.with_layer`, with one probe forward); None for a
     single-layer run. ``new_splits(view)``: the splits whose store of that view is still to extract."""
-    from oodviz.layers import PENULTIMATE
     from oodviz.models import estimate_memory
+    from oodviz.runs.layers import backbone_views
 
     if not config.layers:
         return None
-    found = {}
-    for layer in config.layers:
-        view = backbone.with_layer(None if layer == PENULTIMATE else layer, pooling=config.pooling)
-        found[layer] = (estimate_memory(view, sizes, feature_dtype=config.feature_dtype), new_splits(view))
-    return found
+    return {
+        layer: (estimate_memory(view, sizes, feature_dtype=config.feature_dtype), new_splits(view))
+        for layer, view in backbone_views(backbone, config.layers, config.pooling).items()
+    }
 
 
 def batch_needs(batches: list, limits: dict[str, int]) -> list[Need]:

@@ -289,8 +289,7 @@ def fit_sharded(job: Job, detector, stage, layer: str | None, world: World) -> N
     stage.note(f"fit split: rank {world.rank} of {world.size}: {what} rows {start}..{stop - 1} of {store.n}")
     rows = Watched(ShardRows(store, start, stop, job.device), stage)
     fit = fit_bank_across_ranks if bank else fit_across_ranks
-    head = job.backbone.head if layer is None else store.head
-    fit(detector, rows, world, head=head, device=job.device)
+    fit(detector, rows, world, head=job.head_of("id_fit", layer), device=job.device)
 
 
 def holds_bank_shard(detector) -> bool:

@@ -413,7 +413,7 @@ def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
         found.append(FormFix("Store the features as float16", replace(values, feature_dtype="float16")))
     named_batch = _BATCH_THAT_FITS.search(lower)
     if named_batch:
-        smaller = min(max(int(named_batch.group(1).replace(",", "")), 1), values.batch_size)
+        smaller = max(int(named_batch.group(1).replace(",", "")), 1)
     else:
         smaller = max(values.batch_size // 4, 1) if any(marker in lower for marker in _OUT_OF_MEMORY) else None
     if smaller is not None and smaller < values.batch_size:

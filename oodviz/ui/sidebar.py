@@ -130,7 +130,13 @@ def _switch_default_detectors(generation: str, detectors_shown: list[str]) -> No
 
 @st.cache_data(show_spinner="Counting the ID fit images…", max_entries=16)
 def _count_images(choice_json: str, data_root: str) -> int | None:
-    """How many images the ID fit dataset ``choice_json`` has (None when it cannot be read)."""
+    """How many images the ID fit dataset ``choice_json`` has (None when it cannot be read): read without torch
+    where the catalog knows how (:func:`oodviz.catalog.known_split_size`: the bundled digits, the MNIST-style
+    files), else counted by loading the set."""
+    choice = json.loads(choice_json)
+    known = known_split_size(choice["name"], choice["params"], data_root)
+    if known is not None:
+        return known
     from oodviz.runs.splits import load_split
 
     try:
@@ -142,10 +148,9 @@ def _count_images(choice_json: str, data_root: str) -> int | None:
 
 
 def fit_set_size(values: FormValues) -> int | None:
-    """The size of the form's whole ID fit set (no subsample), from paths the server allows; None otherwise, and
-    for an image folder unless the form tunes (a folder is walked to count it). Read without torch where the
-    catalog knows how (:func:`oodviz.catalog.known_split_size`: the bundled digits, the MNIST-style files), else
-    counted by loading the set."""
+    """The size of the form's whole ID fit set (no subsample), from paths the server allows (:func:`_count_images`,
+    once per set and data root); None otherwise, and for an image folder unless the form tunes (a folder is walked
+    to count it)."""
     if values.id_preset == FOLDER_PRESET and not values.tune:
         return None
     try:
@@ -155,8 +160,7 @@ def fit_set_size(values: FormValues) -> int | None:
     fit = replace(config.id_fit, subsample=None, subsample_mode="first")
     if fit.name == "folder" and not str(fit.params.get("path", "")).strip():
         return None
-    known = known_split_size(fit.name, fit.params, config.data_root)
-    return known if known is not None else _count_images(json.dumps(asdict(fit), sort_keys=True), config.data_root)
+    return _count_images(json.dumps(asdict(fit), sort_keys=True), config.data_root)
 
 
 def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> dict:
@@ -191,11 +195,11 @@ def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> 
     slots["id_val"], slots["id_val-warning"] = st.empty(), st.empty()
     id_val_folder = st.text_input("ID validation folder (image folder only)", defaults.id_val_folder)
     slots["id_val_folder"] = st.empty()
-    choices = [NO_VALIDATION, *OOD_CHOICES]
+    ood_sets = [NO_VALIDATION, *OOD_CHOICES]
     ood_val = st.selectbox(
         "OOD validation set",
-        choices,
-        index=choices.index(defaults.ood_val) if defaults.ood_val in choices else 0,
+        ood_sets,
+        index=ood_sets.index(defaults.ood_val) if defaults.ood_val in ood_sets else 0,
         help="An OOD set that is not a test set: chosen on the data it is tested on, a detector looks better "
         "than it is.",
     )
@@ -370,17 +374,18 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         slots["device"] = st.empty()
         r1, r2 = st.columns(2)
         batch_size = r1.number_input("Batch size", min_value=1, value=defaults.batch_size)
+        precisions, feature_dtypes = choices("precisions"), choices("feature_dtypes")
         precision = r2.selectbox(
             "Precision",
-            choices("precisions"),
-            index=choices("precisions").index(defaults.precision),
+            precisions,
+            index=precisions.index(defaults.precision),
             help="bf16/fp16 autocast applies on GPUs only.",
         )
         slots["batch_size"], slots["precision"] = r1.empty(), r2.empty()
         feature_dtype = st.selectbox(
             "Features on disk",
-            choices("feature_dtypes"),
-            index=choices("feature_dtypes").index(defaults.feature_dtype),
+            feature_dtypes,
+            index=feature_dtypes.index(defaults.feature_dtype),
             format_func=lambda d: "float16 (half the disk)" if d == "float16" else d,
             help="float16 halves the size of the feature stores.",
         )
