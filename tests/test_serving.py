@@ -128,7 +128,9 @@ def test_the_server_imports_the_apps_modules_before_any_page_is_opened(serve):
     lines = [first_line]
     while not lines[-1].startswith(READY):
         lines.append(output.get(timeout=120))  # queue.Empty: not ready in 2 minutes
-    assert re.fullmatch(rf"{READY} \(the pages, torch and scikit-learn imported in \d+\.\d s\)\n", lines[-1])
+    assert re.fullmatch(
+        rf"{READY} \(the pages, torch, torchvision and scikit-learn imported in \d+\.\d s\)\n", lines[-1]
+    )
     mapped = {Path(m.path).name for m in psutil.Process(server.pid).memory_maps()}
     assert "libtorch_cpu.so" in mapped  # torch is loaded in the server, before any session asked for it
     assert websocket_handshake(port, f"127.0.0.1:{port}").endswith("101 Switching Protocols")

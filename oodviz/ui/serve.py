@@ -32,8 +32,10 @@ PAGE_MODULES = (
     "pyarrow.parquet",
     "pandas.io.formats.style",
 )
-#: What the results tabs import later: the galleries' datasets (torch, torchvision), the ROC / PR curves.
-TAB_MODULES = ("oodviz.data", "sklearn.metrics")
+#: What the results tabs import later: the galleries' datasets (torch, torchvision; ``torchvision.datasets`` is
+#: imported only when a dataset is first opened: 2 s of a core, which the galleries' prefetch thread otherwise
+#: spends during a run's first page, holding the GIL), the ROC / PR curves.
+TAB_MODULES = ("oodviz.data", "torchvision.datasets", "sklearn.datasets", "sklearn.model_selection", "sklearn.metrics")
 READY = "oodviz app: ready"
 
 
@@ -50,7 +52,10 @@ def import_app() -> None:
         importlib.import_module(name)
     gc.collect()
     gc.freeze()
-    print(f"{READY} (the pages, torch and scikit-learn imported in {time.perf_counter() - started:.1f} s)", flush=True)
+    print(
+        f"{READY} (the pages, torch, torchvision and scikit-learn imported in {time.perf_counter() - started:.1f} s)",
+        flush=True,
+    )
 
 
 def main(options: list[str] | None = None) -> None:
