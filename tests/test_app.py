@@ -189,12 +189,18 @@ def test_one_threshold_and_detector_shared_by_the_tabs_per_set_by_default(app, r
 
     detector = detector_box.value
     assert app.slider[0].value == pytest.approx(min(per_set(detector).values()))
+    hardest = min(per_set(detector), key=per_set(detector).get)  # the set that decides "every OOD set"
+    id_scores = scores.loc[scores.split == "id_test", detector].to_numpy()
+    flagged = (id_scores >= per_set(detector)[hardest]).mean()
+    [note] = [c.value for c in app.caption if "is decided by" in c.value]
+    assert f"**{hardest}**" in note and f"there {flagged:.1%} of the ID test images are flagged" in note
     missed = [m for m in app.metric if m.label.startswith("Misses")][0].value
     every = min(per_set(detector).values())
     assert missed.startswith(f"{int((ood[detector] < every).sum()):,} (")
     [basis] = [s for s in app.selectbox if s.label == "Start the threshold at"]
     basis.select("95% of all OOD sets pooled").run()
     assert app.slider[0].value == pytest.approx(brute_force_threshold(ood[detector]))
+    assert not [c for c in app.caption if "is decided by" in c.value]  # only for "every OOD set"
     [s for s in app.selectbox if s.label.startswith("Detector")][0].select("energy").run()
     [basis] = [s for s in app.selectbox if s.label == "Start the threshold at"]
     basis.select("digits-heldout").run()

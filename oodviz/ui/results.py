@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import streamlit as st
 
@@ -129,9 +130,10 @@ def curve_points(lines: int) -> int:
     return min(200, max(50, 1600 // max(lines, 1)))
 
 
-@st.cache_data(show_spinner=False, max_entries=32)
+@st.cache_resource(show_spinner=False, max_entries=32)
 def _failures(path: str, finished: float | None, detector: str, id_class, ood_dataset) -> tuple:
-    """Every ID sample by score (highest first) and every OOD sample by score (lowest first)."""
+    """Every ID sample by score (highest first) and every OOD sample by score (lowest first). Kept as
+    :func:`st.cache_resource` (the tables themselves, never changed by the page): a slider step copies no table."""
     results = _results(path, finished)
     scores = results.scores
     return analysis.failure_cases(
@@ -195,6 +197,22 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
         format="%.4g",
     )
     keep(key, page.threshold)
+    if page.basis == EVERY_SET:
+        st.caption(every_set_note(page))
+
+
+def every_set_note(page: Page) -> str:
+    """Which OOD set decides the :data:`EVERY_SET` threshold (the set that needs the lowest one) and the share of
+    the ID test images flagged as OOD there: one hard set can make that share large."""
+    path = str(page.run.path)
+    per_set = {name: _threshold(path, page.finished, page.detector, name) for name in page.sets}
+    hardest = min(per_set, key=per_set.get)
+    counts = analysis.counts_at_threshold(page.results.scores, page.detector, per_set[hardest])
+    return (
+        f"'{EVERY_SET}' is decided by **{hardest}**, the set that needs the lowest threshold "
+        f"({per_set[hardest]:.4g}); there {counts['id']['false_alarm_rate']:.1%} of the ID test images are flagged "
+        "as OOD. Start at 95% of another set to see its own trade-off."
+    )
 
 
 def threshold_label(page: Page) -> str:
@@ -320,10 +338,10 @@ def curves_tab(page: Page) -> None:
 
 
 # -- failure cases --------------------------------------------------------------------------------
-def gallery_rows(ranked: pd.DataFrame, wrong: pd.Series, nearest: bool, k: int = GALLERY_SIZE) -> pd.DataFrame:
-    """The ``k`` rows of ``ranked`` (worst first) that are ``wrong`` at the threshold: the ``k`` nearest
-    the threshold (closest first) or the ``k`` most extreme."""
-    wrong_rows = ranked[wrong.to_numpy()]
+def gallery_rows(ranked: pd.DataFrame, wrong: int, nearest: bool, k: int = GALLERY_SIZE) -> pd.DataFrame:
+    """Of the ``wrong`` first rows of ``ranked`` (worst first: the rows wrong at the threshold come first), the
+    ``k`` nearest the threshold (closest first) or the ``k`` most extreme."""
+    wrong_rows = ranked.iloc[:wrong]
     return wrong_rows.iloc[::-1].head(k) if nearest else wrong_rows.head(k)
 
 
@@ -361,10 +379,12 @@ def failures_tab(page: Page) -> None:
         id_class,
         None if ood_filter == "all OOD sets" else ood_filter,
     )
-    flagged = gallery_rows(ranked_id, ranked_id.score >= threshold, nearest)
-    accepted = gallery_rows(ranked_ood, ranked_ood.score < threshold, nearest)
+    # ranked by score, the rows wrong at the threshold are a prefix: ID scores >= it, OOD scores below it
+    n_flagged = int(np.count_nonzero(ranked_id.score.to_numpy() >= threshold))
+    n_accepted = int(np.count_nonzero(ranked_ood.score.to_numpy() < threshold))
+    flagged = gallery_rows(ranked_id, n_flagged, nearest)
+    accepted = gallery_rows(ranked_ood, n_accepted, nearest)
     which = f"class {ranked_id.class_name.iloc[0]}" if id_class is not None and len(ranked_id) else "all classes"
-    n_flagged, n_accepted = int((ranked_id.score >= threshold).sum()), int((ranked_ood.score < threshold).sum())
     st.markdown(
         f"**ID images flagged as OOD** at this threshold ({which}): {n_flagged:,} of {len(ranked_id):,}; "
         f"the {min(GALLERY_SIZE, n_flagged)} {order} (true class → prediction · score)"
