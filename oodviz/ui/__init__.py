@@ -9,7 +9,8 @@ APP_SCRIPT = Path(__file__).resolve().parent / "app.py"
 #: no usage statistics, no first-run e-mail prompt, and no full garbage collection after each script run. That
 #: collection scans every object of the server process, 0.06 s with Streamlit, pandas and plotly and 0.25 s once
 #: the galleries' prefetch has imported torch and torchvision, holding the GIL while the answer to a click waits
-#: to be sent; Python's own generational collections still run.
+#: to be sent; Python's own generational collections still run. The toolbar is the viewer's: no "Deploy" button
+#: (to Streamlit's cloud; this app runs where its data is) and no developer menu entries.
 SERVER_FLAGS = [
     "--browser.gatherUsageStats",
     "false",
@@ -17,6 +18,8 @@ SERVER_FLAGS = [
     "false",
     "--runner.postScriptGC",
     "false",
+    "--client.toolbarMode",
+    "viewer",
 ]
 
 
