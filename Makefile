@@ -48,9 +48,11 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/detectors.py
 
-# The app in Chromium: cold load, tab switch, slider step, bytes per chart and of the live panel (bench/RESULTS.md).
+# The app in Chromium: cold load, tab switch, slider step, bytes per chart and of the live panel; then the same
+# clicks on the smallest Streamlit page that draws a chart and a table: the floor under them (bench/RESULTS.md).
 bench-app: $(STAMP) browser
 	$(BIN)/python bench/app_bench.py
+	$(BIN)/python bench/streamlit_floor.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache
