@@ -68,7 +68,7 @@ def area():
                 "n": [len(v) for v in sets.values()],
             })
             st.dataframe(table, hide_index=True, width="stretch")
-            st.caption(f"Tab ready ({tab.label if hasattr(tab, 'label') else shift})")
+            st.caption(f"Tab ready (scores shifted by {shift})")
 
 area()
 """
