@@ -60,7 +60,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from oodviz.detectors.modelmemory import NO_LIMIT
+from oodviz.detectors import modelmemory
+from oodviz.detectors.modelmemory import MEMORY_FRACTION, NO_LIMIT, rows_within
 from oodviz.runs.config import RunConfig
 
 #: host bytes the probe's batch may take, at the one-row peak (and at most a quarter of the available RAM)
@@ -97,6 +98,14 @@ class BatchPeak:
     def gpu_bytes_at(self, rows: int) -> int | None:
         """GPU bytes of a batch of ``rows`` (None off CUDA)."""
         return None if self.gpu_per_row_bytes is None else self.gpu_fixed_bytes + rows * self.gpu_per_row_bytes
+
+    def rows_fitting(self, ram: float, gpu: float | None = None) -> int:
+        """The most rows whose batch takes at most ``ram`` host bytes and, when the peak was measured on a GPU and
+        ``gpu`` is given, at most ``gpu`` device bytes (0 when not even one row fits)."""
+        rows = rows_within(self.fixed_bytes, self.per_row_bytes, ram)
+        if gpu is not None and self.gpu_per_row_bytes is not None:
+            rows = min(rows, rows_within(self.gpu_fixed_bytes, self.gpu_per_row_bytes, gpu))
+        return rows
 
     def describe(self) -> str:
         """One line: ``batch of odin: 256 rows x 1.2 MiB + 3 MiB = 310 MiB``."""
@@ -283,11 +292,7 @@ def rows_from_memory(peak: BatchPeak, batch_size: int, ram: int, gpu: int | None
     """The rows a model-based detector passes at once (the module's docstring): at most ``batch_size``, at least
     one, and as many as fit ``MEMORY_FRACTION`` of ``ram`` (available host bytes) and, when the peak was measured on
     a GPU, of ``gpu`` (free device bytes)."""
-    from oodviz.detectors.modelmemory import MEMORY_FRACTION, rows_within
-
-    rows = rows_within(peak.fixed_bytes, peak.per_row_bytes, MEMORY_FRACTION * ram)
-    if gpu is not None and peak.gpu_per_row_bytes is not None:
-        rows = min(rows, rows_within(peak.gpu_fixed_bytes, peak.gpu_per_row_bytes, MEMORY_FRACTION * gpu))
+    rows = peak.rows_fitting(MEMORY_FRACTION * ram, None if gpu is None else MEMORY_FRACTION * gpu)
     return min(batch_size, max(1, rows))
 
 
@@ -316,8 +321,6 @@ class ModelBatches:
     def rows(self, detector, batch_size: int, device: torch.device) -> int:
         """The rows ``detector`` passes at once; without a measured peak, ``batch_size`` (the detector then
         scores it in chunks of its own activation estimate, :mod:`oodviz.detectors.modelmemory`)."""
-        from oodviz.detectors.modelmemory import MEMORY_FRACTION, available_bytes
-
         name = detector.name
         if name not in self.records:
             peak = self.peaks.get(name)
@@ -325,8 +328,8 @@ class ModelBatches:
                 why = self.not_measured.get(name, "no batch probe ran")
                 self.records[name] = {"rows": batch_size, "run_batch_size": batch_size, "measured": False, "why": why}
             else:
-                ram = available_bytes(torch.device("cpu"))
-                gpu = available_bytes(device) if device.type == "cuda" else None
+                ram = modelmemory.available_bytes(torch.device("cpu"))
+                gpu = modelmemory.available_bytes(device) if device.type == "cuda" else None
                 record = {
                     "rows": rows_from_memory(peak, batch_size, ram, gpu),
                     "run_batch_size": batch_size,

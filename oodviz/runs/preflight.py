@@ -218,15 +218,7 @@ def batch_fixes(batches: list, limits: dict[str, int]) -> list[str]:
     """For batches over the memory: the largest ``batch_size`` whose extraction batch fits (``fixed + rows x
     per_row`` at most the available RAM, and GPU memory on CUDA), and the model-based detectors to leave out (they
     choose a batch size of their own: over at the rows they chose, they are over at one row)."""
-    from oodviz.detectors.modelmemory import rows_within
-
-    def rows_that_fit(peak) -> int:
-        rows = rows_within(peak.fixed_bytes, peak.per_row_bytes, limits["ram"])
-        if "gpu" in limits and peak.gpu_per_row_bytes is not None:
-            rows = min(rows, rows_within(peak.gpu_fixed_bytes, peak.gpu_per_row_bytes, limits["gpu"]))
-        return rows
-
-    over = [(peak, rows_that_fit(peak)) for peak in batches]
+    over = [(peak, peak.rows_fitting(limits["ram"], limits.get("gpu"))) for peak in batches]
     over = [(peak, rows) for peak, rows in over if rows < peak.rows]
     found = []
     for peak, rows in over:
