@@ -23,10 +23,13 @@ a model given in eval mode). Train/eval flags and devices are restored afterward
 error. A model without dropout modules is a ValueError: it would give ``N`` identical passes
 (dropout written as ``F.dropout(x, training=...)`` inside ``forward`` cannot be switched on).
 
-``seed``: the dropout masks of one ``score`` call come from a generator seeded with it, so a run is
-reproducible: the generator of the device the model runs on (``cuda:N`` for a model on GPU ``N``,
-see ``rng_device``) and the CPU's are seeded, and saved and restored around the call; other GPUs'
-are not touched. ``None`` draws from the global random state. Shapes: ``inputs`` ``[B, C_in, ...]`` -> scores ``[B]``.
+``seed``: the dropout masks of one ``score`` call come from a generator seeded with it: the generator of the
+device the model runs on (``cuda:N`` for a model on GPU ``N``, see ``rng_device``) and the CPU's are seeded, and
+saved and restored around the call; other GPUs' are not touched. ``None`` draws from the global random state.
+The same inputs in the same batches give the same scores. A sample's masks are drawn by its place in the call's
+stream, though: in other batches (another ``batch_size``, or another number of rows passed at once, which a run
+chooses from the free memory and records in ``detectors.json``) it gets other masks, and its score moves within
+the Monte-Carlo noise of ``samples`` passes. Shapes: ``inputs`` ``[B, C_in, ...]`` -> scores ``[B]``.
 """
 
 import itertools
