@@ -200,7 +200,7 @@ def cmd_app(args) -> NoReturn:
             file=sys.stderr,
         )
     if policy.serve_others:
-        command += ["--client.showErrorDetails", "none", "--client.toolbarMode", "viewer"]
+        command += ["--client.showErrorDetails", "none"]  # (the viewer's toolbar: SERVER_FLAGS, for every server)
     if args.port:
         command += ["--server.port", str(args.port)]
     if args.headless:

@@ -220,7 +220,7 @@ def per_class_at_threshold(
     """
     check_detector(scores, detector)
     class_names = list(class_names or [])
-    # one pass over the ID rows, counted per class with bincount (a groupby copies each class's rows)
+    # counted per class with bincount over the ID rows (a groupby copies each class's rows)
     id_rows = scores.split.to_numpy() == ID_SPLIT
     labels = scores.label.to_numpy()[id_rows].astype(np.int64)
     values = score_values(scores, detector)[id_rows]
@@ -228,7 +228,9 @@ def per_class_at_threshold(
     n = np.bincount(codes, minlength=classes.size)
     correct = np.bincount(codes, weights=labels == scores.prediction.to_numpy()[id_rows], minlength=classes.size)
     flagged = np.bincount(codes, weights=values >= float(threshold), minlength=classes.size).astype(np.int64)
-    sums = np.bincount(codes, weights=values, minlength=classes.size)
+    # each class's mean by numpy's own (pairwise) sum, as a per-class mean gives it, to the last bit
+    by_class = np.split(values[np.argsort(codes, kind="stable")], np.cumsum(n)[:-1]) if classes.size else []
+    means = [float(part.mean()) for part in by_class]
     rows = [
         {
             "class": label,
@@ -237,10 +239,10 @@ def per_class_at_threshold(
             "accuracy": right / size,
             "false_alarms": int(alarms),
             "false_alarm_rate": alarms / size,
-            "mean_score": total / size,
+            "mean_score": mean,
         }
-        for label, size, right, alarms, total in zip(
-            classes.tolist(), n.tolist(), correct.tolist(), flagged.tolist(), sums.tolist()
+        for label, size, right, alarms, mean in zip(
+            classes.tolist(), n.tolist(), correct.tolist(), flagged.tolist(), means
         )
     ]
     table = pd.DataFrame(rows, columns=list(PER_CLASS_COLUMNS))

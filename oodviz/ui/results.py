@@ -204,10 +204,15 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
 def every_set_note(page: Page) -> str:
     """Which OOD set decides the :data:`EVERY_SET` threshold (the set that needs the lowest one) and the share of
     the ID test images flagged as OOD there: one hard set can make that share large."""
-    path = str(page.run.path)
-    per_set = {name: _threshold(path, page.finished, page.detector, name) for name in page.sets}
+    return _every_set_note(str(page.run.path), page.finished, page.detector)
+
+
+@st.cache_data(show_spinner=False, max_entries=64)
+def _every_set_note(path: str, finished: float | None, detector: str) -> str:
+    scores = _results(path, finished).scores
+    per_set = {name: _threshold(path, finished, detector, name) for name in ood_datasets_of(scores)}
     hardest = min(per_set, key=per_set.get)
-    counts = analysis.counts_at_threshold(page.results.scores, page.detector, per_set[hardest])
+    counts = analysis.counts_at_threshold(scores, detector, per_set[hardest])
     return (
         f"'{EVERY_SET}' is decided by **{hardest}**, the set that needs the lowest threshold "
         f"({per_set[hardest]:.4g}); there {counts['id']['false_alarm_rate']:.1%} of the ID test images are flagged "
