@@ -373,6 +373,45 @@ def test_start_with_a_bad_form_shows_every_error_and_creates_no_run(app, runs_ro
     assert sorted(p.name for p in runs_root.iterdir()) == before and "run" not in app.query_params
 
 
+def test_a_bad_detector_parameter_is_said_once_under_the_detector_parameters(app, runs_root):
+    """A parameter a detector refuses: its message, with the detector's name once, in the slot under "Detector
+    parameters" (below the Detectors list and its caption); no run is created."""
+    from oodviz.ui.form import detector_problem_text, form_problems
+
+    values = FormValues(detectors=["react", "knn"], detector_params={"react": {"percentile": 150}, "knn": {"k": -5}})
+    assert form_problems(values) == {
+        "detector_params": [
+            "react: percentile is in percent and must satisfy 0 <= percentile <= 100, got 150",
+            "knn: k must be a positive integer, got -5",
+        ]
+    }
+    assert detector_problem_text('detectors[3] (energy): temperature must be a number, got "x"') == (
+        'energy: temperature must be a number, got "x"'
+    )
+    app.run()
+    before = sorted(p.name for p in runs_root.iterdir())
+    [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].set_value(["react", "energy"])
+    [n for n in app.sidebar.number_input if n.label == "react: percentile"][0].set_value(150.0)
+    [b for b in app.sidebar.button if b.label == "Start run"][0].click().run()
+    assert not app.exception
+    said = "react: percentile is in percent and must satisfy 0 \\<= percentile \\<= 100, got 150"  # as typed
+    assert [e.value for e in app.sidebar.error] == [said, "Fix first: 1 problem(s), shown under their fields above."]
+    assert next_sibling(app.sidebar, "Detector parameters").value == said
+    assert sorted(p.name for p in runs_root.iterdir()) == before and "run" not in app.query_params
+
+
+def next_sibling(block, label: str):
+    """The element drawn right after the one labelled ``label`` in its container (AppTest's element tree)."""
+    children = list(getattr(block, "children", {}).values())
+    for i, child in enumerate(children):
+        if getattr(child, "label", None) == label:
+            return children[i + 1]
+        found = next_sibling(child, label)
+        if found is not None:
+            return found
+    return None
+
+
 def test_the_live_panel_reads_the_event_log_incrementally_and_keeps_a_bounded_memory_series(tmp_path):
     from oodviz.ui.live import EventTail
 

@@ -147,7 +147,8 @@ def test_form_problems_of_the_validation_fields(tmp_path):
     (tmp_path / "empty").mkdir()
     tuned = FormValues(tune=True, fit_size=DIGITS_FIT)
     assert form_problems(tuned)["id_val"] == [
-        "tuning needs validation data: choose held-out ID images here and an OOD validation set below"
+        "tuning needs validation data: set 'ID validation' above to 'part of the ID fit set' (how many: the number "
+        "above) or 'an image folder', and choose an 'OOD validation set' below"
     ]
     problems = form_problems(FormValues(tune=True, id_val=VALIDATION_FOLDER, id_val_folder=str(tmp_path / "empty")))
     assert problems["id_val_folder"][0].startswith(f"No images found under {tmp_path / 'empty'}")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from oodviz.layers import PENULTIMATE
 from oodviz.runs.config import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
 from oodviz.ui.form_tuning import (
+    HELD_OUT,
     NO_VALIDATION,
     VALIDATION_FOLDER,
     form_layers,
@@ -227,6 +228,7 @@ FORM_FIELDS = (
     "ood_folder",
     "data_root",
     "detectors",
+    "detector_params",
     "id_val",
     "id_val_folder",
     "ood_val",
@@ -264,6 +266,21 @@ _REFUSED_LABELS = {
 }
 
 
+#: "detectors[0] (knn): " of a config problem about a detector's parameters
+_CONFIG_DETECTOR = re.compile(r"^detectors\[\d+\] \(([^)]+)\): ")
+
+
+def detector_problem_text(problem: str) -> str:
+    """A config problem as the form says it: the form's detectors are unique, so ``"detectors[0] (knn): k must
+    ..."`` is ``"knn: k must ..."`` (the name the form shows, once: the detectors' own messages often start with
+    it already)."""
+    match = _CONFIG_DETECTOR.match(problem)
+    if match is None:
+        return problem
+    name, rest = match.group(1), problem[match.end() :]
+    return rest if rest.startswith(f"{name}: ") else f"{name}: {rest}"
+
+
 def problem_field(problem: str, values: FormValues) -> str:
     """The form field a problem of :meth:`RunConfig.problems` is about (see :data:`FORM_FIELDS`)."""
     folders = values.id_preset == FOLDER_PRESET
@@ -278,6 +295,8 @@ def problem_field(problem: str, values: FormValues) -> str:
         return "id_val"
     if problem.startswith("detectors[") and "grid" in problem:
         return "grids"
+    if _CONFIG_DETECTOR.match(problem):  # a detector's parameter: under "Detector parameters"
+        return "detector_params"
     if problem.startswith("ood["):
         index = int(problem[4 : problem.index("]")])
         return "ood_folder" if index >= len(values.ood) else "ood"
@@ -305,11 +324,6 @@ def folder_problem(path: str) -> str | None:
     except ValueError as error:
         return str(error)
     return None
-
-
-#: "detectors[0] (knn): " of a config problem: the form's detectors are unique, so it says "knn: " (the name the
-#: form shows) without the config's index
-_CONFIG_DETECTOR = re.compile(r"^detectors\[\d+\] \(([^)]+)\): ")
 
 
 def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
@@ -342,7 +356,7 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
         name = problem_field(problem, values)
         if name in found and name.endswith("_folder"):
             continue  # the folder's own message says it better
-        found.setdefault(name, []).append(_CONFIG_DETECTOR.sub(r"\1: ", problem))
+        found.setdefault(name, []).append(detector_problem_text(problem))
     for name in values.detectors if values.tune else []:
         for problem in parse_grid(name, values.detector_grids[name])[1] if name in values.detector_grids else []:
             found.setdefault("grids", []).append(problem)
@@ -350,7 +364,8 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
         found.setdefault("id_val", []).append(problem)
     if values.tune and config.id_val is None and config.ood_val is None:
         found.setdefault("id_val", []).append(
-            "tuning needs validation data: choose held-out ID images here and an OOD validation set below"
+            f"tuning needs validation data: set 'ID validation' above to '{HELD_OUT}' (how many: the number above) "
+            f"or '{VALIDATION_FOLDER}', and choose an 'OOD validation set' below"
         )
     return found
 

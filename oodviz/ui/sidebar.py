@@ -296,7 +296,8 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             default=main_layers,
             key=f"layers-{backbone}-{generation}",
             help="The feature layer (penultimate: the classifier head's input). Several are extracted in one pass "
-            "and compared in the results' Which layer? tab; mahalanobis is also combined over them.",
+            "and compared in the results' Which layer? tab (a run over several layers has it); mahalanobis is also "
+            "combined over them.",
         )
         slots["layers"] = st.empty()
         poolings = choices("poolings")
@@ -309,8 +310,10 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             "In-distribution",
             presets,
             index=presets.index(defaults.id_preset),
-            help="Fashion-MNIST, 8 classes: the classes fashion-cnn was trained on (Shirt and Ankle boot are the "
-            "held-out OOD set).",
+            help="digits (bundled): scikit-learn's 8 x 8 digits 0-7, offline (8 and 9 are the held-out OOD set). "
+            "Fashion-MNIST, 8 classes: the classes fashion-cnn was trained on (Shirt and Ankle boot are the held-out "
+            "OOD set). '(torchvision files)': the whole dataset, from torchvision's files under the data root. "
+            "Image folders: your own, one subfolder per class.",
         )
         slots["id_preset"] = st.empty()
         fit_folder = st.text_input("ID fit folder (image folders only)", defaults.fit_folder)
@@ -321,7 +324,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             "OOD datasets",
             list(OOD_CHOICES),
             default=defaults.ood,
-            help="Each set's group and source (the names alone fit the chips at 1000 px):\n\n"
+            help="Each set's group (near or far OOD) and source:\n\n"
             + "\n".join(f"- {ood_label(name)}" for name in OOD_CHOICES),
         )
         slots["ood"] = st.empty()
@@ -351,6 +354,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         )
         with st.expander("Detector parameters"):
             detector_params = _detector_params(defaults, generation)
+        slots["detector_params"] = st.empty()  # under the expander: seen while it is closed
 
         data = replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
         validation = _validation_section(defaults, data, slots)
