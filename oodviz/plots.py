@@ -5,6 +5,8 @@ more OOD**. Colours are consistent across figures: the ID set is always :data:`I
 OOD dataset gets its own colour from :func:`color_map` (pass the same ``colors`` mapping to
 every figure of a page, e.g. ``color_map(ood_datasets_of(scores))``, to keep them identical;
 without it, colours are given in order of appearance, which matches when the order is the run's).
+ROC and PR curves without ``colors`` are not OOD sets but detectors: each gets its own
+:func:`line_styles` style, up to 24 colours before dashes, as there are often 20 detectors or more.
 
 All figures use the ``plotly_white`` template's page and axis styling (:data:`TEMPLATE`) and a compact height. This module never imports
 streamlit.
@@ -18,6 +20,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
+from plotly.colors import qualitative
 
 #: ``plotly_white``'s layout (white page, grey grid, colourway, colour scales) without its per-trace defaults and
 #: its polar, ternary, 3-D and map settings that no figure here uses: the whole template is ~7 KB of every
@@ -49,6 +52,11 @@ OOD_COLORS = (
     "#FF9896",
     "#C5B0D5",
 )
+#: Colours of lines that are not OOD sets (detectors): Plotly's "Dark24", 24 colours far enough apart and dark
+#: enough for 2 px lines on white (OOD_COLORS' pale half is not)
+LINE_COLORS = tuple(qualitative.Dark24)
+#: Dashes of :func:`line_styles`: every colour of LINE_COLORS solid first, then all dashed, and so on
+LINE_DASHES = ("solid", "dash", "dot", "dashdot")
 THRESHOLD_COLOR = "#111111"
 SCORE_AXIS = "score (higher = more OOD)"
 CONVENTION = "OOD = positive class; higher score = more OOD"
@@ -73,6 +81,19 @@ def color_map(names, colors: dict | None = None) -> dict:
             result[name] = OOD_COLORS[used % len(OOD_COLORS)]
             used += 1
     return result
+
+
+def line_styles(names) -> dict:
+    """Line style (``{"color", "dash"}``) of each name, in order: :data:`LINE_COLORS` solid, then the same
+    colours dashed, dotted, dash-dotted (distinct for up to 96 names, then cycling). For lines that are not
+    OOD sets, such as one per detector, which :func:`color_map`'s 14 colours would repeat."""
+    return {
+        name: {
+            "color": LINE_COLORS[i % len(LINE_COLORS)],
+            "dash": LINE_DASHES[i // len(LINE_COLORS) % len(LINE_DASHES)],
+        }
+        for i, name in enumerate(names)
+    }
 
 
 def figure_layout(fig: go.Figure, title: str | None, height: int = HEIGHT, **layout) -> go.Figure:
@@ -226,7 +247,7 @@ def metrics_heatmap(table: pd.DataFrame, metric: str = "AUROC", higher_is_better
     """A detector x OOD-set heatmap: ``table`` has one row per detector and one column per OOD set (the
     values of ``metric``); each cell prints its value (3 decimals). Green is better: dark green at the
     high end for a higher-is-better metric (AUROC), at the low end otherwise (FPR95); the colour scale
-    spans the table's own range."""
+    spans the table's own range. The OOD-set names stand rotated above the columns, below the title."""
     values = table.to_numpy(dtype=np.float64)
     scale = "Greens" if higher_is_better else "Greens_r"
     fig = go.Figure(
@@ -246,9 +267,17 @@ def metrics_heatmap(table: pd.DataFrame, metric: str = "AUROC", higher_is_better
         fig,
         f"{metric} per detector and OOD set ({'higher' if higher_is_better else 'lower'} is better)",
         height=max(HEIGHT, 60 + 22 * len(table)),
-        xaxis={"side": "top", "tickangle": -30},
+        # The title, at the figure's top, reserves its own height; the x axis's automargin then pushes the top
+        # margin past the rotated names, whatever their length, so the two never overlap. This holds only with
+        # a top margin below the title's height: a larger one takes the title in and nothing is reserved.
+        title_yref="container",
+        title_y=1,
+        title_yanchor="top",
+        title_pad={"t": 10, "b": 6},
+        title_automargin=True,
+        xaxis={"side": "top", "tickangle": -30, "automargin": True},
         yaxis={"autorange": "reversed"},
-        margin={"l": 110, "r": 15, "t": 90, "b": 15},
+        margin={"l": 110, "r": 15, "t": 15, "b": 15},
     )
     return fig
 
@@ -257,7 +286,10 @@ def metrics_heatmap(table: pd.DataFrame, metric: str = "AUROC", higher_is_better
 def _curve_figure(
     curves_by_label: dict, x: str, y: str, metric: str, metric_name: str, line_shape: str, colors: dict | None
 ) -> go.Figure:
-    palette = color_map(list(curves_by_label), colors)
+    if colors is None:
+        styles = line_styles(curves_by_label)
+    else:
+        styles = {label: {"color": color} for label, color in color_map(list(curves_by_label), colors).items()}
     fig = go.Figure()
     for label, curve in curves_by_label.items():
         thresholds = curve.get("roc_thresholds" if x == "fpr" else "pr_thresholds")
@@ -266,7 +298,7 @@ def _curve_figure(
                 x=np.asarray(curve[x], dtype=np.float32),  # float32: half the bytes, far finer than a pixel
                 y=np.asarray(curve[y], dtype=np.float32),
                 mode="lines",
-                line={"color": palette[label], "width": 2, "shape": line_shape},
+                line={**styles[label], "width": 2, "shape": line_shape},
                 name=f"{label} ({metric_name} {curve[metric]:.3f})",
                 customdata=None if thresholds is None else np.asarray(thresholds, dtype=np.float32),
                 hovertemplate=(
@@ -281,7 +313,9 @@ def _curve_figure(
 
 def roc_figure(curves_by_label: dict, title: str = "ROC (OOD = positive)", colors: dict | None = None) -> go.Figure:
     """ROC curves of :func:`curves` results, one line per label, AUROC in each legend entry, and
-    the dashed chance diagonal. x: ID flagged as OOD (FPR); y: OOD detected (TPR)."""
+    the dashed chance diagonal. x: ID flagged as OOD (FPR); y: OOD detected (TPR). ``colors``: the OOD
+    sets' colours (:func:`color_map`) when the labels are OOD sets; ``None`` when they are detectors, each
+    then drawn in its own :func:`line_styles` style."""
     fig = _curve_figure(curves_by_label, "fpr", "tpr", "auroc", "AUROC", "linear", colors)
     fig.add_trace(
         go.Scatter(
@@ -308,7 +342,7 @@ def pr_figure(
 ) -> go.Figure:
     """PR-Out curves of :func:`curves` results (OOD positive), one line per label, AUPR-Out in each
     legend entry. Drawn as steps (``vh``) so the area under each line is its AUPR-Out (average
-    precision)."""
+    precision). ``colors``: as in :func:`roc_figure`."""
     fig = _curve_figure(curves_by_label, "recall", "precision", "aupr_out", "AUPR-Out", "vh", colors)
     figure_layout(
         fig,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from oodviz.plots import OOD_COLORS, figure_layout
+from oodviz.plots import figure_layout, line_styles
 
 
 def layer_ranking_figure(
@@ -18,9 +18,10 @@ def layer_ranking_figure(
 ) -> go.Figure:
     """``ranking``: :func:`oodviz.layers.layer_ranking`; ``layers``: the x axis order (the run's layers,
     then :data:`oodviz.layers.COMBINED` when the table has it). A detector's best layer (rank 1) is a
-    larger marker; hovering a point shows its AUROC, FPR95 and rank."""
+    larger marker; hovering a point shows its AUROC, FPR95 and rank. Each detector has its own
+    :func:`oodviz.plots.line_styles` style."""
     fig = go.Figure()
-    colors = iter(OOD_COLORS * (1 + ranking.detector.nunique() // len(OOD_COLORS)))
+    styles = line_styles(ranking.detector.unique())
     for detector, rows in ranking.groupby("detector", sort=False):
         rows = rows.set_index("layer").reindex([layer for layer in layers if layer in set(rows.layer)])
         fig.add_trace(
@@ -29,7 +30,7 @@ def layer_ranking_figure(
                 y=rows.auroc,
                 mode="lines+markers",
                 name=detector,
-                line={"color": next(colors)},
+                line=styles[detector],
                 marker={"size": [14 if rank == 1 else 7 for rank in rows["rank"]]},
                 customdata=rows[["fpr95", "rank"]].to_numpy(),
                 hovertemplate=(

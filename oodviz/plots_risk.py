@@ -12,16 +12,17 @@ import plotly.graph_objects as go
 
 from oodviz.analysis import ORACLE
 from oodviz.metrics import COVERAGE_LEVEL
-from oodviz.plots import OOD_COLORS, figure_layout
+from oodviz.plots import figure_layout, line_styles
 
 ORACLE_COLOR = "#888888"
 
 
 def risk_coverage_figure(curves: dict, title: str = "Risk–coverage (reject the highest scores first)") -> go.Figure:
     """One line per entry of ``curves`` (``{name: {"coverage", "risk", "aurc", "risk_at_95_coverage"}}``),
-    named with its AURC; a dotted line marks 95% coverage."""
+    named with its AURC, each detector in its own :func:`oodviz.plots.line_styles` style and the oracle grey and
+    dashed; a dotted line marks 95% coverage."""
     fig = go.Figure()
-    colors = iter(OOD_COLORS * (1 + len(curves) // len(OOD_COLORS)))
+    styles = line_styles([name for name in curves if name != ORACLE])
     for name, curve in curves.items():
         oracle = name == ORACLE
         fig.add_trace(
@@ -30,7 +31,7 @@ def risk_coverage_figure(curves: dict, title: str = "Risk–coverage (reject the
                 y=curve["risk"],
                 mode="lines",
                 name=f"{name} (AURC {curve['aurc']:.4g})",
-                line={"color": ORACLE_COLOR if oracle else next(colors), "dash": "dash" if oracle else "solid"},
+                line={"color": ORACLE_COLOR, "dash": "dash"} if oracle else styles[name],
                 hovertemplate=f"{name}<br>coverage %{{x:.3f}}<br>risk %{{y:.4f}}<extra></extra>",
             )
         )

@@ -6,7 +6,7 @@ from conftest import synthetic_scores
 
 from oodviz.analysis import ORACLE, risk_coverage_curves
 from oodviz.metrics import aurc, risk_at_coverage, risk_coverage
-from oodviz.plots_risk import risk_coverage_figure
+from oodviz.plots_risk import ORACLE_COLOR, risk_coverage_figure
 from oodviz.results import ID_SPLIT, metrics_table, selective_metrics
 
 
@@ -128,6 +128,9 @@ def test_the_figure_draws_every_curve_named_with_its_aurc():
         assert f"{curve['aurc']:.4g}" in trace.name
     assert fig.data[-1].line.dash == "dash"
     assert fig.layout.shapes[0].x0 == 0.95
+    many = {f"d{i}": curves["det"] for i in range(20)} | {ORACLE: curves[ORACLE]}  # 20 detectors: 20 own colours
+    styles = [(t.line.color, t.line.dash) for t in risk_coverage_figure(many).data[:-1]]
+    assert len(set(styles)) == 20 and (ORACLE_COLOR, "dash") not in styles
 
 
 def test_a_real_runs_metrics_have_the_selective_columns(default_results):
