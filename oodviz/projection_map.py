@@ -26,7 +26,8 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from oodviz.results import write_table
+from oodviz.plots import ID_COLOR, color_map
+from oodviz.results import ID_SPLIT, OOD_SPLIT, write_table
 
 MAP_POINTS = 15_000
 HOVER_THUMBNAILS = 2_000
@@ -163,15 +164,37 @@ def hover_data(
     return data
 
 
-def projection_figure(drawn: pd.DataFrame, color_by: str, title: str, meta: str) -> go.Figure:
+def map_title(method: str, drawn: int, samples: int) -> str:
+    """The map's title: the method and how many of the run's ``samples`` (its ID test and OOD samples, every
+    one of which PCA projects) are ``drawn``, fewer for a t-SNE or UMAP subsample or a map of more than
+    :data:`MAP_POINTS`."""
+    shown = f"all {samples:,}" if drawn == samples else f"{drawn:,} of the run's {samples:,}"
+    return f"{method.upper()} of the features ({shown} ID test and OOD samples)"
+
+
+def set_colors(drawn: pd.DataFrame, colors: dict | None = None) -> dict:
+    """Colour of each set of ``drawn`` as in every other figure of the page: the ID test set
+    :data:`~oodviz.plots.ID_COLOR`, each OOD set its colour in ``colors`` (the page's
+    :func:`~oodviz.plots.color_map` of the run's OOD sets) or else the next of :func:`~oodviz.plots.color_map`
+    in order of appearance (the run's order)."""
+    sets = drawn.dataset.astype(str)
+    palette = color_map(pd.unique(sets[drawn.split == OOD_SPLIT]), colors)
+    return palette | dict.fromkeys(pd.unique(sets[drawn.split == ID_SPLIT]), ID_COLOR)
+
+
+def projection_figure(
+    drawn: pd.DataFrame, color_by: str, title: str, meta: str, colors: dict | None = None
+) -> go.Figure:
     """The map of the ``drawn`` points coloured by ``color_by`` (``"dataset"``, ``"label"`` or a score column):
-    one trace per set or class, or one coloured by the score. Each point's ``customdata`` is its row in
-    ``drawn`` (int32); plotly's own hover label is off (``hoverinfo="none"``: the hover panel shows the point);
-    ``layout.meta`` is ``meta``, by which the panel finds the chart."""
+    one trace per set (coloured by :func:`set_colors` with the page's ``colors``) or class, or one coloured by
+    the score. Each point's ``customdata`` is its row in ``drawn`` (int32); plotly's own hover label is off
+    (``hoverinfo="none"``: the hover panel shows the point); ``layout.meta`` is ``meta``, by which the panel
+    finds the chart."""
     fig = go.Figure()
     point = {"mode": "markers", "hoverinfo": "none"}
     xy = drawn[["x", "y"]].to_numpy(dtype=np.float32)
     if color_by in ("dataset", "label"):
+        palette = set_colors(drawn, colors) if color_by == "dataset" else {}
         for value, rows in drawn.groupby(color_by, sort=False):
             at = rows.index.to_numpy()
             fig.add_trace(
@@ -179,7 +202,7 @@ def projection_figure(drawn: pd.DataFrame, color_by: str, title: str, meta: str)
                     x=xy[at, 0],
                     y=xy[at, 1],
                     name=str(value),
-                    marker={"size": 4},
+                    marker={"size": 4, "color": palette.get(str(value))},  # classes: plotly's colourway
                     customdata=at.astype(np.int32),
                     **point,
                 )

@@ -570,3 +570,14 @@ def test_every_chart_of_the_default_run_stays_under_50_kib(default_run):
         curves = {name: curve(name) for name in names}
         sizes += [len(plots.roc_figure(curves).to_json()), len(plots.pr_figure(curves).to_json())]
     assert max(sizes) < 50 * 1024, sizes
+
+
+def test_the_best_marks_every_value_shown_equal_to_the_best():
+    """Three decimals are shown: 1.000 and 1.000 are both the best AUROC, whatever their fourth decimal; for a
+    lower-is-better metric the lowest as shown."""
+    from oodviz.ui.results import BEST, best_marks
+
+    auroc = pd.Series([0.99996, 0.99991, 0.5, float("nan")])
+    assert list(best_marks(auroc, lower_is_better=False)) == [BEST, BEST, "", ""]
+    fpr = pd.Series([0.2004, 0.1996, 0.3])  # 0.200 and 0.200 as shown
+    assert list(best_marks(fpr, lower_is_better=True)) == [BEST, BEST, ""]

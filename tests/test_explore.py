@@ -5,12 +5,14 @@ import base64
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from oodviz import plots
 from oodviz.detectors import describe
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -93,8 +95,9 @@ def test_the_metrics_table_has_aurc_with_the_lowest_highlighted(app, runs_root):
     expected = {d: brute_force_selective(rows[d].to_numpy(), wrong)[0] for d in shown.index}
     assert shown["AURC"].to_dict() == pytest.approx(expected, abs=1e-12)
     styles = app.dataframe[0].proto.arrow_data.styler.styles  # the CSS of the highlighted cells
-    best = min(expected, key=expected.get)
-    row, column = list(shown.index).index(best), list(shown.reset_index().columns).index("AURC")
+    lowest = min(round(value, 3) for value in expected.values())  # as shown: every AURC printed as the lowest
+    best = [row for row, detector in enumerate(shown.index) if round(expected[detector], 3) == lowest]
+    column = list(shown.reset_index().columns).index("AURC")
     uuid = app.dataframe[0].proto.arrow_data.styler.uuid
     green = {
         selector.strip()
@@ -103,7 +106,7 @@ def test_the_metrics_table_has_aurc_with_the_lowest_highlighted(app, runs_root):
         for selector in block.split("{")[0].split(",")
     }
     aurc_green = {cell for cell in green if cell.endswith(f"_col{column}")}
-    assert aurc_green == {f"#T_{uuid}_row{row}_col{column}"}  # the lowest AURC only
+    assert aurc_green == {f"#T_{uuid}_row{row}_col{column}" for row in best}  # the lowest AURC only
 
 
 def values(array) -> np.ndarray:
@@ -118,7 +121,13 @@ def points_in(chart) -> int:
     return sum(len(values(trace["x"])) for trace in figure["data"])
 
 
+def set_colours(chart) -> dict:
+    return {trace["name"]: trace["marker"].get("color") for trace in json.loads(chart.proto.spec)["data"]}
+
+
 def test_the_feature_space_tab_projects_as_many_points_as_asked(app, runs_root, app_subprocesses_in_process):
+    """Each set in the colour the other tabs give it (the ID set grey); the title counts the drawn points out of
+    the run's ID test and OOD samples, not out of the t-SNE subsample."""
     open_tab(app, "Feature space")
     [compute] = [b for b in app.button if b.label == "Compute the PCA map"]
     compute.click().run()
@@ -127,13 +136,86 @@ def test_the_feature_space_tab_projects_as_many_points_as_asked(app, runs_root, 
     [chart] = app.get("plotly_chart")
     assert points_in(chart) == len(scores)  # PCA: every ID test and OOD sample
     figure = json.loads(chart.proto.spec)
-    assert sorted(t["name"] for t in figure["data"]) == sorted(scores.dataset.unique())
+    assert figure["layout"]["title"]["text"] == f"PCA of the features (all {len(scores):,} ID test and OOD samples)"
+    [id_set] = scores[scores.split == "id_test"].dataset.unique()
+    ood_sets = list(scores[scores.split == "ood"].dataset.unique())
+    expected = {id_set: plots.ID_COLOR, **plots.color_map(ood_sets)}  # as the histogram and ROC tabs colour them
+    assert set_colours(chart) == expected
     app.segmented_control(key="projection-method").set_value("tsne").run()
     app.number_input(key="projection-points").set_value(300).run()
     [b for b in app.button if b.label == "Compute the TSNE map"][0].click().run()
     assert not app.exception
     [chart] = app.get("plotly_chart")
     assert points_in(chart) == 300
+    title = json.loads(chart.proto.spec)["layout"]["title"]["text"]
+    assert title == f"TSNE of the features (300 of the run's {len(scores):,} ID test and OOD samples)"
+    assert any(
+        f"The map draws 300 of the run's {len(scores):,} ID test and OOD samples" in c.value for c in app.caption
+    )
+    assert set_colours(chart) == {name: expected[name] for name in set_colours(chart)}
+
+
+def probe_page(run_path: str):
+    from types import SimpleNamespace
+
+    from oodviz.results import load_results
+    from oodviz.ui import explore
+
+    explore.probe_tab(SimpleNamespace(results=load_results(run_path)))
+
+
+def test_the_probe_tab_shows_readable_headers_the_verdicts_rule_and_telling_digits(
+    default_run, tmp_path, monkeypatch, app_subprocesses_in_process
+):
+    """An uploaded image's table: readable headers, each score and threshold printed on the side of each other
+    that the verdict (OOD when score >= threshold) says, and a caption naming the rule and its pooled threshold."""
+    import streamlit
+
+    from oodviz.data import load_dataset
+    from oodviz.scoring import score_images
+
+    image, _, _ = load_dataset("digits-test", root="data")[0]
+    image.save(tmp_path / "digit0.png")
+    upload = SimpleNamespace(name="digit0.png", getvalue=(tmp_path / "digit0.png").read_bytes)
+    monkeypatch.setattr(streamlit, "file_uploader", lambda *args, **kwargs: [upload])  # AppTest cannot upload
+    app = AppTest.from_function(probe_page, args=(str(default_run.path),), default_timeout=120)
+    app.run()
+    assert not app.exception and not app.error
+    shown = app.table[0].value
+    assert list(shown.columns) == ["score", "ID percentile", "threshold", "verdict"]
+    expected = score_images(default_run.path, [tmp_path / "digit0.png"]).table.set_index("detector")
+    assert list(shown.index) == list(expected.index)
+    for detector, row in shown.iterrows():
+        score, threshold = float(row["score"]), float(row["threshold"])
+        assert score == pytest.approx(expected.loc[detector, "score"], rel=1e-5, abs=1e-6)
+        # the pooled threshold, as `oodviz score` uses (tests/test_scoring.py checks it by brute force)
+        assert threshold == pytest.approx(expected.loc[detector, "threshold"], rel=1e-5)
+        assert row["verdict"] == ("OOD" if score >= threshold else "ID"), detector  # checkable by eye
+    [rule] = [c.value for c in app.caption if "Verdict" in c.value]
+    assert "Verdict: OOD when score ≥ threshold" in rule and "95% of the run's OOD samples, all OOD sets pooled" in rule
+
+
+def test_a_score_next_to_its_threshold_prints_on_its_own_side():
+    """odin's case: a float32 score one step under its threshold, equal to it at 4 and 6 digits."""
+    from oodviz.ui.explore import probe_table
+
+    threshold = np.float32(-0.1263)
+    score = np.nextafter(threshold, np.float32(-1))
+    assert f"{score:.6g}" == f"{threshold:.6g}"
+    rows = pd.DataFrame(
+        {
+            "detector": ["odin", "msp"],
+            "score": [float(score), -0.5],
+            "id_percentile": [42.04, 1.0],
+            "threshold": [float(threshold), -0.5],
+            "verdict": ["ID", "OOD"],
+        }
+    )
+    shown = probe_table(rows)
+    assert list(shown.columns) == ["score", "ID percentile", "threshold", "verdict"] and shown.index.name == "detector"
+    assert float(shown.loc["odin", "score"]) < float(shown.loc["odin", "threshold"])  # so the ID verdict reads right
+    assert shown.loc["msp"].tolist() == ["-0.5", "1.0", "-0.5", "OOD"]  # equal: printed with 6 digits, no more
+    assert shown.loc["odin", "ID percentile"] == "42.0"
 
 
 def test_the_sidebar_explains_the_chosen_detector_from_its_module(app):

@@ -27,10 +27,11 @@ from oodviz.projection_map import (
     SPRITE_BUDGET,
     drawn_rows,
     hover_data,
+    map_title,
     projection_figure,
     thumbnails_path,
 )
-from oodviz.results import Results, detectors_of, read_table
+from oodviz.results import ID_SPLIT, OOD_SPLIT, Results, detectors_of, read_table
 from oodviz.runs.rundir import read_json_object
 from oodviz.selection import selected_samples
 from oodviz.ui.chart_selection import projection_selection_gallery
@@ -85,6 +86,28 @@ def _oodviz(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=SUBPROCESS_TIMEOUT_S)
 
 
+def digits_apart(score: float, threshold: float, least: int = 6) -> int:
+    """The fewest significant digits, at least ``least``, at which ``score`` and ``threshold`` print differently
+    (``least`` when they are equal; 17 tell any two floats apart)."""
+    return next((digits for digits in range(least, 18) if f"{score:.{digits}g}" != f"{threshold:.{digits}g}"), least)
+
+
+def probe_table(rows: pd.DataFrame) -> pd.DataFrame:
+    """One image's rows of ``oodviz score``'s table as the page shows them, a row per detector: the score and
+    its threshold with :func:`digits_apart` significant digits (a score just under its threshold does not print
+    equal to it, so the verdict's ``score >= threshold`` can be checked by eye), the ID percentile to 0.1."""
+    digits = [digits_apart(score, threshold) for score, threshold in zip(rows.score, rows.threshold, strict=True)]
+    return pd.DataFrame(
+        {
+            "score": [f"{score:.{d}g}" for score, d in zip(rows.score, digits, strict=True)],
+            "ID percentile": [f"{percentile:.1f}" for percentile in rows.id_percentile],
+            "threshold": [f"{threshold:.{d}g}" for threshold, d in zip(rows.threshold, digits, strict=True)],
+            "verdict": rows.verdict.to_numpy(),
+        },
+        index=pd.Index(rows.detector.to_numpy(), name="detector"),
+    )
+
+
 def probe_view(results: Results, key: str = "probe") -> None:
     """Upload images; a subprocess scores them with the run's saved detectors (``oodviz score``)."""
     from oodviz.scoring import detectors_dir  # torch: only when the probe tab is open
@@ -120,10 +143,12 @@ def probe_view(results: Results, key: str = "probe") -> None:
         left.image(images[file], caption=Path(file).name.split("-", 1)[1], width=96)
         first = rows.iloc[0]
         right.markdown(f"predicted **{first.class_name}** ({first.confidence:.1%})")
-        shown = rows[["detector", "score", "id_percentile", "threshold", "verdict"]].set_index("detector")
         # a plain table: every detector's row in view at once, its text selectable and searchable in the page
-        right.table(shown.style.format({"score": "{:.4g}", "id_percentile": "{:.1f}", "threshold": "{:.4g}"}))
-    st.caption("Higher score = more OOD; id_percentile: share of the run's ID test scores at or below it.")
+        right.table(probe_table(rows))
+    st.caption(
+        "ID percentile: share of the run's ID test scores at or below the score. Score and threshold have as many "
+        "digits as it takes to tell them apart."
+    )
 
 
 def stored_projection_matches(path: Path, method: str, max_points: int) -> bool:
@@ -138,10 +163,16 @@ def stored_projection_matches(path: Path, method: str, max_points: int) -> bool:
 
 
 def projection_view(
-    results: Results, method: str = "pca", color_by: str = "dataset", max_points: int = 2000, detector=None
+    results: Results,
+    method: str = "pca",
+    color_by: str = "dataset",
+    max_points: int = 2000,
+    detector=None,
+    colors: dict | None = None,
 ) -> None:
     """The run's 2-D feature map (computed on request by ``oodviz project`` in a subprocess), coloured by
-    ``color_by``: ``"dataset"``, ``"label"`` or a detector's score; t-SNE or UMAP on ``max_points`` samples.
+    ``color_by``: ``"dataset"`` (each set in its colour of ``colors``, the page's
+    :func:`~oodviz.plots.color_map`), ``"label"`` or a detector's score; t-SNE or UMAP on ``max_points`` samples.
     At most :data:`~oodviz.projection_map.MAP_POINTS` points are drawn (a seeded subsample). Hovering a point
     shows its set, index, true class, prediction and thumbnail (:mod:`oodviz.ui.hover_thumbnail`: from the
     sprite sent with the map, or asked for on demand); selecting
@@ -164,10 +195,10 @@ def projection_view(
     if color_by not in ("dataset", "label"):
         frame = frame.merge(results.scores[[*KEYS, color_by]], on=KEYS).reset_index(drop=True)
     drawn = frame.iloc[drawn_rows(len(frame))].reset_index(drop=True)
+    samples = int(results.scores.split.isin((ID_SPLIT, OOD_SPLIT)).sum())  # PCA projects all, t-SNE a subsample
     meta = f"oodviz-projection-{method}-{color_by}"
-    title = f"{method.upper()} of the features ({len(drawn):,} of {len(frame):,} points)"
     event = chart(
-        projection_figure(drawn, color_by, title, meta),
+        projection_figure(drawn, color_by, map_title(method, len(drawn), samples), meta, colors),
         meta,
         width="stretch",
         on_select="rerun",
@@ -178,9 +209,9 @@ def projection_view(
     sprite_bytes = sprite.read_bytes() if keys is not None and sprite.exists() else None
     data = hover_data(drawn, results.class_names, keys, sprite_bytes, run=str(results.path))
     hover_panel(data, meta, key=f"{meta}-hover", config=results.config, drawn_keys=drawn[KEYS])
-    shown = f"all {len(frame):,} points"
-    if len(drawn) < len(frame):
-        shown = f"{len(drawn):,} of {len(frame):,} points (a uniform subsample, seed 0)"
+    shown = f"all {samples:,} ID test and OOD samples"
+    if len(drawn) < samples:
+        shown = f"{len(drawn):,} of the run's {samples:,} ID test and OOD samples (a uniform subsample, seed 0)"
     thumbs = len(keys) if keys is not None else 0
     st.caption(
         f"The map draws {shown}. Hovering a point shows its set, index, true class, prediction and thumbnail: "
@@ -224,8 +255,10 @@ def risk_coverage_tab(page) -> None:
 
 def probe_tab(page) -> None:
     st.caption(
-        "Upload images: the run's model and every saved detector score them in a subprocess; the verdict uses "
-        "each detector's threshold at 95% recall of the run's OOD sets."
+        "Upload images: the run's model and every saved detector score them in a subprocess. Verdict: OOD when "
+        "score ≥ threshold (higher score = more OOD), else ID. Each detector's threshold is the highest that flags "
+        "95% of the run's OOD samples, all OOD sets pooled (per_class.csv's), not the threshold of the Score "
+        "histograms and Failure cases tabs (by default 95% of every OOD set)."
     )
     probe_view(page.results)
 
@@ -247,4 +280,4 @@ def feature_space_tab(page) -> None:
     if "umap" not in methods:
         c3.caption("UMAP: pip install 'oodviz[umap]'")
     detector = color_by if color_by in page.detectors else page.best
-    projection_view(page.results, method, color_by, max_points, detector=detector)
+    projection_view(page.results, method, color_by, max_points, detector=detector, colors=page.colors)

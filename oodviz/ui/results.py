@@ -226,14 +226,21 @@ def threshold_label(page: Page) -> str:
 
 
 # -- metrics --------------------------------------------------------------------------------------
+def best_marks(values: pd.Series, lower_is_better: bool) -> pd.Series:
+    """:data:`BEST` where a value, at the table's three decimals, equals the best one (every value shown equal to
+    it is marked: 1.000 and 1.000 both, not the one whose hidden fourth decimal is higher), else ``""``."""
+    shown = values.round(3)
+    best = shown.min() if lower_is_better else shown.max()
+    return shown.eq(best).map({True: BEST, False: ""})
+
+
 def best_per_dataset(shown: pd.DataFrame) -> pd.DataFrame:
     """Styles marking the best AUROC/AUPR (highest) and FPR95/AURC/risk (lowest) among the detectors of each OOD
-    dataset: values are compared only with values of the same set."""
+    dataset (:func:`best_marks`): values are compared only with values of the same set."""
     styles = pd.DataFrame("", index=shown.index, columns=shown.columns)
     for _, rows in shown.groupby("OOD dataset", sort=False):
         for column in ("AUROC", "AUPR-In", "AUPR-Out", *LOWER_IS_BETTER):
-            best = rows[column].idxmin() if column in LOWER_IS_BETTER else rows[column].idxmax()
-            styles.loc[best, column] = BEST
+            styles.loc[rows.index, column] = best_marks(rows[column], column in LOWER_IS_BETTER)
     return styles
 
 
@@ -257,9 +264,10 @@ def metrics_tab(page: Page) -> None:
         selective = metrics.drop_duplicates("detector").set_index("detector")[["aurc", "risk_at_95_coverage"]]
         shown = wide.join(selective.rename(columns=METRIC_COLUMNS)).reset_index()
         shown = shown.assign(**{"ID accuracy": metrics.id_accuracy.iloc[0]})
-        higher = [c for c in shown.columns if c.startswith(("AUROC", "AUPR"))]
-        lower = [c for c in shown.columns if c.startswith(LOWER_IS_BETTER)]
-        styled = shown.style.highlight_max(subset=higher, color="#c8e6c9").highlight_min(subset=lower, color="#c8e6c9")
+        marked = [c for c in shown.columns if c.startswith(("AUROC", "AUPR", *LOWER_IS_BETTER))]
+        styled = shown.style.apply(
+            lambda column: best_marks(column, column.name.startswith(LOWER_IS_BETTER)), subset=marked
+        )
         note = "Best detector per column highlighted in green (each column is one metric on one group of sets)."
     numbers = [c for c in shown.columns if c.startswith(tuple(METRIC_COLUMNS.values()))]
     styled = styled.format(dict.fromkeys(numbers, "{:.3f}"), na_rep="n/a")
@@ -313,7 +321,7 @@ def histogram_tab(page: Page) -> None:
         help=f"Worst OOD set: {worst[0]}, {worst[1]['miss_rate']:.1%} missed.",
     )
     table = analysis.counts_table(counts).rename(columns={"wrong": "count", "wrong_rate": "rate"})
-    st.dataframe(table.style.format({"rate": "{:.1%}"}), hide_index=True, width="stretch")
+    st.dataframe(table.style.format({"n": "{:,}", "count": "{:,}", "rate": "{:.1%}"}), hide_index=True, width="stretch")
 
 
 # -- curves ---------------------------------------------------------------------------------------
@@ -363,7 +371,15 @@ def failures_tab(page: Page) -> None:
     if (table["class name"] == table["class"].astype(str)).all():
         table = table.drop(columns="class name")  # digits: the name is the number
     selection = c1.dataframe(
-        table.style.format({"classifier accuracy": "{:.1%}", "false-alarm rate": "{:.1%}", "mean score": "{:.4g}"}),
+        table.style.format(
+            {
+                "n": "{:,}",
+                "false alarms": "{:,}",
+                "classifier accuracy": "{:.1%}",
+                "false-alarm rate": "{:.1%}",
+                "mean score": "{:.4g}",
+            }
+        ),
         hide_index=True,
         width="stretch",
         on_select="rerun",
@@ -415,8 +431,9 @@ def run_details(page: Page) -> None:
     results = page.results
     meta = results.meta or {}
     facts = {"device": "device", "device_name": "device name", "torch": "torch", "oodviz": "oodviz"}
+    st.markdown("**Where it ran**")
     st.dataframe(
-        pd.DataFrame([{"": label, "value": str(meta[key])} for key, label in facts.items() if meta.get(key)]),
+        pd.DataFrame([{"what": label, "value": str(meta[key])} for key, label in facts.items() if meta.get(key)]),
         hide_index=True,
     )
     if meta.get("stages"):
@@ -428,8 +445,11 @@ def run_details(page: Page) -> None:
             shown["peak CPU RSS"] = [format_bytes(v) for v in stages["peak_cpu_rss"]]
         if "error" in stages:
             shown["error"] = stages["error"].fillna("").to_numpy()
-        st.dataframe(shown, hide_index=True, width="stretch")
+        st.markdown(f"**Stages** ({len(shown)})")
+        # every stage in view (a 30-stage run's table scrolled inside a 10-row box)
+        st.dataframe(shown, hide_index=True, width="stretch", height=min(38 + 35 * len(shown), 1200))
     tuning_panel(results)
+    st.markdown("**Config** (the run's `config.json`)")
     st.json(results.config, expanded=False)
 
 
