@@ -102,6 +102,13 @@ def _stores(run_dir) -> tuple[dict, list[tuple[str, str, str]]]:
     if problem or "splits" not in meta:
         raise ValueError(f"run {run_dir} has no feature stores recorded ({problem or 'meta.json without splits'})")
     root = Path(run_dir).parent / STORES_DIRNAME
+    gone = [split for split, entry in meta["splits"].items() if not (root / str(entry["store"])).is_dir()]
+    if gone:
+        raise ValueError(
+            f"the features of this run's {', '.join(gone)} split(s) are no longer stored under {root} (removed by "
+            f"`oodviz store clean`, or the run was copied without its runs folder's {STORES_DIRNAME}); run the same "
+            "config again under this runs folder to extract them (this run's results stay), then compute the map"
+        )
     stores = {split: open_store(root, entry["store"]) for split, entry in meta["splits"].items()}
     projected = [
         (split, ID_SPLIT if split == "id_test" else OOD_SPLIT, entry["dataset"])

@@ -130,3 +130,20 @@ def test_oodviz_project_writes_the_projection(default_run_copy, tmp_path, capsys
     )
     assert main(["project", str(tmp_path / "none")]) == 2  # the refusal in process: no second start of the command
     assert "has no feature stores recorded" in capsys.readouterr().err
+
+
+def test_a_run_copied_without_its_feature_stores_says_which_are_gone_and_what_to_do(default_run_copy, tmp_path):
+    """The map reads the run's stores: a run folder copied alone (or after `oodviz store clean`) names its splits
+    whose stores are gone and how to get them back, rather than a store key and an engine module."""
+    import shutil
+
+    alone = tmp_path / "runs" / "copied"
+    shutil.copytree(default_run_copy, alone)
+    splits = json.loads((alone / "meta.json").read_text())["splits"]
+    with pytest.raises(ValueError) as refused:
+        project_run(alone, "pca")
+    message = str(refused.value)
+    assert (
+        f"this run's {', '.join(splits)} split(s) are no longer stored under {alone.parent / STORES_DIRNAME}" in message
+    )
+    assert "run the same config again under this runs folder" in message and "oodviz.engine" not in message

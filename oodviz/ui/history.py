@@ -75,11 +75,11 @@ def runs_table(root: Path) -> pd.DataFrame:
                 "run": s["run_id"],
                 "name": read_label(run.path)["name"],
                 "state": state,
-                "what": s["title"],
                 "best detector": s["best_detector"] or "",
                 "mean AUROC": s["best_auroc"],
                 "mean FPR95": s["best_fpr95"],
                 "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s["created"] else "",
+                "what": s["title"],  # last: the longest, the figures stay in view at 1000 px
             }
         )
     return pd.DataFrame(rows)

@@ -56,7 +56,9 @@ def _devices() -> list[dict]:
 
 def _param_input(place, detector: str, field: ParamField, value, generation: str):
     """One widget for one detector parameter (see :func:`~oodviz.ui.form.param_fields`)."""
-    label, key = f"{detector}: {field.name}", f"param-{detector}-{field.name}-{generation}"
+    # a zero-width space after each "_": a long name wraps after "lower_", not inside "percentil|e" (half a row)
+    label = f"{detector}: " + field.name.replace("_", "_\u200b")
+    key = f"param-{detector}-{field.name}-{generation}"
     if field.kind == "choice":
         options = list(field.choices)
         return place.selectbox(label, options, index=options.index(value) if value in options else 0, key=key)

@@ -56,7 +56,11 @@ def _memory_metrics(event: dict, config: RunConfig | None) -> None:
     cols[0].metric("Device", event.get("device") or (config.device if config else "auto"))
     batch = event.get("batch_size") or (config.batch_size if config else None)  # the configured one until reported
     cols[1].metric("Batch size", f"{batch:,}" if batch else "not set")
-    cols[2].metric("CPU RSS", format_bytes(event["cpu_rss"]) if "cpu_rss" in event else "not reported yet")
+    cols[2].metric(
+        "CPU RSS",
+        format_bytes(event["cpu_rss"]) if "cpu_rss" in event else "pending",
+        help="The worker process's resident memory, reported with each progress event.",
+    )
     if event.get("gpu_allocated") is not None:
         cols[3].metric(
             "GPU allocated",
