@@ -521,7 +521,17 @@ def test_compare_two_runs_in_the_app(app, runs_root):
     x = points["x"]  # plotly sends numpy arrays as typed base64 blobs
     x = np.frombuffer(base64.b64decode(x["bdata"]), dtype=x["dtype"]) if isinstance(x, dict) else np.asarray(x)
     np.testing.assert_allclose(x, expected.to_numpy())  # run A's mean AUROC over the three shared sets
+    [deltas] = [d.value for d in app.dataframe if "AUROC B − A" in d.value.columns]
+    assert list(deltas.columns[-6:]) == ["AUROC A", "AUROC B", "AUROC B − A", "FPR95 A", "FPR95 B", "FPR95 B − A"]
+    assert set(deltas["OOD dataset"]) == {c.name for c in config.ood} and (deltas["AUROC B − A"] == 0).all()
     shutil.rmtree(other)
+
+
+def test_a_difference_is_green_where_run_b_is_better_and_red_where_worse():
+    from oodviz.ui.history import better_b
+
+    assert better_b(0.01) == "color: #1b5e20" and better_b(-0.01) == "color: #b71c1c"
+    assert better_b(0.0004) == better_b(float("nan")) == ""  # 0.000 as shown; no value
 
 
 def test_delete_asks_first(app, runs_root):

@@ -203,6 +203,26 @@ def data_mismatch(a: dict, b: dict) -> str | None:
     return "; ".join(said) or None
 
 
+#: :func:`oodviz.analysis.compare_runs`'s columns as the comparison table shows them
+COMPARE_HEADINGS = {
+    "ood_dataset": "OOD dataset",
+    "auroc_a": "AUROC A",
+    "auroc_b": "AUROC B",
+    "auroc_delta": "AUROC B − A",
+    "fpr95_a": "FPR95 A",
+    "fpr95_b": "FPR95 B",
+    "fpr95_delta": "FPR95 B − A",
+}
+
+
+def better_b(gain: float) -> str:
+    """The text colour of a difference in run B's favour (``gain > 0``: green) or against it (red); none at 0
+    (as shown, three decimals) or NaN."""
+    if pd.isna(gain) or round(gain, 3) == 0:
+        return ""
+    return "color: #1b5e20" if gain > 0 else "color: #b71c1c"
+
+
 def compare(root: Path, a_id: str, b_id: str) -> None:
     """Two runs side by side: a warning first when their data differ, the config difference, a per-detector
     scatter of mean AUROC (run A vs run B, over the OOD sets both have) and the table of deltas."""
@@ -233,5 +253,12 @@ def compare(root: Path, a_id: str, b_id: str) -> None:
         plots.compare_scatter(means, f"Mean AUROC over {len(sets)} shared OOD set(s)", a_id, b_id),
         width="stretch",
     )
-    shown = per_set.rename(columns={"ood_dataset": "OOD dataset"})
-    st.dataframe(shown.style.format(precision=3), hide_index=True, width="stretch")
+    shown = per_set.rename(columns=COMPARE_HEADINGS)
+    st.dataframe(
+        shown.style.format(precision=3)
+        .map(better_b, subset=["AUROC B − A"])
+        .map(lambda delta: better_b(-delta), subset=["FPR95 B − A"]),
+        hide_index=True,
+        width="stretch",
+    )
+    st.caption("B − A: green where run B is better (a higher AUROC, a lower FPR95), red where it is worse.")
