@@ -181,7 +181,9 @@ def projection_view(
     path = projection_path(results.path, method)
     if not stored_projection_matches(path, method, max_points):
         if st.button(f"Compute the {method.upper()} map", key=f"project-{method}"):
-            with st.spinner("Projecting the features..."):
+            # t-SNE and UMAP fit every point's neighbours: a minute for 2,000 points on two cores, not seconds
+            slow = "" if method == "pca" else f" ({method.upper()} of {max_points:,} points: up to minutes)"
+            with st.spinner(f"Projecting the features...{slow}"):
                 result = _oodviz("project", str(results.path), "--method", method, "--max-points", str(max_points))
             if result.returncode:
                 st.error(result.stderr.strip())
