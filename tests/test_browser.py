@@ -74,11 +74,16 @@ def app_url(runs_root):
     stop_server(server)
 
 
+#: The page drawn: no element still a loading skeleton (a first load draws the text first), the script run over
+DRAWN = "() => !document.querySelector('[data-testid=stSkeleton], [data-testid=stAppSkeleton], [data-testid=stStatusWidget]')"
+
+
 def shoot(page, tmp_path, name):
     """The page as shown now, to ``tmp_path/name.png`` (what a failing test saw); with OODVIZ_UPDATE_SCREENSHOTS=1
     also to the README's assets/screenshots/, once the data grids (canvas) and charts have finished drawing."""
-    if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
-        page.wait_for_timeout(1500)  # a settled picture for the README; the tests wait on conditions, not on this
+    if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):  # a settled picture for the README (the tests wait on conditions)
+        page.wait_for_function(DRAWN, timeout=120_000)
+        page.wait_for_timeout(1500)
     path = tmp_path / f"{name}.png"
     page.screenshot(path=str(path), timeout=90_000)  # a loaded machine draws slowly
     if os.environ.get("OODVIZ_UPDATE_SCREENSHOTS"):
