@@ -591,3 +591,30 @@ def test_the_best_marks_every_value_shown_equal_to_the_best():
     assert list(best_marks(auroc, lower_is_better=False)) == [BEST, BEST, "", ""]
     fpr = pd.Series([0.2004, 0.1996, 0.3])  # 0.200 and 0.200 as shown
     assert list(best_marks(fpr, lower_is_better=True)) == [BEST, BEST, ""]
+
+
+def test_a_gallery_draws_each_line_of_six_images_in_a_row_of_its_own(app):
+    """A caption that wraps lowers only its own line of images: each image alone in its column, six columns a row
+    (one row of six columns stacking every sixth image let the lines drift apart)."""
+
+    def children(node):
+        kids = getattr(node, "children", None)
+        return list(kids.values()) if isinstance(kids, dict) else []
+
+    def blocks(node):
+        for child in children(node):
+            yield child
+            yield from blocks(child)
+
+    def images_in(column):
+        return [c for c in children(column) if c.type == "image"]
+
+    app.query_params["run"] = "r1"
+    app.run()
+    shown_threshold_tab(app, "Failure cases")
+    assert not app.exception
+    lines = [b for b in blocks(app.main) if any(c.type == "column" and images_in(c) for c in children(b))]
+    assert len(lines) >= 4  # two galleries of 12 images: two lines each
+    for line in lines:
+        columns = [c for c in children(line) if c.type == "column"]
+        assert len(columns) == 6 and all(len(images_in(c)) <= 1 for c in columns)

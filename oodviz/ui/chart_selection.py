@@ -34,13 +34,17 @@ def sample_caption(row) -> str:
 
 
 def image_grid(images, captions, empty: str = "None.") -> None:
-    """``images`` with their ``captions``, :data:`COLUMNS` a line; ``empty`` when there are none."""
+    """``images`` with their ``captions``, :data:`COLUMNS` a line, each line a row of columns of its own (a caption
+    that wraps over three lines lowers only its own line, not every later image of its column); ``empty`` when
+    there are none."""
     if not len(images):
         st.caption(empty)
         return
-    cols = st.columns(COLUMNS)
-    for i, (image, caption) in enumerate(zip(images, captions)):
-        cols[i % COLUMNS].image(image, caption=caption, width="stretch")
+    images, captions = list(images), list(captions)
+    for start in range(0, len(images), COLUMNS):
+        line = zip(st.columns(COLUMNS), images[start : start + COLUMNS], captions[start : start + COLUMNS])
+        for column, image, caption in line:
+            column.image(image, caption=caption, width="stretch")
 
 
 def gallery(results, rows: pd.DataFrame, empty: str = "None.") -> None:
