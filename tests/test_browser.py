@@ -78,6 +78,13 @@ def app_url(runs_root):
 DRAWN = "() => !document.querySelector('[data-testid=stSkeleton], [data-testid=stAppSkeleton], [data-testid=stStatusWidget]')"
 
 
+#: Scroll the app's main area (``stMain``) to put an element 70 px from its top (Streamlit's header bar covers the top)
+SCROLL_TO_TOP = """e => {
+  const main = document.querySelector('[data-testid=stMain]');
+  main.scrollTop += e.getBoundingClientRect().top - main.getBoundingClientRect().top - 70;
+}"""
+
+
 def shoot(page, tmp_path, name):
     """The page as shown now, to ``tmp_path/name.png`` (what a failing test saw); with OODVIZ_UPDATE_SCREENSHOTS=1
     also to the README's assets/screenshots/, once the data grids (canvas) and charts have finished drawing."""
@@ -263,6 +270,10 @@ def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, r
     images.first.wait_for(timeout=30_000)
     assert images.count() >= 12
     assert page.get_by_text(re.compile(r"→ (Sneaker|Coat|T-shirt/top|Pullover|Sandal|Bag|Dress|Trouser)")).count()
+    # the README shows the galleries: their heading at the top of the window (below the app's header bar), the
+    # mouse off the images (a hovered image shows its fullscreen button)
+    page.get_by_text("ID images flagged as OOD").first.evaluate(SCROLL_TO_TOP)
+    page.mouse.move(1, 1)
     shoot(page, tmp_path, "fashion-failures")
 
 

@@ -365,12 +365,12 @@ def failures_tab(page: Page) -> None:
         f"At threshold {threshold:.4g}: how often each ID class is wrongly flagged as OOD. Select a row to "
         "filter the first gallery to that class."
     )
-    c1, c2 = st.columns([1, 1])
-    first = ["class", "class_name", "false_alarm_rate", "false_alarms", "n"]  # what the page is about, before it is cut
+    first = ["class", "class_name", "false_alarm_rate", "false_alarms", "n"]  # what the page is about first
     table = per_class[first + [c for c in per_class.columns if c not in first]].rename(columns=PER_CLASS_HEADINGS)
     if (table["class name"] == table["class"].astype(str)).all():
         table = table.drop(columns="class name")  # digits: the name is the number
-    selection = c1.dataframe(
+    # full width, every column whole at 1000 px (half a row cut "false a..."); the bar chart under it
+    selection = st.dataframe(
         table.style.format(
             {
                 "n": "{:,}",
@@ -382,11 +382,12 @@ def failures_tab(page: Page) -> None:
         ),
         hide_index=True,
         width="stretch",
+        height=min(38 + 35 * len(table), 390),
         on_select="rerun",
         selection_mode="single-row",
         key=f"classes-{page.detector}",
     )
-    c2.plotly_chart(plots.per_class_bar(per_class), width="stretch")
+    st.plotly_chart(plots.per_class_bar(per_class), width="stretch")
     rows = selection.selection.rows if selection else []
     id_class = int(per_class.iloc[rows[0]]["class"]) if rows else None
     g1, g2 = st.columns(2)
