@@ -63,28 +63,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def serve(runs_root: Path) -> tuple[subprocess.Popen, str, float]:
-    """A server of the app on ``runs_root``, once it has printed :data:`oodviz.ui.serve.READY` (its modules
-    imported, as a user finds it who opens the page after ``oodviz app`` says so); with the seconds that took."""
+def start_server(command: list[str], ready: str, env: dict | None = None) -> tuple[subprocess.Popen, str, float]:
+    """``python COMMAND`` as every server of the app is started (:data:`oodviz.ui.SERVER_FLAGS`, headless, on a free
+    local port, no file watcher), once it has printed a line containing ``ready``; with its URL and the seconds
+    that took. The rest of its output is drained."""
     port = free_port()
     started = time.monotonic()
     server = subprocess.Popen(
-        [sys.executable, "-m", "oodviz.ui.serve", *SERVER_FLAGS, "--server.headless", "true"]
+        [sys.executable, *command, *SERVER_FLAGS, "--server.headless", "true"]
         + ["--server.port", str(port), "--server.address", "127.0.0.1", "--server.fileWatcherType", "none"],
         cwd=REPO,
-        env=dict(os.environ, OODVIZ_RUNS_ROOT=str(runs_root)),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
     for line in server.stdout:
-        if line.startswith(READY):
+        if ready in line:
             break
     else:
-        raise RuntimeError(f"the app's server exited ({server.wait()}) before it was ready")
+        raise RuntimeError(f"the server exited ({server.wait()}) before it was ready")
     ready_s = time.monotonic() - started
-    threading.Thread(target=server.stdout.read, daemon=True).start()  # the rest of its output: drained
+    threading.Thread(target=server.stdout.read, daemon=True).start()
     return server, f"http://127.0.0.1:{port}", ready_s
+
+
+def serve(runs_root: Path) -> tuple[subprocess.Popen, str, float]:
+    """A server of the app on ``runs_root``, once it has printed :data:`oodviz.ui.serve.READY` (its modules
+    imported, as a user finds it who opens the page after ``oodviz app`` says so); with the seconds that took."""
+    return start_server(["-m", "oodviz.ui.serve"], READY, env=dict(os.environ, OODVIZ_RUNS_ROOT=str(runs_root)))
 
 
 class Wire:

@@ -26,15 +26,11 @@ import json
 import shutil
 import statistics
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
-from app_bench import LAST_CHANGE, Wire, answered, free_port, settle
-
-from oodviz.ui import SERVER_FLAGS
+from app_bench import LAST_CHANGE, Wire, answered, settle, start_server
 
 PAGE = """
 import numpy as np
@@ -78,19 +74,9 @@ area()
 
 
 def serve_page(script: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", str(script), *SERVER_FLAGS, "--server.headless", "true"]
-        + ["--server.port", str(port), "--server.address", "127.0.0.1", "--server.fileWatcherType", "none"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    for line in server.stdout:
-        if "Local URL" in line or "URL:" in line:
-            break
-    threading.Thread(target=server.stdout.read, daemon=True).start()
-    return server, f"http://127.0.0.1:{port}"
+    """``streamlit run SCRIPT`` with the app's server options, once it prints its URL."""
+    server, url, _ = start_server(["-m", "streamlit", "run", str(script)], "URL:")
+    return server, url
 
 
 def measure(url: str, repeats: int) -> dict:

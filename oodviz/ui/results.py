@@ -98,20 +98,15 @@ def _results(path: str, finished: float | None) -> Results:
     return load_results(path)  # cached per run and finish time
 
 
-def threshold_for(scores: pd.DataFrame, detector: str, basis: str) -> float:
-    """The threshold ``basis`` names: the highest that catches 95% of one OOD set (its name), of every
-    OOD set (:data:`EVERY_SET`: the lowest of those, so each set has at least 95% recall), or of the OOD
-    sets pooled (:data:`POOLED`: dominated by the largest sets)."""
-    if basis == POOLED:
-        return default_threshold(scores, detector)
-    if basis == EVERY_SET:
-        return min(default_threshold(scores, detector, name) for name in ood_datasets_of(scores))
-    return default_threshold(scores, detector, basis)
-
-
 @st.cache_data(show_spinner=False, max_entries=64)
 def _threshold(path: str, finished: float | None, detector: str, basis: str) -> float:
-    return threshold_for(_results(path, finished).scores, detector, basis)
+    """The threshold ``basis`` names: the highest that catches 95% of one OOD set (its name), of every OOD set
+    (:data:`EVERY_SET`: the lowest of the sets' own, each cached, so that each set has at least 95% recall), or
+    of the OOD sets pooled (:data:`POOLED`: dominated by the largest sets)."""
+    scores = _results(path, finished).scores
+    if basis == EVERY_SET:
+        return min(_threshold(path, finished, detector, name) for name in ood_datasets_of(scores))
+    return default_threshold(scores, detector, None if basis == POOLED else basis)
 
 
 @st.cache_data(show_spinner=False, max_entries=64)
