@@ -131,6 +131,7 @@ class Regenerated:
         yield from self.problem.fit_batches(self.size)
 
 
+@pytest.mark.kernels
 def test_two_pass_detectors_read_a_reiterable_twice_and_refuse_a_generator(problem):
     source = Regenerated(problem)
     det = create("vim", dim=5).fit(source, head=problem.head)
@@ -302,6 +303,7 @@ def test_vim_dim_must_leave_a_residual(problem):
         create("vim", dim=12).fit(problem.fit_batches(), head=problem.head)
 
 
+@pytest.mark.kernels
 def test_vim_reads_the_batch_logits_when_present_and_checks_them(problem):
     """The model's logits when the batch has them, the head's ``x W^T + b`` otherwise: the same
     numbers when they agree; logits of the wrong width or not finite are refused, not used."""

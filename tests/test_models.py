@@ -177,6 +177,7 @@ def test_torchvision_random_head_reproduces_logits(name, random_backbone):
     assert _close(features @ weight.T + bias, logits)
 
 
+@pytest.mark.kernels
 def test_layer_hook_pooling_and_memory(resnet18):
     small = (3, 64, 64)  # probes (shape discovery) at 64 x 64 keep the test fast
     layer3 = load_backbone("resnet18", weights="random", layer="layer3", input_shape=small)
@@ -269,6 +270,7 @@ def test_default_weights_without_cache_say_what_to_do(tmp_path, monkeypatch):
     assert backbone_info("resnet18")["weights_available"] is False
 
 
+@pytest.mark.kernels
 def test_default_weights_load_from_weights_dir(tmp_path, resnet18):
     torch.save(resnet18.model.state_dict(), tmp_path / "resnet18-f37072fd.pth")
     bb = load_backbone("resnet18", weights="default", weights_dir=tmp_path)

@@ -12,6 +12,8 @@ from oodviz import Batch
 from oodviz.detectors import DetectorFileError, available, create, detector_class, load
 from oodviz.detectors.persist import MANIFEST, file_sha256
 
+pytestmark = pytest.mark.kernels  # a saved detector reloaded scores the same batches to the bit
+
 FEATURE_BASED = [n for n in available() if not detector_class(n).needs_model]
 MODEL_BASED = [n for n in available() if detector_class(n).needs_model]
 

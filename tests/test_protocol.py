@@ -10,6 +10,8 @@ from oodviz import Batch
 from oodviz.detectors import available, create, detector_class
 from oodviz.detectors.protocol import load_merged
 
+pytestmark = pytest.mark.kernels  # fits merged from shards against fits on the whole, and the same stream to the bit
+
 MERGEABLE = [name for name in available() if detector_class(name).mergeable]
 
 

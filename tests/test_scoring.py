@@ -18,6 +18,8 @@ from oodviz.engine import STORES_DIRNAME, open_store
 from oodviz.results import ID_SPLIT, OOD_SPLIT
 from oodviz.scoring import BACKBONE_FILE, SCORED_COLUMNS, detectors_dir
 
+pytestmark = pytest.mark.kernels  # saved detectors scoring the run's stores to the bit: the same batches as the run's
+
 SHOWN = (0, 5, 17)  # digits-test images written as files
 
 
