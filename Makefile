@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup app test lint browser fashion-mnist bench bench-app clean
+.PHONY: setup app test test-kernels lint browser fashion-mnist bench bench-app clean
 
 setup: $(STAMP) fashion-mnist
 
@@ -40,6 +40,19 @@ TEST_WORKERS ?= 2
 test: $(STAMP) browser fashion-mnist
 	$(BIN)/python -m compileall -q oodviz
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
+# The tests marked `kernels` (float results that other kernels could change) again, with other kernels: one thread,
+# AVX2 (ATen's, oneDNN's and MKL's own variables) and another batch size; then oneDNN off (tests/kernel_variant) and
+# another. A comparison that holds with this CPU's kernels only fails here too, not first on another CPU
+# (tests/kernels.py; CI runs it after `make test`).
+KERNEL_VARIANTS := \
+	"OMP_NUM_THREADS=1 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 OODVIZ_TEST_BATCH_SIZE=37" \
+	"OMP_NUM_THREADS=2 OODVIZ_TEST_ONEDNN=off PYTHONPATH=tests/kernel_variant OODVIZ_TEST_BATCH_SIZE=100"
+test-kernels: $(STAMP) fashion-mnist
+	@for variant in $(KERNEL_VARIANTS); do \
+	  echo "== make test-kernels: $$variant"; \
+	  env $$variant $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m kernels -q || exit 1; \
+	done
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
