@@ -25,14 +25,16 @@ RUN_EXIT_CODES = """exit status:
   2    bad config or run directory, or over this machine's limits (the pre-flight table; --force
        starts anyway): nothing was started
   3    done with failures: some detectors failed (see detectors.json), the others' results are written
-  130  cancelled (Ctrl-C or a cancel request): finished parts are kept"""
+  130  cancelled by Ctrl-C (SIGINT) or a cancel request: the run stops at its next batch, status cancelled,
+       the feature stores finished so far are kept (the one being written is not)
+  143  cancelled by SIGTERM, as by Ctrl-C (SIGKILL stops the process at once: the run then reads failed)"""
 
 
 def cmd_run(args) -> int:
     from oodviz.runs.config import ConfigError, RunConfig, preset
     from oodviz.runs.reporter import TerminalProgress
     from oodviz.runs.rundir import RunDir
-    from oodviz.runs.worker import execute
+    from oodviz.runs.worker import cancel_on_signals, execute
 
     try:
         if args.preset:
@@ -90,7 +92,15 @@ def cmd_run(args) -> int:
         from oodviz.runs.pipeline import run_pipeline
 
         peaks = [BatchPeak(**peak) for peak in report.estimate["batch_peaks"]] if report else None
-        state = execute(run, echo=TerminalProgress(), pipeline=partial(run_pipeline, batch_peaks=peaks))
+        with cancel_on_signals(run) as received:
+            state = execute(run, echo=TerminalProgress(), pipeline=partial(run_pipeline, batch_peaks=peaks))
+        if state == "cancelled" and received:
+            print(
+                f"cancelled ({received[0].name}) after {time.monotonic() - started:.1f}s: {run.path} "
+                "(the feature stores finished so far are kept: running it again reuses them)",
+                file=sys.stderr,
+            )
+            return 128 + received[0]
     status = run.read_status()
     print(f"{state} in {time.monotonic() - started:.1f}s: {run.path}", file=sys.stderr)
     if state == "failed":

@@ -18,6 +18,7 @@ import pytest
 from conftest import oodviz_in_process
 from test_runs import extraction_started, slow_config, small_config, wait_for
 
+from oodviz.engine import STORES_DIRNAME, check_stores
 from oodviz.runs.config import DatasetChoice, DetectorChoice
 from oodviz.runs.jobs import MAX_QUEUED, QueueFull, delete_run, list_runs, refresh, submit
 from oodviz.runs.rundir import RunDir, process_alive, process_started, write_atomic
@@ -241,6 +242,33 @@ def test_sigterm_of_the_supervisor_kills_the_worker_and_records_why(tmp_path):
     wait_for(lambda: not process_alive(status["worker_pid"], status["worker_started"]), timeout=5)
     recorded = wait_for(lambda: (s := run.read_status())["state"] == "failed" and s, timeout=5)
     assert recorded["error"] == "the supervisor was stopped (SIGTERM); its worker was killed"
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_of_a_foreground_run_cancels_it_at_the_next_batch(tmp_path, signum, code):
+    """``oodviz run`` in the foreground, signalled as a terminal's Ctrl-C signals it (its whole process group) while
+    it extracts: the run ends cancelled, the stores finished before stay intact, the one being written is not
+    committed, and the command says so in one line and exits 128 + the signal's number."""
+    slow_config().save(tmp_path / "slow.json")
+    run, stderr = RunDir(tmp_path / "runs" / "fg"), tmp_path / "stderr.txt"
+    command = [sys.executable, "-m", "oodviz.cli", "run", str(tmp_path / "slow.json"), "--out", str(run.path)]
+    with open(stderr, "w") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+    try:
+        wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
+        before = stderr.read_text()
+        os.killpg(process.pid, signum)
+        assert process.wait(timeout=60) == code
+    finally:
+        process.kill()
+    after = stderr.read_text().removeprefix(before)
+    assert "Traceback" not in after and after.count("\n") == 1, after
+    assert after.startswith(f"cancelled ({signal.Signals(signum).name}) after "), after
+    status = run.read_status()
+    assert status["state"] == "cancelled" and status["error"].startswith("cancelled by the user"), status
+    stores = check_stores(tmp_path / "runs" / STORES_DIRNAME)
+    assert [entry["state"] for entry in stores] == ["ok", "ok"], stores  # ID fit and ID test; no noise store
+    assert {entry["store"].meta["dataset"]["name"] for entry in stores} == {"digits-train", "digits-test"}
 
 
 def test_deleting_a_running_run_stops_its_processes_and_it_never_reappears(tmp_path):
