@@ -283,6 +283,12 @@ def cmd_store(args) -> int:
     return 1 if damaged else 0
 
 
+def shown_path(path: str) -> str:
+    """A path from the command line as printed: the bytes of a name that is not UTF-8 (surrogate escapes in
+    ``path``, :func:`os.fsdecode`) as ``\\xNN``, the rest as it is."""
+    return os.fsencode(path).decode(errors="backslashreplace")
+
+
 def cmd_score(args) -> int:
     """Score image files with a run's model and saved detectors (:func:`oodviz.scoring.score_images`): a table
     on stdout (or ``--out`` CSV); exit 1 when some file could not be read or some detector could not be
@@ -295,7 +301,7 @@ def cmd_score(args) -> int:
         print(f"oodviz score: {error}", file=sys.stderr)
         return 2
     for path, why in scored.unreadable.items():
-        print(f"unreadable: {path}: {why}", file=sys.stderr)
+        print(f"unreadable: {shown_path(path)}: {why}", file=sys.stderr)
     for name, why in scored.not_loaded.items():
         print(f"not loaded: {name}: {why} (scored with the others)", file=sys.stderr)
     table = scored.table

@@ -254,8 +254,16 @@ def _extract_images(run_dir, config, backbone, detectors: dict, dataset, root, o
 
 
 def _readable(paths) -> tuple[list[str], dict[str, str]]:
+    """The files of ``paths`` that can be scored, and file -> why not for the others: an image that cannot be
+    decoded, or a name that is not UTF-8 text (the table's ``file`` column is text; such a name comes from the
+    command line with its bytes as surrogate escapes, :func:`os.fsdecode`)."""
     readable, unreadable = [], {}
     for path in map(str, paths):
+        try:
+            path.encode()
+        except UnicodeEncodeError:
+            unreadable[path] = "its name is not UTF-8 text, which the table's file column needs; rename the file"
+            continue
         try:
             read_image(path)
             readable.append(path)
