@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import secrets
 import socket
@@ -187,6 +188,19 @@ def access_policy(args) -> AccessPolicy:
     )
 
 
+def link_host(host: str) -> str:
+    """The host of the link ``oodviz app`` prints for ``--host host``: the machine's name for an address that
+    listens on every interface (0.0.0.0, ::), an IPv6 address in brackets (RFC 3986; a zone's ``%`` as ``%25``),
+    else ``host`` as given (a name, an IPv4 address)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name
+        return host
+    if address.is_unspecified:
+        return socket.gethostname()
+    return f"[{host.replace('%', '%25')}]" if address.version == 6 else host
+
+
 def cmd_app(args) -> NoReturn:
     """Serve the app with Streamlit: the entry script inside the installed package, from any directory.
 
@@ -216,9 +230,7 @@ def cmd_app(args) -> NoReturn:
     if args.headless:
         command += ["--server.headless", "true"]
     if policy.token:
-        port = args.port or 8501
-        shown = socket.gethostname() if args.host == "0.0.0.0" else args.host
-        print(f"oodviz app: open http://{shown}:{port}/?token={policy.token}", flush=True)
+        print(f"oodviz app: open http://{link_host(args.host)}:{args.port or 8501}/?token={policy.token}", flush=True)
     if policy.data_dirs is not None:
         named = ", ".join(str(d) for d in policy.data_dirs) or "none (only the bundled data)"
         print(f"oodviz app: paths typed in the page must lie under: {named}", flush=True)
