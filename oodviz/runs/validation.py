@@ -77,7 +77,7 @@ def _depth(data) -> int:
     return deepest
 
 
-class _RepeatedKey(ValueError):
+class _RepeatedKey(Exception):
     """Raised by :func:`_refuse_repeated_keys` while JSON is parsed; :func:`repeated_json_key` then says where."""
 
 
