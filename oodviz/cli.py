@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import secrets
 import socket
@@ -25,14 +26,16 @@ RUN_EXIT_CODES = """exit status:
   2    bad config or run directory, or over this machine's limits (the pre-flight table; --force
        starts anyway): nothing was started
   3    done with failures: some detectors failed (see detectors.json), the others' results are written
-  130  cancelled (Ctrl-C or a cancel request): finished parts are kept"""
+  130  cancelled by Ctrl-C (SIGINT) or a cancel request: the run stops at its next batch, status cancelled,
+       the feature stores finished so far are kept (the one being written is not)
+  143  cancelled by SIGTERM, as by Ctrl-C (SIGKILL stops the process at once: the run then reads failed)"""
 
 
 def cmd_run(args) -> int:
     from oodviz.runs.config import ConfigError, RunConfig, preset
     from oodviz.runs.reporter import TerminalProgress
     from oodviz.runs.rundir import RunDir
-    from oodviz.runs.worker import execute
+    from oodviz.runs.worker import cancel_on_signals, execute
 
     try:
         if args.preset:
@@ -90,7 +93,15 @@ def cmd_run(args) -> int:
         from oodviz.runs.pipeline import run_pipeline
 
         peaks = [BatchPeak(**peak) for peak in report.estimate["batch_peaks"]] if report else None
-        state = execute(run, echo=TerminalProgress(), pipeline=partial(run_pipeline, batch_peaks=peaks))
+        with cancel_on_signals(run) as received:
+            state = execute(run, echo=TerminalProgress(), pipeline=partial(run_pipeline, batch_peaks=peaks))
+        if state == "cancelled" and received:
+            print(
+                f"cancelled ({received[0].name}) after {time.monotonic() - started:.1f}s: {run.path} "
+                "(the feature stores finished so far are kept: running it again reuses them)",
+                file=sys.stderr,
+            )
+            return 128 + received[0]
     status = run.read_status()
     print(f"{state} in {time.monotonic() - started:.1f}s: {run.path}", file=sys.stderr)
     if state == "failed":
@@ -177,6 +188,19 @@ def access_policy(args) -> AccessPolicy:
     )
 
 
+def link_host(host: str) -> str:
+    """The host of the link ``oodviz app`` prints for ``--host host``: the machine's name for an address that
+    listens on every interface (0.0.0.0, ::), an IPv6 address in brackets (RFC 3986; a zone's ``%`` as ``%25``),
+    else ``host`` as given (a name, an IPv4 address)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # a name
+        return host
+    if address.is_unspecified:
+        return socket.gethostname()
+    return f"[{host.replace('%', '%25')}]" if address.version == 6 else host
+
+
 def cmd_app(args) -> NoReturn:
     """Serve the app with Streamlit: the entry script inside the installed package, from any directory.
 
@@ -206,9 +230,7 @@ def cmd_app(args) -> NoReturn:
     if args.headless:
         command += ["--server.headless", "true"]
     if policy.token:
-        port = args.port or 8501
-        shown = socket.gethostname() if args.host == "0.0.0.0" else args.host
-        print(f"oodviz app: open http://{shown}:{port}/?token={policy.token}", flush=True)
+        print(f"oodviz app: open http://{link_host(args.host)}:{args.port or 8501}/?token={policy.token}", flush=True)
     if policy.data_dirs is not None:
         named = ", ".join(str(d) for d in policy.data_dirs) or "none (only the bundled data)"
         print(f"oodviz app: paths typed in the page must lie under: {named}", flush=True)
@@ -273,6 +295,12 @@ def cmd_store(args) -> int:
     return 1 if damaged else 0
 
 
+def shown_path(path: str) -> str:
+    """A path from the command line as printed: the bytes of a name that is not UTF-8 (surrogate escapes in
+    ``path``, :func:`os.fsdecode`) as ``\\xNN``, the rest as it is."""
+    return os.fsencode(path).decode(errors="backslashreplace")
+
+
 def cmd_score(args) -> int:
     """Score image files with a run's model and saved detectors (:func:`oodviz.scoring.score_images`): a table
     on stdout (or ``--out`` CSV); exit 1 when some file could not be read or some detector could not be
@@ -285,7 +313,7 @@ def cmd_score(args) -> int:
         print(f"oodviz score: {error}", file=sys.stderr)
         return 2
     for path, why in scored.unreadable.items():
-        print(f"unreadable: {path}: {why}", file=sys.stderr)
+        print(f"unreadable: {shown_path(path)}: {why}", file=sys.stderr)
     for name, why in scored.not_loaded.items():
         print(f"not loaded: {name}: {why} (scored with the others)", file=sys.stderr)
     table = scored.table

@@ -244,10 +244,13 @@ def _detector_section(page: _Page, results: Results, detector: str, gallery_size
 def report_html(run_dir, detectors=None, gallery_size: int = 8, figure_files: bool = False) -> str:
     """The report of the finished run ``run_dir`` as one HTML document (see the module docstring);
     ``detectors``: the detectors given a section (default: all, the first one opened); ``figure_files``:
-    each figure also as PNG and SVG downloads (RuntimeError saying why when they cannot be drawn here)."""
+    each figure also as PNG and SVG downloads (RuntimeError saying why when they cannot be drawn here).
+    ValueError for a run that is not finished; :class:`oodviz.results.ResultsFileError` (a ValueError) naming the
+    results file of a ``done`` run that is missing or cannot be read."""
     from plotly.offline import get_plotlyjs
 
     results = load_results(run_dir)
+    results.check_results("scores.parquet", "metrics.csv")
     if not results.finished or results.metrics is None:
         raise ValueError(f"run {run_dir} is not finished (state {results.state!r}); a report needs its results")
     names = detectors_of(results.scores)

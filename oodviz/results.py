@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pyarrow.parquet as pq
 
 from oodviz.metrics import RECALL_LEVEL, aurc, ood_metrics, risk_at_coverage, risk_coverage, threshold_at_recall
 from oodviz.runs.rundir import RunDir, read_json_object, write_atomic
@@ -284,23 +285,66 @@ def write_table(path: Path, frame: pd.DataFrame) -> None:
     write_atomic(path, buffer.getvalue())
 
 
-def read_table(path: Path, columns=()) -> pd.DataFrame | None:
-    """A CSV or Parquet table by suffix; ``None`` when it is missing, cannot be parsed or lacks one of
-    ``columns`` (a result file's: :data:`TABLE_COLUMNS`)."""
+def _table_kind(path: Path) -> str:
+    return "Parquet" if path.suffix == ".parquet" else "CSV"
+
+
+def _lacking(found, columns) -> str | None:
+    missing = [c for c in columns if c not in set(found)]
+    return f"lacks the column(s) {', '.join(missing)}" if missing else None
+
+
+def read_table_checked(path: Path, columns=()) -> tuple[pd.DataFrame | None, str | None]:
+    """``(the CSV or Parquet table in path (by suffix), None)``, or ``(None, what is wrong)`` when it is missing,
+    cannot be parsed or lacks one of ``columns`` (a result file's: :data:`TABLE_COLUMNS`); what is wrong is said
+    of the file: ``"is missing"``, ``"is not a readable Parquet table (truncated or damaged)"``, ``"lacks the
+    column(s) ..."``. Never raises."""
     path = Path(path)
     if not path.exists():
-        return None
+        return None, "is missing"
     try:
         table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
-    except Exception:  # an unreadable or empty table is reported as absent, not as a crash of the page
-        return None
-    return table if set(columns) <= set(table.columns) else None
+    except Exception:  # an unreadable or empty table is reported as what is wrong, not as a crash of the page
+        return None, f"is not a readable {_table_kind(path)} table (truncated or damaged)"
+    problem = _lacking(table.columns, columns)
+    return (None, problem) if problem else (table, None)
+
+
+def read_table(path: Path, columns=()) -> pd.DataFrame | None:
+    """:func:`read_table_checked`'s table: ``None`` when it is missing, cannot be parsed or lacks one of ``columns``."""
+    return read_table_checked(path, columns)[0]
 
 
 def read_result_table(run_dir: Path, name: str) -> pd.DataFrame | None:
     """The result table ``name`` of a run (``metrics.csv``, ``per_class.csv``, ``scores.parquet``), or
     ``None`` when it is missing or damaged (not parsed, or without the schema's columns)."""
     return read_table(Path(run_dir) / name, TABLE_COLUMNS[name])
+
+
+def scores_file_problem(run_dir: Path) -> str | None:
+    """What is wrong with a run's ``scores.parquet`` as far as its footer tells (missing, truncated, not Parquet,
+    without the :data:`SCORE_META_COLUMNS`), said of the file as by :func:`read_table_checked`; None when nothing
+    is. A check cheap enough for a list of runs: it reads no rows."""
+    path = Path(run_dir) / "scores.parquet"
+    if not path.exists():
+        return "is missing"
+    try:
+        schema = pq.read_schema(path)
+    except Exception:  # pyarrow's ArrowInvalid, an OSError: the file cannot be what the run wrote
+        return "is not a readable Parquet table (truncated or damaged)"
+    return _lacking(schema.names, SCORE_META_COLUMNS)
+
+
+class ResultsFileError(ValueError):
+    """A finished (``done``) run's result file that cannot be read: ``path``, the file, and ``problem``, what is
+    wrong with it (:func:`read_table_checked`: ``"is missing"``, ...). The fix is to run the config again."""
+
+    def __init__(self, path: Path, problem: str):
+        self.path, self.problem = Path(path), problem
+        super().__init__(
+            f"the results file {self.path} {problem}; run the run's config again for new results "
+            f"(oodviz run {self.path.parent / 'config.json'})"
+        )
 
 
 def read_json(path: Path) -> dict | None:
@@ -320,7 +364,9 @@ class Results:
     - ``scores``: ``scores.parquet`` (one row per sample, one column per detector);
     - ``per_class``: ``per_class.csv`` (detector x ID class false alarms at 95% OOD recall);
     - ``meta``: ``meta.json``; ``detectors``: ``detectors.json`` (params, fit time, errors);
-    - ``events``: the parsed ``events.jsonl`` (``[]`` when missing).
+    - ``events``: the parsed ``events.jsonl`` (``[]`` when missing);
+    - ``unreadable``: result table name -> what is wrong with it (:func:`read_table_checked`), for each of
+      ``metrics``, ``scores`` and ``per_class`` that is ``None`` (also a file not written yet: ``"... is missing"``).
     """
 
     path: Path
@@ -332,10 +378,18 @@ class Results:
     meta: dict | None = None
     detectors: dict | None = None
     events: list = field(default_factory=list)
+    unreadable: dict[str, str] = field(default_factory=dict)
 
     @property
     def state(self) -> str | None:
         return self.status.get("state")
+
+    def check_results(self, *names: str) -> None:
+        """:class:`ResultsFileError` for the first of the result tables ``names`` (``"scores.parquet"``, ...) that a
+        ``done`` run lacks or cannot be read; nothing for a run in another state (not finished: no results yet)."""
+        for name in names:
+            if self.state == "done" and name in self.unreadable:
+                raise ResultsFileError(self.path / name, self.unreadable[name])
 
     @property
     def finished(self) -> bool:
@@ -353,14 +407,16 @@ def load_results(run_dir) -> Results:
     (``config``: ``{}``; ``status``: state ``damaged`` with the reason, :meth:`RunDir.read_status`)."""
     path = Path(run_dir)
     run = RunDir(path)
+    tables = {name: read_table_checked(path / name, columns) for name, columns in TABLE_COLUMNS.items()}
     return Results(
         path=path,
         config=read_json(run.config_path) or {},
         status=run.read_status(),
-        metrics=read_result_table(path, "metrics.csv"),
-        scores=read_result_table(path, "scores.parquet"),
-        per_class=read_result_table(path, "per_class.csv"),
+        metrics=tables["metrics.csv"][0],
+        scores=tables["scores.parquet"][0],
+        per_class=tables["per_class.csv"][0],
         meta=read_json(path / "meta.json"),
         detectors=read_json(path / "detectors.json"),
         events=run.read_events(),
+        unreadable={name: problem for name, (_, problem) in tables.items() if problem is not None},
     )

@@ -39,7 +39,14 @@ from oodviz.data.base import ImageDataset, Source, UnreadableImageError
 from oodviz.data.folders import read_image
 from oodviz.detectors.persist import referenced_files
 from oodviz.layers import COMBINED, COMBINED_DETECTOR, layer_column, split_column, standardised_sum
-from oodviz.results import ID_SPLIT, check_detector, default_threshold, detectors_of, load_results
+from oodviz.results import (
+    ID_SPLIT,
+    ResultsFileError,
+    check_detector,
+    default_threshold,
+    detectors_of,
+    load_results,
+)
 from oodviz.runs.rundir import write_json
 
 DETECTORS_DIRNAME = "detectors"
@@ -172,6 +179,10 @@ def load_saved_detectors(run_dir, names, backbone, detectors_log: dict | None) -
 
 def _check_run(run_dir, detector: str | None):
     results = load_results(run_dir)
+    try:
+        results.check_results("scores.parquet")
+    except ResultsFileError as error:
+        raise RunNotScorableError(str(error)) from error
     if not results.finished:
         raise RunNotScorableError(
             f"run {run_dir} is not finished (state {results.state!r}); score images with a finished run"
@@ -254,8 +265,16 @@ def _extract_images(run_dir, config, backbone, detectors: dict, dataset, root, o
 
 
 def _readable(paths) -> tuple[list[str], dict[str, str]]:
+    """The files of ``paths`` that can be scored, and file -> why not for the others: an image that cannot be
+    decoded, or a name that is not UTF-8 text (the table's ``file`` column is text; such a name comes from the
+    command line with its bytes as surrogate escapes, :func:`os.fsdecode`)."""
     readable, unreadable = [], {}
     for path in map(str, paths):
+        try:
+            path.encode()
+        except UnicodeEncodeError:
+            unreadable[path] = "its name is not UTF-8 text, which the table's file column needs; rename the file"
+            continue
         try:
             read_image(path)
             readable.append(path)

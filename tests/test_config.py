@@ -57,6 +57,25 @@ def test_nesting_up_to_the_limit_loads_and_deeper_is_refused(tmp_path):
         RunConfig.load(tmp_path / "deep.json")
 
 
+def test_a_json_key_given_twice_in_one_table_is_refused_with_its_line(tmp_path):
+    """JSON readers keep a repeated key's last value silently (TOML refuses it): a config refuses it, naming the
+    file, the key and the lines; the same key in two different tables is no repetition."""
+    path = tmp_path / "run.json"
+    path.write_text(
+        '{\n  "ood": [{"name": "digits-heldout"}, {"name": "noise-uniform"}],\n'
+        '  "detectors": [{"name": "knn",\n    "params": {"k": 5, "k\\u0020": 1,\n      "k": 50}}],\n'
+        '  "batch_size": 64\n}\n'
+    )
+    with pytest.raises(ConfigError) as caught:
+        RunConfig.load(path)
+    assert caught.value.problems == [
+        f'{path}, line 5: the key "k" is given a second time in one table (first on line 4); give each setting once'
+    ]
+    path.write_text('{"device": "cpu", "batch_size": 64,\n\n"device": "cuda"}')
+    with pytest.raises(ConfigError, match='line 3: the key "device" is given a second time'):
+        RunConfig.load(path)
+
+
 def test_from_dict_refuses_what_is_not_a_table_of_settings():
     with pytest.raises(ConfigError, match=r"a run config is a table of settings, got \[1, 2\]"):
         RunConfig.from_dict([1, 2])

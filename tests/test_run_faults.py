@@ -18,6 +18,7 @@ import pytest
 from conftest import oodviz_in_process
 from test_runs import extraction_started, slow_config, small_config, wait_for
 
+from oodviz.engine import STORES_DIRNAME, check_stores
 from oodviz.runs.config import DatasetChoice, DetectorChoice
 from oodviz.runs.jobs import MAX_QUEUED, QueueFull, delete_run, list_runs, refresh, submit
 from oodviz.runs.rundir import RunDir, process_alive, process_started, write_atomic
@@ -123,6 +124,8 @@ DAMAGES = {
     "config-list": ("config.json", b"[1, 2]"),
     "config-missing": ("config.json", None),
     "config-not-utf8": ("config.json", b'{"backbone": "\xff\xfe"}'),
+    "scores-truncated": ("scores.parquet", lambda data: data[: len(data) // 2]),
+    "scores-missing": ("scores.parquet", None),
 }
 EXPECTED = {
     "status-truncated": "damaged: status.json is not valid JSON",
@@ -134,6 +137,8 @@ EXPECTED = {
     "config-list": "damaged: config.json holds a list, not an object",
     "config-missing": "damaged: config.json is missing",
     "config-not-utf8": "damaged: config.json is not valid JSON",
+    "scores-truncated": "damaged: scores.parquet is not a readable Parquet table (truncated or damaged)",
+    "scores-missing": "damaged: scores.parquet is missing",
 }
 
 
@@ -149,6 +154,8 @@ def damaged_root(default_run, tmp_path_factory) -> Path:
             target.write_bytes(target.read_bytes() + b'{"event": "\xff\xfe"}\n\xc3\x28\n')
         elif content is None:
             target.unlink()
+        elif callable(content):  # the file's own bytes, changed
+            target.write_bytes(content(target.read_bytes()))
         else:
             target.write_bytes(content)
     return root
@@ -167,6 +174,20 @@ def test_damaged_runs_are_listed_as_damaged_by_the_cli_and_summarise_and_listing
     assert lines["events-not-utf8"].split()[1] == "done" and "best AUROC" in lines["events-not-utf8"]
     events = RunDir(damaged_root / "events-not-utf8").read_events()
     assert events[-1]["event"] == "done"  # the lines that are not UTF-8 JSON are skipped
+
+
+@pytest.mark.parametrize("name", ["scores-truncated", "scores-missing"])
+def test_report_and_score_name_a_done_runs_unusable_scores_file_and_the_fix(damaged_root, name, tmp_path):
+    run = damaged_root / name
+    what = EXPECTED[name].removeprefix("damaged: scores.parquet ")
+    for command in (("report", run, "-o", tmp_path / "report.html"), ("score", run, tmp_path / "any.png")):
+        result = oodviz_in_process(*command)
+        assert result.returncode == 2, result.stderr
+        assert result.stderr == (
+            f"oodviz {command[0]}: the results file {run / 'scores.parquet'} {what}; run the run's config again for "
+            f"new results (oodviz run {run / 'config.json'})\n"
+        )
+    assert not (tmp_path / "report.html").exists()
 
 
 def test_the_app_lists_damaged_runs_and_can_delete_them(damaged_root, tmp_path, monkeypatch):
@@ -197,6 +218,20 @@ def test_opening_a_damaged_run_says_so(damaged_root, monkeypatch):
     assert [e.value for e in app.error] == [
         "This run cannot be shown: damaged: status.json holds a list, not an object. "
         "Delete it from Past runs (All runs)."
+    ]
+
+
+def test_opening_a_done_run_whose_scores_are_missing_names_the_file(damaged_root, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(damaged_root))
+    app = AppTest.from_file(str(APP), default_timeout=120)
+    app.query_params["run"] = "scores-missing"
+    app.run()
+    assert not app.exception
+    assert [e.value for e in app.error] == [
+        "This run's results cannot be shown: scores.parquet is missing. Run its config again for new results "
+        "(the sidebar holds its choices: press Start run)."
     ]
 
 
@@ -241,6 +276,33 @@ def test_sigterm_of_the_supervisor_kills_the_worker_and_records_why(tmp_path):
     wait_for(lambda: not process_alive(status["worker_pid"], status["worker_started"]), timeout=5)
     recorded = wait_for(lambda: (s := run.read_status())["state"] == "failed" and s, timeout=5)
     assert recorded["error"] == "the supervisor was stopped (SIGTERM); its worker was killed"
+
+
+@pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_sigterm_of_a_foreground_run_cancels_it_at_the_next_batch(tmp_path, signum, code):
+    """``oodviz run`` in the foreground, signalled as a terminal's Ctrl-C signals it (its whole process group) while
+    it extracts: the run ends cancelled, the stores finished before stay intact, the one being written is not
+    committed, and the command says so in one line and exits 128 + the signal's number."""
+    slow_config().save(tmp_path / "slow.json")
+    run, stderr = RunDir(tmp_path / "runs" / "fg"), tmp_path / "stderr.txt"
+    command = [sys.executable, "-m", "oodviz.cli", "run", str(tmp_path / "slow.json"), "--out", str(run.path)]
+    with open(stderr, "w") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors, start_new_session=True)
+    try:
+        wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
+        before = stderr.read_text()
+        os.killpg(process.pid, signum)
+        assert process.wait(timeout=60) == code
+    finally:
+        process.kill()
+    after = stderr.read_text().removeprefix(before)
+    assert "Traceback" not in after and after.count("\n") == 1, after
+    assert after.startswith(f"cancelled ({signal.Signals(signum).name}) after "), after
+    status = run.read_status()
+    assert status["state"] == "cancelled" and status["error"].startswith("cancelled by the user"), status
+    stores = check_stores(tmp_path / "runs" / STORES_DIRNAME)
+    assert [entry["state"] for entry in stores] == ["ok", "ok"], stores  # ID fit and ID test; no noise store
+    assert {entry["store"].meta["dataset"]["name"] for entry in stores} == {"digits-train", "digits-test"}
 
 
 def test_deleting_a_running_run_stops_its_processes_and_it_never_reappears(tmp_path):

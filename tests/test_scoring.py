@@ -1,5 +1,6 @@
 """A run saves its detectors; ``oodviz score`` scores new image files with them (on the bundled default run)."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -104,6 +105,21 @@ def test_oodviz_score_writes_each_images_prediction_score_percentile_and_verdict
             assert row.verdict == ("OOD" if row.score >= threshold else "ID"), (file, name)
     # A random-colour noise image is far from every digit for the best detector of the run
     assert table[(table.detector == "mahalanobis") & table.file.str.endswith("noise.png")].verdict.item() == "OOD"
+
+
+def test_a_file_name_that_is_not_utf8_is_named_and_the_other_files_are_scored(default_run, image_files, tmp_path):
+    """A valid PNG whose name holds the byte 0xff, among readable files: it is reported by name (the byte shown as
+    ``\\xff``), the others are scored, exit 1."""
+    bad = os.fsencode(tmp_path) + b"/bad\xff.png"
+    descriptor = os.open(bad, os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(descriptor, image_files[0].read_bytes())
+    os.close(descriptor)
+    files = [image_files[0], os.fsdecode(bad), image_files[1]]
+    result = oodviz_score(default_run.path, *files, "--detector", "msp", "--out", tmp_path / "scores.csv", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    assert f"unreadable: {tmp_path}/bad\\xff.png: its name is not UTF-8 text" in result.stderr, result.stderr
+    assert list(pd.read_csv(tmp_path / "scores.csv").file) == [str(image_files[0]), str(image_files[1])]
 
 
 def test_oodviz_score_one_detector_printed(default_run, image_files, tmp_path, capsys, monkeypatch):

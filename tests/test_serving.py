@@ -11,6 +11,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -87,6 +89,37 @@ def test_by_default_the_app_answers_on_loopback_only_and_to_its_own_host_names(s
     assert websocket_handshake(port, f"localhost:{port}").endswith("101 Switching Protocols")
     # DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1
     assert websocket_handshake(port, f"attacker.example:{port}").endswith("403 Forbidden")
+
+
+@pytest.mark.skipif(not socket.has_ipv6, reason="needs IPv6")
+@pytest.mark.parametrize("host", ["::1", "::"])
+def test_the_printed_link_of_an_ipv6_host_is_a_url_that_opens_the_app(tmp_path, host):
+    """``--host ::1`` with a token (so the link is printed): the address in brackets (RFC 3986), and the link opens
+    the app; ``--host ::`` (every interface, as 0.0.0.0) names the machine."""
+    port = free_port()
+    options = ["--headless", "--port", str(port), "--host", host, "--token", "t0k"]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "oodviz.cli", "app", *options],
+        cwd=tmp_path,
+        env=dict(os.environ, OODVIZ_RUNS_ROOT=str(tmp_path / "runs")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        link = server.stdout.readline().removeprefix("oodviz app: open ").rstrip("\n")
+        shown = "[::1]" if host == "::1" else socket.gethostname()
+        assert link == f"http://{shown}:{port}/?token=t0k"
+        if host == "::1":
+            url = urllib.parse.urlsplit(link)
+            deadline = time.monotonic() + 90
+            while not reachable(url.hostname, url.port):
+                assert server.poll() is None and time.monotonic() < deadline, server.stdout.read()
+                time.sleep(0.3)
+            with urllib.request.urlopen(link, timeout=30) as page:
+                assert page.status == 200 and b"<title>" in page.read()
+    finally:
+        stop_server(server)
 
 
 @chromium

@@ -181,6 +181,8 @@ class TerminalProgress:
             prefix = "WARNING " if kind == "warning" else "  "
             lines = "".join(f"{prefix}{line}\n" for line in event["message"].splitlines())
             self.stream.write(("\r" if self.live else "") + lines)
-        elif kind in ("failed", "cancelled"):
-            self.stream.write(f"\nrun {kind}: {event.get('message', '')}\n")
+        elif kind == "failed":
+            self.stream.write(f"\nrun failed: {event.get('message', '')}\n")
+        elif kind == "cancelled" and self.live:  # the live line ends; the command says how the run ended
+            self.stream.write("\n")
         self.stream.flush()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from oodviz.results import best_detector, read_result_table
+from oodviz.results import best_detector, read_result_table, scores_file_problem
 from oodviz.runs.jobs import refresh
 from oodviz.runs.rundir import DAMAGED, STATES, RunDir, read_json_object
 
@@ -24,7 +24,8 @@ def summarise(run: RunDir) -> dict:
     """``run_id, state, stage, title, created, error, failed_detectors``, and for finished runs
     ``best_detector`` with the best mean AUROC over the OOD datasets (``best_auroc``) and its mean FPR95
     (:func:`oodviz.results.best_detector`). Read-only and never raises: the state of a run whose files
-    cannot be read is ``"damaged"`` and ``error`` says ``"damaged: <what>"``."""
+    cannot be read (a ``done`` run's ``metrics.csv`` or ``scores.parquet`` included) is ``"damaged"`` and ``error``
+    says ``"damaged: <what>"``."""
     status = refresh(run)
     config, problem = read_json_object(run.config_path)
     summary = {
@@ -41,6 +42,8 @@ def summarise(run: RunDir) -> dict:
     }
     if problem is None and summary["state"] not in (*STATES, DAMAGED):
         problem = "status.json has no known state"
+    if problem is None and summary["state"] == "done" and (scores := scores_file_problem(run.path)) is not None:
+        problem = f"scores.parquet {scores}"  # what the run page, report and score read
     if problem is None and summary["state"] == "done":
         metrics = read_result_table(run.path, "metrics.csv")
         try:

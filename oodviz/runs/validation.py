@@ -3,7 +3,8 @@
 - :func:`read_config_file`: a ``.json`` or ``.toml`` file -> its table, or a :class:`ConfigError` with one
   message: a missing file, a directory, an unreadable file, bytes that are not UTF-8 (UTF-8, UTF-16 and
   UTF-32 with a byte-order mark are read too), nesting deeper than :data:`MAX_DEPTH`, a top level that
-  is not a table, a file larger than :data:`MAX_CONFIG_BYTES`.
+  is not a table, a file larger than :data:`MAX_CONFIG_BYTES`, a key given twice in one table (JSON readers keep
+  the last value; TOML refuses it itself) with its line.
 - :func:`device_problem_here`: a device that is spelled right but not present on this machine.
 - :func:`check_sizes`: the limits that depend on the data (knn's ``k`` <= the fit rows, vim's ``dim`` < D,
   fdbd's two classes), for the pipeline to call once the model and the data are loaded, before extraction.
@@ -76,6 +77,51 @@ def _depth(data) -> int:
     return deepest
 
 
+class _RepeatedKey(Exception):
+    """Raised by :func:`_refuse_repeated_keys` while JSON is parsed; :func:`repeated_json_key` then says where."""
+
+
+def _refuse_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    """``object_pairs_hook`` of the JSON parser: the object, or :class:`_RepeatedKey` when a key repeats in it."""
+    table = dict(pairs)
+    if len(table) < len(pairs):
+        raise _RepeatedKey()
+    return table
+
+
+def repeated_json_key(text: str) -> tuple[str, int, int] | None:
+    """``(key, offset, first offset)`` of the first key in ``text`` (valid JSON) that repeats within one object,
+    by the offset of its repetition (each offset that of the key's opening quote); None when none does."""
+    open_objects: list[dict[str, int] | None] = []  # per open object: its keys' offsets; per open list: None
+    key_next = False
+    position = 0
+    while position < len(text):
+        char = text[position]
+        if char == '"':
+            string, end = json.decoder.scanstring(text, position + 1)
+            if key_next:
+                seen = open_objects[-1]
+                if string in seen:
+                    return string, position, seen[string]
+                seen[string] = position
+                key_next = False
+            position = end
+            continue
+        if char in "{[":
+            open_objects.append({} if char == "{" else None)
+            key_next = char == "{"
+        elif char in "]}":
+            open_objects.pop()
+        elif char == ",":
+            key_next = open_objects[-1] is not None
+        position += 1
+    return None
+
+
+def _line(text: str, offset: int) -> int:
+    return text.count("\n", 0, offset) + 1
+
+
 def read_config_file(path: Path) -> dict:
     """The table in config file ``path`` (TOML when it ends in ``.toml``, else JSON); a ConfigError otherwise."""
     path = Path(path)
@@ -96,7 +142,15 @@ def read_config_file(path: Path) -> dict:
     text = _decode(raw, path)
     too_deep = f"{path} nests tables or lists more than {MAX_DEPTH} levels deep"
     try:
-        data = tomllib.loads(text) if kind == "TOML" else json.loads(text)
+        data = tomllib.loads(text) if kind == "TOML" else json.loads(text, object_pairs_hook=_refuse_repeated_keys)
+    except _RepeatedKey:  # TOML refuses a repeated key itself; JSON readers keep the last value
+        key, offset, first = repeated_json_key(text)
+        raise ConfigError(
+            [
+                f"{path}, line {_line(text, offset)}: the key {json.dumps(key)} is given a second time in one table "
+                f"(first on line {_line(text, first)}); give each setting once"
+            ]
+        ) from None
     except ValueError as error:  # the decode errors, and integers of more than 4300 digits
         raise ConfigError([f"{path} is not valid {kind}: {error}"]) from None
     except RecursionError:  # the parsers recurse once per level: far deeper than MAX_DEPTH

@@ -9,11 +9,13 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from oodviz.engine import Cancelled, DiskFullError
@@ -77,6 +79,33 @@ def execute(run: RunDir, echo: Callable[[dict], None] | None = None, pipeline: C
     run.write_status(state="done", finished=time.time(), stage=None, failed_detectors=failed)
     reporter.emit(None, {"event": "done"})
     return "done"
+
+
+#: the signals that cancel a run in the foreground (:func:`cancel_on_signals`): a terminal's Ctrl-C, ``kill``'s default
+CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def cancel_on_signals(run: RunDir) -> Iterator[list[signal.Signals]]:
+    """While inside, each of :data:`CANCEL_SIGNALS` asks ``run`` to stop (:meth:`RunDir.request_cancel`, the
+    cancel request of a background run: the pipeline stops at its next batch or stage and :func:`execute` records
+    the run ``cancelled``) instead of ending the process. Yields the signals received so far, in order; the
+    previous handlers are back on exit. For the process that runs :func:`execute` itself: ``oodviz run``."""
+    received: list[signal.Signals] = []
+
+    def cancel(number, frame) -> None:
+        received.append(signal.Signals(number))
+        try:
+            run.request_cancel()
+        except OSError:  # the run directory was deleted: the pipeline's next write fails the run
+            pass
+
+    previous = {number: signal.signal(number, cancel) for number in CANCEL_SIGNALS}
+    try:
+        yield received
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
 def exit_with_parent(run: RunDir, poll_s: float = 0.5) -> None:

@@ -24,6 +24,7 @@ from oodviz.models import format_bytes
 from oodviz.results import (
     METRIC_NAMES,
     Results,
+    ResultsFileError,
     best_detector,
     default_threshold,
     detectors_of,
@@ -485,6 +486,14 @@ def results_page(run: RunDir) -> None:
     status = run.read_status()
     finished = status.get("finished")
     results = _results(str(run.path), finished)
+    try:
+        results.check_results("scores.parquet", "metrics.csv")
+    except ResultsFileError as error:  # the file's name only: the page shows no server path to others
+        st.error(
+            f"This run's results cannot be shown: {error.path.name} {error.problem}. Run its config again for new "
+            "results (the sidebar holds its choices: press Start run)."
+        )
+        return
     # not written yet, or every detector failed (then metrics.csv holds only its header)
     if results.metrics is None or results.scores is None or not len(results.metrics):
         st.warning("This run has no results yet.")
