@@ -218,6 +218,37 @@ def test_one_threshold_and_detector_shared_by_the_tabs_per_set_by_default(app, r
     assert app.slider[0].value == pytest.approx(moved)
 
 
+def test_each_run_keeps_its_own_detector_and_threshold(app, runs_root):
+    """A detector and threshold chosen on one run do not carry into the next run opened (its tables and galleries
+    used the old run's threshold while the caption described the new run's): that run starts from its own
+    defaults, and the first run, opened again, shows what was chosen on it."""
+    second = runs_root / "r-second"
+    shutil.copytree(runs_root / "r1", second)
+    try:
+        app.query_params["run"] = "r1"
+        app.run()
+        shown_threshold_tab(app, "Score histograms")
+
+        def detector():
+            return [s for s in app.selectbox if s.label.startswith("Detector")][0]
+
+        default_detector, default_threshold = detector().value, app.slider[0].value
+        assert default_detector != "energy"
+        detector().select("energy").run()
+        app.slider[0].set_value(app.slider[0].value + 1.0).run()
+        moved = app.slider[0].value
+        app.query_params["run"] = "r-second"
+        shown_threshold_tab(app, "Score histograms")
+        assert not app.exception
+        assert detector().value == default_detector and app.slider[0].value == pytest.approx(default_threshold)
+        assert not any(f"At threshold {moved:.4g}" in c.value for c in app.caption)
+        app.query_params["run"] = "r1"
+        shown_threshold_tab(app, "Score histograms")
+        assert detector().value == "energy" and app.slider[0].value == pytest.approx(moved)
+    finally:
+        shutil.rmtree(second)
+
+
 def test_the_sidebar_shows_the_choices_of_the_open_run(app, runs_root):
     other = runs_root / "r-other"
     shutil.copytree(runs_root / "r1", other)

@@ -273,7 +273,7 @@ def test_the_views_render_a_real_run(default_run, tmp_path):
 
 def test_a_box_on_the_histogram_shows_the_images_in_that_score_range_per_set(app, runs_root):
     open_tab(app, "Score histograms")
-    detector = app.selectbox(key="shared-detector").value
+    detector = app.selectbox(key="shared-detector:r1").value
     scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
     low, high = np.quantile(scores[detector], [0.45, 0.55])
     selection = {"points": [], "point_indices": [], "box": [{"x": [high, low], "y": [0, 1]}], "lasso": []}

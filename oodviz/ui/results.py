@@ -137,27 +137,34 @@ def _failures(path: str, finished: float | None, detector: str, id_class, ood_da
     )
 
 
-def kept(key: str, default):
-    """The last value of a shared control (kept while a tab without it is open), else ``default``."""
-    return st.session_state.get(KEPT, {}).get(key, default)
+def kept(page: Page, key: str, default):
+    """The last value of a shared control of ``page``'s run (kept while a tab without it is open, and while another
+    run is shown), else ``default``. Each run keeps its own: a threshold chosen on one run never applies to another."""
+    return st.session_state.get(KEPT, {}).get(page.run.run_id, {}).get(key, default)
 
 
-def keep(key: str, value) -> None:
-    st.session_state.setdefault(KEPT, {})[key] = value
+def keep(page: Page, key: str, value) -> None:
+    st.session_state.setdefault(KEPT, {}).setdefault(page.run.run_id, {})[key] = value
+
+
+def control_key(page: Page, name: str) -> str:
+    """The widget key of the shared control ``name`` on ``page``'s run: another run's page draws other widgets (a
+    widget keeps its value under its key, so one key for every run would carry one run's choice into the next)."""
+    return f"{name}:{page.run.run_id}"
 
 
 def shared_controls(page: Page, with_threshold: bool) -> None:
     """The detector (and the threshold) every tab shares, drawn above the tabs; sets them on ``page``."""
     c1, c2 = st.columns([1, 1])
-    chosen = kept("detector", page.best)
+    chosen = kept(page, "detector", page.best)
     page.detector = c1.selectbox(
         "Detector (shared by every tab)",
         page.detectors,
         index=page.detectors.index(chosen) if chosen in page.detectors else 0,
-        key="shared-detector",
+        key=control_key(page, "shared-detector"),
         format_func=lambda d: f"{d} (best mean AUROC)" if d == page.best else d,
     )
-    keep("detector", page.detector)
+    keep(page, "detector", page.detector)
     # full width: the formula fits; drawn only once opened (the detector classes, torch modules, are imported then)
     about = st.expander(f"What {page.detector} does", key=f"teaching-{page.detector}", on_change="rerun")
     if about.open:
@@ -166,33 +173,33 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
     if not with_threshold:
         return
     bases = [EVERY_SET, *page.sets, POOLED]
-    basis = kept("basis", EVERY_SET)
+    basis = kept(page, "basis", EVERY_SET)
     page.basis = c2.selectbox(
         "Start the threshold at",
         bases,
         index=bases.index(basis) if basis in bases else 0,
-        key="shared-basis",
+        key=control_key(page, "shared-basis"),
         format_func=lambda b: b if b in (EVERY_SET, POOLED) else f"95% of {b}",
         help="The highest threshold that catches 95% of that OOD set. 'Every OOD set' takes the lowest of those, "
         "so that no set is caught less than 95%; 'pooled' counts all OOD samples together, so the largest sets "
         "dominate and a small hard set may be caught far less.",
     )
-    keep("basis", page.basis)
+    keep(page, "basis", page.basis)
     page.basis_threshold = _threshold(str(page.run.path), page.finished, page.detector, page.basis)
     hist = _histogram(str(page.run.path), page.finished, page.detector)
     low, high = float(hist["edges"][0]), float(hist["edges"][-1])
     low, high = min(low, page.basis_threshold), max(high, page.basis_threshold)
-    key = f"threshold-{page.detector}-{page.basis}"
+    name = f"threshold-{page.detector}-{page.basis}"
     page.threshold = st.slider(
         "Threshold (flag as OOD when score ≥ threshold; shared by the histogram, counts, per-class table and galleries)",
         low,
         high,
-        float(kept(key, page.basis_threshold)),
+        float(kept(page, name, page.basis_threshold)),
         step=(high - low) / 200 or 1.0,
-        key=key,
+        key=control_key(page, name),
         format="%.4g",
     )
-    keep(key, page.threshold)
+    keep(page, name, page.threshold)
     if page.basis == EVERY_SET:
         st.caption(every_set_note(page))
 
