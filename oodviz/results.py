@@ -179,6 +179,28 @@ def metrics_table(scores: pd.DataFrame, groups: dict[str, str]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=list(METRICS_COLUMNS))
 
 
+#: the fewest classifier errors on the ID test set for AURC and risk at coverage to rank detectors: below it a
+#: detector's reject order is judged on a handful of samples (2 errors in 362: eleven detectors at AURC 0.000)
+MIN_CLASSIFIER_ERRORS = 20
+
+
+def classifier_errors(scores: pd.DataFrame) -> tuple[int, int]:
+    """``(errors, n)``: the ID test samples the classifier gets wrong (``prediction != label``) and the ID test
+    samples, the counts that AURC and risk at coverage (:func:`selective_metrics`) rest on."""
+    id_rows = scores[scores.split == ID_SPLIT]
+    return int((id_rows.prediction.to_numpy() != id_rows.label.to_numpy()).sum()), len(id_rows)
+
+
+def classifier_errors_note(scores: pd.DataFrame) -> tuple[str, bool]:
+    """What AURC and risk at coverage rest on, as a sentence, and whether they can rank detectors (at least
+    :data:`MIN_CLASSIFIER_ERRORS` classifier errors on the ID test set)."""
+    errors, n = classifier_errors(scores)
+    rests = f"AURC and risk at 95% coverage rest on the classifier's {errors:,} errors among {n:,} ID test images"
+    if errors >= MIN_CLASSIFIER_ERRORS:
+        return f"{rests}.", True
+    return f"{rests}: fewer than {MIN_CLASSIFIER_ERRORS}, too few to rank detectors by.", False
+
+
 def selective_curve(scores: pd.DataFrame, detector: str) -> dict[str, np.ndarray]:
     """:func:`oodviz.metrics.risk_coverage` of ``detector`` on the ID test rows: the classifier's error rate
     (``prediction != label``, from the stored predictions) among the samples accepted (``score <= t``)."""

@@ -613,15 +613,43 @@ def test_every_chart_of_the_default_run_stays_under_50_kib(default_run):
     assert max(sizes) < 50 * 1024, sizes
 
 
-def test_the_best_marks_every_value_shown_equal_to_the_best():
-    """Three decimals are shown: 1.000 and 1.000 are both the best AUROC, whatever their fourth decimal; for a
-    lower-is-better metric the lowest as shown."""
-    from oodviz.ui.results import BEST, best_marks
+def test_only_a_strict_best_is_marked_and_unrankable_aurc_columns_are_greyed():
+    """Three decimals are shown: 1.000 and 1.000 tie at the top, whatever their fourth decimal, and mark nothing
+    (eleven detectors at AURC 0.000 were all "best"); a value strictly better than every other as shown is marked,
+    for a lower-is-better metric the lowest. An AURC or risk column resting on too few classifier errors is greyed
+    and unmarked; the other columns are marked as ever."""
+    from oodviz.ui.results import BEST, UNRANKED, best_marks, metric_marks
 
     auroc = pd.Series([0.99996, 0.99991, 0.5, float("nan")])
-    assert list(best_marks(auroc, lower_is_better=False)) == [BEST, BEST, "", ""]
+    assert list(best_marks(auroc, lower_is_better=False)) == ["", "", "", ""]
+    assert list(best_marks(pd.Series([0.9, 0.95, 0.5]), lower_is_better=False)) == ["", BEST, ""]
     fpr = pd.Series([0.2004, 0.1996, 0.3])  # 0.200 and 0.200 as shown
-    assert list(best_marks(fpr, lower_is_better=True)) == [BEST, BEST, ""]
+    assert list(best_marks(fpr, lower_is_better=True)) == ["", "", ""]
+    assert list(best_marks(pd.Series([0.2, 0.1, 0.3]), lower_is_better=True)) == ["", BEST, ""]
+    assert list(best_marks(pd.Series([0.0, 0.0, 0.0]), lower_is_better=True)) == ["", "", ""]
+    aurc = pd.Series([0.01, 0.02], name="AURC")
+    assert list(metric_marks(aurc, ranked=False)) == [UNRANKED, UNRANKED]
+    assert list(metric_marks(aurc, ranked=True)) == [BEST, ""]
+    assert list(metric_marks(pd.Series([0.9, 0.8], name="AUROC near"), ranked=False)) == [BEST, ""]
+
+
+def test_aurc_and_risk_say_how_many_classifier_errors_they_rest_on(app, runs_root):
+    """The metrics table's caption and the risk–coverage tab count the classifier's errors on the ID test set
+    (counted here from scores.parquet); below 20 they say the columns cannot rank detectors."""
+    from oodviz.results import MIN_CLASSIFIER_ERRORS
+
+    scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
+    id_rows = scores[scores.split == "id_test"]
+    errors, n = int((id_rows.prediction != id_rows.label).sum()), len(id_rows)
+    said = f"rest on the classifier's {errors:,} errors among {n:,} ID test images"
+    app.query_params["run"] = "r1"
+    app.run()
+    [caption] = [c.value for c in app.caption if said in c.value]
+    assert errors < MIN_CLASSIFIER_ERRORS  # the bundled CNN: a handful of errors on the digits
+    assert "too few to rank detectors by" in caption and "greyed and never highlighted" in caption
+    shown_threshold_tab(app, "Risk–coverage")
+    assert not app.exception
+    assert any(said in c.value and "too few to rank detectors by" in c.value for c in app.caption)
 
 
 def test_a_gallery_draws_each_line_of_six_images_in_a_row_of_its_own(app):

@@ -31,7 +31,7 @@ from oodviz.projection_map import (
     projection_figure,
     thumbnails_path,
 )
-from oodviz.results import ID_SPLIT, OOD_SPLIT, Results, detectors_of, read_table
+from oodviz.results import ID_SPLIT, OOD_SPLIT, Results, classifier_errors_note, detectors_of, read_table
 from oodviz.runs.rundir import read_json_object
 from oodviz.selection import selected_samples
 from oodviz.ui.chart_selection import projection_selection_gallery
@@ -77,7 +77,8 @@ def risk_coverage_view(results: Results, detectors=None) -> None:
     st.dataframe(table.style.format("{:.3g}"), width="stretch")  # AURCs of good detectors are ~1e-4
     st.caption(
         "Each detector's score rejects the most OOD-looking ID test samples first; risk is the classifier's error "
-        "rate among those kept. Lower is better; the oracle rejects exactly the misclassified samples first."
+        "rate among those kept. Lower is better; the oracle rejects exactly the misclassified samples first. "
+        + classifier_errors_note(results.scores)[0]
     )
 
 

@@ -26,6 +26,7 @@ from oodviz.results import (
     Results,
     ResultsFileError,
     best_detector,
+    classifier_errors_note,
     default_threshold,
     detectors_of,
     group_means,
@@ -67,10 +68,14 @@ METRIC_COLUMNS = {
 }
 #: metrics where a lower value is better (highlighted with the minimum); the others: higher is better
 LOWER_IS_BETTER = ("FPR95", "AURC", "risk at 95% coverage")
+#: the metrics that judge a detector as a reject rule for the classifier: they need classifier errors to rank by
+SELECTIVE_COLUMNS = ("AURC", "risk at 95% coverage")
 EVERY_SET = "95% of every OOD set"
 POOLED = "95% of all OOD sets pooled"
 GALLERY_SIZE = 12
-BEST = "background-color: #c8e6c9"
+BEST = "background-color: #c8e6c9; color: #1b5e20"  # dark text: legible in the dark theme too
+#: AURC and risk columns that rest on too few classifier errors to rank detectors (MIN_CLASSIFIER_ERRORS)
+UNRANKED = "color: #9e9e9e"
 KEPT = "results-kept"
 
 
@@ -230,26 +235,39 @@ def threshold_label(page: Page) -> str:
 
 # -- metrics --------------------------------------------------------------------------------------
 def best_marks(values: pd.Series, lower_is_better: bool) -> pd.Series:
-    """:data:`BEST` where a value, at the table's three decimals, equals the best one (every value shown equal to
-    it is marked: 1.000 and 1.000 both, not the one whose hidden fourth decimal is higher), else ``""``."""
+    """:data:`BEST` on the one value that, at the table's three decimals, is strictly better than every other value
+    shown, else ``""``: a tie at the top (1.000 and 1.000, whatever their hidden fourth decimals) or a column of
+    equal values has no best to point at, and marks nothing."""
     shown = values.round(3)
-    best = shown.min() if lower_is_better else shown.max()
-    return shown.eq(best).map({True: BEST, False: ""})
+    at_best = shown.eq(shown.min() if lower_is_better else shown.max())
+    if at_best.sum() != 1:
+        return pd.Series("", index=values.index)
+    return at_best.map({True: BEST, False: ""})
 
 
-def best_per_dataset(shown: pd.DataFrame) -> pd.DataFrame:
+def metric_marks(values: pd.Series, ranked: bool) -> pd.Series:
+    """The styles of one metrics column (named by its metric, e.g. ``"AURC"`` or ``"AUROC near"``): its strict best
+    (:func:`best_marks`), or, for an AURC or risk column when the classifier made too few errors to rank by
+    (``ranked`` False, :func:`oodviz.results.classifier_errors_note`), every cell :data:`UNRANKED`."""
+    if values.name.startswith(SELECTIVE_COLUMNS) and not ranked:
+        return pd.Series(UNRANKED, index=values.index)
+    return best_marks(values, values.name.startswith(LOWER_IS_BETTER))
+
+
+def best_per_dataset(shown: pd.DataFrame, ranked: bool) -> pd.DataFrame:
     """Styles marking the best AUROC/AUPR (highest) and FPR95/AURC/risk (lowest) among the detectors of each OOD
-    dataset (:func:`best_marks`): values are compared only with values of the same set."""
+    dataset (:func:`metric_marks`): values are compared only with values of the same set."""
     styles = pd.DataFrame("", index=shown.index, columns=shown.columns)
     for _, rows in shown.groupby("OOD dataset", sort=False):
         for column in ("AUROC", "AUPR-In", "AUPR-Out", *LOWER_IS_BETTER):
-            styles.loc[rows.index, column] = best_marks(rows[column], column in LOWER_IS_BETTER)
+            styles.loc[rows.index, column] = metric_marks(rows[column], ranked)
     return styles
 
 
 def metrics_tab(page: Page) -> None:
     metrics = page.results.metrics
     per_set = metrics[~is_group_mean(metrics)]
+    errors_note, ranked = classifier_errors_note(page.results.scores)
     st.caption(CONVENTION)
     groups = per_set.drop_duplicates("ood_dataset").groupby("group", sort=False)["ood_dataset"].apply(list)
     st.caption(" · ".join(f"**{group}** = mean over {', '.join(names)}" for group, names in groups.items()))
@@ -259,8 +277,8 @@ def metrics_tab(page: Page) -> None:
     if view == "every OOD dataset":
         shown = per_set.rename(columns={"ood_dataset": "OOD dataset", **METRIC_COLUMNS}).reset_index(drop=True)
         shown = shown[["detector", "OOD dataset", "group", *METRIC_COLUMNS.values()]]
-        styled = shown.style.apply(best_per_dataset, axis=None)
-        note = "Best detector per OOD dataset highlighted in green (values compared within one set only)."
+        styled = shown.style.apply(best_per_dataset, axis=None, ranked=ranked)
+        note = "A strict best detector per OOD dataset highlighted in green (values compared within one set only)."
     else:  # one row per detector: each metric for the near and the far group side by side
         wide = group_means(metrics, values=METRIC_NAMES)
         wide.columns = [f"{METRIC_COLUMNS[metric]} {group}" for metric, group in wide.columns]
@@ -268,14 +286,15 @@ def metrics_tab(page: Page) -> None:
         shown = wide.join(selective.rename(columns=METRIC_COLUMNS)).reset_index()
         shown = shown.assign(**{"ID accuracy": metrics.id_accuracy.iloc[0]})
         marked = [c for c in shown.columns if c.startswith(("AUROC", "AUPR", *LOWER_IS_BETTER))]
-        styled = shown.style.apply(
-            lambda column: best_marks(column, column.name.startswith(LOWER_IS_BETTER)), subset=marked
+        styled = shown.style.apply(metric_marks, subset=marked, ranked=ranked)
+        note = (
+            "A strict best detector per column highlighted in green (each column is one metric on one group of sets)."
         )
-        note = "Best detector per column highlighted in green (each column is one metric on one group of sets)."
     numbers = [c for c in shown.columns if c.startswith(tuple(METRIC_COLUMNS.values()))]
     styled = styled.format(dict.fromkeys(numbers, "{:.3f}"), na_rep="n/a")
     st.dataframe(styled, hide_index=True, width="stretch", height=min(38 + 35 * len(shown), 700))
-    st.caption(note)
+    greyed = "" if ranked else " Their columns are greyed and never highlighted."
+    st.caption(f"{note} No mark where the best value is tied. {errors_note}{greyed}")
     st.download_button("Download metrics.csv", metrics.to_csv(index=False), "metrics.csv", "text/csv")
     metric = st.segmented_control("Heatmap", ["AUROC", "FPR95"], default="AUROC", key="heatmap-metric") or "AUROC"
     column = {"AUROC": "auroc", "FPR95": "fpr95"}[metric]
