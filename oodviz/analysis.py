@@ -22,10 +22,12 @@ This module never imports streamlit.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 
+from oodviz.layers import PENULTIMATE, split_column
 from oodviz.metrics import ood_metrics
 from oodviz.results import (
     ID_SPLIT,
@@ -360,30 +362,120 @@ def failure_cases(
 COMPARE_COLUMNS = ["detector", "ood_dataset", "auroc_a", "auroc_b", "auroc_delta", "fpr95_a", "fpr95_b", "fpr95_delta"]
 
 
+@dataclass(frozen=True)
+class ResultColumn:
+    """A detector's result column in one run, as :func:`compare_runs` matches it: its ``name`` in that run's
+    tables, the ``detector`` and the ``layer`` it scores at, ``None`` where the name does not say and the run does
+    not either (a plain name of a run over several layers reads only the logits or runs the model: the same at
+    every layer; a run known only by its metrics table)."""
+
+    name: str
+    detector: str
+    layer: str | None
+
+    @property
+    def plain(self) -> bool:
+        """Named without its layer: ``"mahalanobis"``, not ``"mahalanobis@penultimate"``."""
+        return split_column(self.name)[1] is None
+
+    def matches(self, other: ResultColumn) -> bool:
+        """The same detector at the same layer, or both plain (two single-layer runs, whatever their layers: the
+        config difference says so; a logits detector of a run over several layers)."""
+        return self.detector == other.detector and (self.layer == other.layer or (self.plain and other.plain))
+
+
+def result_columns(names, config: dict | None) -> list[ResultColumn]:
+    """Each detector column ``names`` of a run with ``config`` (``None``: unknown) as a :class:`ResultColumn`: a
+    plain name of a single-layer run scores at the run's layer (``config["layer"]``, the penultimate features by
+    default)."""
+    single_layer = config is not None and not config.get("layers")
+    run_layer = (config.get("layer") or PENULTIMATE) if single_layer else None
+    columns = []
+    for name in names:
+        detector, layer = split_column(name)
+        columns.append(ResultColumn(name, detector, layer if layer is not None else run_layer))
+    return columns
+
+
+@dataclass
+class ColumnMatch:
+    """Which detector columns of run A and run B :func:`compare_runs` compares: ``pairs`` of (A's name, B's name,
+    the name shown: the one that names the layer), and ``unmatched``: one ``{"run", "detector", "why"}`` per
+    column of either run with no counterpart, ``run`` ``"A"`` or ``"B"``."""
+
+    pairs: list[tuple[str, str, str]]
+    unmatched: list[dict[str, str]]
+
+
+def _why_unmatched(column: ResultColumn, others: list[ResultColumn], other_run: str) -> str:
+    same = [o for o in others if o.detector == column.detector]
+    if not same:
+        return f"run {other_run} has no {column.detector}"
+    layers = ", ".join(sorted({o.layer or "every layer" for o in same}))
+    return f"run {other_run} has {column.detector} at {layers}, not at {column.layer or 'its layer'}"
+
+
+def match_columns(names_a, config_a: dict | None, names_b, config_b: dict | None) -> ColumnMatch:
+    """Run A's detector columns against run B's (:meth:`ResultColumn.matches`), in A's order: a single-layer
+    run's ``mahalanobis`` (at the penultimate layer) is a run over several layers' ``mahalanobis@penultimate``,
+    its ``msp`` the other's ``msp``; whatever cannot be matched is listed with why."""
+    a, b = result_columns(names_a, config_a), result_columns(names_b, config_b)
+    pairs, used = [], set()
+    for column in a:
+        match = next((other for other in b if other.name not in used and column.matches(other)), None)
+        if match is not None:
+            used.add(match.name)
+            shown = match.name if column.plain and not match.plain else column.name
+            pairs.append((column.name, match.name, shown))
+    matched_a = {pair[0] for pair in pairs}
+    unmatched = [
+        {"run": "A", "detector": c.name, "why": _why_unmatched(c, b, "B")} for c in a if c.name not in matched_a
+    ] + [{"run": "B", "detector": c.name, "why": _why_unmatched(c, a, "A")} for c in b if c.name not in used]
+    return ColumnMatch(pairs, unmatched)
+
+
+def _metrics_and_config(results) -> tuple[pd.DataFrame | None, dict | None]:
+    if isinstance(results, Results):
+        return results.metrics, results.config
+    return results, None
+
+
 def compare_runs(results_a, results_b) -> pd.DataFrame:
     """Metrics of two runs side by side, over the (detector, OOD dataset) pairs both have.
 
-    Arguments are :class:`Results` or ``metrics.csv`` tables. Columns ``detector, ood_dataset,
-    auroc_a, auroc_b, auroc_delta, fpr95_a, fpr95_b, fpr95_delta`` with ``delta = b - a`` (AUROC:
-    higher is better; FPR95: lower is better), plus ``group`` when both tables have it. Rows in
-    run A's order, including the near/far mean rows both runs have. Empty when either run has no
+    Arguments are :class:`Results` or ``metrics.csv`` tables. Detectors are matched by :func:`match_columns`
+    (with the runs' configs for :class:`Results`: a single-layer run's ``mahalanobis`` against another run's
+    ``mahalanobis@penultimate``, shown by the name with the layer); :func:`unmatched_detectors` lists the others.
+    Columns ``detector, ood_dataset, auroc_a, auroc_b, auroc_delta, fpr95_a, fpr95_b, fpr95_delta`` with
+    ``delta = b - a`` (AUROC: higher is better; FPR95: lower is better), plus ``group`` when both tables have
+    it. Rows in run A's order, including the near/far mean rows both runs have. Empty when either run has no
     metrics.
     """
-    a = results_a.metrics if isinstance(results_a, Results) else results_a
-    b = results_b.metrics if isinstance(results_b, Results) else results_b
+    (a, config_a), (b, config_b) = _metrics_and_config(results_a), _metrics_and_config(results_b)
     if a is None or b is None or not len(a) or not len(b):
         return pd.DataFrame(columns=COMPARE_COLUMNS)
+    match = match_columns(a.detector.unique(), config_a, b.detector.unique(), config_b)
     keys = ["detector", "ood_dataset"]
-    left = a[keys + ["auroc", "fpr95"]].drop_duplicates(keys)
-    right = b[keys + ["auroc", "fpr95"]].drop_duplicates(keys)
+    left = a[a.detector.isin([p[0] for p in match.pairs])].replace({"detector": {p[0]: p[2] for p in match.pairs}})
+    right = b[b.detector.isin([p[1] for p in match.pairs])].replace({"detector": {p[1]: p[2] for p in match.pairs}})
+    left, right = (side[keys + ["auroc", "fpr95"]].drop_duplicates(keys) for side in (left, right))
     table = left.merge(right, on=keys, how="inner", suffixes=("_a", "_b"), sort=False)
     table["auroc_delta"] = table.auroc_b - table.auroc_a
     table["fpr95_delta"] = table.fpr95_b - table.fpr95_a
     table = table[COMPARE_COLUMNS]
     if "group" in a.columns:
-        groups = a.drop_duplicates(keys).set_index(keys)["group"]
-        table.insert(2, "group", [groups.get((d, o)) for d, o in zip(table.detector, table.ood_dataset)])
+        groups = a.drop_duplicates(["ood_dataset"]).set_index("ood_dataset")["group"]
+        table.insert(2, "group", [groups.get(o) for o in table.ood_dataset])
     return table.reset_index(drop=True)
+
+
+def unmatched_detectors(results_a, results_b) -> list[dict[str, str]]:
+    """The detector columns of either run that :func:`compare_runs` could not match, each with why
+    (:attr:`ColumnMatch.unmatched`); ``[]`` when either run has no metrics."""
+    (a, config_a), (b, config_b) = _metrics_and_config(results_a), _metrics_and_config(results_b)
+    if a is None or b is None:
+        return []
+    return match_columns(a.detector.unique(), config_a, b.detector.unique(), config_b).unmatched
 
 
 # -- memory ---------------------------------------------------------------------------------------

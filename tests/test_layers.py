@@ -429,3 +429,54 @@ def test_oodviz_score_reproduces_every_column_of_a_multi_layer_run_bit_for_bit(t
         bank = Path(load(knn_dir).bank_.filename)
         assert bank == (_stores(tuned_layers.path, layer)["id_fit"].path / "features.npy").resolve()
         assert not any(p.suffix == ".npy" for p in knn_dir.iterdir())
+
+
+def test_compare_matches_a_single_layer_run_with_the_same_layer_of_a_run_over_several(runs):
+    """Run A over three layers against run B at the penultimate layer: mahalanobis@penultimate is B's mahalanobis
+    (the same scores: their deltas 0), msp is msp; the detectors at other layers and the combined one are listed
+    with why, not dropped without a word (they were)."""
+    from oodviz.analysis import compare_runs, unmatched_detectors
+    from oodviz.results import load_results
+
+    a, b = load_results(runs["layers"]), load_results(runs["penultimate"])
+    table = compare_runs(a, b)
+    means = table[table.ood_dataset.str.endswith(" (mean)")]
+    assert list(means.detector.unique()) == [
+        "msp",
+        layer_column("mahalanobis", "penultimate"),
+        layer_column("knn", "penultimate"),
+        layer_column("vim", "penultimate"),
+    ]
+    assert (table.auroc_delta == 0).all() and (table.fpr95_delta == 0).all()
+    unmatched = {(u["run"], u["detector"]): u["why"] for u in unmatched_detectors(a, b)}
+    assert unmatched == {
+        **{
+            ("A", layer_column(d, layer)): f"run B has {d} at penultimate, not at {layer}"
+            for d in ("mahalanobis", "knn")
+            for layer in ("features.1", "features.4")
+        },
+        ("A", layer_column("mahalanobis", COMBINED)): f"run B has mahalanobis at penultimate, not at {COMBINED}",
+    }
+    backwards = {(u["run"], u["detector"]) for u in unmatched_detectors(b, a)}
+    assert backwards == {("B", name) for _, name in unmatched}
+
+
+def test_the_app_names_what_compare_could_not_match(runs, tmp_path, monkeypatch):
+    import shutil
+
+    from oodviz.ui.history import runs_table_key
+
+    for name in ("layers", "penultimate"):
+        shutil.copytree(runs[name], tmp_path / name)
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path))
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.run()
+    listed = list(app.dataframe[0].value.run)
+    rows = [listed.index(name) for name in ("layers", "penultimate")]
+    app.session_state[runs_table_key(listed)] = {"selection": {"rows": rows, "columns": [], "cells": []}}
+    app.run()
+    assert not app.exception
+    [note] = [c.value for c in app.caption if c.value.startswith("Not compared")]
+    assert "mahalanobis@features.1 (run A: run B has mahalanobis at penultimate, not at features.1)" in note
+    [deltas] = [d.value for d in app.dataframe if "AUROC B − A" in d.value.columns]
+    assert "mahalanobis@penultimate" in set(deltas.detector)

@@ -223,6 +223,19 @@ def better_b(gain: float) -> str:
     return "color: #1b5e20" if gain > 0 else "color: #b71c1c"
 
 
+def unmatched_note(a, b) -> None:
+    """Names each detector of either run that the comparison could not match, and why
+    (:func:`oodviz.analysis.unmatched_detectors`): nothing a run computed leaves the comparison unsaid."""
+    from oodviz.analysis import unmatched_detectors
+
+    unmatched = unmatched_detectors(a, b)
+    if unmatched:
+        st.caption(
+            "Not compared, no counterpart in the other run: "
+            + "; ".join(f"{u['detector']} (run {u['run']}: {u['why']})" for u in unmatched)
+        )
+
+
 def compare(root: Path, a_id: str, b_id: str) -> None:
     """Two runs side by side: a warning first when their data differ, the config difference, a per-detector
     scatter of mean AUROC (run A vs run B, over the OOD sets both have) and the table of deltas."""
@@ -246,6 +259,7 @@ def compare(root: Path, a_id: str, b_id: str) -> None:
     per_set = table[~table.ood_dataset.str.endswith(" (mean)")]
     if per_set.empty:
         st.info("The runs share no (detector, OOD set) pair: nothing to compare.")
+        unmatched_note(a, b)
         return
     means = per_set.groupby("detector", sort=False)[["auroc_a", "auroc_b"]].mean()
     sets = sorted(per_set.ood_dataset.unique())
@@ -262,3 +276,4 @@ def compare(root: Path, a_id: str, b_id: str) -> None:
         width="stretch",
     )
     st.caption("B − A: green where run B is better (a higher AUROC, a lower FPR95), red where it is worse.")
+    unmatched_note(a, b)
