@@ -36,6 +36,18 @@ def split_column(column: str) -> tuple[str, str | None]:
     return (detector, layer) if sep else (column, None)
 
 
+def depth_order(layers: list[str], module_names: list[str]) -> list[str] | None:
+    """``layers`` from shallow to deep: by their place in ``module_names`` (``model.named_modules()``: modules in
+    the order the model registers them, which is the forward order of torchvision's models and of models built
+    as a sequence of blocks), :data:`PENULTIMATE` (the head's input) last. ``None`` when ``module_names`` does not
+    place every layer (a TorchScript or callable backbone without module names): the depth is then unknown."""
+    position = {name: i for i, name in enumerate(module_names)}
+    inner = [layer for layer in layers if layer != PENULTIMATE]
+    if any(layer not in position for layer in inner):
+        return None
+    return sorted(inner, key=position.__getitem__) + ([PENULTIMATE] if PENULTIMATE in layers else [])
+
+
 def reads_features(detector_class) -> bool:
     """Whether a detector class reads the features (so a multi-layer run scores it once per layer):
     ``"features"`` among the batch fields it declares (:meth:`~oodviz.detectors.base.Detector.fields_to_read`);

@@ -1,6 +1,7 @@
 """The "which layer?" figure: a pure Plotly function of :func:`oodviz.layers.layer_ranking`.
 
-One line per detector across the run's layers (in the order given, the combined score last), at the
+One line per detector across the run's layers (in the order given: shallow to deep where the run recorded the
+model's order; the combined score last), at the
 mean AUROC over the OOD datasets; the best layer of each detector is marked. This module never
 imports streamlit.
 """
@@ -14,10 +15,11 @@ from oodviz.plots import figure_layout, line_styles
 
 
 def layer_ranking_figure(
-    ranking: pd.DataFrame, layers: list[str], title: str = "Which layer? (mean AUROC)"
+    ranking: pd.DataFrame, layers: list[str], by_depth: bool, title: str = "Which layer? (mean AUROC)"
 ) -> go.Figure:
     """``ranking``: :func:`oodviz.layers.layer_ranking`; ``layers``: the x axis order (the run's layers,
-    then :data:`oodviz.layers.COMBINED` when the table has it). A detector's best layer (rank 1) is a
+    then :data:`oodviz.layers.COMBINED` when the table has it); ``by_depth``: whether that order is the model's,
+    shallow to deep (the axis says which order it is). A detector's best layer (rank 1) is a
     larger marker; hovering a point shows its AUROC, FPR95 and rank. Each detector has its own
     :func:`oodviz.plots.line_styles` style."""
     fig = go.Figure()
@@ -43,7 +45,7 @@ def layer_ranking_figure(
         fig,
         title,
         xaxis={
-            "title": "layer (shallow to deep)",
+            "title": "layer (shallow to deep)" if by_depth else "layer (in the order the run lists them)",
             "type": "category",
             "categoryorder": "array",
             "categoryarray": layers,

@@ -480,3 +480,31 @@ def test_the_app_names_what_compare_could_not_match(runs, tmp_path, monkeypatch)
     assert "mahalanobis@features.1 (run A: run B has mahalanobis at penultimate, not at features.1)" in note
     [deltas] = [d.value for d in app.dataframe if "AUROC B − A" in d.value.columns]
     assert "mahalanobis@penultimate" in set(deltas.detector)
+
+
+def test_depth_order_places_layers_by_the_models_module_order():
+    from oodviz.layers import depth_order
+
+    names = ["features", "features.0", "features.1", "features.4", "avgpool", "fc"]
+    assert depth_order(["penultimate", "features.4", "features.1"], names) == [
+        "features.1",
+        "features.4",
+        "penultimate",
+    ]
+    assert depth_order(["features.4", "avgpool"], names) == ["features.4", "avgpool"]
+    assert depth_order(["features.4", "penultimate"], []) is None  # no module names: the depth is unknown
+
+
+def test_which_layer_runs_shallow_to_deep_whatever_order_the_layers_were_picked_in(tmp_path, monkeypatch):
+    """Layers picked deep to shallow: the run records the model's order, and the chart's axis follows it and says
+    so (it said 'shallow to deep' while following the order picked)."""
+    config = small_config(layers=["penultimate", "features.4", "features.1"], detectors=[DetectorChoice("mahalanobis")])
+    run = RunDir.create(tmp_path / "runs", config.validate().to_dict())
+    assert execute(run) == "done", run.read_status()
+    meta = json.loads((run.path / "meta.json").read_text())
+    assert meta["layers"]["depth_order"] == LAYERS
+    app = _app(run.path, monkeypatch, "Which layer?")
+    [chart] = app.get("plotly_chart")
+    figure = json.loads(chart.proto.spec)
+    assert figure["data"][0]["x"] == [*LAYERS, COMBINED]
+    assert figure["layout"]["xaxis"]["title"]["text"] == "layer (shallow to deep)"

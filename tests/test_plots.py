@@ -166,7 +166,7 @@ def test_detector_curves_have_one_distinct_style_each(scores):
             for r, layer in ((1, "a"), (2, "b"))
         ]
     )
-    layer_lines = [trace.line for trace in layer_ranking_figure(ranking, ["a", "b"]).data]
+    layer_lines = [trace.line for trace in layer_ranking_figure(ranking, ["a", "b"], by_depth=True).data]
     assert len({(line.color, line.dash) for line in layer_lines}) == 20
 
 

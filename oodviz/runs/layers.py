@@ -24,7 +24,7 @@ layer's ID fit store as its bank) with each layer's backbone identity (``detecto
 
 from __future__ import annotations
 
-from oodviz.layers import COMBINED, COMBINED_DETECTOR, PENULTIMATE, layer_column, reads_features
+from oodviz.layers import COMBINED, COMBINED_DETECTOR, PENULTIMATE, depth_order, layer_column, reads_features
 
 #: the stage of :func:`combine_layers`
 COMBINE_STAGE = f"combine {COMBINED_DETECTOR} over layers"
@@ -151,7 +151,9 @@ def keep_layer_stores(job, split: str, stores: dict):
 
 
 def record_layers(job) -> None:
-    """``meta.json["layers"]``: the layers, their store per split, the detectors left out at a layer (warned)."""
+    """``meta.json["layers"]``: the layers, their store per split, the detectors left out at a layer (warned), and
+    ``depth_order``, the layers from shallow to deep in the model (:func:`oodviz.layers.depth_order`; ``None``
+    when the backbone has no module names to place them by)."""
     skipped = headless_skips(job.config)
     for name, layers in skipped.items():
         job.reporter.warn(f"{name} needs the classifier's head, so it is scored at {PENULTIMATE!r} only, not {layers}")
@@ -162,6 +164,7 @@ def record_layers(job) -> None:
             for layer in job.config.layers
         },
         "skipped_needs_head": skipped,
+        "depth_order": depth_order(job.config.layers, job.backbone.layer_names()),
     }
 
 

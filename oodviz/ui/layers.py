@@ -16,7 +16,8 @@ NOTHING_RANKED = (
 def layers_tab(page) -> None:
     """The figure and the table of :func:`oodviz.layers.layer_ranking` for ``page.results`` (a run over several
     layers: the tab is not offered for one)."""
-    layers = list(page.results.config.get("layers") or [])
+    by_depth = ((page.results.meta or {}).get("layers") or {}).get("depth_order")  # None: runs before it was kept
+    layers = by_depth or list(page.results.config.get("layers") or [])
     ranking = layer_ranking(page.results.metrics, layers or None)
     if ranking.empty:
         st.info(NOTHING_RANKED)
@@ -32,7 +33,7 @@ def layers_tab(page) -> None:
         + ("the held-out ID validation images" if held_out else "the ID fit split (in-sample)")
         + " (Lee et al. 2018)."
     )
-    st.plotly_chart(layer_ranking_figure(ranking, shown), width="stretch", key="layer-ranking")
+    st.plotly_chart(layer_ranking_figure(ranking, shown, by_depth is not None), width="stretch", key="layer-ranking")
     table = ranking.rename(columns={"auroc": "mean AUROC", "fpr95": "mean FPR95"})
     st.dataframe(
         table.style.format({"mean AUROC": "{:.4f}", "mean FPR95": "{:.4f}"}),
