@@ -127,6 +127,13 @@ HISTOGRAM_MODES = ("count", "density", "log count")
 MAX_VISIBLE = 6
 
 
+def hidden_at_first(labels: list[str], visible=None) -> list[str]:
+    """The sets of :func:`histogram_figure` that start hidden: those not in ``visible`` (default: beyond the first
+    :data:`MAX_VISIBLE`), in order; a page names them, as a hidden set is otherwise easy to miss."""
+    shown = set(labels[:MAX_VISIBLE] if visible is None else visible)
+    return [label for label in labels if label not in shown]
+
+
 def histogram_figure(
     hist: dict,
     threshold: float | None = None,
@@ -147,7 +154,7 @@ def histogram_figure(
     - ``"log count"``: the counts on a log axis (empty bins are not drawn).
 
     ``visible``: the labels drawn at first (default: the first :data:`MAX_VISIBLE`); the others start
-    hidden (``"legendonly"``), shown by a click on their legend entry. ``threshold`` draws a vertical
+    hidden (``"legendonly"``, :func:`hidden_at_first`), shown by a click on their legend entry. ``threshold`` draws a vertical
     dashed line annotated ``threshold_label``; scores at or right of it are flagged as OOD. End bins
     also hold the clipped outliers.
     """
@@ -157,7 +164,7 @@ def histogram_figure(
     centres = (edges[:-1] + edges[1:]) / 2
     widths = np.diff(edges)
     labels = list(hist["counts"])
-    shown = set(labels[:MAX_VISIBLE] if visible is None else visible)
+    hidden = set(hidden_at_first(labels, visible))
     palette = color_map(labels, colors)
     if np.allclose(widths, widths[0], rtol=1e-6):  # np.linspace edges: bar i at x0 + i dx
         bins = {"x0": float(centres[0]), "dx": float(widths[0]), "width": float(widths[0])}
@@ -174,7 +181,7 @@ def histogram_figure(
                 **bins,
                 y=(share / widths if mode == "density" else counts).astype(np.float32),
                 name=label,
-                visible=True if label in shown else "legendonly",
+                visible="legendonly" if label in hidden else True,
                 marker={"color": palette[label], "line": {"width": 0}},
                 opacity=0.55,
                 customdata=np.column_stack([counts, share]).astype(np.float32),

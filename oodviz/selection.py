@@ -34,6 +34,16 @@ def selected_range(selection: dict | None) -> tuple[float, float] | None:
     return None
 
 
+def selected_traces(selection: dict | None, names: list[str]) -> list[str] | None:
+    """The names (``names``: the chart's traces in order) of the traces a plotly selection's points lie on, in
+    trace order: under a box or lasso over overlaid histograms, the sets drawn there (a set hidden from its legend
+    has no bars to select). ``None`` when the selection carries no points, and so cannot say."""
+    numbers = {p["curve_number"] for p in (selection or {}).get("points") or [] if p.get("curve_number") is not None}
+    if not numbers:
+        return None
+    return [name for i, name in enumerate(names) if i in numbers]
+
+
 def _named(rows: pd.DataFrame, detector: str, class_names) -> pd.DataFrame:
     names = [str(c) for c in class_names or []]
 
@@ -47,16 +57,18 @@ def _named(rows: pd.DataFrame, detector: str, class_names) -> pd.DataFrame:
 
 
 def samples_in_range(
-    scores: pd.DataFrame, detector: str, low: float, high: float, class_names=None, datasets=None
+    scores: pd.DataFrame, detector: str, low: float, high: float, class_names=None, datasets=None, with_id=True
 ) -> pd.DataFrame:
-    """Every sample whose ``detector`` score ``s`` has ``low <= s <= high``: ID test first, then each OOD set
-    in table order (only ``datasets`` when given), each by increasing score (ties in table order).
-    Columns :data:`SAMPLE_COLUMNS`; ``class_name`` is the true class (``"OOD"`` for OOD rows)."""
+    """Every sample whose ``detector`` score ``s`` has ``low <= s <= high``: ID test first (unless ``with_id`` is
+    False), then each OOD set in table order (only ``datasets`` when given), each by increasing score (ties in
+    table order). Columns :data:`SAMPLE_COLUMNS`; ``class_name`` is the true class (``"OOD"`` for OOD rows)."""
     check_detector(scores, detector)
     values = scores[detector].to_numpy(dtype=np.float64)
     inside = scores[(values >= low) & (values <= high)]
     if datasets is not None:
         inside = inside[(inside.split == ID_SPLIT) | inside.dataset.isin(list(datasets))]
+    if not with_id:
+        inside = inside[inside.split != ID_SPLIT]
     order = {name: k for k, name in enumerate(dict.fromkeys(scores.dataset[scores.split == OOD_SPLIT]))}
     rank = np.where(inside.split == ID_SPLIT, -1, inside.dataset.map(order).fillna(len(order)))
     inside = inside.assign(_set=rank).sort_values(["_set", detector], kind="stable")

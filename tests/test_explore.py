@@ -309,3 +309,33 @@ def test_a_box_on_the_histogram_shows_the_images_in_that_score_range_per_set(app
     assert len(captions) == expected
     first = inside[inside.dataset == next(iter(counts))].sort_values(detector, kind="stable")[detector].head(12)
     assert [c.rsplit("· ", 1)[1] for c in captions[: len(first)]] == [f"{v:.4g}" for v in first]
+
+
+def test_a_set_hidden_at_first_is_named_and_a_box_shows_only_the_sets_drawn_under_it(app, runs_root):
+    """The default run has seven sets, six drawn at first: the page names the hidden one. A box whose points lie on
+    the ID trace and the first OOD set's (what plotly sends when the others are hidden) shows the images of those
+    two sets only (it showed every set's, hidden ones included)."""
+    from oodviz.analysis import score_histogram
+
+    open_tab(app, "Score histograms")
+    detector = app.selectbox(key="shared-detector:r1").value
+    scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
+    labels = list(score_histogram(scores, detector)["counts"])
+    assert len(labels) == 7
+    [hidden] = [c.value for c in app.caption if c.value.startswith("Not drawn at first")]
+    assert hidden.startswith(f"Not drawn at first: {labels[6]};")
+    low, high = np.quantile(scores[detector], [0.3, 0.7])
+    points = [{"curve_number": 0, "x": low, "y": 1.0}, {"curve_number": 1, "x": high, "y": 1.0}]
+    selection = {"points": points, "point_indices": [0, 0], "box": [{"x": [low, high], "y": [0, 1]}], "lasso": []}
+    app.session_state[f"histogram-{detector}-density"] = {"selection": selection}
+    app.run()
+    assert not app.exception
+    first_ood = labels[1]
+    inside = scores[(scores[detector] >= low) & (scores[detector] <= high)]
+    expected = inside[(inside.split == "id_test") | (inside.dataset == first_ood)].groupby("dataset").size()
+    counts = {
+        c.value.split(":")[0]: int(c.value.split(": ")[1].split(" ")[0].replace(",", ""))
+        for c in app.caption
+        if " in range; the " in c.value
+    }
+    assert counts == expected.to_dict() and len(counts) == 2

@@ -19,6 +19,7 @@ from oodviz.selection import (
     samples_in_range,
     selected_curve_thresholds,
     selected_range,
+    selected_traces,
 )
 from oodviz.thumbnails import thumbnails
 from oodviz.ui.figure_export import chart
@@ -60,9 +61,10 @@ def galleries_per_set(results, table: pd.DataFrame, what: str) -> None:
         gallery(results, shown)
 
 
-def score_range_gallery(results, detector: str, low: float, high: float, datasets=None) -> None:
-    """The images whose ``detector`` score lies in ``[low, high]``, per set (ID test first), lowest first."""
-    table = samples_in_range(results.scores, detector, low, high, results.class_names, datasets)
+def score_range_gallery(results, detector: str, low: float, high: float, datasets=None, with_id=True) -> None:
+    """The images whose ``detector`` score lies in ``[low, high]``, per set (ID test first unless ``with_id`` is
+    False; only the OOD sets ``datasets`` when given), lowest first."""
+    table = samples_in_range(results.scores, detector, low, high, results.class_names, datasets, with_id)
     st.markdown(
         f"**Images with a {detector} score in [{low:.6g}, {high:.6g}]**: {len(table):,} "
         "(true class → prediction · score, lowest score first)"
@@ -76,13 +78,21 @@ def selection_of(event) -> dict:
     return (event or {}).get("selection", {}) or {}  # a dict: the state as set or as sent
 
 
-def histogram_selection_gallery(results, detector: str, event) -> None:
-    """Below a histogram drawn with ``on_select="rerun"``: the images in the box's or lasso's score range."""
-    chosen = selected_range(selection_of(event))
+def histogram_selection_gallery(results, detector: str, event, hist: dict) -> None:
+    """Below a histogram of ``hist`` (:func:`oodviz.analysis.score_histogram`) drawn with ``on_select="rerun"``:
+    the images in the box's or lasso's score range, of the sets drawn under it (a set hidden from the legend has
+    no bars to select, and none of its images are shown)."""
+    selection = selection_of(event)
+    chosen = selected_range(selection)
     if chosen is None:
         st.caption("Drag a box (or a lasso) over the histogram to see the images in that score range.")
         return
-    score_range_gallery(results, detector, *chosen)
+    drawn = selected_traces(selection, list(hist["counts"]))
+    if drawn is None:
+        score_range_gallery(results, detector, *chosen)
+    else:
+        ood = [name for name in drawn if name != hist["id_label"]]
+        score_range_gallery(results, detector, *chosen, datasets=ood, with_id=hist["id_label"] in drawn)
 
 
 def roc_chart(results, detector: str, curves: dict, title: str, colors, dataset: str | None, key: str) -> None:

@@ -329,7 +329,13 @@ def histogram_tab(page: Page) -> None:
         selection_mode=("box", "lasso"),
         key=f"histogram-{page.detector}-{mode}",
     )
-    histogram_selection_gallery(page.results, page.detector, event)
+    hidden = plots.hidden_at_first(list(hist["counts"]))
+    if hidden:
+        st.caption(
+            f"Not drawn at first: {', '.join(hidden)}; click a name in the legend to draw or hide a set. A box or "
+            "lasso shows the images of the sets drawn under it."
+        )
+    histogram_selection_gallery(page.results, page.detector, event, hist)
     counts = analysis.counts_at_threshold(scores, page.detector, page.threshold)
     c1, c2 = st.columns(2)
     ids, total = counts["id"], counts["total"]
