@@ -4,12 +4,15 @@ The file needs no network and no oodviz to open: plotly.js is inlined once, ever
 Plotly JSON (drawn by ``Plotly.newPlot`` when the page loads; each figure's toolbar exports it as PNG),
 and the failure galleries' thumbnails are PNG data URIs. With ``figure_files=True`` (``oodviz report
 --figure-files``) each figure is also drawn by kaleido in the system's Chromium (:mod:`oodviz.export`) and
-offered below it as PNG and SVG downloads (data URIs: the file stays self-contained, and larger). It holds the run's config and environment
-(versions, device, wall time and peak memory per stage), the metrics table (near/far means and every
-OOD dataset), the AUROC heatmap, the risk–coverage curves and, per detector, the score histogram, the
-ROC and PR-Out curves against every OOD dataset, the per-class false alarms and the two failure galleries, after what the detector does
-(its formula, paper, inputs and failure note: :func:`oodviz.detectors.describe`)
-(ID test samples most confidently flagged as OOD, OOD samples most confidently accepted).
+offered below it as PNG and SVG downloads (data URIs: the file stays self-contained, and larger).
+
+It reads like a result, in this order: the headline (the best detector by mean AUROC, the data, the classifier's
+accuracy and the errors AURC rests on), the metrics table (near/far means, every OOD dataset folded), the AUROC
+heatmap and the risk–coverage curves; per detector, what it does (its formula typeset by the inlined KaTeX, paper,
+inputs and failure note: :func:`oodviz.detectors.describe`), the score histogram, the ROC and PR-Out curves
+against every OOD dataset, the per-class false alarms and the two failure galleries (ID test samples most
+confidently flagged as OOD, OOD samples most confidently accepted); then the run's details (environment, wall
+time and peak memory per stage, sizes in B/KiB/MiB/GiB) and its config last, folded.
 
 Convention, stated in the page: **OOD is the positive class; higher score = more OOD.**
 """
@@ -20,6 +23,7 @@ import base64
 import html
 import io
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -27,12 +31,17 @@ import plotly.graph_objects as go
 
 from oodviz.analysis import curves, failure_cases, risk_coverage_curves, score_histogram
 from oodviz.detectors.teaching import describe
+from oodviz.models import format_bytes
 from oodviz.plots import CONVENTION, TEMPLATE, color_map, histogram_figure, per_class_bar, pr_figure, roc_figure
 from oodviz.plots_risk import risk_coverage_figure
 from oodviz.results import (
+    METRIC_HEADINGS,
     METRIC_NAMES,
     SELECTIVE_NAMES,
     Results,
+    best_detector,
+    classifier_errors,
+    classifier_errors_note,
     default_threshold,
     detectors_of,
     group_means,
@@ -46,6 +55,11 @@ from oodviz.thumbnails import thumbnails
 
 #: the class of every figure's ``<div>`` (one per figure; its JSON is in the ``<script>`` after it)
 FIGURE_CLASS = "oodviz-figure"
+#: the class of every formula's element: KaTeX typesets its ``data-tex`` when the page loads (its text, the LaTeX
+#: source, stays where a script cannot run)
+FORMULA_CLASS = "oodviz-formula"
+#: KaTeX 0.16 (MIT), inlined: ``katex.min.js``, ``katex.min.css`` and its WOFF2 fonts (oodviz/katex/README.md)
+KATEX_DIR = Path(__file__).resolve().parent / "katex"
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
@@ -58,6 +72,7 @@ pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .8em; }
 .gallery figure { margin: 0; width: 96px; font-size: .7em; text-align: center; }
 .gallery img { width: 96px; height: 96px; image-rendering: pixelated; border: 1px solid #ccc; }
 .convention { background: #fff8e1; padding: .4em .8em; border-left: 4px solid #f0b400; }
+.headline { font-size: 1.1em; }
 details { margin: .6em 0; } summary { font-size: 1.15em; font-weight: 600; cursor: pointer; }
 """
 DRAW_FIGURES = f"""
@@ -65,7 +80,28 @@ for (const div of document.querySelectorAll(".{FIGURE_CLASS}")) {{
   const spec = JSON.parse(div.nextElementSibling.textContent);
   Plotly.newPlot(div, spec.data, spec.layout, {{displaylogo: false, responsive: true}});
 }}
+for (const element of document.querySelectorAll(".{FORMULA_CLASS}")) {{
+  katex.render(element.dataset.tex, element, {{throwOnError: false, displayMode: true}});
+}}
 """
+
+
+def katex_assets() -> tuple[str, str]:
+    """``(css, js)`` of the inlined KaTeX: its stylesheet with each font as a WOFF2 data URI (the WOFF and TTF
+    fallbacks dropped: every browser that runs the report reads WOFF2) and its script."""
+    fonts = KATEX_DIR / "fonts"
+
+    def woff2(match: re.Match) -> str:
+        data = base64.b64encode((fonts / f"{match.group(1)}.woff2").read_bytes()).decode("ascii")
+        return f'url(data:font/woff2;base64,{data}) format("woff2")'
+
+    css = re.sub(
+        r'url\(fonts/([\w-]+)\.woff2\) format\("woff2"\),url\(fonts/[\w-]+\.woff\) format\("woff"\),'
+        r'url\(fonts/[\w-]+\.ttf\) format\("truetype"\)',
+        woff2,
+        (KATEX_DIR / "katex.min.css").read_text(encoding="utf-8"),
+    )
+    return css, (KATEX_DIR / "katex.min.js").read_text(encoding="utf-8")
 
 
 def _script_json(value: str) -> str:
@@ -85,7 +121,8 @@ class _Page:
         self.parts.append(markup)
 
     def text(self, tag: str, value: str, **attributes) -> None:
-        attrs = "".join(f' {k.rstrip("_")}="{html.escape(str(v))}"' for k, v in attributes.items())
+        # class_ -> class, data_tex -> data-tex
+        attrs = "".join(f' {k.rstrip("_").replace("_", "-")}="{html.escape(str(v))}"' for k, v in attributes.items())
         self.parts.append(f"<{tag}{attrs}>{html.escape(str(value))}</{tag}>")
 
     def figure(self, fig: go.Figure, name: str) -> None:
@@ -149,20 +186,42 @@ def auroc_heatmap(metrics: pd.DataFrame) -> go.Figure:
     return fig
 
 
+def _headline(page: _Page, results: Results) -> None:
+    """The result in a few sentences: the best detector, the data it was measured on, the classifier."""
+    config, metrics, scores = results.config, results.metrics, results.scores
+    best = best_detector(metrics)
+    sets = ood_datasets_of(scores)
+    errors, n_id = classifier_errors(scores)
+    page.text(
+        "p",
+        f"Best detector by mean AUROC over the {len(sets)} OOD sets: {best['best_detector']} (AUROC "
+        f"{best['best_auroc']:.3f}, FPR95 {best['best_fpr95']:.3f}), among {len(detectors_of(scores))} detectors. "
+        f"ID test: {n_id:,} images of {config.get('id_test', {}).get('name', '?')}, the classifier "
+        f"({config.get('backbone', '?')}) right on {n_id - errors:,} ({1 - errors / max(n_id, 1):.1%}). "
+        f"OOD sets: {', '.join(sets)}.",
+        class_="headline",
+    )
+
+
 def _run_section(page: _Page, results: Results) -> None:
+    """Where and how the run ran (environment, each stage's wall time and peak memory), then its config, folded."""
     meta = results.meta or {}
     environment = {k: meta.get(k) for k in ("oodviz", "torch", "python", "device", "device_name") if k in meta}
-    page.text("h2", "Run")
-    page.text("p", f"State: {results.state}. Directory: {results.path.name}.")
-    page.text("h3", "Environment")
+    page.text("h2", "Run details")
+    page.text("p", f"State: {results.state}. Run: {results.path.name}.")
     page.table(pd.DataFrame({"": list(environment), "value": [str(v) for v in environment.values()]}))
     stages = meta.get("stages") or {}
     if stages:
-        frame = pd.DataFrame.from_dict(stages, orient="index")
-        keep = [c for c in ("wall_s", "peak_cpu_rss") if c in frame.columns]
-        page.table(frame[keep].rename_axis("stage").reset_index(), digits=2)
-    page.text("h3", "Config")
+        frame = pd.DataFrame.from_dict(stages, orient="index").rename_axis("stage").reset_index()
+        shown = pd.DataFrame({"stage": frame["stage"]})
+        if "wall_s" in frame.columns:
+            shown["wall time"] = [f"{v:.2f} s" if pd.notna(v) else "–" for v in frame.wall_s]
+        if "peak_cpu_rss" in frame.columns:
+            shown["peak CPU memory"] = [format_bytes(v) if pd.notna(v) else "–" for v in frame.peak_cpu_rss]
+        page.table(shown)
+    page.add("<details><summary>Config</summary>")
     page.text("pre", json.dumps(results.config, indent=2))
+    page.add("</details>")
 
 
 def _metrics_section(page: _Page, results: Results) -> None:
@@ -170,18 +229,20 @@ def _metrics_section(page: _Page, results: Results) -> None:
     page.text("h2", "Metrics")
     page.text("p", "AUROC, AUPR and FPR95 per near/far group of OOD datasets (mean over the group's datasets).")
     wide = group_means(metrics, values=METRIC_NAMES)
-    wide.columns = [f"{metric} {group}" for metric, group in wide.columns]
+    wide.columns = [f"{METRIC_HEADINGS[metric]} {group}" for metric, group in wide.columns]
     selective = [c for c in SELECTIVE_NAMES if c in metrics.columns]
     per_detector = metrics.groupby("detector", sort=False)[["id_accuracy", *selective]].first()
-    page.table(wide.join(per_detector).reset_index())
+    page.table(wide.join(per_detector.rename(columns=METRIC_HEADINGS)).reset_index())
     if selective:
         page.text(
             "p",
-            "aurc, risk_at_95_coverage: the detector's score as a reject rule on the ID test set; risk = the "
-            "classifier's error rate among the samples it accepts (lower is better).",
+            "AURC, risk at 95% coverage: the detector's score as a reject rule on the ID test set; risk = the "
+            f"classifier's error rate among the samples it accepts (lower is better). "
+            f"{classifier_errors_note(results.scores)[0]}",
         )
     page.add("<details><summary>Every OOD dataset</summary>")
-    page.table(metrics[~is_group_mean(metrics)].drop(columns=["group"]))
+    every = metrics[~is_group_mean(metrics)].drop(columns=["group"])
+    page.table(every.rename(columns={"ood_dataset": "OOD dataset", **METRIC_HEADINGS}))
     page.add("</details>")
     page.figure(auroc_heatmap(metrics), "auroc heatmap")
     page.figure(risk_coverage_figure(risk_coverage_curves(results.scores)), "risk-coverage")
@@ -215,10 +276,11 @@ def _detector_section(page: _Page, results: Results, detector: str, gallery_size
         f"{len(summary)} OOD datasets. Threshold {threshold:.4g}: flags 95% of all OOD samples (score >= it).",
     )
     about = describe(detector)
-    page.add("<p>")
-    page.text("b", "What it does: ")
-    page.text("code", about["formula"])
-    page.text("span", f" (LaTeX; higher = more OOD). {about['citation']}, {about['paper']}. Reads {about['reads']}. ")
+    page.text("p", "What it does (higher = more OOD):")
+    page.text("div", about["formula"], class_=FORMULA_CLASS, data_tex=about["formula"])
+    citation = re.sub(r"\*([^*]+)\*", r"<i>\1</i>", html.escape(about["citation"]))  # its *title* in italics
+    paper = html.escape(about["paper"])
+    page.add(f'<p>{citation}, <a href="{paper}">{paper}</a>. Reads {html.escape(about["reads"])}. ')
     page.text("i", f"Fails when: {about['fails_when']}")
     page.add("</p>")
     by_label = {dataset: curves(scores, detector, dataset) for dataset in ood_datasets_of(scores)}
@@ -262,17 +324,20 @@ def report_html(run_dir, detectors=None, gallery_size: int = 8, figure_files: bo
     title = f"oodviz report: {config.get('backbone', '?')} on {config.get('id_test', {}).get('name', '?')}"
     page = _Page()
     page.text("h1", title)
+    _headline(page, results)
     page.text("p", CONVENTION + ". A sample is flagged as OOD when its score >= the threshold.", class_="convention")
-    _run_section(page, results)
     _metrics_section(page, results)
     page.text("h2", "Detectors")
     for position, detector in enumerate(chosen):
         _detector_section(page, results, detector, gallery_size, opened=position == 0)
+    _run_section(page, results)
     if figure_files:
         page.add_figure_files()
+    katex_css, katex_js = katex_assets()
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
-        f"<style>{STYLE}</style><script>{get_plotlyjs()}</script></head>\n<body>\n"
+        f"<style>{STYLE}</style><style>{katex_css}</style><script>{get_plotlyjs()}</script>"
+        f"<script>{katex_js}</script></head>\n<body>\n"
         + "\n".join(page.parts)
         + f"\n<script>{DRAW_FIGURES}</script>\n</body></html>\n"
     )

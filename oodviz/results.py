@@ -45,6 +45,16 @@ METRIC_NAMES = ("auroc", "aupr_in", "aupr_out", "fpr95")
 #: selective classification on the ID test set, per detector (:func:`selective_metrics`)
 SELECTIVE_NAMES = ("aurc", "risk_at_95_coverage")
 METRICS_COLUMNS = ("detector", "ood_dataset", "group", *METRIC_NAMES, "id_accuracy", *SELECTIVE_NAMES, "threshold")
+#: each metric of ``metrics.csv`` as tables show it to people (the app's metrics table, the HTML report)
+METRIC_HEADINGS = {
+    "auroc": "AUROC",
+    "aupr_in": "AUPR-In",
+    "aupr_out": "AUPR-Out",
+    "fpr95": "FPR95",
+    "id_accuracy": "ID accuracy",
+    "aurc": "AURC",
+    "risk_at_95_coverage": "risk at 95% coverage",
+}
 PER_CLASS_COLUMNS = ("class", "class_name", "n", "accuracy", "false_alarms", "false_alarm_rate", "mean_score")
 #: ``per_class.csv``: :data:`PER_CLASS_COLUMNS` of every detector, with the threshold they were counted at
 PER_CLASS_FILE_COLUMNS = ("detector", *PER_CLASS_COLUMNS, "threshold")

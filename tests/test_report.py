@@ -10,7 +10,9 @@ import pytest
 from conftest import chromium
 
 from oodviz.detectors import describe
-from oodviz.report import FIGURE_CLASS, report_html
+from oodviz.models import format_bytes
+from oodviz.report import FIGURE_CLASS, FORMULA_CLASS, report_html
+from oodviz.results import best_detector
 
 GALLERY = 3
 PER_DETECTOR = ("histogram", "roc", "pr", "per-class")
@@ -69,10 +71,28 @@ def test_the_report_holds_every_figure_table_and_gallery_and_nothing_external(re
     assert len(re.findall(r'<img src="data:image/png;base64,[A-Za-z0-9+/=]+"', text)) == 2 * GALLERY * len(detectors)
     # run config and environment, metrics with the selective columns
     assert html.escape('"backbone": "digits-cnn"') in text and default_results.meta["torch"] in text
-    assert "risk_at_95_coverage" in text and "higher score = more OOD" in text
+    assert "risk at 95% coverage" in text and "higher score = more OOD" in text
+    # it reads like a result: the headline first, the run's details after the detectors, the config folded last
+    best = best_detector(default_results.metrics)["best_detector"]
+    headline = text.index('<p class="headline">Best detector by mean AUROC')
+    assert headline < text.index("<h2>Metrics</h2>") < text.index("<h2>Detectors</h2>") < text.index("<h2>Run details")
+    assert text.index("<h2>Run details") < text.index("<details><summary>Config</summary>")
+    assert f"over the 6 OOD sets: {best} (AUROC" in text[headline:]
+    peak = max(stage["peak_cpu_rss"] for stage in default_results.meta["stages"].values())
+    assert f"<td>{format_bytes(peak)}</td>" in text and str(peak) not in text  # sizes in B/KiB/MiB/GiB
+    # each detector's formula, for KaTeX to typeset on load; its fonts inline
+    for detector in detectors:
+        assert f'class="{FORMULA_CLASS}" data-tex="{html.escape(describe(detector)["formula"])}"' in text
+    assert "url(fonts/" not in text and "url(data:font/woff2;base64," in text
     # offline: plotly.js inline, no script, style sheet or image fetched from anywhere
     assert not EXTERNAL.search(text)
     assert "Plotly.newPlot" in text and len(text) > 4_000_000  # plotly.js itself is ~4.8 MB
+
+
+def detectors_shown(report) -> list[str]:
+    """The detector sections' names (the folded tables, "Every OOD dataset" and "Config", left out)."""
+    names = re.findall(r"<details(?: open)?><summary>([^<]+)</summary>", report.read_text())
+    return [name for name in names if name not in ("Every OOD dataset", "Config")]
 
 
 def test_report_refuses_an_unknown_detector_and_an_unfinished_run(default_run, tmp_path):
@@ -113,4 +133,10 @@ def test_the_report_opens_offline_in_chromium_with_every_plot_drawn(report, page
     images = page.locator("details[open] .gallery img")
     assert images.count() == 2 * GALLERY
     assert all(images.nth(i).evaluate("img => img.complete && img.naturalWidth === 64") for i in range(images.count()))
+    formulas = page.locator(f".{FORMULA_CLASS}")  # typeset by the inlined KaTeX, none left as raw LaTeX
+    assert (
+        formulas.count() == len(detectors_shown(report))
+        and page.locator(f".{FORMULA_CLASS} .katex").count() == formulas.count()
+    )
+    assert page.locator(".katex-error").count() == 0
     assert requested == [] and errors == []

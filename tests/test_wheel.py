@@ -147,8 +147,9 @@ def test_the_wheel_ships_every_file_of_the_package(source, wheel):
     with zipfile.ZipFile(wheel) as archive:
         shipped = {name for name in archive.namelist() if name.startswith("oodviz/")}
         expected = package_files(source)
-        # The non-Python files the app needs: its entry script and the bundled backbones of the offline presets.
+        # The non-Python files the app needs: its entry script, the bundled backbones of the offline presets, KaTeX.
         assert {"oodviz/ui/app.py", "oodviz/weights/digits-cnn.pt", "oodviz/weights/fashion-cnn.json"} <= expected
+        assert {"oodviz/katex/katex.min.js", "oodviz/katex/fonts/KaTeX_Main-Regular.woff2"} <= expected  # the report
         assert shipped == expected
         assert all(archive.read(name) == (source / name).read_bytes() for name in shipped)
         (entry_points,) = [name for name in archive.namelist() if name.endswith(".dist-info/entry_points.txt")]

@@ -22,6 +22,7 @@ import streamlit as st
 from oodviz import analysis, plots
 from oodviz.models import format_bytes
 from oodviz.results import (
+    METRIC_HEADINGS,
     METRIC_NAMES,
     Results,
     ResultsFileError,
@@ -56,15 +57,6 @@ PER_CLASS_HEADINGS = {
     "false_alarms": "false alarms",
     "false_alarm_rate": "false-alarm rate",
     "mean_score": "mean score",
-}
-METRIC_COLUMNS = {
-    "auroc": "AUROC",
-    "aupr_in": "AUPR-In",
-    "aupr_out": "AUPR-Out",
-    "fpr95": "FPR95",
-    "id_accuracy": "ID accuracy",
-    "aurc": "AURC",
-    "risk_at_95_coverage": "risk at 95% coverage",
 }
 #: metrics where a lower value is better (highlighted with the minimum); the others: higher is better
 LOWER_IS_BETTER = ("FPR95", "AURC", "risk at 95% coverage")
@@ -275,22 +267,22 @@ def metrics_tab(page: Page) -> None:
         "Rows", ["near/far means", "every OOD dataset"], default="near/far means", key="metrics-rows"
     )
     if view == "every OOD dataset":
-        shown = per_set.rename(columns={"ood_dataset": "OOD dataset", **METRIC_COLUMNS}).reset_index(drop=True)
-        shown = shown[["detector", "OOD dataset", "group", *METRIC_COLUMNS.values()]]
+        shown = per_set.rename(columns={"ood_dataset": "OOD dataset", **METRIC_HEADINGS}).reset_index(drop=True)
+        shown = shown[["detector", "OOD dataset", "group", *METRIC_HEADINGS.values()]]
         styled = shown.style.apply(best_per_dataset, axis=None, ranked=ranked)
         note = "A strict best detector per OOD dataset highlighted in green (values compared within one set only)."
     else:  # one row per detector: each metric for the near and the far group side by side
         wide = group_means(metrics, values=METRIC_NAMES)
-        wide.columns = [f"{METRIC_COLUMNS[metric]} {group}" for metric, group in wide.columns]
+        wide.columns = [f"{METRIC_HEADINGS[metric]} {group}" for metric, group in wide.columns]
         selective = metrics.drop_duplicates("detector").set_index("detector")[["aurc", "risk_at_95_coverage"]]
-        shown = wide.join(selective.rename(columns=METRIC_COLUMNS)).reset_index()
+        shown = wide.join(selective.rename(columns=METRIC_HEADINGS)).reset_index()
         shown = shown.assign(**{"ID accuracy": metrics.id_accuracy.iloc[0]})
         marked = [c for c in shown.columns if c.startswith(("AUROC", "AUPR", *LOWER_IS_BETTER))]
         styled = shown.style.apply(metric_marks, subset=marked, ranked=ranked)
         note = (
             "A strict best detector per column highlighted in green (each column is one metric on one group of sets)."
         )
-    numbers = [c for c in shown.columns if c.startswith(tuple(METRIC_COLUMNS.values()))]
+    numbers = [c for c in shown.columns if c.startswith(tuple(METRIC_HEADINGS.values()))]
     styled = styled.format(dict.fromkeys(numbers, "{:.3f}"), na_rep="n/a")
     st.dataframe(styled, hide_index=True, width="stretch", height=min(38 + 35 * len(shown), 700))
     greyed = "" if ranked else " Their columns are greyed and never highlighted."
