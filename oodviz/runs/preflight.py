@@ -24,8 +24,9 @@ its stores and its ``D x D`` fit states are rows of their own (:func:`layer_esti
 
 Available: free disk under the runs root (``shutil.disk_usage``, capped by ``memory_budget_gb`` when set),
 ``psutil.virtual_memory().available`` and ``torch.cuda.mem_get_info``. Each detector fits on its own, so each
-fit is compared with the whole RAM. :func:`preflight` loads the model and the datasets (their sizes only);
-:func:`assess` does the arithmetic for a loaded backbone.
+fit is compared with the whole RAM. :func:`preflight` loads the model and the datasets (their sizes only) and
+refuses what no machine could run (an unreadable checkpoint, knn's ``k`` above the fit rows, vim's ``dim`` not
+below D: :func:`oodviz.runs.validation.check_sizes`); :func:`assess` does the arithmetic for a loaded backbone.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import psutil
 
 from oodviz.models.memory import format_bytes
 from oodviz.runs.batchprobe import EXTRACTION
+from oodviz.runs.validation import ConfigError, check_sizes
 
 #: Features wider than this get the detectors with a ``D x D`` state named even when they fit.
 WIDE_FEATURES = 16_384
@@ -298,7 +300,10 @@ def splits_to_extract(config, backbone, datasets: dict, chosen: list, store_root
 
 def preflight(config, runs_root) -> Preflight:
     """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
-    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk. With model-based
+    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk. Raises
+    :class:`~oodviz.runs.validation.ConfigError` for what no run of ``config`` can get past: a checkpoint that cannot
+    be read or has other shapes (:class:`~oodviz.models.CheckpointError`), detector parameters the data's sizes rule
+    out (:func:`~oodviz.runs.validation.check_sizes`). With model-based
     detectors, one batch of the extraction and of each of them is measured
     (:func:`oodviz.runs.batchprobe.batch_peaks`), when the stores and the fits fit (a refusal for those comes
     first, without the cost of running the model); the report's ``estimate`` gets ``batch_peaks`` (each
@@ -307,16 +312,22 @@ def preflight(config, runs_root) -> Preflight:
     measured, and why)."""
     from oodviz.detectors import detector_class
     from oodviz.engine import STORES_DIRNAME
-    from oodviz.models import estimate_memory
+    from oodviz.models import CheckpointError, estimate_memory
     from oodviz.runs.batchprobe import BatchProbeError, batch_peaks, sized
     from oodviz.runs.pipeline import resolve_device
     from oodviz.runs.splits import load_split, run_splits
 
-    backbone = config.load_backbone()
+    try:
+        backbone = config.load_backbone()
+    except CheckpointError as error:  # no run can start from this file
+        raise ConfigError([str(error)]) from None
     chosen = run_splits(config)
     datasets = {split: load_split(config, choice, as_ood, backbone.classes) for split, choice, as_ood in chosen}
     store_root = Path(runs_root) / STORES_DIRNAME
     sizes = {s: len(ds) for s, ds in datasets.items()}
+    problems = check_sizes(config, sizes["id_fit"], backbone.feature_dim, backbone.num_classes)
+    if problems:
+        raise ConfigError(problems)
     layers = layer_estimates(
         config, backbone, sizes, lambda view: splits_to_extract(config, view, datasets, chosen, store_root)
     )
