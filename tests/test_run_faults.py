@@ -449,15 +449,51 @@ def test_the_queue_refuses_a_run_beyond_its_limit(tmp_path):
 # ---- a full disk -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 6 MiB tmpfs (root only: mount)."""
+def mounted_tmpfs(tmp_path: Path, size: str):
+    """A tmpfs of ``size`` (``"6m"``) mounted at ``tmp_path/disk`` while the test runs (root only: mount)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)]).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]).returncode
+    ):
         pytest.skip("needs root and tmpfs to fill a disk")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs."""
+    yield from mounted_tmpfs(tmp_path, "6m")
+
+
+@pytest.fixture
+def ten_mib_disk(tmp_path):
+    """A 10 MiB tmpfs."""
+    yield from mounted_tmpfs(tmp_path, "10m")
+
+
+def test_the_pre_flight_refuses_what_the_runs_own_disk_check_would(ten_mib_disk):
+    """About 6.5 MiB of new stores on a disk with 10 MiB free: the pre-flight asks for the stores and the head room,
+    as the run's own check does, so it refuses (exit 2, nothing written) instead of accepting a run that then
+    fails; started anyway, the run's check names the same number."""
+    from oodviz.models.memory import format_bytes
+    from oodviz.runs.preflight import preflight
+
+    config = small_config(ood=[DatasetChoice("noise-uniform", params={"n": 20_000})], detectors=[MSP])
+    config.save(ten_mib_disk.parent / "run.json")
+    runs = ten_mib_disk / "runs"
+    (disk,) = [need for need in preflight(config, runs).needs if need.resource == "disk"]
+    assert 6 << 20 < disk.needed - (16 << 20) < psutil.disk_usage(str(ten_mib_disk)).free < disk.needed
+    refused = oodviz_in_process("run", ten_mib_disk.parent / "run.json", "--runs-root", runs)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    row = next(line for line in refused.stderr.splitlines() if line.startswith("disk "))
+    assert format_bytes(disk.needed) in row and row.endswith("OVER") and not runs.exists()
+    result = oodviz_in_process("run", ten_mib_disk.parent / "run.json", "--runs-root", runs, "--force")
+    assert result.returncode == 1, result.stderr[-2000:]
+    (run,) = list_runs(runs)
+    assert run.read_status()["error"].startswith(f"disk full during load data: needed ~{format_bytes(disk.needed)}, ")
 
 
 def test_a_full_disk_fails_the_run_with_the_cause_and_leaves_no_temporary_file(small_disk):

@@ -75,8 +75,7 @@ def unreadable_why(path: Path, error: BaseException) -> str:
     tensors (refused unread: unpickling them could run code), a zip archive cut short, else ``error`` itself."""
     if isinstance(error, pickle.UnpicklingError):
         return (
-            "it pickles objects other than tensors, which are not loaded: unpickling them could run code "
-            "from the file"
+            "it pickles objects other than tensors, which are not loaded: unpickling them could run code from the file"
         )
     if archive_kind(path) is None:
         with open(path, "rb") as file:

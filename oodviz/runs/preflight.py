@@ -3,7 +3,8 @@
 Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
 
 - **disk** under the feature store root: the stores still to extract, ``N x (D x b + C x 4 + 24)`` bytes per
-  split (``b`` = 4 for float32 features, 2 for float16; :func:`oodviz.models.estimate_memory`); knn's bank
+  split (``b`` = 4 for float32 features, 2 for float16; :func:`oodviz.models.estimate_memory`), plus head room
+  (:func:`store_disk_need`, the same number the run checks before it extracts); knn's bank
   is the id_fit store itself (every row of a run's fit split is in-distribution), no second copy;
 - **RAM** of each detector's fit: :meth:`oodviz.detectors.Detector.fit_memory_bytes` (``8 x 2.5 x D^2`` for
   mahalanobis, ``8 x 3.5 x D^2`` for rmd, ...); knn holds one bank chunk, ``chunk_size x D x 4``
@@ -147,9 +148,7 @@ def assess(
     layers = layers or {None: (estimate, list(estimate["splits"]) if new_splits is None else new_splits)}
     c = int(estimate["num_classes"])
     n_fit = int(estimate["splits"]["id_fit"]["n_samples"])
-    stores = {
-        layer: sum(int(part["splits"][split]["total_bytes"]) for split in new) for layer, (part, new) in layers.items()
-    }
+    stores = {layer: new_store_bytes({layer: part}) for layer, part in layers.items()}
     splits = len(estimate["splits"])
     if len(layers) > 1:  # every layer's stores share the disk: one need, each layer's part named
         parts = "; ".join(
@@ -159,7 +158,9 @@ def assess(
         what = f"feature stores, {len(layers)} layers ({parts})"
     else:
         what = f"feature stores ({len(layers[None][1])} of {splits} splits to extract, {estimate['feature_dtype']})"
-    needs = [Need("disk", what, sum(stores.values()), limits["disk"], kind="store")]
+    needed = store_disk_need(layers)
+    what += f" + {format_bytes(needed - sum(stores.values()))} head room"
+    needs = [Need("disk", what, needed, limits["disk"], kind="store")]
     dims = {layer: int(layer_estimate["feature_dim"]) for layer, (layer_estimate, _) in layers.items()}
     fits = []  # (result column, bytes, D)
     for column, choice, layer in _fitted_columns(config, layers):
@@ -176,6 +177,23 @@ def assess(
     widest = max((part for part, _ in layers.values()), key=lambda part: int(part["feature_dim"]))  # pool it
     report.fixes = fixes(widest, report, fits, limits, dims) + batch_fixes(batches or [], limits)
     return report
+
+
+def new_store_bytes(layers: dict) -> int:
+    """Bytes of the feature stores still to extract: ``layers`` maps a layer (None: a single-layer run) to
+    ``(estimate, new splits)`` (:func:`oodviz.models.estimate_memory`, :func:`layer_estimates`)."""
+    return sum(int(part["splits"][split]["total_bytes"]) for part, new in layers.values() for split in new)
+
+
+def store_disk_need(layers: dict) -> int:
+    """The free disk a run asks for under its feature store root: :func:`new_store_bytes` plus the head room
+    (:func:`oodviz.engine.store.space.margin_for`: headers and ``meta.json`` are not in the estimate). The pre-flight
+    (:func:`assess`) and the run's own check before extraction
+    (:func:`oodviz.runs.pipeline.check_disk_space`) both compare this with the free space."""
+    from oodviz.engine.store.space import margin_for
+
+    needed = new_store_bytes(layers)
+    return needed + margin_for(needed)
 
 
 def _fitted_columns(config, layers: dict) -> list[tuple]:
