@@ -191,7 +191,7 @@ def run_page(run: RunDir, values: FormValues) -> None:
     name = read_label(run.path)["name"]
     st.caption(f"Run `{run.run_id}`{' · ' + name if name else ''} · {state}{where}")
     try:
-        st.markdown(f"**{run_headline(RunConfig.load(run.config_path))}**")
+        st.markdown(f"**{run_headline(RunConfig.load(run.config_path), paths=show_server_details())}**")
     except (ValueError, OSError):  # a config this version cannot read: the rest of the page still shows
         pass
     label_editor(run)
