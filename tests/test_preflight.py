@@ -375,3 +375,27 @@ def test_the_pre_flight_and_the_run_ask_for_the_same_free_disk(tmp_path, monkeyp
                 pipeline.load_data(job)
         else:
             pipeline.load_data(job)
+
+
+def test_the_apps_start_refuses_a_knn_k_above_the_fit_rows_and_starts_nothing(
+    tmp_path, monkeypatch, app_subprocesses_in_process
+):
+    """The app's Start runs the same pre-flight (the probe): 10 ID fit images with knn's default k=50 are refused
+    under the form, naming the field and the fix, and nothing is submitted."""
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    import oodviz.ui.main
+
+    submitted = []
+    monkeypatch.setattr(oodviz.ui.main, "submit", lambda config, root, nproc_per_node=1: submitted.append(config))
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
+    app = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    app.run()
+    [box for box in app.sidebar.number_input if box.label == "ID fit"][0].set_value(10)
+    [button for button in app.sidebar.button if button.label == "Start run"][0].click().run()
+    assert not app.exception
+    shown = " ".join(e.value for e in app.error)
+    assert "(knn): k=50 is more than the 10 rows of the ID fit set; choose k <= 10 or fit on more data" in shown
+    assert submitted == [] and not (tmp_path / "runs").exists()
