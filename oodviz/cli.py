@@ -124,12 +124,18 @@ def cmd_run(args) -> int:
 def preflight_report(config, runs_root: Path, force: bool):
     """The pre-flight's report (:func:`oodviz.runs.preflight.preflight`; the run takes its measured batches), or
     False (the table and the fixes printed) when the run's needs are over this machine's limits and not
-    ``force``; with ``force`` the table is printed as a warning. A pre-flight that cannot load the model or
-    the data refuses nothing (None): the run's own stages report that."""
+    ``force``; with ``force`` the table is printed as a warning. False too (each problem printed, ``force`` or
+    not) for what no run of ``config`` gets past: an unreadable checkpoint, a detector parameter the data's sizes
+    rule out. A pre-flight that cannot load the model or the data otherwise refuses nothing (None): the run's own
+    stages report that."""
+    from oodviz.runs.config import ConfigError
     from oodviz.runs.preflight import preflight
 
     try:
         report = preflight(config, runs_root)
+    except ConfigError as error:
+        print(f"{error}\nnothing was started", file=sys.stderr)
+        return False
     except Exception as error:  # the run reports the same problem with its stage and context
         print(f"pre-flight skipped: {type(error).__name__}: {error}", file=sys.stderr)
         return None

@@ -191,7 +191,8 @@ def test_check_sizes_agrees_with_the_detectors_own_limits():
     config.detectors = [DetectorChoice("knn", {"k": 41}), DetectorChoice("vim", {"dim": 12}), DetectorChoice("fdbd")]
     assert check_sizes(config, n_fit_rows=40, feature_dim=12, num_classes=3) == [
         "detectors[0] (knn): k=41 is more than the 40 rows of the ID fit set; choose k <= 40 or fit on more data",
-        "detectors[1] (vim): dim=12 must be between 1 and D-1 = 11 for the D=12 features of this model and layer",
+        "detectors[1] (vim): dim=12 must be between 1 and D-1 = 11 for the D=12 features of this model "
+        "and layer; choose a dim in that range",
     ]
     for name, params in (("knn", {"k": 41}), ("vim", {"dim": 12})):
         with pytest.raises(ValueError):
@@ -209,8 +210,9 @@ def test_check_sizes_agrees_with_the_detectors_own_limits():
         assert np.isfinite(np.asarray(scores)).all()
     config.detectors = [DetectorChoice("fdbd"), DetectorChoice("vim")]
     assert check_sizes(config, n_fit_rows=40, feature_dim=1, num_classes=1) == [
-        "detectors[0] (fdbd): needs a model with at least 2 classes, this one has 1",
-        "detectors[1] (vim): dim=0 must be between 1 and D-1 = 0 for the D=1 features of this model and layer",
+        "detectors[0] (fdbd): needs a model with at least 2 classes, this one has 1; leave out fdbd",
+        "detectors[1] (vim): dim=0 must be between 1 and D-1 = 0 for the D=1 features of this model "
+        "and layer; choose a dim in that range",
     ]
 
 

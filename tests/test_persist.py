@@ -175,3 +175,38 @@ def test_state_that_cannot_be_saved_is_named(problem, tmp_path):
     detector.lookup_ = object()
     with pytest.raises(ValueError, match="fitted attribute lookup_ is a object"):
         detector.save(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"offset": -8},
+        {"offset": 1.5},
+        {"dtype": "no-such-type"},
+        {"dtype": "|O"},
+        {"shape": [-1, 12]},
+        {"shape": "1200x12"},
+        {"shape": [1300, 12]},
+        {"offset": 10**6},
+    ],
+    ids=[
+        "negative offset",
+        "float offset",
+        "unknown dtype",
+        "object dtype",
+        "negative size",
+        "shape not a list",
+        "past the end",
+        "offset past the end",
+    ],
+)
+def test_a_tampered_knn_bank_entry_is_refused_as_a_detector_file_error(problem, tmp_path, change):
+    """The bank's entry in knn's detector.json changed (the bank file itself intact): refused by name, as the other
+    tamperings are, never a traceback from numpy (OverflowError for a negative offset, TypeError for a dtype)."""
+    detector, _ = knn_on_a_file_bank(problem, tmp_path)
+    detector.save(tmp_path / "saved")
+    manifest = json.loads((tmp_path / "saved" / MANIFEST).read_text())
+    manifest["state"]["bank_"].update(change)
+    (tmp_path / "saved" / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(DetectorFileError, match=r"fitted state bank_ references .*features\.npy .*: run again$"):
+        load(tmp_path / "saved")

@@ -7,6 +7,7 @@ import pytest
 
 import oodviz.runs.worker
 from oodviz.cli import main
+from oodviz.engine.store.space import MARGIN_BYTES, MARGIN_FRACTION, margin_for
 from oodviz.models.memory import format_bytes
 from oodviz.runs.config import DetectorChoice, RunConfig
 from oodviz.runs.preflight import WIDE_FEATURES, assess
@@ -50,7 +51,8 @@ def test_the_needs_are_the_store_and_each_fit_from_d_c_and_n():
     config = config_with("mahalanobis", "rmd", "vim", "klm", "knn", "msp", knn={"chunk_size": 1000})
     report = assess(config, estimate, {"disk": 10**12, "ram": 10**12, "gpu": 10**12})
     disk = [need for need in report.needs if need.resource == "disk"]
-    assert [need.needed for need in disk] == [(n_fit + n_test) * (d * 4 + c * 4 + 24)]  # knn's bank: the store
+    stores = (n_fit + n_test) * (d * 4 + c * 4 + 24)  # knn's bank: the store
+    assert [need.needed for need in disk] == [stores + max(MARGIN_BYTES, int(MARGIN_FRACTION * stores))]
     for resource in ("ram", "gpu"):
         fits = {need.what.split()[1]: need.needed for need in report.needs if need.resource == resource}
         assert fits == {
@@ -290,7 +292,6 @@ def test_the_run_checks_the_free_disk_for_every_layers_new_stores(tmp_path, monk
     stores plus the margin (the main layer's alone would fit), and starts with exactly that much free."""
     import oodviz.engine.store.space
     from oodviz.engine import DiskFullError
-    from oodviz.engine.store.space import MARGIN_BYTES, MARGIN_FRACTION
     from oodviz.runs import pipeline
     from oodviz.runs.reporter import Reporter
     from oodviz.runs.rundir import RunDir
@@ -322,15 +323,16 @@ def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_
     dims, c, store, settings = digits_layer_stores()
     report = preflight(RunConfig.from_dict(settings), tmp_path / "runs")
     (disk,) = [need for need in report.needs if need.resource == "disk"]
-    assert disk.needed == store["features.3"] + store["penultimate"]
+    both = store["features.3"] + store["penultimate"]
+    assert disk.needed == both + max(MARGIN_BYTES, int(MARGIN_FRACTION * both))
     assert f"features.3: D={dims['features.3']}, 3/3 splits, {format_bytes(store['features.3'])}" in disk.what
     fits = {need.what.split()[1]: need.needed for need in report.needs if need.resource == "ram"}
     assert fits == {f"mahalanobis@{layer}": int(8 * (2.5 * d * d + 2 * c * d)) for layer, d in dims.items()}
     described = describe_memory(report.estimate)  # the app's estimate beside Start
     assert f"layer penultimate (D={dims['penultimate']}): {format_bytes(store['penultimate'])}" in described
-    assert f"feature store total (2 layers): {format_bytes(disk.needed)}" in described
-    # the cap lets either layer's stores through, not both
-    cap = (max(store.values()) + sum(store.values())) / 2
+    assert f"feature store total (2 layers): {format_bytes(both)}" in described
+    # the cap lets either layer's stores through (with the head room), not both
+    cap = (max(store.values()) + margin_for(max(store.values())) + disk.needed) / 2
     path = tmp_path / "layers.json"
     path.write_text(json.dumps({**settings, "memory_budget_gb": cap / GiB}))
     assert main(["run", str(path), "--runs-root", str(tmp_path / "runs")]) == 2
@@ -342,3 +344,58 @@ def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     warned = [e["message"] for e in events if e.get("event") == "warning" and "does not fit" in e["message"]]
     assert len(warned) == 1 and "feature stores, 2 layers" in warned[0] and "mahalanobis@features.3" in warned[0]
+
+
+def test_the_pre_flight_and_the_run_ask_for_the_same_free_disk(tmp_path, monkeypatch):
+    """One disk need (:func:`oodviz.runs.preflight.store_disk_need`: the new stores and the head room): with one
+    byte less free the pre-flight refuses and the run's own check before extraction fails, with that much both
+    go on (the pre-flight accepted 6.95 MiB of stores on a disk the run then refused for wanting ~22.9 MiB)."""
+    import oodviz.engine.store.space
+    from oodviz.engine import DiskFullError
+    from oodviz.runs import pipeline
+    from oodviz.runs.preflight import preflight
+    from oodviz.runs.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+
+    config = RunConfig.from_dict(
+        {"backbone": "digits-cnn", "device": "cpu", "ood": ["digits-heldout"], "detectors": ["msp"]}
+    )
+    (disk,) = [need for need in preflight(config, tmp_path / "runs").needs if need.resource == "disk"]
+    stores = disk.needed - MARGIN_BYTES
+    assert 0 < stores < MARGIN_BYTES and f" + {format_bytes(MARGIN_BYTES)} head room" in disk.what
+    for free in (disk.needed - 1, disk.needed):
+        monkeypatch.setattr(oodviz.engine.store.space, "free_bytes", lambda root, free=free: free)
+        (need,) = [need for need in preflight(config, tmp_path / "runs").needs if need.resource == "disk"]
+        assert (need.needed, need.over) == (disk.needed, free < disk.needed)
+        run = RunDir.create(tmp_path / str(free), config.to_dict())
+        job = pipeline.start_job(config, run, Reporter(run))
+        pipeline.load_model(job)
+        if free < disk.needed:
+            with pytest.raises(DiskFullError, match=f"^disk full: needed ~{format_bytes(disk.needed)}, "):
+                pipeline.load_data(job)
+        else:
+            pipeline.load_data(job)
+
+
+def test_the_apps_start_refuses_a_knn_k_above_the_fit_rows_and_starts_nothing(
+    tmp_path, monkeypatch, app_subprocesses_in_process
+):
+    """The app's Start runs the same pre-flight (the probe): 10 ID fit images with knn's default k=50 are refused
+    under the form, naming the field and the fix, and nothing is submitted."""
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    import oodviz.ui.main
+
+    submitted = []
+    monkeypatch.setattr(oodviz.ui.main, "submit", lambda config, root, nproc_per_node=1: submitted.append(config))
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
+    app = AppTest.from_file(str(Path(__file__).resolve().parent.parent / "app.py"), default_timeout=120)
+    app.run()
+    [box for box in app.sidebar.number_input if box.label == "ID fit"][0].set_value(10)
+    [button for button in app.sidebar.button if button.label == "Start run"][0].click().run()
+    assert not app.exception
+    shown = " ".join(e.value for e in app.error)
+    assert "(knn): k=50 is more than the 10 rows of the ID fit set; choose k <= 10 or fit on more data" in shown
+    assert submitted == [] and not (tmp_path / "runs").exists()

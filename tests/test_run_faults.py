@@ -93,13 +93,103 @@ def test_the_run_page_shows_a_failed_detectors_error_next_to_the_others_results(
     assert "msp" in app.dataframe[0].value.to_string()
 
 
-def test_a_knn_k_beyond_the_fit_rows_is_refused_before_any_extraction(runs_root):
-    result, run = cli_run(runs_root, [DetectorChoice("knn", {"k": 10**6}), MSP], "knn-too-large")
-    assert result.returncode == 1, result.stderr[-2000:]
+def test_data_dependent_limits_are_refused_by_the_pre_flight_before_a_run_directory_exists(runs_root):
+    """knn's ``k`` above the ID fit rows and vim's ``dim`` not below D: known from the split sizes and the model's
+    D before any work, so ``oodviz run`` refuses them (exit 2, no run directory), one line per problem."""
+    detectors = [DetectorChoice("knn", {"k": 10**6}), DetectorChoice("vim", {"dim": 64}), MSP]
+    result, run = cli_run(runs_root, detectors, "sizes-refused")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert not run.path.exists() and "pre-flight skipped" not in result.stderr
+    assert result.stderr.splitlines() == [
+        "Invalid run config:",
+        "- detectors[0] (knn): k=1000000 is more than the 1081 rows of the ID fit set; choose k <= 1081 or fit on "
+        "more data",
+        "- detectors[1] (vim): dim=64 must be between 1 and D-1 = 63 for the D=64 features of this model and layer; "
+        "choose a dim in that range",
+        "nothing was started",
+    ]
+
+
+def test_the_run_refuses_data_dependent_limits_itself_before_any_extraction(tmp_path):
+    """Started without the pre-flight (a queued run, ``--force`` skips only the machine's limits): the run's load
+    data stage refuses the same problems with the same function before anything is extracted."""
+    from oodviz.runs.worker import execute
+
+    config = small_config(ood=[DatasetChoice("digits-heldout")], detectors=[DetectorChoice("knn", {"k": 10**6})])
+    run = RunDir.create(tmp_path, config.to_dict())
+    assert execute(run) == "failed"
     status = run.read_status()
     assert status["state"] == "failed" and status["stage"] == "load data"
     assert "detectors[0] (knn): k=1000000 is more than the 1081 rows of the ID fit set" in status["error"]
     assert not any((e.get("stage") or "").startswith("extract") for e in run.read_events())
+
+
+class _RunsCode:
+    """A pickled object whose unpickling would create the file ``marker``: torch.load(weights_only=True) must refuse it."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def unreadable_checkpoint(kind: str, folder: Path) -> tuple[str, Path]:
+    """``(backbone, file)``: a digits-cnn checkpoint that cannot be used, of ``kind``: a pickle that would run code,
+    a state dict with a weight of another shape, a state dict's zip cut in half, a ``torch.export`` program cut in half."""
+    import torch
+
+    from oodviz.models.digits import DigitsCNN
+
+    model, path = DigitsCNN().eval(), folder / f"{kind}.pt"
+    if kind == "pickle":
+        torch.save({"fc.weight": _RunsCode(folder / "code-ran")}, path)
+    elif kind == "shapes":
+        torch.save({**model.state_dict(), "features.0.weight": torch.zeros(1, 1, 1, 1)}, path)
+    elif kind == "truncated":
+        torch.save(model.state_dict(), path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:
+        torch.export.save(torch.export.export(model, (torch.zeros(1, 1, 8, 8),)), path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    return ("export" if kind == "export" else "digits-cnn"), path
+
+
+@pytest.mark.parametrize(
+    "kind, why",
+    [
+        ("pickle", "it pickles objects other than tensors, which are not loaded: unpickling them could run code"),
+        (
+            "shapes",
+            "is not a state dict of the digits-cnn architecture: 1 shape mismatches, file vs model (e.g. "
+            "features.0.weight (1, 1, 1, 1) vs",
+        ),
+        ("truncated", "a damaged zip archive: truncated, or cut short while it was written or copied"),
+        ("export", "is not a torch.export program"),
+    ],
+)
+def test_an_unusable_checkpoint_is_refused_before_a_run_directory_exists(tmp_path, kind, why):
+    """``oodviz run`` (its own process: torch logs to the real stderr) with a checkpoint that cannot be used: exit 2,
+    no run directory, one message naming the file and why, no traceback; the pickle's code never ran."""
+    backbone, checkpoint = unreadable_checkpoint(kind, tmp_path)
+    config = small_config(ood=[DatasetChoice("digits-heldout")], detectors=[MSP], backbone=backbone)
+    config.checkpoint = str(checkpoint)
+    config.save(tmp_path / "run.json")
+    command = [
+        sys.executable,
+        "-m",
+        "oodviz.cli",
+        "run",
+        str(tmp_path / "run.json"),
+        "--runs-root",
+        str(tmp_path / "runs"),
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "code-ran").exists()
+    lines = result.stderr.splitlines()
+    assert lines[0] == "Invalid run config:" and lines[2:] == ["nothing was started"], result.stderr
+    assert lines[1].startswith(f"- {checkpoint} ") and why in lines[1], lines[1]
 
 
 def test_non_finite_scores_fail_only_their_detector(runs_root):
@@ -359,15 +449,51 @@ def test_the_queue_refuses_a_run_beyond_its_limit(tmp_path):
 # ---- a full disk -----------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 6 MiB tmpfs (root only: mount)."""
+def mounted_tmpfs(tmp_path: Path, size: str):
+    """A tmpfs of ``size`` (``"6m"``) mounted at ``tmp_path/disk`` while the test runs (root only: mount)."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mount)]).returncode:
+    if (
+        os.geteuid() != 0
+        or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]).returncode
+    ):
         pytest.skip("needs root and tmpfs to fill a disk")
     yield mount
     subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 6 MiB tmpfs."""
+    yield from mounted_tmpfs(tmp_path, "6m")
+
+
+@pytest.fixture
+def ten_mib_disk(tmp_path):
+    """A 10 MiB tmpfs."""
+    yield from mounted_tmpfs(tmp_path, "10m")
+
+
+def test_the_pre_flight_refuses_what_the_runs_own_disk_check_would(ten_mib_disk):
+    """About 6.5 MiB of new stores on a disk with 10 MiB free: the pre-flight asks for the stores and the head room,
+    as the run's own check does, so it refuses (exit 2, nothing written) instead of accepting a run that then
+    fails; started anyway, the run's check names the same number."""
+    from oodviz.models.memory import format_bytes
+    from oodviz.runs.preflight import preflight
+
+    config = small_config(ood=[DatasetChoice("noise-uniform", params={"n": 20_000})], detectors=[MSP])
+    config.save(ten_mib_disk.parent / "run.json")
+    runs = ten_mib_disk / "runs"
+    (disk,) = [need for need in preflight(config, runs).needs if need.resource == "disk"]
+    assert 6 << 20 < disk.needed - (16 << 20) < psutil.disk_usage(str(ten_mib_disk)).free < disk.needed
+    refused = oodviz_in_process("run", ten_mib_disk.parent / "run.json", "--runs-root", runs)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    row = next(line for line in refused.stderr.splitlines() if line.startswith("disk "))
+    assert format_bytes(disk.needed) in row and row.endswith("OVER") and not runs.exists()
+    result = oodviz_in_process("run", ten_mib_disk.parent / "run.json", "--runs-root", runs, "--force")
+    assert result.returncode == 1, result.stderr[-2000:]
+    (run,) = list_runs(runs)
+    assert run.read_status()["error"].startswith(f"disk full during load data: needed ~{format_bytes(disk.needed)}, ")
 
 
 def test_a_full_disk_fails_the_run_with_the_cause_and_leaves_no_temporary_file(small_disk):

@@ -240,6 +240,25 @@ def test_serving_others_hides_server_paths_and_tracebacks(runs_root, serving_oth
     assert "There is no run 'no-such-run'; it may have been deleted." in texts(app)
 
 
+@pytest.mark.parametrize("state", ["failed", "running"])
+def test_serving_others_the_run_headline_names_an_ood_folder_without_its_server_path(runs_root, serving_others, state):
+    """The headline above a finished run (and the live panel of a running one) names an OOD image folder by its
+    last name only when serving others; on loopback by its path."""
+    from oodviz.runs.config import DatasetChoice
+    from oodviz.runs.rundir import RunDir
+
+    run = runs_root / "r-folder"
+    run.mkdir()
+    RunConfig(ood=[DatasetChoice("folder", {"path": "/srv/secret/ood-images"})]).save(run / "config.json")
+    RunDir(run).write_status(state=state, error="ValueError: bad" if state == "failed" else None)
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.query_params["token"] = TOKEN
+    app.query_params["run"] = "r-folder"
+    app.run()
+    assert not app.exception
+    assert "OOD folder ood-images · " in texts(app) and "/srv/secret" not in texts(app)
+
+
 # --- the memory estimate runs elsewhere ------------------------------------------------------------------
 
 

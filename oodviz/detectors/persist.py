@@ -212,8 +212,23 @@ def _load_file(directory: Path, key: str, entry: dict) -> np.memmap:
         raise DetectorFileError(f"{what}, which is gone; the run's feature store was removed: run again")
     if path.stat().st_size != entry.get("size") or file_sha256(path) != entry.get("sha256"):
         raise DetectorFileError(f"{what}, which changed since the detector was saved (size or SHA-256): run again")
-    shape = tuple(int(n) for n in entry["shape"])
-    return np.memmap(path, dtype=np.dtype(entry["dtype"]), mode="r", offset=int(entry["offset"]), shape=shape)
+    shape, offset = entry.get("shape"), entry.get("offset")
+    try:
+        dtype = np.dtype(entry.get("dtype"))
+    except TypeError:
+        dtype = None
+    whole = [offset, *shape] if isinstance(shape, list) else [None]
+    if dtype is None or dtype.hasobject or not all(type(n) is int and n >= 0 for n in whole):
+        raise DetectorFileError(
+            f"{what} with dtype {entry.get('dtype')!r}, shape {shape!r} and offset {offset!r}: not a plain dtype, "
+            "sizes and offset that are integers >= 0; the detector file was changed: run again"
+        )
+    if offset + dtype.itemsize * int(np.prod(shape)) > path.stat().st_size:
+        raise DetectorFileError(
+            f"{what} as {shape} {dtype} from byte {offset}, past the end of its {path.stat().st_size} bytes; the "
+            "detector file was changed: run again"
+        )
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=tuple(shape))
 
 
 def _state_value(directory: Path, key: str, entry) -> object:

@@ -34,6 +34,7 @@ _SOURCES = {
     "backbone": ("POOLINGS", "Backbone", "FeatureShape", "pool_features"),
     "digits": ("DigitsCNN", "DigitsTransform", "digits_arrays"),
     "fashion": ("FashionCNN", "FashionTransform"),
+    "checkpoints": ("CheckpointError",),
     "memory": ("MemoryEstimate", "describe_memory", "estimate_memory", "format_bytes", "warn_if_over"),
     "placement": ("DEVICE_CHOICES", "device_problem", "model_on_device", "parse_device"),
     "registry": ("backbone_classes", "load_backbone", "load_scripted", "wrap_model"),

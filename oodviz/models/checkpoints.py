@@ -1,7 +1,8 @@
 """Weight files: state dicts read safely, checked against an architecture and loaded into it.
 
 Every file is read with ``torch.load(..., weights_only=True)`` (no code from the file runs); a file
-that is not what was asked for is a ``ValueError`` saying what was expected and what was found:
+that is not what was asked for is a :class:`CheckpointError` (a ``ValueError``) naming the file and saying what was
+expected and what was found: a file that cannot be read (a truncated zip, a pickle of other objects than tensors),
 a TorchScript file or ``torch.export`` program given as a state dict, missing or unexpected keys,
 shape mismatches. ``module.`` prefixes (DataParallel, DDP) and one common prefix are stripped.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import pickle
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -20,6 +22,15 @@ import torch
 from torch import Tensor, nn
 
 from oodviz.models.architectures import USER_MODEL_NAMES, Architecture, build_random, default_weights_dir
+
+
+class CheckpointError(ValueError):
+    """A weights or model file that cannot be used: ``path`` is the file, the message says why and what was
+    expected (unreadable, another kind of file, other keys or shapes than the architecture's)."""
+
+    def __init__(self, path: str | os.PathLike, message: str):
+        super().__init__(message)
+        self.path = Path(path)
 
 
 def file_sha256(path: str | os.PathLike) -> str:
@@ -59,6 +70,20 @@ def short_error(error: BaseException, limit: int = 200) -> str:
     return f"{type(error).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
 
 
+def unreadable_why(path: Path, error: BaseException) -> str:
+    """Why ``torch.load(path, weights_only=True)`` raised ``error``, in a user's words: objects other than
+    tensors (refused unread: unpickling them could run code), a zip archive cut short, else ``error`` itself."""
+    if isinstance(error, pickle.UnpicklingError):
+        return (
+            "it pickles objects other than tensors, which are not loaded: unpickling them could run code from the file"
+        )
+    if archive_kind(path) is None:
+        with open(path, "rb") as file:
+            if file.read(4) == b"PK\x03\x04":
+                return "a damaged zip archive: truncated, or cut short while it was written or copied"
+    return short_error(error)
+
+
 def _examples(keys, n: int = 4) -> str:
     keys = list(keys)
     shown = ", ".join(keys[:n])
@@ -75,13 +100,15 @@ def load_state_dict_file(path: Path, expected: str) -> dict[str, Tensor]:
         kind = archive_kind(path)
         if kind in USER_MODEL_NAMES:
             what = "a TorchScript file" if kind == "torchscript" else "a torch.export program"
-            raise ValueError(
-                f"{path} is {what}, not a state dict; load it with load_backbone({kind!r}, checkpoint={str(path)!r})"
+            raise CheckpointError(
+                path,
+                f"{path} is {what}, not a state dict; load it with load_backbone({kind!r}, checkpoint={str(path)!r})",
             ) from None
-        raise ValueError(
-            f"{path} could not be read as a state dict ({short_error(error)}). Expected {expected}, "
+        raise CheckpointError(
+            path,
+            f"{path} could not be read as a state dict ({unreadable_why(path, error)}). Expected {expected}, "
             "saved with torch.save(model.state_dict(), path) (plain tensors only: files are read with "
-            "weights_only=True)."
+            "weights_only=True).",
         ) from None
     if isinstance(obj, Mapping):
         for key in ("state_dict", "model", "model_state_dict"):
@@ -96,9 +123,10 @@ def load_state_dict_file(path: Path, expected: str) -> dict[str, Tensor]:
             got = f"a dict with keys {_examples(map(repr, obj))} that are not all str -> tensor"
         else:
             got = f"a {type(obj).__name__}"
-        raise ValueError(
+        raise CheckpointError(
+            path,
             f"{path} holds {got}. Expected {expected}: a mapping of parameter names to tensors, "
-            "or {'state_dict': ...} / {'model': ...} around one."
+            "or {'state_dict': ...} / {'model': ...} around one.",
         )
     return dict(obj)
 
@@ -132,11 +160,12 @@ def _check_state_dict(
             problems.append(f"{len(unexpected)} unexpected keys (e.g. {_examples(unexpected, 3)})")
         if mismatched:
             problems.append(f"{len(mismatched)} shape mismatches, file vs model (e.g. {'; '.join(mismatched[:2])})")
-        raise ValueError(
+        raise CheckpointError(
+            path,
             f"{path} is not a state dict of the {arch.name} architecture: {', '.join(problems)}. Expected the "
             f"state dict of {arch.name} (keys like {_examples(list(reference), 3)}, head {arch.head}.weight); "
             "name the architecture the checkpoint was trained with, or use load_backbone('torchscript', "
-            "checkpoint=...) for a TorchScript file."
+            "checkpoint=...) for a TorchScript file.",
         )
 
 

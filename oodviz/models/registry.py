@@ -27,9 +27,11 @@ The architectures live in :mod:`oodviz.models.architectures`, reading and checki
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import contextmanager
 from uuid import uuid4
 
 import torch
@@ -50,6 +52,7 @@ from oodviz.models.architectures import (
 )
 from oodviz.models.backbone import Backbone, check_pooling
 from oodviz.models.checkpoints import (
+    CheckpointError,
     archive_kind,
     build_from_state_dict,
     check_file,
@@ -207,7 +210,8 @@ def load_scripted(
             if kind == "torchscript":
                 model = torch.jit.load(str(path), map_location="cpu")
             else:
-                model = torch.export.load(str(path)).module()
+                with _torch_export_log_quiet():  # it logs the traceback of the error raised: said once, below
+                    model = torch.export.load(str(path)).module()
     except Exception as error:
         if kind == "torchscript":
             expected = (
@@ -235,7 +239,7 @@ def load_scripted(
                     )
             except Exception:
                 pass
-        raise ValueError(f"{path} is not {expected} ({short_error(error)}).{hint}") from None
+        raise CheckpointError(path, f"{path} is not {expected} ({short_error(error)}).{hint}") from None
     if kind == "torchscript":
         model.eval()  # an exported program is fixed in the mode it was exported in (export in eval mode)
     if transform is None:
@@ -249,12 +253,26 @@ def load_scripted(
     try:
         backbone.feature_shape()
     except Exception as error:
-        raise ValueError(
+        raise CheckpointError(
+            path,
             f"the {kind} model in {path} does not follow the contract {contract} on an input of shape "
-            f"[1, {', '.join(map(str, shape))}] ({short_error(error)}); pass input_shape= / transform= matching the model"
+            f"[1, {', '.join(map(str, shape))}] ({short_error(error)}); pass input_shape= / transform= matching the model",
         ) from None
     _check_classes(backbone, classes)
     return backbone
+
+
+@contextmanager
+def _torch_export_log_quiet():
+    """``torch.export``'s loggers quiet while a program is loaded: on a file it cannot read it logs warnings (one
+    with the traceback of the error it then raises) before it raises."""
+    logger = logging.getLogger("torch.export")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)  # its modules' loggers have no level of their own: they take this one
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_classes(backbone: Backbone, classes) -> None:

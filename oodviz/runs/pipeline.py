@@ -252,17 +252,17 @@ def load_data(job: Job) -> None:
 
 def check_disk_space(job: Job, estimate, layers: dict | None = None) -> list[str]:
     """The splits whose main store is still to extract (reused ones cost nothing); raise
-    :class:`~oodviz.engine.DiskFullError` when the new stores would not fit under the feature store root:
-    ``estimate``'s (:func:`oodviz.models.estimate_memory`), or, for a run over several layers, every layer's
-    (``layers``: layer -> ``(estimate, new splits)``, :func:`oodviz.runs.preflight.layer_estimates`)."""
+    :class:`~oodviz.engine.DiskFullError` when the free space under the feature store root is less than the
+    pre-flight's disk need (:func:`oodviz.runs.preflight.store_disk_need`) of the new stores: ``estimate``'s
+    (:func:`oodviz.models.estimate_memory`), or, for a run over several layers, every layer's (``layers``: layer ->
+    ``(estimate, new splits)``, :func:`oodviz.runs.preflight.layer_estimates`)."""
     from oodviz.engine.store import DiskFullError, check_free_space
-    from oodviz.runs.preflight import splits_to_extract
+    from oodviz.runs.preflight import splits_to_extract, store_disk_need
 
     root = feature_store_root(job.run)
     if not layers:
         layers = {None: (estimate, splits_to_extract(job.config, job.backbone, job.datasets, job.splits, root))}
-    needed = sum(int(part["splits"][split]["total_bytes"]) for part, new in layers.values() for split in new)
-    message = check_free_space(root, needed)
+    message = check_free_space(root, store_disk_need(layers), margin_bytes=0)  # the pre-flight's number
     if message:
         raise DiskFullError(message)
     return next(iter(layers.values()))[1]

@@ -4,6 +4,8 @@ failed detector's run ends with fewer stages than planned."""
 
 from __future__ import annotations
 
+from pathlib import PurePath
+
 from oodviz.runs.config import RunConfig
 
 
@@ -30,14 +32,19 @@ def planned_stages(config: RunConfig) -> list[str]:
     return stages + ["save detectors", "metrics"]
 
 
-def run_headline(config: RunConfig) -> str:
-    """One line saying what a run runs: backbone (and layer), ID set, OOD sets, detector count."""
+def run_headline(config: RunConfig, paths: bool = True) -> str:
+    """One line saying what a run runs: backbone (and layer), ID set, OOD sets (an image folder by its path, or
+    without ``paths`` by its last name only: the app shows no server path to others), detector count."""
     layer = f" ({config.layer or ', '.join(config.layers)})" if config.layer or config.layers else ""
-    ood = ", ".join(
-        choice.params.get("path", choice.name) if choice.name == "folder" else choice.name for choice in config.ood
-    )
+    ood = ", ".join(_folder_shown(choice, paths) if choice.name == "folder" else choice.name for choice in config.ood)
     detectors = len(config.detectors)
     return (
         f"{config.backbone}{layer} · ID {config.id_test.name} · OOD {ood} · "
         f"{detectors} detector{'s' if detectors != 1 else ''}"
     )
+
+
+def _folder_shown(choice, paths: bool) -> str:
+    """An image folder's path as given, or (not ``paths``) its last name, ``folder <name>``."""
+    path = str(choice.params.get("path", choice.name))
+    return path if paths else f"folder {PurePath(path).name}"

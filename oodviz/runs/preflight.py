@@ -3,7 +3,8 @@
 Needs, from the backbone's ``D`` and ``C`` and each split's size ``N``:
 
 - **disk** under the feature store root: the stores still to extract, ``N x (D x b + C x 4 + 24)`` bytes per
-  split (``b`` = 4 for float32 features, 2 for float16; :func:`oodviz.models.estimate_memory`); knn's bank
+  split (``b`` = 4 for float32 features, 2 for float16; :func:`oodviz.models.estimate_memory`), plus head room
+  (:func:`store_disk_need`, the same number the run checks before it extracts); knn's bank
   is the id_fit store itself (every row of a run's fit split is in-distribution), no second copy;
 - **RAM** of each detector's fit: :meth:`oodviz.detectors.Detector.fit_memory_bytes` (``8 x 2.5 x D^2`` for
   mahalanobis, ``8 x 3.5 x D^2`` for rmd, ...); knn holds one bank chunk, ``chunk_size x D x 4``
@@ -24,8 +25,9 @@ its stores and its ``D x D`` fit states are rows of their own (:func:`layer_esti
 
 Available: free disk under the runs root (``shutil.disk_usage``, capped by ``memory_budget_gb`` when set),
 ``psutil.virtual_memory().available`` and ``torch.cuda.mem_get_info``. Each detector fits on its own, so each
-fit is compared with the whole RAM. :func:`preflight` loads the model and the datasets (their sizes only);
-:func:`assess` does the arithmetic for a loaded backbone.
+fit is compared with the whole RAM. :func:`preflight` loads the model and the datasets (their sizes only) and
+refuses what no machine could run (an unreadable checkpoint, knn's ``k`` above the fit rows, vim's ``dim`` not
+below D: :func:`oodviz.runs.validation.check_sizes`); :func:`assess` does the arithmetic for a loaded backbone.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import psutil
 
 from oodviz.models.memory import format_bytes
 from oodviz.runs.batchprobe import EXTRACTION
+from oodviz.runs.validation import ConfigError, check_sizes
 
 #: Features wider than this get the detectors with a ``D x D`` state named even when they fit.
 WIDE_FEATURES = 16_384
@@ -145,9 +148,7 @@ def assess(
     layers = layers or {None: (estimate, list(estimate["splits"]) if new_splits is None else new_splits)}
     c = int(estimate["num_classes"])
     n_fit = int(estimate["splits"]["id_fit"]["n_samples"])
-    stores = {
-        layer: sum(int(part["splits"][split]["total_bytes"]) for split in new) for layer, (part, new) in layers.items()
-    }
+    stores = {layer: new_store_bytes({layer: part}) for layer, part in layers.items()}
     splits = len(estimate["splits"])
     if len(layers) > 1:  # every layer's stores share the disk: one need, each layer's part named
         parts = "; ".join(
@@ -157,7 +158,9 @@ def assess(
         what = f"feature stores, {len(layers)} layers ({parts})"
     else:
         what = f"feature stores ({len(layers[None][1])} of {splits} splits to extract, {estimate['feature_dtype']})"
-    needs = [Need("disk", what, sum(stores.values()), limits["disk"], kind="store")]
+    needed = store_disk_need(layers)
+    what += f" + {format_bytes(needed - sum(stores.values()))} head room"
+    needs = [Need("disk", what, needed, limits["disk"], kind="store")]
     dims = {layer: int(layer_estimate["feature_dim"]) for layer, (layer_estimate, _) in layers.items()}
     fits = []  # (result column, bytes, D)
     for column, choice, layer in _fitted_columns(config, layers):
@@ -174,6 +177,23 @@ def assess(
     widest = max((part for part, _ in layers.values()), key=lambda part: int(part["feature_dim"]))  # pool it
     report.fixes = fixes(widest, report, fits, limits, dims) + batch_fixes(batches or [], limits)
     return report
+
+
+def new_store_bytes(layers: dict) -> int:
+    """Bytes of the feature stores still to extract: ``layers`` maps a layer (None: a single-layer run) to
+    ``(estimate, new splits)`` (:func:`oodviz.models.estimate_memory`, :func:`layer_estimates`)."""
+    return sum(int(part["splits"][split]["total_bytes"]) for part, new in layers.values() for split in new)
+
+
+def store_disk_need(layers: dict) -> int:
+    """The free disk a run asks for under its feature store root: :func:`new_store_bytes` plus the head room
+    (:func:`oodviz.engine.store.space.margin_for`: headers and ``meta.json`` are not in the estimate). The pre-flight
+    (:func:`assess`) and the run's own check before extraction
+    (:func:`oodviz.runs.pipeline.check_disk_space`) both compare this with the free space."""
+    from oodviz.engine.store.space import margin_for
+
+    needed = new_store_bytes(layers)
+    return needed + margin_for(needed)
 
 
 def _fitted_columns(config, layers: dict) -> list[tuple]:
@@ -298,7 +318,10 @@ def splits_to_extract(config, backbone, datasets: dict, chosen: list, store_root
 
 def preflight(config, runs_root) -> Preflight:
     """:func:`assess` for ``config`` run under ``runs_root``: loads the backbone (one probe forward) and opens the
-    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk. With model-based
+    datasets for their sizes; stores already under ``runs_root/.features`` cost no disk. Raises
+    :class:`~oodviz.runs.validation.ConfigError` for what no run of ``config`` can get past: a checkpoint that cannot
+    be read or has other shapes (:class:`~oodviz.models.CheckpointError`), detector parameters the data's sizes rule
+    out (:func:`~oodviz.runs.validation.check_sizes`). With model-based
     detectors, one batch of the extraction and of each of them is measured
     (:func:`oodviz.runs.batchprobe.batch_peaks`), when the stores and the fits fit (a refusal for those comes
     first, without the cost of running the model); the report's ``estimate`` gets ``batch_peaks`` (each
@@ -307,16 +330,22 @@ def preflight(config, runs_root) -> Preflight:
     measured, and why)."""
     from oodviz.detectors import detector_class
     from oodviz.engine import STORES_DIRNAME
-    from oodviz.models import estimate_memory
+    from oodviz.models import CheckpointError, estimate_memory
     from oodviz.runs.batchprobe import BatchProbeError, batch_peaks, sized
     from oodviz.runs.pipeline import resolve_device
     from oodviz.runs.splits import load_split, run_splits
 
-    backbone = config.load_backbone()
+    try:
+        backbone = config.load_backbone()
+    except CheckpointError as error:  # no run can start from this file
+        raise ConfigError([str(error)]) from None
     chosen = run_splits(config)
     datasets = {split: load_split(config, choice, as_ood, backbone.classes) for split, choice, as_ood in chosen}
     store_root = Path(runs_root) / STORES_DIRNAME
     sizes = {s: len(ds) for s, ds in datasets.items()}
+    problems = check_sizes(config, sizes["id_fit"], backbone.feature_dim, backbone.num_classes)
+    if problems:
+        raise ConfigError(problems)
     layers = layer_estimates(
         config, backbone, sizes, lambda view: splits_to_extract(config, view, datasets, chosen, store_root)
     )

@@ -1,6 +1,7 @@
 """The memory estimate, in a process of its own: ``python -m oodviz.runs.probe [RUNS_ROOT]`` reads a run config (JSON)
-on stdin and prints one JSON line, ``{"estimate": {...}, "description": "...", "warning": ...}`` or
-``{"error": "..."}`` (exit 1).
+on stdin and prints one JSON line, ``{"estimate": {...}, "description": "...", "warning": ...}``,
+``{"refused": [problem, ...]}`` (exit 1: the config's problems, :class:`~oodviz.runs.validation.ConfigError`, such as
+an unreadable checkpoint or a knn ``k`` above the fit rows) or ``{"error": "..."}`` (exit 1).
 
 The estimate loads the backbone and runs one batch through it (``feature_shape``), i.e. the checkpoint's
 own code (a TorchScript ``forward``), and walks the image folders. The app asks for it with
@@ -15,6 +16,7 @@ import subprocess
 import sys
 
 from oodviz.runs.config import RunConfig
+from oodviz.runs.validation import ConfigError
 
 TIMEOUT_S = 120.0
 
@@ -46,8 +48,9 @@ def estimate_for_config(config: RunConfig, runs_root="runs") -> tuple[dict, str,
 def estimate_in_subprocess(
     config_json: str, timeout_s: float = TIMEOUT_S, runs_root="runs"
 ) -> tuple[dict, str, str | None]:
-    """:func:`estimate_for_config` run by ``python -m oodviz.runs.probe RUNS_ROOT``; raises :class:`ProbeError`
-    with the child's message, or on a timeout or crash."""
+    """:func:`estimate_for_config` run by ``python -m oodviz.runs.probe RUNS_ROOT``; raises the child's
+    :class:`~oodviz.runs.validation.ConfigError` (no run of this config can start), or :class:`ProbeError` with the
+    child's message, or on a timeout or crash."""
     try:
         done = subprocess.run(
             [sys.executable, "-m", "oodviz.runs.probe", str(runs_root)],
@@ -68,6 +71,8 @@ def estimate_in_subprocess(
         answer = None
     if not isinstance(answer, dict):
         raise ProbeError(f"the estimate's process ended without an answer (exit code {done.returncode}; crashed?)")
+    if "refused" in answer:
+        raise ConfigError(answer["refused"])
     if "error" in answer:
         raise ProbeError(answer["error"])
     return answer["estimate"], answer["description"], answer["warning"]
@@ -77,6 +82,9 @@ def main() -> int:
     try:
         config = RunConfig.from_dict(json.loads(sys.stdin.read()))
         estimate, description, warning = estimate_for_config(config, *sys.argv[1:2])
+    except ConfigError as error:
+        print(json.dumps({"refused": error.problems}))
+        return 1
     except Exception as error:  # the caller shows it: one line, no traceback
         print(json.dumps({"error": f"{type(error).__name__}: {error}"}))
         return 1

@@ -7,7 +7,8 @@
   the last value; TOML refuses it itself) with its line.
 - :func:`device_problem_here`: a device that is spelled right but not present on this machine.
 - :func:`check_sizes`: the limits that depend on the data (knn's ``k`` <= the fit rows, vim's ``dim`` < D,
-  fdbd's two classes), for the pipeline to call once the model and the data are loaded, before extraction.
+  fdbd's two classes), called by the pre-flight (:func:`oodviz.runs.preflight.preflight`, before a run is created)
+  and again by the run once its model and data are loaded, before extraction.
 """
 
 from __future__ import annotations
@@ -210,8 +211,8 @@ def check_sizes(config, n_fit_rows: int, feature_dim: int, num_classes: int) -> 
             if not 0 < dim < feature_dim:
                 found.append(
                     f"{where}: dim={dim} must be between 1 and D-1 = {feature_dim - 1} for the D={feature_dim} "
-                    "features of this model and layer"
+                    "features of this model and layer; choose a dim in that range"
                 )
         elif choice.name == "fdbd" and num_classes < 2:
-            found.append(f"{where}: needs a model with at least 2 classes, this one has {num_classes}")
+            found.append(f"{where}: needs a model with at least 2 classes, this one has {num_classes}; leave out fdbd")
     return found

@@ -110,6 +110,11 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
     config = AccessPolicy.from_env().confine_config(config_from_form(values))
     try:
         _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
+    except ConfigError as error:  # the pre-flight's refusal (an unreadable checkpoint, knn's k above the fit rows)
+        store_estimate(values, error=str(error))
+        if action == "start":  # as a refusal of submit(): nothing is started
+            slots["form"].error(str(error))
+            return
     except Exception as error:  # a missing dataset or weight file: say what, keep the app running
         store_estimate(values, error=str(error))
     else:
@@ -186,7 +191,7 @@ def run_page(run: RunDir, values: FormValues) -> None:
     name = read_label(run.path)["name"]
     st.caption(f"Run `{run.run_id}`{' · ' + name if name else ''} · {state}{where}")
     try:
-        st.markdown(f"**{run_headline(RunConfig.load(run.config_path))}**")
+        st.markdown(f"**{run_headline(RunConfig.load(run.config_path), paths=show_server_details())}**")
     except (ValueError, OSError):  # a config this version cannot read: the rest of the page still shows
         pass
     label_editor(run)

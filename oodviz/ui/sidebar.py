@@ -454,7 +454,9 @@ def memory_estimate(config_json: str, runs_root: str) -> tuple[dict, str, str | 
     """(estimate, description, refusal) for a config run under ``runs_root``: the refusal is the pre-flight
     table and fixes when the run is over the machine's limits (:mod:`oodviz.runs.preflight`), else None. It
     loads the model and runs one batch through it (the checkpoint's own code), so it runs in a subprocess with
-    a timeout, never in the server's process; raises ProbeError when that fails. Cached 30 s: free memory moves."""
+    a timeout, never in the server's process; raises ConfigError when no run of the config can start (an unreadable
+    checkpoint, a detector parameter the data rules out), ProbeError when the estimate fails. Cached 30 s: free memory
+    moves."""
     return estimate_in_subprocess(config_json, runs_root=runs_root)
 
 

@@ -21,6 +21,7 @@ from oodviz.runs.config import RunConfig
 from oodviz.runs.jobs import cancel, refresh
 from oodviz.runs.plan import planned_stages, run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir
+from oodviz.ui.access import show_server_details
 from oodviz.ui.live import EventTail, hms, run_eta_s, stage_position
 
 POLL_S = 1.0
@@ -109,7 +110,7 @@ def job_panel(run: RunDir) -> None:
     config = _config(run)
     plan = planned_stages(config) if config else []
     if config:
-        st.markdown(f"**{run_headline(config)}**")
+        st.markdown(f"**{run_headline(config, paths=show_server_details())}**")
     st.subheader(f"Run {run.run_id}: {status.get('state')}")  # drawn once: a poll resends neither this nor Cancel
     cancelling = run.cancel_requested()
     if cancelling:

@@ -46,17 +46,23 @@ def disk_full_message(root, needed_bytes: int) -> str:
     )
 
 
+def margin_for(estimated_bytes: int) -> int:
+    """The head room asked for beyond an estimate of ``estimated_bytes``: ``max(MARGIN_BYTES, MARGIN_FRACTION x
+    estimated_bytes)``."""
+    return max(MARGIN_BYTES, int(MARGIN_FRACTION * estimated_bytes))
+
+
 def check_free_space(root, needed_bytes: int, margin_bytes: int | None = None) -> str | None:
     """A :func:`disk_full_message` when less than ``needed_bytes + margin`` is free under ``root``, else ``None``.
 
-    ``margin_bytes`` defaults to ``max(MARGIN_BYTES, MARGIN_FRACTION * needed_bytes)``; pass ``0`` for
-    exact sizes.
+    ``margin_bytes`` defaults to :func:`margin_for` ``(needed_bytes)``; pass ``0`` for exact sizes (or a need
+    that has its margin already).
     """
     needed_bytes = int(needed_bytes)
     if needed_bytes < 0:
         raise ValueError(f"needed_bytes must be at least 0, got {needed_bytes}")
     if margin_bytes is None:
-        margin_bytes = max(MARGIN_BYTES, int(MARGIN_FRACTION * needed_bytes))
+        margin_bytes = margin_for(needed_bytes)
     if free_bytes(root) < needed_bytes + margin_bytes:
         return disk_full_message(root, needed_bytes + margin_bytes)
     return None
