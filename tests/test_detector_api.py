@@ -52,6 +52,7 @@ def test_registry_lists_the_issue_detectors():
         "gmm",
         "openmax",
         "nnguide",
+        "residual",
     }
     for name in NAMES:
         cls = detector_class(name)

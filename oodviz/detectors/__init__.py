@@ -35,6 +35,7 @@ from oodviz.detectors.openmax import OpenMax
 from oodviz.detectors.persist import DetectorFileError, load
 from oodviz.detectors.rankfeat import RankFeat
 from oodviz.detectors.react import ReAct
+from oodviz.detectors.residual import Residual
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
@@ -57,6 +58,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         Mahalanobis,
         RelativeMahalanobis,
         ViM,
+        Residual,
         SHE,
         KNN,
         ReAct,
