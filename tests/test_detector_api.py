@@ -53,6 +53,7 @@ def test_registry_lists_the_issue_detectors():
         "openmax",
         "nnguide",
         "residual",
+        "neco",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -32,6 +32,7 @@ def test_the_statistics_detectors_are_mergeable():
         "vra",
         "weiper",
         "residual",
+        "neco",
     }
 
 

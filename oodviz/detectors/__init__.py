@@ -29,6 +29,7 @@ from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
+from oodviz.detectors.neco import NECO
 from oodviz.detectors.nnguide import NNGuide
 from oodviz.detectors.odin import ODIN
 from oodviz.detectors.openmax import OpenMax
@@ -59,6 +60,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         RelativeMahalanobis,
         ViM,
         Residual,
+        NECO,
         SHE,
         KNN,
         ReAct,
