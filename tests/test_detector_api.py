@@ -54,6 +54,7 @@ def test_registry_lists_the_issue_detectors():
         "nnguide",
         "residual",
         "neco",
+        "weightedebo",
     }
     for name in NAMES:
         cls = detector_class(name)

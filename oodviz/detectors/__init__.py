@@ -44,6 +44,7 @@ from oodviz.detectors.teaching import Teaching, describe
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
 from oodviz.detectors.vra import VRA
+from oodviz.detectors.weightedebo import WeightedEBO
 from oodviz.detectors.weiper import WeiPer
 
 _REGISTRY: dict[str, type[Detector]] = {
@@ -52,6 +53,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         MaxSoftmax,
         MaxLogit,
         Energy,
+        WeightedEBO,
         Entropy,
         GEN,
         TemperatureScaling,
