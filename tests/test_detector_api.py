@@ -55,6 +55,7 @@ def test_registry_lists_the_issue_detectors():
         "residual",
         "neco",
         "weightedebo",
+        "pnml",
     }
     for name in NAMES:
         cls = detector_class(name)

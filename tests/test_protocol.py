@@ -33,6 +33,7 @@ def test_the_statistics_detectors_are_mergeable():
         "weiper",
         "residual",
         "neco",
+        "pnml",
     }
 
 

@@ -34,6 +34,7 @@ from oodviz.detectors.nnguide import NNGuide
 from oodviz.detectors.odin import ODIN
 from oodviz.detectors.openmax import OpenMax
 from oodviz.detectors.persist import DetectorFileError, load
+from oodviz.detectors.pnml import PNML
 from oodviz.detectors.rankfeat import RankFeat
 from oodviz.detectors.react import ReAct
 from oodviz.detectors.residual import Residual
@@ -63,6 +64,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         ViM,
         Residual,
         NECO,
+        PNML,
         SHE,
         KNN,
         ReAct,
