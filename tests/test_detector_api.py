@@ -56,6 +56,7 @@ def test_registry_lists_the_issue_detectors():
         "neco",
         "weightedebo",
         "pnml",
+        "lts",
     }
     for name in NAMES:
         cls = detector_class(name)

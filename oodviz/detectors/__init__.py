@@ -24,6 +24,7 @@ from oodviz.detectors.gradnorm import GradNorm
 from oodviz.detectors.gram import Gram
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
+from oodviz.detectors.lts import LTS
 from oodviz.detectors.mahalanobis import Mahalanobis
 from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
@@ -70,6 +71,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         ReAct,
         ASH,
         SCALE,
+        LTS,
         DICE,
         FDBD,
         NCI,
