@@ -1,6 +1,6 @@
 """Residual: the norm of the feature outside the principal subspace (the ViM paper's baseline).
 
-Wang et al., *ViM: Out-Of-Distribution with Virtual-logit Matching*, CVPR 2022, Section 3 / Table 1 ("Residual"),
+Wang et al., *ViM: Out-Of-Distribution with Virtual-logit Matching*, CVPR 2022 (its "Residual" baseline),
 https://arxiv.org/abs/2203.10807
 
 With the head ``(W [C, D], b [C])``, features ``x`` ``[B, D]`` are moved to the origin ``u = -W^+ b`` ``[D]`` (where
@@ -13,8 +13,8 @@ moment ``S = 1/N sum_i (x_i - u)(x_i - u)^T`` ``[D, D]`` (float64); ``R`` ``[D, 
 the norm of the feature's projection onto the principal subspace's complement. The paper's (and OpenOOD's
 ``residual`` postprocessor's) confidence is its negative. ``dim=None`` applies the ViM paper's rule (1000 for
 ``D >= 2048``, 512 for ``D >= 768``, otherwise ``D // 2``); labels and logits are not needed. It is ViM's virtual
-logit without the energy and without ``alpha`` (a constant factor, which changes no ranking), and shares ViM's fit
-(:class:`~oodviz.detectors.vim.ResidualSpaceDetector`).
+logit without the energy and without ``alpha`` (a constant factor, which changes no ranking), and shares ViM's origin,
+``dim`` rule and residual space (:class:`~oodviz.detectors.vim.ResidualSpaceDetector`).
 
 The residual is a small remainder of a large vector: with features far from ``u`` (an offset of 1e3, say), float32
 rounding of ``R`` and of ``x - u`` leaks ~1e-7 of the principal part into it, about 1e-4 of the score, and two fits
@@ -25,8 +25,8 @@ scatter about it (shifted sums, :class:`~oodviz.detectors.stats.Moments`) and fo
 ``S = scatter / N + (mu - u)(mu - u)^T``: sums of squares of ``x - u`` (~1e6 at that offset) round differently
 when the rows come in another order or from other shards, enough to move ``R`` by ~1e-9; the scatter does not.
 
-Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): ``S`` is a float64 sum that merges by
-addition.
+Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): the mean and the scatter merge exactly
+(Chan's shifted sums).
 """
 
 import torch
