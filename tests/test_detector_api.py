@@ -52,6 +52,11 @@ def test_registry_lists_the_issue_detectors():
         "gmm",
         "openmax",
         "nnguide",
+        "residual",
+        "neco",
+        "weightedebo",
+        "pnml",
+        "lts",
     }
     for name in NAMES:
         cls = detector_class(name)

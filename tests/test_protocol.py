@@ -31,6 +31,9 @@ def test_the_statistics_detectors_are_mergeable():
         "openmax",
         "vra",
         "weiper",
+        "residual",
+        "neco",
+        "pnml",
     }
 
 

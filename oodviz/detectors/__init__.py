@@ -24,17 +24,21 @@ from oodviz.detectors.gradnorm import GradNorm
 from oodviz.detectors.gram import Gram
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
+from oodviz.detectors.lts import LTS
 from oodviz.detectors.mahalanobis import Mahalanobis
 from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
+from oodviz.detectors.neco import NECO
 from oodviz.detectors.nnguide import NNGuide
 from oodviz.detectors.odin import ODIN
 from oodviz.detectors.openmax import OpenMax
 from oodviz.detectors.persist import DetectorFileError, load
+from oodviz.detectors.pnml import PNML
 from oodviz.detectors.rankfeat import RankFeat
 from oodviz.detectors.react import ReAct
+from oodviz.detectors.residual import Residual
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
 from oodviz.detectors.she import SHE
@@ -42,6 +46,7 @@ from oodviz.detectors.teaching import Teaching, describe
 from oodviz.detectors.tempscale import TemperatureScaling
 from oodviz.detectors.vim import ViM
 from oodviz.detectors.vra import VRA
+from oodviz.detectors.weightedebo import WeightedEBO
 from oodviz.detectors.weiper import WeiPer
 
 _REGISTRY: dict[str, type[Detector]] = {
@@ -50,6 +55,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         MaxSoftmax,
         MaxLogit,
         Energy,
+        WeightedEBO,
         Entropy,
         GEN,
         TemperatureScaling,
@@ -57,11 +63,15 @@ _REGISTRY: dict[str, type[Detector]] = {
         Mahalanobis,
         RelativeMahalanobis,
         ViM,
+        Residual,
+        NECO,
+        PNML,
         SHE,
         KNN,
         ReAct,
         ASH,
         SCALE,
+        LTS,
         DICE,
         FDBD,
         NCI,

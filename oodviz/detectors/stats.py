@@ -407,3 +407,23 @@ class ClassMoments:
         """Classes in ``0..max(C, n_classes)-1`` with no sample."""
         counts = _grow_rows(self.counts, n_classes or 0)
         return torch.nonzero(counts == 0).flatten().tolist()
+
+
+class Moments(ClassMoments):
+    """The mean ``mu`` ``[D]`` and the scatter about it ``sum_i (x_i - mu)(x_i - mu)^T`` ``[D, D]`` of all rows (float64),
+    streamed and merged as :class:`ClassMoments` of a single class: ``update(x [B, D])``; ``mean``, ``scatter``."""
+
+    def __init__(self):
+        super().__init__(n_classes=1)
+
+    def update(self, x: Tensor) -> None:
+        super().update(x, torch.zeros(len(x), dtype=torch.long, device=x.device))
+
+    @property
+    def mean(self) -> Tensor:
+        return self.means[0]
+
+    @property
+    def scatter(self) -> Tensor:
+        """The stored tensor, as :attr:`ClassMoments.within`."""
+        return self.within

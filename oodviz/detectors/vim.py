@@ -29,6 +29,8 @@ sums are float64 sums that merge by addition; pass 2 runs after pass 1's merged 
 shard then projects on the same ``R``).
 """
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor
 
@@ -61,20 +63,16 @@ def default_dim(n_features: int) -> int:
     return n_features // 2
 
 
-class ViM(Detector):
-    name = "vim"
-    summary = "Norm of the feature residual outside the principal subspace, as a virtual logit against the energy."
-    paper = "https://arxiv.org/abs/2203.10807"
-    teaching = Teaching(
-        formula=r"s(x) = \alpha \,\| (x - u) R \| - \log \sum_k e^{z_k(x)}",
-        citation="Wang et al., *ViM: Out-Of-Distribution with Virtual-logit Matching*, CVPR 2022",
-        reads="the features of the fit split and the classifier's head (principal subspace, residual)",
-        fails_when="Needs a feature width D well above the classes; with small D the residual space is too thin to see OOD.",
-    )
+class ResidualSpaceDetector(Detector):
+    """Base of ``vim`` and ``residual``: parameter ``dim``, the head's origin ``u`` and, from the uncentred second
+    moment ``S`` about it, ``origin_`` ``[D]`` and the residual space ``residual_space_`` ``[D, D - dim]`` (in
+    :attr:`residual_dtype`), the eigenvectors of ``S`` outside its ``dim`` largest."""
+
     inputs = ("features",)
-    optional_inputs = ("logits",)
     needs_head = True
-    fit_passes = 2
+    mergeable = True
+    #: the dtype of ``origin_``, ``residual_space_`` and of the residual norms computed from them
+    residual_dtype: ClassVar[torch.dtype] = torch.float32
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
@@ -84,22 +82,10 @@ class ViM(Detector):
 
     def __init__(self, dim: int | None = None):
         if dim is not None and (int(dim) != dim or dim < 1):
-            raise ValueError(f"vim: dim (principal subspace dimension) must be a positive integer or None, got {dim}")
+            raise ValueError(
+                f"{self.name}: dim (principal subspace dimension) must be a positive integer or None, got {dim}"
+            )
         self.dim = None if dim is None else int(dim)
-
-    mergeable = True
-
-    def _new_parts(self, pass_index: int) -> dict:
-        """Pass 0: the uncentred second moment (lower triangle); pass 1: [sum of max logits, sum of residual norms]."""
-        return {"second_moment": Sums()} if pass_index == 0 else {"scale_sums": Sums()}
-
-    def _update_state(self, state: FitState, batch: Batch) -> None:
-        if getattr(self, "_scratch", None) is None:
-            self._scratch = Scratch()
-        if state.pass_index == 0:
-            self._add_second_moment(state.parts["second_moment"], batch, self._origin(state))
-        else:
-            self._add_scale_sums(state.parts["scale_sums"], batch)
 
     def _origin(self, state: FitState) -> Tensor:
         """``u`` (float64) of ``state.head``, solved once per head."""
@@ -112,10 +98,63 @@ class ViM(Detector):
         dim = default_dim(n_features) if self.dim is None else self.dim
         if not 0 < dim < n_features:
             raise ValueError(
-                f"vim: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
+                f"{self.name}: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
                 "choose a smaller principal subspace."
             )
         return dim
+
+    def _fit_residual_space(self, state: FitState, second_moment: Tensor) -> None:
+        """``residual_space_`` from ``second_moment``, ``1/N sum_i (x_i - u)(x_i - u)^T`` ``[D, D]`` float64 (lower
+        triangle read, destroyed), and ``origin_``; ``state``'s accumulators are dropped."""
+        n_features = state.n_features
+        # only the D - dim smallest eigenpairs: the residual space, without the D x D matrix of all eigenvectors
+        smallest = n_features - self._subspace_dim(n_features)
+        _, eigenvectors = symmetric_eigh(second_moment, overwrite=True, smallest=smallest)
+        state.parts.clear()  # the second moment, destroyed by the decomposition
+        self.residual_space_ = eigenvectors.to(self.residual_dtype)  # [D, D - dim]
+        del eigenvectors
+        self.origin_ = self._origin(state).to(self.residual_dtype)
+
+    def _residual_norms(self, features: Tensor) -> Tensor:
+        """``|(x - u) R|`` ``[B]`` of the features ``x`` ``[B, D]``, in :attr:`residual_dtype`."""
+        x = features.to(self.residual_dtype)
+        return ((x - self.origin_) @ self.residual_space_).norm(dim=1)
+
+
+def batch_logits(batch: Batch, weight: Tensor, bias: Tensor, rows: slice = slice(None), scratch=None) -> Tensor:
+    """The batch's own logits when it has them, else ``x W^T + b`` from the head ``(weight [C, D], bias [C])``
+    (float32, into ``scratch``'s buffer if given)."""
+    if batch.logits is not None:
+        return batch.logits[rows].float()
+    x = batch.features[rows].float()
+    out = None if scratch is None else scratch.get("logits", (len(x), len(bias)), torch.float32, x.device)
+    return torch.addmm(bias, x, weight.T, out=out)
+
+
+class ViM(ResidualSpaceDetector):
+    name = "vim"
+    summary = "Norm of the feature residual outside the principal subspace, as a virtual logit against the energy."
+    paper = "https://arxiv.org/abs/2203.10807"
+    teaching = Teaching(
+        formula=r"s(x) = \alpha \,\| (x - u) R \| - \log \sum_k e^{z_k(x)}",
+        citation="Wang et al., *ViM: Out-Of-Distribution with Virtual-logit Matching*, CVPR 2022",
+        reads="the features of the fit split and the classifier's head (principal subspace, residual)",
+        fails_when="Needs a feature width D well above the classes; with small D the residual space is too thin to see OOD.",
+    )
+    optional_inputs = ("logits",)
+    fit_passes = 2
+
+    def _new_parts(self, pass_index: int) -> dict:
+        """Pass 0: the uncentred second moment (lower triangle); pass 1: [sum of max logits, sum of residual norms]."""
+        return {"second_moment": Sums()} if pass_index == 0 else {"scale_sums": Sums()}
+
+    def _update_state(self, state: FitState, batch: Batch) -> None:
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = Scratch()
+        if state.pass_index == 0:
+            self._add_second_moment(state.parts["second_moment"], batch, self._origin(state))
+        else:
+            self._add_scale_sums(state.parts["scale_sums"], batch)
 
     def _add_second_moment(self, second_moment: Sums, batch: Batch, origin: Tensor) -> None:
         n_features = batch.features.shape[1]
@@ -135,51 +174,33 @@ class ViM(Detector):
         if scale_sums.value is None:
             scale_sums.value = torch.zeros(2, dtype=ACCUMULATE, device=batch.device)
         n_features, residual = batch.features.shape[1], self.residual_space_
+        scratch = self._scratch
         for block in row_blocks(len(batch.features), max(n_features, len(self.head_bias_))):
             x = batch.features[block].float()
-            scratch = self._scratch
             centred = torch.sub(x, self.origin_, out=scratch.get("centred32", tuple(x.shape), torch.float32, x.device))
             projected = torch.mm(
                 centred, residual, out=scratch.get("residual", (len(x), residual.shape[1]), torch.float32, x.device)
             )
             scale_sums.value[1] += torch.linalg.vector_norm(projected, dim=1).sum()
-            scale_sums.value[0] += self._logits(batch, block, scratch).amax(dim=1).sum()
+            logits = batch_logits(batch, self.head_weight_, self.head_bias_, block, scratch)
+            scale_sums.value[0] += logits.amax(dim=1).sum()
 
     def _finish_pass(self, state: FitState) -> bool:
         self._scratch = None  # each pass has buffers of its own
-        n_features, n = state.n_features, state.rows
         if state.pass_index == 0:
-            second_moment = state.parts["second_moment"].value.div_(n)
-            # only the D - dim smallest eigenpairs: the residual space, without the D x D matrix of all eigenvectors
-            smallest = n_features - self._subspace_dim(n_features)
-            _, eigenvectors = symmetric_eigh(second_moment, overwrite=True, smallest=smallest)
-            state.parts.clear()  # the second moment, destroyed by the decomposition
-            self.residual_space_ = eigenvectors.float()  # [D, D - dim]
-            del eigenvectors
-            self.origin_ = self._origin(state).float()
+            self._fit_residual_space(state, state.parts["second_moment"].value.div_(state.rows))
             self.head_weight_, self.head_bias_ = state.head
             return False
         max_logit_sum, norm_sum = state.parts["scale_sums"].value.tolist()
         if norm_sum == 0:
             raise ValueError(
-                f"vim: the features have no component outside the top {self._subspace_dim(n_features)} principal "
-                "directions; choose a smaller dim."
+                f"vim: the features have no component outside the top {self._subspace_dim(state.n_features)} "
+                "principal directions; choose a smaller dim."
             )
-        self.alpha_ = (max_logit_sum / n) / (norm_sum / n)
+        self.alpha_ = (max_logit_sum / state.rows) / (norm_sum / state.rows)
         self._head_origin = None
         return True
 
-    def _logits(self, batch: Batch, rows: slice = slice(None), scratch: Scratch | None = None) -> Tensor:
-        """The batch's own logits when it has them, else ``x W^T + b`` from the head (into ``scratch``'s buffer if given)."""
-        if batch.logits is not None:
-            return batch.logits[rows].float()
-        x = batch.features[rows].float()
-        out = (
-            None if scratch is None else scratch.get("logits", (len(x), len(self.head_bias_)), torch.float32, x.device)
-        )
-        return torch.addmm(self.head_bias_, x, self.head_weight_.T, out=out)
-
     def _score(self, batch: Batch) -> Tensor:
-        x = batch.features.float()
-        virtual_logit = self.alpha_ * ((x - self.origin_) @ self.residual_space_).norm(dim=1)
-        return virtual_logit - torch.logsumexp(self._logits(batch), dim=1)
+        virtual_logit = self.alpha_ * self._residual_norms(batch.features)
+        return virtual_logit - torch.logsumexp(batch_logits(batch, self.head_weight_, self.head_bias_), dim=1)
