@@ -126,6 +126,10 @@ def test_the_landing_page_offers_the_default_and_lists_past_runs(app, runs_root)
     assert [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value == [
         d.name for d in RunConfig().detectors
     ]
+    from oodviz.detectors import available
+
+    intro = app.markdown[0].value  # the default's detectors counted, not "every detector" (20 of 34 run)
+    assert f"with the {len(RunConfig().detectors)} detectors of the CNN defaults (of the {len(available())}" in intro
 
 
 def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import streamlit as st
 
+from oodviz.catalog import detector_names
 from oodviz.runs.config import ConfigError, RunConfig, preset
 from oodviz.runs.jobs import QueueFull, refresh, submit
 from oodviz.runs.plan import run_headline
@@ -143,11 +144,13 @@ def start_run(config: RunConfig, place=st, processes: int = 1) -> None:
 
 
 def landing(values: FormValues) -> None:
+    chosen, known = len(RunConfig().detectors), len(detector_names())
     st.markdown(
         "Which inputs would your classifier wrongly trust, and which out-of-distribution detector catches them? "
         "Choose a model, data and detectors in the sidebar — or start with the bundled offline default: "
         "**digits-cnn** on scikit-learn's 8x8 digits (classes 0–7) against held-out digits 8 and 9, inverted and "
-        "rotated digits, photo patches and noise, with every detector. **Fashion-MNIST** runs **fashion-cnn** on the "
+        f"rotated digits, photo patches and noise, with the {chosen} detectors of the CNN defaults (of the {known} "
+        "oodviz has; the sidebar's Detectors list holds the others). **Fashion-MNIST** runs **fashion-cnn** on the "
         "real 28x28 Fashion-MNIST (8 classes) against its held-out Shirt and Ankle boot, inverted and rotated images, "
         "digits, photo patches and noise; it reads Debian's `dataset-fashion-mnist`, the files in the sidebar's data "
         "root, or downloads them where the sidebar allows downloads."
