@@ -123,8 +123,9 @@ def cmd_run(args) -> int:
 
 def preflight_report(config, runs_root: Path, force: bool):
     """The pre-flight's report (:func:`oodviz.runs.preflight.preflight`; the run takes its measured batches), or
-    False (the table and the fixes printed) when the run's needs are over this machine's limits and not
-    ``force``; with ``force`` the table is printed as a warning. False too (each problem printed, ``force`` or
+    False (the table and the fixes printed) when the run's needs are over this machine's limits, or the model's
+    classes are not the ID labels (:mod:`oodviz.runs.classifier_check`), and not ``force``; with ``force`` they
+    are printed as a warning. False too (each problem printed, ``force`` or
     not) for what no run of ``config`` gets past: an unreadable checkpoint, a detector parameter the data's sizes
     rule out. A pre-flight that cannot load the model or the data otherwise refuses nothing (None): the run's own
     stages report that."""
@@ -139,11 +140,14 @@ def preflight_report(config, runs_root: Path, force: bool):
     except Exception as error:  # the run reports the same problem with its stage and context
         print(f"pre-flight skipped: {type(error).__name__}: {error}", file=sys.stderr)
         return None
-    if report.fits:
+    if report.startable:
         for note in report.fixes:  # wide features that fit: which detectors hold a D x D state
             print(f"note: {note}", file=sys.stderr)
         return report
-    print(report.message(), file=sys.stderr)
+    if report.classifier_problem is not None:
+        print(report.classifier_problem, file=sys.stderr)
+    if not report.fits:
+        print(report.message(), file=sys.stderr)
     if force:
         print("--force: running anyway", file=sys.stderr)
         return report

@@ -51,6 +51,7 @@ from oodviz.results import (
     write_table,
 )
 from oodviz.runs.batchprobe import ModelBatches, measure_for_run, sized
+from oodviz.runs.classifier_check import check_classifier
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.layers import combine_layers, detector_columns, extract_layers_split, record_layers
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
@@ -235,6 +236,8 @@ def load_data(job: Job) -> None:
         )
         if mismatch:
             job.reporter.warn(mismatch)
+        elif (problem := check_classifier(backbone, job.datasets["id_fit"], config.seed).problem()) is not None:
+            job.reporter.warn(problem)  # the pre-flight refused it: started with --force or "Run anyway"
         sizes = {split: len(ds) for split, ds in job.datasets.items()}
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())

@@ -27,7 +27,9 @@ Available: free disk under the runs root (``shutil.disk_usage``, capped by ``mem
 ``psutil.virtual_memory().available`` and ``torch.cuda.mem_get_info``. Each detector fits on its own, so each
 fit is compared with the whole RAM. :func:`preflight` loads the model and the datasets (their sizes only) and
 refuses what no machine could run (an unreadable checkpoint, knn's ``k`` above the fit rows, vim's ``dim`` not
-below D: :func:`oodviz.runs.validation.check_sizes`); :func:`assess` does the arithmetic for a loaded backbone.
+below D: :func:`oodviz.runs.validation.check_sizes`) and checks that the model's classes are the ID labels
+(:mod:`oodviz.runs.classifier_check`: a run that fails is refused unless forced, as one over the limits);
+:func:`assess` does the arithmetic for a loaded backbone.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import psutil
 
 from oodviz.models.memory import format_bytes
 from oodviz.runs.batchprobe import EXTRACTION
+from oodviz.runs.classifier_check import ClassifierCheck, check_classifier
 from oodviz.runs.validation import ConfigError, check_sizes
 
 #: Features wider than this get the detectors with a ``D x D`` state named even when they fit.
@@ -69,6 +72,8 @@ class Preflight:
     needs: list[Need]
     fixes: list[str] = field(default_factory=list)
     estimate: dict = field(default_factory=dict)
+    #: whether the model's classes are the ID labels (:mod:`oodviz.runs.classifier_check`); None: not checked
+    classifier: ClassifierCheck | None = None
 
     @property
     def over(self) -> list[Need]:
@@ -77,6 +82,16 @@ class Preflight:
     @property
     def fits(self) -> bool:
         return not self.over
+
+    @property
+    def classifier_problem(self) -> str | None:
+        """:meth:`ClassifierCheck.problem` of the check, when it was made and fails."""
+        return self.classifier.problem() if self.classifier is not None else None
+
+    @property
+    def startable(self) -> bool:
+        """Nothing to refuse: the needs fit and the model's classes are the ID labels (as far as checked)."""
+        return self.fits and self.classifier_problem is None
 
     def table(self) -> str:
         """One line per need: resource, what, needed, available and ``OVER`` when it does not fit."""
@@ -346,6 +361,7 @@ def preflight(config, runs_root) -> Preflight:
     problems = check_sizes(config, sizes["id_fit"], backbone.feature_dim, backbone.num_classes)
     if problems:
         raise ConfigError(problems)
+    classifier = check_classifier(backbone, datasets["id_fit"], config.seed)
     layers = layer_estimates(
         config, backbone, sizes, lambda view: splits_to_extract(config, view, datasets, chosen, store_root)
     )
@@ -367,5 +383,10 @@ def preflight(config, runs_root) -> Preflight:
             failed = {"batch probe": str(error)}
         batches = sized(batches, limits)
         report = assess(config, estimate, limits, new, layers, batches)
-    report.estimate.update(batch_peaks=[asdict(peak) for peak in batches], batch_probe_failed=failed)
+    report.classifier = classifier
+    report.estimate.update(
+        batch_peaks=[asdict(peak) for peak in batches],
+        batch_probe_failed=failed,
+        classifier_problem=report.classifier_problem,
+    )
     return report

@@ -33,18 +33,27 @@ def url_run() -> str | None:
     return st.query_params.get("run")
 
 
-def store_estimate(values: FormValues, description: str = "", refusal: str | None = None, error: str = "") -> None:
-    """Keep the estimate of ``values``: its description, the pre-flight refusal (None: it fits), or why it failed."""
+def store_estimate(
+    values: FormValues,
+    description: str = "",
+    refusal: str | None = None,
+    error: str = "",
+    classifier_problem: str | None = None,
+) -> None:
+    """Keep the estimate of ``values``: its description, the pre-flight refusal (None: it fits), what is wrong with
+    the model's classes against the ID labels (None: nothing found, :mod:`oodviz.runs.classifier_check`), or why it
+    failed."""
     st.session_state[PREFLIGHT] = {
         "form": form_key(values),
         "description": description,
         "refusal": refusal,
         "error": error,
+        "classifier_problem": classifier_problem,
     }
 
 
 def refuse_start() -> None:
-    """Remember that Start was pressed over the limits (said in the panel until the form changes)."""
+    """Remember that Start was pressed and refused (said in the panel until the form changes)."""
     st.session_state[PREFLIGHT]["refused_start"] = True
 
 
@@ -54,14 +63,16 @@ def last_estimate(values: FormValues) -> dict | None:
     return entry if entry and entry["form"] == form_key(values) else None
 
 
-def over_limits(values: FormValues) -> bool:
+def refused(values: FormValues) -> bool:
+    """The estimate of ``values`` refuses the run: over the machine's limits, or a model whose classes are not the ID
+    labels."""
     entry = last_estimate(values)
-    return bool(entry and entry["refusal"])
+    return bool(entry and (entry["refusal"] or entry.get("classifier_problem")))
 
 
 def start_blocked(values: FormValues) -> bool:
-    """Start is off: the estimate of these values is over the limits and "Run anyway" is not ticked."""
-    return over_limits(values) and not st.session_state.get(RUN_ANYWAY)
+    """Start is off: the estimate of these values refuses the run and "Run anyway" is not ticked."""
+    return refused(values) and not st.session_state.get(RUN_ANYWAY)
 
 
 def prefilled() -> FormValues | None:
@@ -108,19 +119,33 @@ def estimate_panel(values: FormValues) -> None:
     # lines wrapped: nothing cut in the sidebar
     described = entry["description"] if table in entry["description"] else f"{entry['description']}\n\n{table}"
     st.sidebar.code(described.strip(), language=None, wrap_lines=True)
+    classifier_problem = entry.get("classifier_problem")
     if not entry["refusal"]:
         st.sidebar.caption("Fits this machine's free disk, RAM and GPU memory.")
+    if not refused(values):
         return
     if entry.get("refused_start") and not st.session_state.get(RUN_ANYWAY):
-        st.sidebar.error("Not started: the run is over this machine's limits. Apply a fix, or tick Run anyway.")
-    st.sidebar.warning(
-        f"{head.rstrip(':')} (the needs marked OVER above)."
-        + ("\n\nTo make it fit:\n" + "\n".join(f"- {fix}" for fix in fixes) if fixes else "")
-    )
-    fix_buttons(entry["refusal"], values, st.sidebar, "Fix: ", "preflight-fix")
+        why = " and ".join(
+            reason
+            for reason, found in (
+                ("the run is over this machine's limits", entry["refusal"]),
+                ("the model's classes do not look like the ID labels", classifier_problem),
+            )
+            if found
+        )
+        st.sidebar.error(f"Not started: {why}. Fix the form, or tick Run anyway.")
+    if classifier_problem:
+        st.sidebar.warning(classifier_problem)
+    if entry["refusal"]:
+        st.sidebar.warning(
+            f"{head.rstrip(':')} (the needs marked OVER above)."
+            + ("\n\nTo make it fit:\n" + "\n".join(f"- {fix}" for fix in fixes) if fixes else "")
+        )
+        fix_buttons(entry["refusal"], values, st.sidebar, "Fix: ", "preflight-fix")
     st.sidebar.checkbox(
-        "Run anyway, over this machine's limits",
+        "Run anyway",
         key=RUN_ANYWAY,
-        help="Start is off while the estimate is over the free disk, RAM or GPU memory; tick this to start "
-        "regardless (the run may fail or slow the machine down).",
+        help="Start is off while the estimate is over the free disk, RAM or GPU memory, or the model's classes do "
+        "not look like the ID labels; tick this to start regardless (over the limits the run may fail or slow the "
+        "machine down; with other classes its accuracy, AURC and per-class tables mean nothing, and say so).",
     )

@@ -25,9 +25,9 @@ from oodviz.ui.fixes import (
     ESTIMATE_NEXT,
     RUN_ANYWAY,
     fix_buttons,
-    over_limits,
     prefilled,
     refuse_start,
+    refused,
     store_estimate,
 )
 from oodviz.ui.form import (
@@ -110,7 +110,7 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
         return
     config = AccessPolicy.from_env().confine_config(config_from_form(values))
     try:
-        _, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
+        estimate, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
     except ConfigError as error:  # the pre-flight's refusal (an unreadable checkpoint, knn's k above the fit rows)
         store_estimate(values, error=str(error))
         if action == "start":  # as a refusal of submit(): nothing is started
@@ -119,9 +119,9 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
     except Exception as error:  # a missing dataset or weight file: say what, keep the app running
         store_estimate(values, error=str(error))
     else:
-        store_estimate(values, description, refusal)
+        store_estimate(values, description, refusal, classifier_problem=estimate.get("classifier_problem"))
     if action == "start":
-        if not over_limits(values) or st.session_state.get(RUN_ANYWAY):
+        if not refused(values) or st.session_state.get(RUN_ANYWAY):
             from oodviz.runs.telemetry import device_facts  # torch: only when a run starts
 
             gpus = sum(f["device"].startswith("cuda") for f in device_facts())
