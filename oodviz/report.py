@@ -7,7 +7,7 @@ and the failure galleries' thumbnails are PNG data URIs. With ``figure_files=Tru
 offered below it as PNG and SVG downloads (data URIs: the file stays self-contained, and larger).
 
 It reads like a result, in this order: the headline (the best detector by mean AUROC, the data, the classifier's
-accuracy and the errors AURC rests on), the metrics table (near/far means, every OOD dataset folded), the AUROC
+accuracy and the errors AURC rests on) and the run's warnings, the metrics table (near/far means, every OOD dataset folded), the AUROC
 heatmap and the risk–coverage curves; per detector, what it does (its formula typeset by the inlined KaTeX, paper,
 inputs and failure note: :func:`oodviz.detectors.describe`), the score histogram, the ROC and PR-Out curves
 against every OOD dataset, the per-class false alarms and the two failure galleries (ID test samples most
@@ -73,6 +73,7 @@ pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .8em; }
 .gallery img { width: 96px; height: 96px; image-rendering: pixelated; border: 1px solid #ccc; }
 .convention { background: #fff8e1; padding: .4em .8em; border-left: 4px solid #f0b400; }
 .headline { font-size: 1.1em; }
+.warning { background: #fdecea; padding: .4em .8em; border-left: 4px solid #c62828; }
 details { margin: .6em 0; } summary { font-size: 1.15em; font-weight: 600; cursor: pointer; }
 """
 DRAW_FIGURES = f"""
@@ -201,6 +202,9 @@ def _headline(page: _Page, results: Results) -> None:
         f"OOD sets: {', '.join(sets)}.",
         class_="headline",
     )
+    for event in results.events:  # what the run warned about (e.g. a model whose classes are not the ID labels)
+        if event.get("event") == "warning":
+            page.text("p", f"Warning: {event.get('message', '')}", class_="warning")
 
 
 def _run_section(page: _Page, results: Results) -> None:

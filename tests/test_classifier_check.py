@@ -108,3 +108,7 @@ def test_oodviz_run_refuses_a_folder_whose_classes_are_not_the_models_until_forc
     assert not app.exception
     assert any("are not classes of the model" in w.value for w in app.warning)
     assert json.loads((run_dir / "status.json").read_text())["state"] == "done"
+    from oodviz.report import report_html
+
+    report = report_html(run_dir, detectors=["msp"])
+    assert '<p class="warning">Warning: The model&#x27;s classes are not the ID labels: 4 of the 4' in report

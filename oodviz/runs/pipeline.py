@@ -51,7 +51,7 @@ from oodviz.results import (
     write_table,
 )
 from oodviz.runs.batchprobe import ModelBatches, measure_for_run, sized
-from oodviz.runs.classifier_check import check_classifier
+from oodviz.runs.classifier_check import ClassifierCheck, check_classifier
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.layers import combine_layers, detector_columns, extract_layers_split, record_layers
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
@@ -231,13 +231,12 @@ def load_data(job: Job) -> None:
         problems = check_sizes(config, len(job.datasets["id_fit"]), backbone.feature_dim, backbone.num_classes)
         if problems:
             raise ConfigError(problems)
-        mismatch = class_mismatch(job.datasets["id_test"].classes, backbone.classes) or class_mismatch(
-            job.datasets["id_fit"].classes, backbone.classes
-        )
-        if mismatch:
-            job.reporter.warn(mismatch)
-        elif (problem := check_classifier(backbone, job.datasets["id_fit"], config.seed).problem()) is not None:
-            job.reporter.warn(problem)  # the pre-flight refused it: started with --force or "Run anyway"
+        # the pre-flight refused a model whose classes are not the ID labels: started with --force or "Run anyway"
+        names = class_mismatch(job.datasets["id_test"].classes, backbone.classes)  # the fit split's: the check's
+        check = ClassifierCheck(backbone.num_classes, names=names) if names else None
+        problem = (check or check_classifier(backbone, job.datasets["id_fit"], config.seed)).problem()
+        if problem is not None:
+            job.reporter.warn(problem)
         sizes = {split: len(ds) for split, ds in job.datasets.items()}
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())
