@@ -34,6 +34,7 @@ def test_the_statistics_detectors_are_mergeable():
         "residual",
         "neco",
         "pnml",
+        "caref",
     }
 
 
