@@ -1,9 +1,10 @@
-"""Issue 29's CARef (Ling et al., CVPR 2025) against a float64 reference written here from the
-paper's equations (pytorch-ood 0.4 does not have it)."""
+"""Issue 29's CARef and CADRef (Ling et al., CVPR 2025), each against a float64 reference written here from the
+paper's equations (pytorch-ood 0.4 has neither)."""
 
 import numpy as np
 import pytest
 import torch
+from scipy.special import logsumexp, softmax
 
 from oodviz import Batch
 from oodviz.detectors import create
@@ -32,6 +33,22 @@ def caref_reference(fx, ex, w, b):
     return np.abs(ex - means[c]).sum(1) / np.abs(ex).sum(1)
 
 
+def cadref_reference(fx, ex, w, b, logit_score):
+    """CADRef: E+ / S(x) + E- / mean S over the fit rows, the errors split by the sign of w_c."""
+    scores = {
+        "energy": lambda z: logsumexp(z, axis=1),
+        "maxlogit": lambda z: z.max(1),
+        "msp": lambda z: softmax(z, axis=1).max(1),
+    }[logit_score]
+    means = predicted_class_means(fx, w, b)
+    z = ex @ w.T + b
+    c = z.argmax(1)
+    signed = (ex - means[c]) * np.sign(w[c])
+    norms = np.abs(ex).sum(1)
+    e_plus, e_minus = np.maximum(signed, 0).sum(1) / norms, np.maximum(-signed, 0).sum(1) / norms
+    return e_plus / scores(z) + e_minus / scores(fx @ w.T + b).mean()
+
+
 def _assert_formula(ours, expected):
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
 
@@ -43,6 +60,18 @@ def test_caref_is_the_relative_l1_error_from_the_predicted_class_mean(problem):
     np.testing.assert_allclose(det.class_means_.numpy(), predicted_class_means(fx, w, b), rtol=1e-12)
 
 
+@pytest.mark.parametrize("logit_score", ["energy", "maxlogit", "msp"])
+def test_cadref_is_the_decoupled_error_over_the_logit_scores(problem, logit_score):
+    det, ours = _fit_score(problem, "cadref", logit_score=logit_score)
+    fx, ex, w, b = _float64(problem)
+    expected = cadref_reference(fx, ex, w, b, logit_score)
+    # E+ / S(x) amplifies the float32 rounding of the batch's logits where S(x) nears 0 (max logits here cross it)
+    conditioned = np.abs((ex @ w.T + b).max(1)) > 1e-2 if logit_score == "maxlogit" else np.ones(len(ex), bool)
+    assert conditioned.mean() > 0.95
+    _assert_formula(ours[conditioned], expected[conditioned])
+    assert det.mean_logit_score_ > 0
+
+
 def test_the_predicted_class_comes_from_the_batch_logits_when_present(problem):
     """Batch logits that predict class 0 for every row (the head would not): the other classes have no mean."""
     class_0 = torch.zeros(len(problem.bias))
@@ -50,6 +79,15 @@ def test_the_predicted_class_comes_from_the_batch_logits_when_present(problem):
     only_class_0 = [Batch(b.features, class_0.expand(len(b), -1)) for b in problem.fit_batches()]
     with pytest.raises(ValueError, match=r"caref cannot fit: class\(es\) 1, 2, 3, 4, 5 have no fit samples predicted"):
         create("caref").fit(only_class_0, head=problem.head)
+
+
+def test_cadref_parameters_and_a_non_positive_mean_logit_score_are_refused(problem):
+    with pytest.raises(ValueError, match="logit_score must be one of energy, maxlogit, msp"):
+        create("cadref", logit_score="gen")
+    negative = [Batch(b.features, b.logits - 100, None) for b in problem.fit_batches()]
+    with pytest.raises(ValueError, match="mean energy logit score .* not positive.*logit_score='msp'"):
+        create("cadref").fit(negative, head=problem.head)
+    create("cadref", logit_score="msp").fit(negative, head=problem.head)  # the same data, a positive score
 
 
 def test_an_all_zero_feature_scores_finite(problem):

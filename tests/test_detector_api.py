@@ -58,6 +58,7 @@ def test_registry_lists_the_issue_detectors():
         "pnml",
         "lts",
         "caref",
+        "cadref",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -35,6 +35,7 @@ def test_the_statistics_detectors_are_mergeable():
         "neco",
         "pnml",
         "caref",
+        "cadref",
     }
 
 

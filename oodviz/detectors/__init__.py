@@ -14,6 +14,7 @@ also fit on in-distribution ``Batch(inputs=..., labels=...)`` (:mod:`oodviz.dete
 from oodviz.detectors.adascale import AdaSCALE
 from oodviz.detectors.ash import ASH
 from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
+from oodviz.detectors.cadref import CADRef
 from oodviz.detectors.caref import CARef
 from oodviz.detectors.dice import DICE
 from oodviz.detectors.energy import Energy
@@ -69,6 +70,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         PNML,
         SHE,
         CARef,
+        CADRef,
         KNN,
         ReAct,
         ASH,
