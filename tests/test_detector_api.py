@@ -57,6 +57,8 @@ def test_registry_lists_the_issue_detectors():
         "weightedebo",
         "pnml",
         "lts",
+        "caref",
+        "cadref",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -483,6 +483,8 @@ def test_statistics_and_detector_fits_split_across_ranks_give_the_single_process
     head = (torch.from_numpy(weight), torch.from_numpy(bias))
     names = sorted({key.split(".")[0] for key in merged.files if "." in key})
     assert names == [
+        "cadref",
+        "caref",
         "dice",
         "fdbd",
         "gmm",

@@ -34,6 +34,8 @@ def test_the_statistics_detectors_are_mergeable():
         "residual",
         "neco",
         "pnml",
+        "caref",
+        "cadref",
     }
 
 

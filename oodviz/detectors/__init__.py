@@ -14,6 +14,8 @@ also fit on in-distribution ``Batch(inputs=..., labels=...)`` (:mod:`oodviz.dete
 from oodviz.detectors.adascale import AdaSCALE
 from oodviz.detectors.ash import ASH
 from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
+from oodviz.detectors.cadref import CADRef
+from oodviz.detectors.caref import CARef
 from oodviz.detectors.dice import DICE
 from oodviz.detectors.energy import Energy
 from oodviz.detectors.entropy import Entropy
@@ -67,6 +69,8 @@ _REGISTRY: dict[str, type[Detector]] = {
         NECO,
         PNML,
         SHE,
+        CARef,
+        CADRef,
         KNN,
         ReAct,
         ASH,
