@@ -49,6 +49,7 @@ from oodviz.results import (
     load_results,
     ood_datasets_of,
     per_class_at_threshold,
+    sampling_table,
 )
 from oodviz.runs.rundir import write_atomic
 from oodviz.thumbnails import thumbnails
@@ -208,12 +209,17 @@ def _headline(page: _Page, results: Results) -> None:
 
 
 def _run_section(page: _Page, results: Results) -> None:
-    """Where and how the run ran (environment, each stage's wall time and peak memory), then its config, folded."""
+    """Where and how the run ran (environment, how each split was sampled, each stage's wall time and peak memory),
+    then its config, folded."""
     meta = results.meta or {}
     environment = {k: meta.get(k) for k in ("oodviz", "torch", "python", "device", "device_name") if k in meta}
     page.text("h2", "Run details")
     page.text("p", f"State: {results.state}. Run: {results.path.name}.")
     page.table(pd.DataFrame({"": list(environment), "value": [str(v) for v in environment.values()]}))
+    sampled = sampling_table(meta)
+    if len(sampled):
+        page.text("p", "Data: how many images of each split the run used, and how they were sampled.")
+        page.table(sampled)
     stages = meta.get("stages") or {}
     if stages:
         frame = pd.DataFrame.from_dict(stages, orient="index").rename_axis("stage").reset_index()

@@ -17,8 +17,8 @@ with this module, so each table is computed in one place. Files in a run directo
   the threshold that flags 95% of all OOD samples pooled: ``detector, class, class_name, n,
   accuracy, false_alarms, false_alarm_rate, mean_score, threshold``;
 - ``detectors.json``: each detector's parameters, fit time and, when it failed, its error and
-  traceback; ``meta.json``: versions, device, the splits and their stores, wall time and peak
-  memory per stage; plus the run's ``config.json``, ``status.json`` and ``events.jsonl``.
+  traceback; ``meta.json``: versions, device, the splits, how each was sampled and their stores, wall time
+  and peak memory per stage (:func:`sampling_table`); plus the run's ``config.json``, ``status.json`` and ``events.jsonl``.
 
 Convention everywhere: **OOD is the positive class; higher score = more OOD.** A sample is
 *flagged* (called OOD) when ``score >= threshold``; a flagged ID sample is a **false alarm**.
@@ -34,6 +34,7 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
+from oodviz.data.base import Sampling
 from oodviz.metrics import RECALL_LEVEL, aurc, ood_metrics, risk_at_coverage, risk_coverage, threshold_at_recall
 from oodviz.runs.rundir import RunDir, read_json_object, write_atomic
 
@@ -209,6 +210,22 @@ def classifier_errors_note(scores: pd.DataFrame) -> tuple[str, bool]:
     if errors >= MIN_CLASSIFIER_ERRORS:
         return f"{rests}.", True
     return f"{rests}: fewer than {MIN_CLASSIFIER_ERRORS}, too few to rank detectors by.", False
+
+
+#: the columns of :func:`sampling_table`
+SAMPLING_COLUMNS = ("split", "dataset", "images", "classes without an image")
+
+
+def sampling_table(meta: dict | None) -> pd.DataFrame:
+    """How each split of a run was taken from its dataset, read from its ``meta.json`` (``splits``; a run from
+    before splits recorded it gives no row): :data:`SAMPLING_COLUMNS`, ``images`` being
+    :meth:`~oodviz.data.base.Sampling.describe` (mode, seed, N of M)."""
+    rows = []
+    for split, entry in ((meta or {}).get("splits") or {}).items():
+        if entry.get("sampling"):
+            sampling = Sampling(**entry["sampling"])
+            rows.append((split, entry.get("dataset"), sampling.describe(), ", ".join(sampling.empty_classes)))
+    return pd.DataFrame(rows, columns=list(SAMPLING_COLUMNS))
 
 
 def selective_curve(scores: pd.DataFrame, detector: str) -> dict[str, np.ndarray]:

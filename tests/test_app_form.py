@@ -251,6 +251,7 @@ def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default
     from oodviz.runs.tuning import validation_warnings
 
     config = RunConfig.load(default_run_copy / "config.json")
+    config.id_fit.subsample_mode = "first"  # the fit's first images, validation its last: only the OOD set overlaps
     config.id_val = DatasetChoice("digits-train", subsample=50, subsample_mode="last")
     config.ood_val = config.ood[0]
     config.save(default_run_copy / "config.json")

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import inspect
+import math
 import os
 import pickle
 import struct
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -21,6 +24,7 @@ from oodviz.data import (
     DIGITS_HELD_OUT,
     DIGITS_ID_CLASSES,
     DatasetNotFoundError,
+    Sampling,
     available_datasets,
     dataset_info,
     dataset_params,
@@ -87,7 +91,7 @@ def test_registry_errors_name_the_fix():
         load_dataset("digit-test")
     with pytest.raises(ValueError, match="has no parameter.*colour.*its parameters: n, size, channels, noise_seed"):
         load_dataset("noise-gaussian", colour=3)
-    with pytest.raises(ValueError, match="subsample_mode must be one of first, random, last"):
+    with pytest.raises(ValueError, match="subsample_mode must be one of stratified, first, random, last"):
         load_dataset("digits-test", subsample=5, subsample_mode="middle")
 
 
@@ -243,7 +247,7 @@ def test_noise_distributions_sizes_and_modes():
 
 def test_subsampling_keeps_source_index():
     full = load_dataset("digits-test")
-    first = load_dataset("digits-test", subsample=10)
+    first = load_dataset("digits-test", subsample=10, subsample_mode="first")
     assert len(first) == 10 and [first[i][2] for i in range(10)] == list(range(10))
     random = load_dataset("digits-test", subsample=25, subsample_mode="random", seed=7)
     indices = [random[i][2] for i in range(25)]
@@ -272,10 +276,104 @@ def test_subsampling_keeps_source_index():
 
 
 def test_transform_is_applied_to_the_image():
-    ds = load_dataset("digits-test", subsample=3, transform=lambda image: np.asarray(image, dtype=np.float32) / 255)
+    ds = load_dataset(
+        "digits-test",
+        subsample=3,
+        subsample_mode="first",
+        transform=lambda image: np.asarray(image, dtype=np.float32) / 255,
+    )
     array, label, index = ds[1]
     np.testing.assert_allclose(array, digits_split("test")[0][1] / 255, rtol=1e-6)
     assert (label, index) == (int(digits_split("test")[1][1]), 1)
+
+
+# -- stratified subsampling (the default) ------------------------------------------------------
+
+
+def proportional_shares(labels: np.ndarray, total: int) -> dict[int, int]:
+    """Largest-remainder allocation of ``total`` over the classes of ``labels``, in exact fractions: each class
+    gets floor(total * count / n), then the classes with the largest remainders one more (ties: lower class)."""
+    classes, counts = np.unique(labels, return_counts=True)
+    n = len(labels)
+    quotas = {int(c): Fraction(total * int(k), n) for c, k in zip(classes, counts)}
+    shares = {c: math.floor(q) for c, q in quotas.items()}
+    for c in sorted(quotas, key=lambda c: (-(quotas[c] - shares[c]), c))[: total - sum(shares.values())]:
+        shares[c] += 1
+    return shares
+
+
+def per_class(labels: np.ndarray) -> dict[int, int]:
+    classes, counts = np.unique(labels, return_counts=True)
+    return {int(c): int(k) for c, k in zip(classes, counts)}
+
+
+@pytest.mark.parametrize("total", [1, 7, 50, 333, 1080])
+def test_a_stratified_subsample_gives_each_class_its_proportional_share(total):
+    full = load_dataset("digits-train")
+    sub = load_dataset("digits-train", subsample=total, subsample_mode="stratified", seed=3)
+    expected = {c: k for c, k in proportional_shares(full.labels, total).items() if k}
+    assert len(sub) == total and per_class(sub.labels) == expected
+    indices = sub.source_indices
+    assert (np.diff(indices) > 0).all()  # ascending, distinct: the store keeps the dataset's order
+    np.testing.assert_array_equal(sub.labels, full.labels[indices])
+
+
+def test_stratified_shares_of_unequal_classes_add_up_by_largest_remainder():
+    rng = np.random.default_rng(0)
+    labels = rng.permutation(np.repeat([0, 1, 2, 3, -1], [50, 30, 15, 4, 1]))  # -1: items without a class
+    for total in (3, 9, 17, 64):
+        kept = subsample_indices(len(labels), total, "stratified", seed=5, labels=labels)
+        assert len(kept) == total and per_class(labels[kept]) == {
+            c: k for c, k in proportional_shares(labels, total).items() if k
+        }
+
+
+def test_a_stratified_subsample_is_seeded_and_uniform_within_each_class():
+    labels = load_dataset("digits-test").labels
+    same = [load_dataset("digits-test", subsample=40, seed=7).source_indices for _ in range(2)]
+    np.testing.assert_array_equal(same[0], same[1])
+    other = load_dataset("digits-test", subsample=40, seed=8).source_indices
+    assert not np.array_equal(same[0], other) and per_class(labels[other]) == per_class(labels[same[0]])
+    # every item of a class is drawn about equally often over seeds (not the first ones of the class)
+    counts = np.zeros(len(labels))
+    for seed in range(400):
+        counts[subsample_indices(len(labels), 40, seed=seed, labels=labels)] += 1
+    expected = 400 * 5 / np.bincount(labels)[labels]  # 5 of a class of 44-46 per draw
+    assert np.abs(counts - expected).max() < 0.5 * expected.min()
+
+
+def test_the_default_subsample_is_stratified_and_an_ood_sets_is_uniform():
+    from oodviz.runs.config import DatasetChoice
+
+    assert DatasetChoice("digits-test").subsample_mode == "stratified"
+    assert inspect.signature(load_dataset).parameters["subsample_mode"].default == "stratified"
+    assert inspect.signature(subsample_indices).parameters["mode"].default == "stratified"
+    default = load_dataset("digits-test", subsample=40, seed=2)
+    np.testing.assert_array_equal(
+        default.source_indices,
+        load_dataset("digits-test", subsample=40, subsample_mode="stratified", seed=2).source_indices,
+    )
+    assert (default.sampling.mode, default.sampling.classes) == ("stratified", 8)
+    # an OOD set has no classes: stratified is the uniform draw of mode "random"
+    ood = load_dataset("digits-heldout", subsample=30, seed=2)
+    random = load_dataset("digits-heldout", subsample=30, subsample_mode="random", seed=2)
+    np.testing.assert_array_equal(ood.source_indices, random.source_indices)
+    assert ood.sampling.describe() == "30 of 354, uniform at random (no classes), seed 2"
+    assert load_dataset("digits-test").sampling.describe() == "all 362 (no subsample)"
+
+
+def test_an_image_folder_subsample_holds_every_class_and_names_the_classes_it_loses(tmp_path):
+    for k in range(4):
+        for i in range(6):
+            _png(tmp_path / f"class-{k}" / f"{i}.png", (40 * k, 0, 0))
+    sub = load_dataset("folder", path=str(tmp_path), subsample=8)
+    assert per_class(sub.labels) == {0: 2, 1: 2, 2: 2, 3: 2}
+    assert sub.sampling == Sampling("stratified", 0, 8, 24, 4, ())
+    assert sub.sampling.describe() == "8 of 24, stratified by class (4 classes), seed 0"
+    first = load_dataset("folder", path=str(tmp_path), subsample=8, subsample_mode="first")
+    assert per_class(first.labels) == {0: 6, 1: 2}  # what "first" takes: the folders in name order
+    assert first.sampling.empty_classes == ("class-2", "class-3")
+    assert load_dataset("folder", path=str(tmp_path), subsample=3).sampling.empty_classes == ("class-3",)
 
 
 # -- torchvision formats, written here in their real layouts --------------------------------

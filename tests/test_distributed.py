@@ -250,7 +250,7 @@ def test_two_processes_over_three_layers_give_one_processs_stores_and_per_layer_
     ``mahalanobis@combined`` within the sharded tolerances; knn's bank split per layer, vim (needs the head) at
     the penultimate layer only, msp once; knn's k tuned on validation splits, the same choice."""
     config = RunConfig(
-        id_fit=DatasetChoice("digits-train", subsample=300),
+        id_fit=DatasetChoice("digits-train", subsample=300, subsample_mode="first"),  # disjoint from id_val
         id_test=DatasetChoice("digits-test", subsample=101),  # odd: the two shards differ by one row
         ood=[DatasetChoice("noise-uniform", params={"n": 60})],
         id_val=DatasetChoice("digits-train", subsample=80, subsample_mode="last"),

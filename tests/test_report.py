@@ -77,6 +77,8 @@ def test_the_report_holds_every_figure_table_and_gallery_and_nothing_external(re
     headline = text.index('<p class="headline">Best detector by mean AUROC')
     assert headline < text.index("<h2>Metrics</h2>") < text.index("<h2>Detectors</h2>") < text.index("<h2>Run details")
     assert text.index("<h2>Run details") < text.index("<details><summary>Config</summary>")
+    sampled = text.index("Data: how many images of each split the run used, and how they were sampled")
+    assert text.index("<h2>Run details") < sampled < text.index("<td>all 362 (no subsample)</td>")  # id_test
     assert f"over the 6 OOD sets: {best} (AUROC" in text[headline:]
     peak = max(stage["peak_cpu_rss"] for stage in default_results.meta["stages"].values())
     assert f"<td>{format_bytes(peak)}</td>" in text and str(peak) not in text  # sizes in B/KiB/MiB/GiB

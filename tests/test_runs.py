@@ -423,3 +423,52 @@ def test_a_torchvision_model_with_random_weights_end_to_end_on_image_folders(tmp
     assert any("1 unreadable image(s) skipped" in e.get("message", "") for e in run.read_events())
     meta = json.loads((run.path / "meta.json").read_text())
     assert meta["splits"]["id_fit"]["n"] == 16
+
+
+def test_a_subsample_that_leaves_a_class_without_an_image_is_a_run_warning_in_the_cli_and_the_run_details(
+    tmp_path, capsys
+):
+    """`oodviz run` with an ID test folder of 8 classes (3 images each) subsampled to 5: stratified, so 5 classes
+    get one image and 3 none, which the run warns about (its events, the CLI's output) and its meta records for
+    the run details (mode, seed, N of M, the classes left out)."""
+    from PIL import Image
+
+    from oodviz.cli import main
+    from oodviz.results import sampling_table
+
+    for k in range(8):
+        for i in range(3):
+            folder = tmp_path / "test" / str(k)
+            folder.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.full((8, 8), 30 * k + i, np.uint8)).save(folder / f"{i}.png")
+    config = small_config(
+        id_fit=DatasetChoice("digits-train", subsample=300),
+        id_test=DatasetChoice("folder", {"path": str(tmp_path / "test"), "mode": "L"}, subsample=5),
+        ood=[DatasetChoice("noise-uniform", params={"n": 40}, subsample=20)],
+        detectors=[DetectorChoice("msp")],
+        device="cpu",
+    )
+    config.save(tmp_path / "run.json")
+    code = main(["run", str(tmp_path / "run.json"), "--out", str(tmp_path / "runs" / "run")])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    expected = "id_test: its subsample (5 of 24, stratified by class (8 classes), seed 0) holds no image of 3 class(es): 5, 6, 7"
+    assert f"WARNING {expected}" in err
+    run = RunDir(tmp_path / "runs" / "run")
+    warnings = [e["message"] for e in run.read_events() if e.get("event") == "warning"]
+    assert [w for w in warnings if w.startswith(expected)] and not [w for w in warnings if "id_fit:" in w]
+    scores = pd.read_parquet(run.path / "scores.parquet")
+    assert sorted(scores.label[scores.split == "id_test"]) == [0, 1, 2, 3, 4]
+    meta = json.loads((run.path / "meta.json").read_text())
+    assert meta["splits"]["id_test"]["sampling"] == {
+        "mode": "stratified",
+        "seed": 0,
+        "kept": 5,
+        "of": 24,
+        "classes": 8,
+        "empty_classes": ["5", "6", "7"],
+    }
+    table = sampling_table(meta).set_index("split")
+    assert table.loc["id_fit", "images"] == "300 of 1,081, stratified by class (8 classes), seed 0"
+    assert table.loc["ood:noise-uniform", "images"] == "20 of 40, uniform at random (no classes), seed 0"
+    assert table.loc["id_test", "classes without an image"] == "5, 6, 7"

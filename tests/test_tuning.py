@@ -227,6 +227,10 @@ def test_the_app_shows_the_choice_and_warns_when_validation_ood_is_a_test_set(tu
         key, value = next(iter(log[name]["tuning"]["chosen"].items()))
         assert shown.loc[name, "chosen"] == f"{key}={value}"
         assert shown.loc[name, "validation AUROC"] == pytest.approx(log[name]["tuning"]["auroc"])
+    # the run details say how each split was sampled: tuning holds out the last ID fit images, fits on the first
+    [sampled] = [d.value for d in app.dataframe if "images" in d.value.columns and "split" in d.value.columns]
+    images = sampled.set_index("split")["images"]
+    assert images["id_fit"] == "800 of 1,081, the first ones" and images["id_val"] == "281 of 1,081, the last ones"
 
     overlapping = runs_root / "overlap"
     shutil.copytree(tuned_run.path, overlapping)

@@ -1,6 +1,6 @@
 """Dataset sources behind one registry: ``available_datasets()``, ``dataset_info(name)``, ``load_dataset(name)``.
 
-``load_dataset(name, root="data", download=False, subsample=None, subsample_mode="first", seed=0,
+``load_dataset(name, root="data", download=False, subsample=None, subsample_mode="stratified", seed=0,
 as_ood=None, transform=None, **params)`` returns an :class:`ImageDataset`:
 ``ds[i] -> (PIL image, label, source_index)`` (label ``-1`` = OOD; ``source_index`` indexes the full
 dataset before subsampling), or ``None`` for an unreadable image file (counted in ``ds.skipped``).
@@ -11,7 +11,7 @@ Fashion-MNIST preset's ID / held-out / shifted sets and 28x28 digits (:mod:`.fas
 user's image folders (:mod:`.folders`). Add one with :func:`register_dataset`.
 """
 
-from oodviz.data.base import ImageDataset, Source, UnreadableImageError, subsample_indices
+from oodviz.data.base import ImageDataset, Sampling, Source, UnreadableImageError, subsample_indices
 from oodviz.data.registry import (
     DatasetInfo,
     available_datasets,
@@ -41,6 +41,7 @@ __all__ = [
     "DatasetInfo",
     "DatasetNotFoundError",
     "ImageDataset",
+    "Sampling",
     "Source",
     "UnreadableImageError",
     "available_datasets",

@@ -15,7 +15,9 @@ import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from oodviz.data.base import ImageDataset, Source, subsample_indices
+import numpy as np
+
+from oodviz.data.base import ImageDataset, Source, sampling_of, subsample_indices
 from oodviz.params import param_problems
 
 KINDS = ("id", "ood")
@@ -107,7 +109,7 @@ def load_dataset(
     root: str = "data",
     download: bool = False,
     subsample: int | None = None,
-    subsample_mode: str = "first",
+    subsample_mode: str = "stratified",
     seed: int = 0,
     as_ood: bool | None = None,
     transform=None,
@@ -119,8 +121,10 @@ def load_dataset(
     :param root: data directory for file-based sources (torchvision layouts under it)
     :param download: let torchvision sources fetch missing files (network needed)
     :param subsample: keep at most this many items (``None`` = all; more than the dataset has = all)
-    :param subsample_mode: ``"first"`` (the first ``subsample`` items) or ``"random"`` (seeded by ``seed``)
-    :param seed: seed of ``subsample_mode="random"`` only
+    :param subsample_mode: ``"stratified"`` (each class its share, drawn uniformly with ``seed``; an OOD set, without
+        classes, a uniform draw), ``"random"`` (uniform, ignoring classes), ``"first"`` or ``"last"`` (the first or
+        last ``subsample`` items): :func:`~oodviz.data.base.subsample_indices`; ``ds.sampling`` records it
+    :param seed: seed of the ``"stratified"`` and ``"random"`` draws
     :param as_ood: ``True`` sets every label to ``-1`` and ``classes`` to ``[]``; ``False`` keeps the
         source's labels where it has them; ``None`` (default) follows the dataset's ``kind``
     :param transform: optional callable applied to each PIL image in ``__getitem__``
@@ -139,7 +143,9 @@ def load_dataset(
     if "model_classes" in inspect.signature(loader).parameters:
         params = {**params, "model_classes": model_classes}
     source = loader(root=str(root), download=download, **params)
-    indices = subsample_indices(len(source), subsample, subsample_mode, seed)
     ood = info.kind == "ood" if as_ood is None else bool(as_ood)
+    labels = np.asarray(source.labels, dtype=np.int64)  # every source knows them without decoding an image
+    indices = subsample_indices(len(source), subsample, subsample_mode, seed, None if ood else labels)
+    sampling = sampling_of(labels, indices, [] if ood else list(source.classes), subsample_mode, seed)
     display = getattr(source, "display_name", None) or name
-    return ImageDataset(display, source, indices, as_ood=ood, transform=transform)
+    return ImageDataset(display, source, indices, as_ood=ood, transform=transform, sampling=sampling)

@@ -32,12 +32,17 @@ DEFAULT_OOD = (
 
 @dataclass
 class DatasetChoice:
-    """A dataset from ``oodviz.data`` with its parameters, optional subsample and (OOD) near/far group."""
+    """A dataset from ``oodviz.data`` with its parameters, optional subsample and (OOD) near/far group.
+
+    ``subsample``: at most this many images (``None`` = all), taken by ``subsample_mode`` with the run's seed
+    (:func:`oodviz.data.base.subsample_indices`): ``"stratified"`` (the default: each class its share, drawn
+    uniformly; an OOD set, without classes, a uniform draw), ``"random"``, or ``"first"`` / ``"last"`` (what
+    tuning's held-out ID images use: the fit takes the first images, validation the last ones)."""
 
     name: str
     params: dict = field(default_factory=dict)
     subsample: int | None = None
-    subsample_mode: str = "first"
+    subsample_mode: str = "stratified"
     group: str | None = None  # None = the group the dataset registers
 
 

@@ -32,7 +32,7 @@ import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import pandas as pd
@@ -57,7 +57,14 @@ from oodviz.runs.layers import combine_layers, detector_columns, extract_layers_
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
 from oodviz.runs.reporter import Reporter, Stage
 from oodviz.runs.rundir import RunDir, write_json
-from oodviz.runs.splits import feature_store_root, load_split, run_splits, split_group, store_key_params
+from oodviz.runs.splits import (
+    empty_classes_warning,
+    feature_store_root,
+    load_split,
+    run_splits,
+    split_group,
+    store_key_params,
+)
 from oodviz.runs.tuning import tune_detectors, tuned_choice
 
 SCORE_BATCH = 4096
@@ -213,7 +220,8 @@ def load_model(job: Job) -> None:
 
 
 def load_data(job: Job) -> None:
-    """Open every split's dataset, then, before any extraction: refuse detector parameters the data's sizes
+    """Open every split's dataset (warn when a subsample left a class without an image:
+    :func:`~oodviz.runs.splits.empty_classes_warning`), then, before any extraction: refuse detector parameters the data's sizes
     rule out (knn ``k`` above the fit rows, vim ``dim`` >= D), warn when the ID classes are not the model's,
     refuse a run whose new feature stores would not fit on the disk, measure one batch of each model-based detector
     the pre-flight did not (:func:`oodviz.runs.batchprobe.measure_for_run`: their batch sizes come from it), and
@@ -228,6 +236,9 @@ def load_data(job: Job) -> None:
     with job.reporter.stage("load data") as stage:
         for split, choice, as_ood in job.splits:
             job.datasets[split] = load_split(config, choice, as_ood, backbone.classes)
+            warning = empty_classes_warning(split, job.datasets[split].sampling)
+            if warning:
+                job.reporter.warn(warning)
         problems = check_sizes(config, len(job.datasets["id_fit"]), backbone.feature_dim, backbone.num_classes)
         if problems:
             raise ConfigError(problems)
@@ -287,7 +298,8 @@ def extract_or_reuse_split(job: Job, split: str, choice: DatasetChoice, stage: S
 def extract_splits(job: Job, open_split=None) -> None:
     """One stage per split: its feature store, extracted or reused (by ``open_split(job, split, choice, stage)``;
     a sharded run passes its own, :mod:`oodviz.runs.sharded`; by default every layer of a run over several
-    layers in one pass, :mod:`oodviz.runs.layers`); the splits go into ``meta``."""
+    layers in one pass, :mod:`oodviz.runs.layers`); the splits go into ``meta``, each with how it was sampled
+    (:class:`~oodviz.data.base.Sampling`)."""
     if open_split is None:
         open_split = extract_layers_split if job.config.layers else extract_or_reuse_split
     for split, choice, _ in job.splits:
@@ -306,6 +318,7 @@ def extract_splits(job: Job, open_split=None) -> None:
             "n": job.stores[split].n,
             "store": job.stores[split].key,
             "reused": job.stores[split].reused,
+            "sampling": asdict(job.datasets[split].sampling),
         }
         for split, choice, as_ood in job.splits
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from oodviz.data.base import Sampling
 from oodviz.runs.config import DatasetChoice, RunConfig
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.tuning import validation_splits
@@ -32,6 +33,24 @@ def load_split(config: RunConfig, choice: DatasetChoice, as_ood: bool, model_cla
         as_ood=as_ood,
         model_classes=model_classes,
         **choice.params,
+    )
+
+
+#: at most this many class names in :func:`empty_classes_warning`
+NAMED_CLASSES = 10
+
+
+def empty_classes_warning(split: str, sampling: Sampling) -> str | None:
+    """The warning for a split whose subsample (``sampling``) holds no image of some of the classes its dataset has
+    images of: which ones and how to fix it (the split's ``subsample``); ``None`` when every class has an image."""
+    empty = sampling.empty_classes
+    if not empty:
+        return None
+    names = ", ".join(empty[:NAMED_CLASSES]) + (", ..." if len(empty) > NAMED_CLASSES else "")
+    return (
+        f"{split}: its subsample ({sampling.describe()}) holds no image of {len(empty)} class(es): {names}; its "
+        f"results say nothing about them. Raise {split}.subsample (the form's Subsample fields) until every class "
+        "has a share, or leave it unset to use every image"
     )
 
 

@@ -35,6 +35,7 @@ from oodviz.results import (
     load_results,
     ood_datasets_of,
     per_class_at_threshold,
+    sampling_table,
 )
 from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import prefetch_datasets, thumbnails
@@ -457,6 +458,10 @@ def run_details(page: Page) -> None:
         pd.DataFrame([{"what": label, "value": str(meta[key])} for key, label in facts.items() if meta.get(key)]),
         hide_index=True,
     )
+    sampled = sampling_table(meta)
+    if len(sampled):
+        st.markdown("**Data**: how many images of each split the run used, and how they were sampled")
+        st.dataframe(sampled, hide_index=True, width="stretch")
     if meta.get("stages"):
         stages = pd.DataFrame(meta["stages"]).T
         shown = pd.DataFrame({"stage": stages.index})

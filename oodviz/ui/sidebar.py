@@ -149,6 +149,20 @@ def _count_images(choice_json: str, data_root: str) -> int | None:
         return None
 
 
+#: what the form's subsample fields take (:func:`oodviz.data.base.subsample_indices`), said beside them
+SUBSAMPLE_CAPTION = (
+    f"Subsample: at most this many images of each split (0 = all), drawn at random (seed {RunConfig.seed}) and "
+    "stratified by class: each class keeps its share"
+)
+SUBSAMPLE_HELP = (
+    "Each class of an ID split gets its share of the images (proportional to its size, rounded so the total is "
+    "exact), drawn uniformly at random with the run's seed; the images keep the dataset's order. OOD sets have no "
+    "classes: a uniform random sample. When tuning on part of the ID fit set, the fit takes its first images and "
+    "validation its last ones. A class left without an image is a warning of the run; the run details say how "
+    "each split was sampled."
+)
+
+
 def fit_set_size(values: FormValues) -> int | None:
     """The size of the form's whole ID fit set (no subsample), from paths the server allows (:func:`_count_images`,
     once per set and data root); None otherwise, and for an image folder unless the form tunes (a folder is walked
@@ -335,7 +349,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         data_root = st.text_input("Data root (torchvision files)", defaults.data_root)
         slots["data_root"] = st.empty()
         download = st.checkbox("Allow downloads", defaults.download, help="Off by default: oodviz works offline.")
-        st.caption("Subsample: at most this many images of each split (0 = all)")
+        st.caption(SUBSAMPLE_CAPTION, help=SUBSAMPLE_HELP)
         s1, s2, s3 = st.columns(3)
         fit_subsample = s1.number_input("ID fit", min_value=0, value=defaults.fit_subsample)
         test_subsample = s2.number_input("ID test", min_value=0, value=defaults.test_subsample)
