@@ -34,9 +34,9 @@ import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 
-from oodviz.data.base import Sampling
 from oodviz.metrics import RECALL_LEVEL, aurc, ood_metrics, risk_at_coverage, risk_coverage, threshold_at_recall
 from oodviz.runs.rundir import RunDir, read_json_object, write_atomic
+from oodviz.sampling import Sampling
 
 ID_SPLIT = "id_test"
 OOD_SPLIT = "ood"
@@ -219,7 +219,7 @@ SAMPLING_COLUMNS = ("split", "dataset", "images", "classes without an image")
 def sampling_table(meta: dict | None) -> pd.DataFrame:
     """How each split of a run was taken from its dataset, read from its ``meta.json`` (``splits``; a run from
     before splits recorded it gives no row): :data:`SAMPLING_COLUMNS`, ``images`` being
-    :meth:`~oodviz.data.base.Sampling.describe` (mode, seed, N of M)."""
+    :meth:`~oodviz.sampling.Sampling.describe` (mode, seed, N of M)."""
     rows = []
     for split, entry in ((meta or {}).get("splits") or {}).items():
         if entry.get("sampling"):

@@ -198,10 +198,12 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
     """Three digits-cnn layers over a disk that holds two of them: the pre-flight's "fewer layers" fix is a button
     that takes exactly the widest layer out of Layers and estimates again, which then fits. The estimate runs
     in this process (the app runs it in a subprocess) against that disk; the stores written out from the formula,
-    N x (D x 4 + C x 4 + 24) bytes per split (D: avg-pooled, one per channel)."""
+    N x (D x 4 + C x 4 + 24) bytes per split (D: avg-pooled, one per channel), plus the head room the pre-flight
+    asks for (margin_for)."""
     import json
 
     import oodviz.runs.preflight
+    from oodviz.engine.store.space import margin_for
     from oodviz.models.digits import DigitsCNN
     from oodviz.runs.config import RunConfig
     from oodviz.runs.probe import estimate_for_config
@@ -212,7 +214,8 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
     assert max(dims, key=dims.get) == "penultimate"
     n = sum(len(load_dataset(name)) for name in ("digits-train", "digits-test", "digits-heldout"))
     store = {layer: n * (d * 4 + model.fc.out_features * 4 + 24) for layer, d in dims.items()}
-    disk = store["features.0"] + store["features.3"] + store["penultimate"] // 2  # all but half the widest
+    two = store["features.0"] + store["features.3"]
+    disk = two + margin_for(two) + store["penultimate"] // 2  # the two narrow layers with head room, half the widest
     limits = oodviz.runs.preflight.machine_limits
 
     def with_small_disk(root, device, cap=None):

@@ -175,7 +175,7 @@ def test_set_params_rescores_a_fitted_detector_as_a_new_fit(problem, tmp_path):
 
 def test_first_and_last_subsamples_are_disjoint_parts_of_a_source():
     from oodviz.data import load_dataset
-    from oodviz.data.base import subsample_indices
+    from oodviz.sampling import subsample_indices
 
     np.testing.assert_array_equal(subsample_indices(10, 3, "last"), [7, 8, 9])
     fit = load_dataset("digits-train", subsample=800, subsample_mode="first")

@@ -11,7 +11,7 @@ Fashion-MNIST preset's ID / held-out / shifted sets and 28x28 digits (:mod:`.fas
 user's image folders (:mod:`.folders`). Add one with :func:`register_dataset`.
 """
 
-from oodviz.data.base import ImageDataset, Sampling, Source, UnreadableImageError, subsample_indices
+from oodviz.data.base import ImageDataset, Source, UnreadableImageError
 from oodviz.data.registry import (
     DatasetInfo,
     available_datasets,
@@ -21,6 +21,7 @@ from oodviz.data.registry import (
     load_dataset,
     register_dataset,
 )
+from oodviz.sampling import Sampling, subsample_indices
 
 # Importing a source module registers its datasets (in this order in available_datasets()).
 from oodviz.data import bundled, noise, torchvision_sets, fashion, folders  # noqa: F401  isort: skip

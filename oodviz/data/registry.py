@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from oodviz.data.base import ImageDataset, Source, sampling_of, subsample_indices
+from oodviz.data.base import ImageDataset, Source
 from oodviz.params import param_problems
+from oodviz.sampling import sampling_of, subsample_indices
 
 KINDS = ("id", "ood")
 GROUPS = ("near", "far", None)
@@ -123,7 +124,7 @@ def load_dataset(
     :param subsample: keep at most this many items (``None`` = all; more than the dataset has = all)
     :param subsample_mode: ``"stratified"`` (each class its share, drawn uniformly with ``seed``; an OOD set, without
         classes, a uniform draw), ``"random"`` (uniform, ignoring classes), ``"first"`` or ``"last"`` (the first or
-        last ``subsample`` items): :func:`~oodviz.data.base.subsample_indices`; ``ds.sampling`` records it
+        last ``subsample`` items): :func:`~oodviz.sampling.subsample_indices`; ``ds.sampling`` records it
     :param seed: seed of the ``"stratified"`` and ``"random"`` draws
     :param as_ood: ``True`` sets every label to ``-1`` and ``classes`` to ``[]``; ``False`` keeps the
         source's labels where it has them; ``None`` (default) follows the dataset's ``kind``

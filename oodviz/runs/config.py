@@ -35,7 +35,7 @@ class DatasetChoice:
     """A dataset from ``oodviz.data`` with its parameters, optional subsample and (OOD) near/far group.
 
     ``subsample``: at most this many images (``None`` = all), taken by ``subsample_mode`` with the run's seed
-    (:func:`oodviz.data.base.subsample_indices`): ``"stratified"`` (the default: each class its share, drawn
+    (:func:`oodviz.sampling.subsample_indices`): ``"stratified"`` (the default: each class its share, drawn
     uniformly; an OOD set, without classes, a uniform draw), ``"random"``, or ``"first"`` / ``"last"`` (what
     tuning's held-out ID images use: the fit takes the first images, validation the last ones)."""
 
@@ -297,9 +297,9 @@ def _dataset_problems(choice: DatasetChoice, where: str, config: RunConfig | Non
     """What is wrong with one dataset choice; ``config`` (None when its model is wrong) gives the model's
     classes for ``class_map="model"``."""
     from oodviz.data import available_datasets, dataset_param_problems
-    from oodviz.data.base import SUBSAMPLE_MODES
     from oodviz.data.registry import GROUPS
     from oodviz.models import backbone_classes
+    from oodviz.sampling import SUBSAMPLE_MODES
 
     if not isinstance(choice, DatasetChoice):
         return [f"{where} must be a DatasetChoice, got {choice!r}"]

@@ -299,7 +299,7 @@ def extract_splits(job: Job, open_split=None) -> None:
     """One stage per split: its feature store, extracted or reused (by ``open_split(job, split, choice, stage)``;
     a sharded run passes its own, :mod:`oodviz.runs.sharded`; by default every layer of a run over several
     layers in one pass, :mod:`oodviz.runs.layers`); the splits go into ``meta``, each with how it was sampled
-    (:class:`~oodviz.data.base.Sampling`)."""
+    (:class:`~oodviz.sampling.Sampling`)."""
     if open_split is None:
         open_split = extract_layers_split if job.config.layers else extract_or_reuse_split
     for split, choice, _ in job.splits:

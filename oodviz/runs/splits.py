@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from oodviz.data.base import Sampling
 from oodviz.runs.config import DatasetChoice, RunConfig
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.tuning import validation_splits
+from oodviz.sampling import Sampling
 
 
 def feature_store_root(run: RunDir) -> Path:

@@ -149,7 +149,7 @@ def _count_images(choice_json: str, data_root: str) -> int | None:
         return None
 
 
-#: what the form's subsample fields take (:func:`oodviz.data.base.subsample_indices`), said beside them
+#: what the form's subsample fields take (:func:`oodviz.sampling.subsample_indices`), said beside them
 SUBSAMPLE_CAPTION = (
     f"Subsample: at most this many images of each split (0 = all), drawn at random (seed {RunConfig.seed}) and "
     "stratified by class: each class keeps its share"
