@@ -12,6 +12,9 @@ import pytest
 from conftest import chromium
 from test_browser import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
 
+from oodviz.analysis import score_histogram
+from oodviz.plots import hidden_at_first
+
 pytestmark = chromium
 
 #: the 4 significant digits of a gallery caption's score ("true class → prediction · score")
@@ -73,11 +76,15 @@ def test_a_box_on_the_histogram_shows_the_images_whose_scores_lie_in_it(page, ap
     span = axis[1] - axis[0]
     assert low == pytest.approx(axis[0] + 0.40 * span, abs=0.02 * span)
     assert high == pytest.approx(axis[0] + 0.65 * span, abs=0.02 * span)
-    # every set's count in range is scores.parquet's (the range printed to 6 digits: a sample on an edge may move)
-    values = scores[detector].to_numpy(dtype=np.float64)
+    # every drawn set's count in range is scores.parquet's (the range printed to 6 digits: a sample on an edge may
+    # move); a set hidden at first has no bars under the box, and none of its images are shown
+    hidden = hidden_at_first(list(score_histogram(scores, detector)["counts"]))
+    assert hidden and page.get_by_text(f"Not drawn at first: {', '.join(hidden)};").count() == 1
+    drawn = scores[~scores.dataset.isin(hidden)]
+    values = drawn[detector].to_numpy(dtype=np.float64)
     edge = 1e-5 * max(abs(low), abs(high), 1.0)
-    inside = scores[(values >= low - edge) & (values <= high + edge)]
-    surely = scores[(values >= low + edge) & (values <= high - edge)]
+    inside = drawn[(values >= low - edge) & (values <= high + edge)]
+    surely = drawn[(values >= low + edge) & (values <= high - edge)]
     assert len(surely) <= total <= len(inside) and total > 0
     for dataset in inside.dataset.unique():
         shown = page.get_by_text(re.compile(rf"^{re.escape(dataset)}: [\d,]+ in range"))
