@@ -65,6 +65,12 @@ def test_the_bundled_model_passes_and_the_same_model_with_its_head_rolled_fails(
     assert (again.n, again.correct) == (rolled.n, rolled.correct)  # seeded
 
 
+def test_an_id_set_without_classes_has_nothing_to_judge_by():
+    """Generated noise as the ID set (labels -1, no classes), as tests/test_batchprobe.py measures odin on."""
+    check = check_classifier(RunConfig().load_backbone(), load_dataset("noise-uniform", n=20), seed=0)
+    assert (check.n, check.names) == (0, None) and check.matches
+
+
 def _lettered_digits(root: Path, n_per_class: int = 12) -> Path:
     """The bundled digits 0-3 as an image folder whose classes are named a-d: not the model's class names."""
     images = load_dataset("digits-test")

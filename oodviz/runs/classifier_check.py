@@ -77,14 +77,15 @@ class ClassifierCheck:
 def check_classifier(backbone, dataset, seed: int = 0, sample: int = SAMPLE) -> ClassifierCheck:
     """:class:`ClassifierCheck` of ``backbone`` (on its device, in eval mode, its mode restored) on the ID ``dataset`` (items
     ``(image, label, index)``, ``None`` for an unreadable one): the names, else one forward pass of ``sample``
-    seeded items drawn uniformly."""
+    seeded items drawn uniformly; items without a class (label ``-1``: an unlabelled ID set such as generated
+    noise) are not judged, and a set of only those has nothing to judge by (``n`` 0)."""
     import torch  # deferred: the module's check is read where torch is not imported
 
     names = class_mismatch(dataset.classes, backbone.classes)
     if names is not None:
         return ClassifierCheck(backbone.num_classes, names=names)
     rows = np.sort(np.random.default_rng(seed).permutation(len(dataset))[: min(sample, len(dataset))])
-    items = [item for item in (dataset[int(i)] for i in rows) if item is not None]
+    items = [item for item in (dataset[int(i)] for i in rows) if item is not None and item[1] >= 0]
     if not items:
         return ClassifierCheck(backbone.num_classes)
     inputs = torch.stack([backbone.transform(image) for image, _, _ in items]).to(backbone.device)
