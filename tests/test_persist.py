@@ -10,12 +10,28 @@ from test_model_detectors import TinyCNN, backbone_of, inputs
 
 from oodviz import Batch
 from oodviz.detectors import DetectorFileError, available, create, detector_class, load
-from oodviz.detectors.persist import MANIFEST, file_sha256
+from oodviz.detectors.persist import MANIFEST, file_sha256, fitted_state
 
 pytestmark = pytest.mark.kernels  # a saved detector reloaded scores the same batches to the bit
 
 FEATURE_BASED = [n for n in available() if not detector_class(n).needs_model]
 MODEL_BASED = [n for n in available() if detector_class(n).needs_model]
+
+
+def shapes_declared(detector) -> bool:
+    """Every fitted array of ``detector`` has its axes declared in ``fitted_shapes`` (so a tampered one is caught)."""
+    arrays = {k: v.shape for k, v in fitted_state(detector).items() if hasattr(v, "shape")}
+    return all(len(shape) == len(detector.fitted_shapes.get(k, "?" * 99)) for k, shape in arrays.items())
+
+
+def rehash_with(directory, key: str, array: np.ndarray) -> None:
+    """Replace fitted state ``key`` of the detector saved in ``directory`` by ``array``, its SHA-256 and shape
+    updated in detector.json to match (a tampering every per-file check accepts)."""
+    manifest = json.loads((directory / MANIFEST).read_text())
+    entry = manifest["state"][key]
+    np.save(directory / entry["file"], array)
+    entry.update(shape=list(array.shape), sha256=file_sha256(directory / entry["file"]))
+    (directory / MANIFEST).write_text(json.dumps(manifest))
 
 
 def no_pickle_anywhere(directory):
@@ -38,6 +54,7 @@ def test_every_feature_detector_scores_bit_for_bit_after_save_and_load(problem, 
     assert type(loaded) is type(detector) and loaded.get_params() == detector.get_params()
     assert torch.equal(loaded.score(query), before)
     no_pickle_anywhere(tmp_path / name)
+    assert shapes_declared(detector)
 
 
 @pytest.mark.parametrize("name", MODEL_BASED)
@@ -58,6 +75,7 @@ def test_every_model_detector_scores_bit_for_bit_with_the_model_given_back(name,
     assert "model" not in manifest["params"]
     loaded = load(tmp_path / name, model=backbone)
     assert torch.equal(loaded.score(query), before)
+    assert shapes_declared(detector)
     with pytest.raises(ValueError, match="has no model"):
         load(tmp_path / name).score(query)
     if detector.needs_fit:
@@ -210,3 +228,27 @@ def test_a_tampered_knn_bank_entry_is_refused_as_a_detector_file_error(problem, 
     (tmp_path / "saved" / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(DetectorFileError, match=r"fitted state bank_ references .*features\.npy .*: run again$"):
         load(tmp_path / "saved")
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "change"),
+    [
+        ("vim", "residual_space_", lambda a: a[:-1]),  # D = 11 against the head's 12: a matmul error when scored
+        ("vim", "origin_", lambda a: a[None]),  # another number of axes
+        ("mahalanobis", "whitening_", lambda a: a[:-1]),  # D = 11 against the covariance's 12
+        ("mahalanobis", "class_means_", lambda a: a[:-1]),  # C = 5 against the counts' 6
+    ],
+)
+def test_an_array_rehashed_with_another_shape_is_refused_naming_its_file_and_field(
+    problem, tmp_path, name, key, change
+):
+    """The array's SHA-256 and recorded shape both updated to match: the arrays together must still agree on D, C
+    (each detector's ``fitted_shapes``), else a DetectorFileError naming the file and the field, not a traceback
+    when scored."""
+    create(name).fit(problem.fit_batches(), head=problem.head).save(tmp_path / name)
+    rehash_with(tmp_path / name, key, change(np.load(tmp_path / name / f"{key}.npy")))
+    with pytest.raises(
+        DetectorFileError,
+        match=rf"{key}\.npy \(fitted state {key}\).*the detector file was changed: save the detector again",
+    ):
+        load(tmp_path / name)

@@ -11,6 +11,7 @@ import pandas as pd
 import pytest
 from conftest import oodviz_in_process
 from PIL import Image
+from test_persist import rehash_with
 
 from oodviz.cli import main as cli_main
 from oodviz.data import load_dataset
@@ -169,8 +170,8 @@ def test_scores_of_the_model_detectors_match_the_run(default_run, default_result
 def test_oodviz_score_scores_with_the_detectors_that_load_and_says_why_the_others_did_not(
     default_run, default_results, image_files, tmp_path
 ):
-    """knn's manifest removed, a mahalanobis state file changed, energy never saved (its ``save_error`` in
-    detectors.json): those three are named with why, every other detector gives the score it gives when every
+    """knn's manifest removed, a mahalanobis state file changed, vim's residual space re-hashed with another shape,
+    energy never saved (its ``save_error`` in detectors.json): those four are named with why, every other detector gives the score it gives when every
     detector loads."""
     import json
 
@@ -180,6 +181,7 @@ def test_oodviz_score_scores_with_the_detectors_that_load_and_says_why_the_other
     (saved / "knn" / "detector.json").unlink()
     state = next(p for p in (saved / "mahalanobis").iterdir() if p.suffix in (".npy", ".safetensors"))
     state.write_bytes(state.read_bytes()[:-8] + b"\0" * 8)
+    rehash_with(saved / "vim", "residual_space_", np.load(saved / "vim" / "residual_space_.npy")[:-1])
     shutil.rmtree(saved / "energy")
     log = json.loads((copy / "detectors.json").read_text())
     log["energy"]["save_error"] = "OSError: [Errno 28] No space left on device"
@@ -190,9 +192,10 @@ def test_oodviz_score_scores_with_the_detectors_that_load_and_says_why_the_other
     assert result.returncode == 1, result.stderr
     assert "not loaded: knn: DetectorFileError:" in result.stderr and "does not exist" in result.stderr
     assert "not loaded: mahalanobis: DetectorFileError:" in result.stderr and "changed" in result.stderr
+    assert "not loaded: vim: DetectorFileError:" in result.stderr and "(fitted state residual_space_)" in result.stderr
     assert "not loaded: energy: the run could not save it (OSError: [Errno 28]" in result.stderr
     table = pd.read_csv(tmp_path / "s.csv")
-    expected = [n for n in default_results.detectors if n not in ("knn", "mahalanobis", "energy")]
+    expected = [n for n in default_results.detectors if n not in ("knn", "mahalanobis", "vim", "energy")]
     assert list(table.detector) == expected
     from oodviz.scoring import score_images
 

@@ -65,14 +65,15 @@ def serve(tmp_path):
         stop_server(server)
 
 
-def websocket_handshake(port: int, host: str) -> str:
-    """The status line the server answers a browser-like websocket upgrade with ``Host: host``."""
+def websocket_handshake(port: int, host: str, origin: str | None = None) -> str:
+    """The status line the server answers a browser-like websocket upgrade with ``Host: host`` from a page of
+    ``origin`` (default: ``http://host``, the app's own)."""
     with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
         key = base64.b64encode(os.urandom(16)).decode()
         connection.sendall(
             (
                 f"GET /_stcore/stream HTTP/1.1\r\nHost: {host}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nOrigin: http://{host}\r\n"
+                f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\nOrigin: {origin or f'http://{host}'}\r\n"
                 "Sec-WebSocket-Protocol: streamlit\r\n\r\n"
             ).encode()
         )
@@ -89,6 +90,21 @@ def test_by_default_the_app_answers_on_loopback_only_and_to_its_own_host_names(s
     assert websocket_handshake(port, f"localhost:{port}").endswith("101 Switching Protocols")
     # DNS rebinding: a page of attacker.example whose name now resolves to 127.0.0.1
     assert websocket_handshake(port, f"attacker.example:{port}").endswith("403 Forbidden")
+
+
+def test_the_websocket_opens_only_from_the_apps_own_origin(serve, tmp_path):
+    """A page served from another port of this machine (Streamlit lets in any port of localhost, 127.0.0.1 and the
+    machine's addresses) may not open the app's websocket; the app's own origin, as each of its names, may, and an
+    origin listed whole in ``server.corsAllowedOrigins`` (a reverse proxy's)."""
+    (tmp_path / ".streamlit").mkdir()
+    (tmp_path / ".streamlit" / "config.toml").write_text('[server]\ncorsAllowedOrigins = ["https://proxy.example"]\n')
+    port, _, _ = serve()
+    assert websocket_handshake(port, f"localhost:{port}", "https://proxy.example").endswith("101 Switching Protocols")
+    assert websocket_handshake(port, f"localhost:{port}", "https://proxy.example:8443").endswith("403 Forbidden")
+    for name in ("localhost", "127.0.0.1"):
+        assert websocket_handshake(port, f"{name}:{port}", f"http://{name}:{port}").endswith("101 Switching Protocols")
+        for other in (f"http://{name}:{port + 1}", f"https://{name}", f"http://{name}", "null"):
+            assert websocket_handshake(port, f"{name}:{port}", other).endswith("403 Forbidden"), other
 
 
 @pytest.mark.skipif(not socket.has_ipv6, reason="needs IPv6")

@@ -72,6 +72,7 @@ def features_and_logits(model, x: Tensor, grad: bool = False) -> tuple[Tensor, T
 
 class AdaSCALE(FittedModelDetector):
     name = "adascale"
+    fitted_shapes = {**FittedModelDetector.fitted_shapes, "sensitivities_": "N"}
     param_choices = {"variant": VARIANTS}
     summary = (
         "SCALE's energy with a per-sample percentile set by how much the features move under a small input "

@@ -111,6 +111,16 @@ class Detector:
     mergeable: ClassVar[bool] = False
     #: the values a string parameter takes, ``{"variant": ("b", "p", "s")}`` (an editor offers them as a choice)
     param_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: each fitted array's axes, a letter an axis (``"CD"``: classes x features): arrays that share a letter share its
+    #: size, so a saved detector whose arrays disagree is refused when loaded (:mod:`oodviz.detectors.persist`). The
+    #: head's and the per-class means' are here; a detector adds its own arrays.
+    fitted_shapes: ClassVar[dict[str, str]] = {
+        "head_weight_": "CD",
+        "head_bias_": "C",
+        "class_means_": "CD",
+        "class_counts_": "C",
+        "feature_mean_": "D",
+    }
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:

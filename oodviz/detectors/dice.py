@@ -66,6 +66,7 @@ class FeatureMeanFit(Detector):
 
 class DICE(FeatureMeanFit):
     name = "dice"
+    fitted_shapes = {**FeatureMeanFit.fitted_shapes, "masked_weight_": "CD"}
     summary = "Energy of the logits after zeroing the head weights with the smallest mean contribution."
     paper = "https://arxiv.org/abs/2111.09805"
     default_grid = {"sparsity": (0.5, 0.7, 0.9)}

@@ -70,6 +70,7 @@ def inverse_difference_norms(weight: Tensor, detector: str = "fdbd") -> Tensor:
 
 class FDBD(FeatureMeanFit):
     name = "fdbd"
+    fitted_shapes = {**FeatureMeanFit.fitted_shapes, "inverse_boundary_norms_": "CC"}
     summary = "Mean distance to the decision boundaries over the distance to the mean feature (negated)."
     paper = "https://arxiv.org/abs/2312.11536"
     teaching = Teaching(

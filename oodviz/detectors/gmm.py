@@ -130,6 +130,7 @@ class ClassScatters:
 
 class GMM(Detector):
     name = "gmm"
+    fitted_shapes = {**Detector.fitted_shapes, "inverse_factors_": "CDD", "log_constants_": "C"}
     summary = "Negative log-likelihood under one Gaussian per class (own covariance), weighted by class frequency."
     paper = "https://arxiv.org/abs/1807.03888"
     teaching = Teaching(

@@ -69,6 +69,7 @@ def deviations(g: Tensor, low: Tensor, high: Tensor) -> Tensor:
 
 class Gram(FittedModelDetector):
     name = "gram"
+    fitted_shapes = {**FittedModelDetector.fitted_shapes, "minimum_": "CPG", "maximum_": "CPG", "layer_norm_": "L"}
     summary = "Deviation of per-layer Gram-matrix statistics from their range on the predicted class (runs the model)."
     paper = "https://arxiv.org/abs/1912.12510"
     teaching = Teaching(

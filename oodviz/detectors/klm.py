@@ -33,6 +33,7 @@ from oodviz.detectors.teaching import Teaching
 
 class KLMatching(Detector):
     name = "klm"
+    fitted_shapes = {**Detector.fitted_shapes, "templates_": "KC", "template_classes_": "K"}
     summary = "KL divergence of the softmax to the mean softmax of its predicted class."
     paper = "https://arxiv.org/abs/1911.11132"
     teaching = Teaching(

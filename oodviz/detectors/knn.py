@@ -86,6 +86,7 @@ def _normalise(x: Tensor) -> Tensor:
 
 class KNN(Detector):
     name = "knn"
+    fitted_shapes = {**Detector.fitted_shapes, "bank_": "ND"}
     param_choices = {"backend": BACKENDS}
     summary = "Distance to the k-th nearest in-distribution feature (L2-normalised)."
     paper = "https://arxiv.org/abs/2204.06507"

@@ -83,6 +83,14 @@ def l2_normalised(features: Tensor) -> Tensor:
 
 class Mahalanobis(Detector):
     name = "mahalanobis"
+    fitted_shapes = {
+        **Detector.fitted_shapes,
+        "covariance_": "DD",
+        "center_": "D",
+        "whitening_": "DW",
+        "whitened_means_": "CW",
+        "whitened_norms_": "C",
+    }
     summary = (
         "Squared Mahalanobis distance to the closest class mean (shared covariance); "
         "normalize=True: of the L2-normalised features (MDS++)."

@@ -41,6 +41,7 @@ from oodviz.detectors.vim import batch_logits, default_dim
 
 class NECO(Detector):
     name = "neco"
+    fitted_shapes = {**Detector.fitted_shapes, "components_": "Dk", "mean_": "D", "deviations_": "D"}
     summary = "Share of the standardised feature's norm in the ID principal subspace (neural collapse), negated."
     paper = "https://arxiv.org/abs/2310.06823"
     default_grid = {"dim": (10, 50, 100, 200, 500, 1000)}

@@ -112,6 +112,13 @@ class ClassTails:
 
 class OpenMax(Detector):
     name = "openmax"
+    fitted_shapes = {
+        **Detector.fitted_shapes,
+        "class_means_": "KC",
+        "tail_minima_": "K",
+        "weibull_shapes_": "K",
+        "weibull_scales_": "K",
+    }
     summary = "Probability of an 'unknown' class after moving logit mass by per-class Weibull models of the distances."
     paper = "https://arxiv.org/abs/1511.06233"
     teaching = Teaching(

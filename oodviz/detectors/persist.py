@@ -25,6 +25,10 @@ Each fitted attribute (a name ending in ``_``) is one entry, by its kind:
   file again after checking that its size and SHA-256 are those recorded: a bank that changed or is
   gone is refused, never searched.
 
+Loading also checks the arrays against each other: their axes as the detector declares them
+(``fitted_shapes``: arrays sharing a letter, D or C, share its size), so an array replaced and re-hashed
+with another shape is refused, naming its file and field, not a traceback when scored.
+
 A constructor parameter that is not JSON (the ``model`` of the detectors that run the classifier
 again) is not saved: pass it to ``load(directory, model=...)``. Anything else a detector keeps that is
 none of the above makes ``save`` raise, naming the attribute: a new detector with another kind of state
@@ -281,4 +285,34 @@ def load(directory, **objects):
             raise DetectorFileError(f"{directory / MANIFEST}: {key!r} is not a fitted attribute (name ending in _)")
         value = _state_value(directory, key, entry)
         setattr(detector, key, moved.get(value, value) if isinstance(value, str) else value)
+    _check_shapes(detector, directory, state)
     return detector
+
+
+def _check_shapes(detector, directory: Path, state: dict) -> None:
+    """Refuse (:class:`DetectorFileError`, naming the files and the fields) fitted arrays whose shapes disagree
+    with the detector's :attr:`~oodviz.detectors.base.Detector.fitted_shapes`: a number of axes other than
+    declared, or one axis letter (D features, C classes, ...) of two sizes. Each file's hash and recorded shape
+    may match a tampered array; the arrays together must still describe one detector."""
+
+    def where(key: str) -> str:
+        entry = state[key]
+        return f"{directory / entry['file'] if 'file' in entry else entry.get('path')} (fitted state {key})"
+
+    seen: dict[str, tuple[int, str]] = {}  # axis letter -> its size, the field that gave it
+    for key, letters in type(detector).fitted_shapes.items():
+        shape = getattr(getattr(detector, key, None), "shape", None)
+        if shape is None or key not in state:
+            continue
+        if len(shape) != len(letters):
+            raise DetectorFileError(
+                f"{where(key)}: shape {list(shape)}, but {detector.name}'s {key} has {len(letters)} axes "
+                f"({' x '.join(letters)}); the detector file was changed: save the detector again"
+            )
+        for letter, size in zip(letters, shape):
+            size_seen, field = seen.setdefault(letter, (size, key))
+            if size != size_seen:
+                raise DetectorFileError(
+                    f"{where(key)}: shape {list(shape)} has {letter} = {size}, but {where(field)} has "
+                    f"{letter} = {size_seen}; the detector file was changed: save the detector again"
+                )

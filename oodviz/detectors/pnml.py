@@ -46,6 +46,7 @@ from oodviz.detectors.teaching import Teaching
 
 class PNML(Detector):
     name = "pnml"
+    fitted_shapes = {**Detector.fitted_shapes, "gram_inverse_sqrt_": "DK"}
     summary = "pNML regret of the last layer: how much the unseen direction of the normalised feature could change p."
     paper = "https://arxiv.org/abs/2110.09246"
     teaching = Teaching(

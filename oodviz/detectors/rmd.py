@@ -33,6 +33,7 @@ from oodviz.detectors.widefit import FewRows
 
 class RelativeMahalanobis(Mahalanobis):
     name = "rmd"
+    fitted_shapes = {**Mahalanobis.fitted_shapes, "background_whitening_": "DV"}
     summary = (
         "Mahalanobis distance minus the distance under one Gaussian over all classes; "
         "normalize=True: of the L2-normalised features (RMDS++)."

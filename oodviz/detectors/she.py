@@ -27,6 +27,7 @@ from oodviz.detectors.teaching import Teaching
 
 class SHE(Detector):
     name = "she"
+    fitted_shapes = {**Detector.fitted_shapes, "patterns_": "CD"}
     summary = "Inner product of the features with the mean correct feature of the predicted class."
     paper = "https://openreview.net/forum?id=KkazG4lgKL"
     teaching = Teaching(

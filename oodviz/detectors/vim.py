@@ -73,6 +73,7 @@ class ResidualSpaceDetector(Detector):
     mergeable = True
     #: the dtype of ``origin_``, ``residual_space_`` and of the residual norms computed from them
     residual_dtype: ClassVar[torch.dtype] = torch.float32
+    fitted_shapes = {**Detector.fitted_shapes, "residual_space_": "Dk", "origin_": "D"}
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:

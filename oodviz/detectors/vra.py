@@ -49,6 +49,7 @@ from oodviz.detectors.teaching import Teaching
 
 class VRA(Detector):
     name = "vra"
+    fitted_shapes = {**Detector.fitted_shapes, "lower_threshold_": "D", "upper_threshold_": "D"}
     summary = "Energy of the logits after clipping each feature unit between two percentiles of its training values."
     paper = "https://arxiv.org/abs/2302.11716"
     teaching = Teaching(

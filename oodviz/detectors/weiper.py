@@ -131,6 +131,14 @@ def symmetric_kl(reference: Tensor, densities: Tensor, eps: float) -> Tensor:
 
 class WeiPer(Detector):
     name = "weiper"
+    fitted_shapes = {
+        **Detector.fitted_shapes,
+        "perturbed_weight_": "RD",
+        "feature_edges_": "E",
+        "perturbed_edges_": "E",
+        "feature_density_": "B",
+        "perturbed_density_": "B",
+    }
     param_choices = {"variant": VARIANTS}
     summary = "Histogram KL to the training mean of the features and of many randomly perturbed class projections."
     paper = "https://arxiv.org/abs/2405.17164"

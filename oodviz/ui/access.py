@@ -8,7 +8,7 @@ and enforces it before it draws anything:
 - Serving others (``--host`` not a loopback address) needs the access token, hides tracebacks and
   server paths, and confines every path typed in the page to the ``--data-dir`` directories.
 - Streamlit refuses a websocket whose ``Host`` header is not one of ``allowed_hosts`` (``server.allowedHosts``:
-  DNS rebinding), and one from another origin (``server.enableCORS``).
+  DNS rebinding), and :mod:`oodviz.ui.serve` one from another origin than the app's own.
 
 The run named in the URL (``?run=``) must be a direct child of the runs root: :func:`run_path`.
 """
