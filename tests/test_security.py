@@ -259,6 +259,40 @@ def test_serving_others_the_run_headline_names_an_ood_folder_without_its_server_
     assert "OOD folder ood-images · " in texts(app) and "/srv/secret" not in texts(app)
 
 
+@pytest.mark.parametrize("others", [True, False])
+def test_the_run_details_config_shows_no_server_path_to_others(runs_root, default_run, monkeypatch, tmp_path, others):
+    """The Run details tab's config: serving others, every path entry (data root, checkpoint, an image folder's
+    path) cut to its last name; on loopback, as written."""
+    import json
+    import shutil
+
+    if others:
+        policy = AccessPolicy(token=TOKEN, serve_others=True, data_dirs=(tmp_path.resolve(),))
+        for key, value in policy.to_env().items():
+            monkeypatch.setenv(key, value)
+    run = runs_root / "r-paths"
+    shutil.copytree(default_run.path, run)
+    config = json.loads((run / "config.json").read_text())
+    config["data_root"] = "/srv/secret/data"
+    config["ood"][0] = {**config["ood"][0], "name": "folder", "params": {"path": "/srv/secret/ood-images"}}
+    (run / "config.json").write_text(json.dumps(config))
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.query_params["token"] = TOKEN
+    app.query_params["run"] = "r-paths"
+    app.run()
+    app.session_state["results-tab"] = "Run details"
+    app.run()
+    assert not app.exception
+    [shown] = [json.loads(j.value) for j in app.json]
+    if others:
+        assert shown["data_root"] == ".../data" and shown["ood"][0]["params"]["path"] == ".../ood-images"
+        assert "/srv/secret" not in json.dumps(shown) and "server paths cut" in texts(app)
+    else:
+        assert (
+            shown["data_root"] == "/srv/secret/data" and shown["ood"][0]["params"]["path"] == "/srv/secret/ood-images"
+        )
+
+
 # --- the memory estimate runs elsewhere ------------------------------------------------------------------
 
 

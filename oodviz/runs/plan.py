@@ -44,6 +44,28 @@ def run_headline(config: RunConfig, paths: bool = True) -> str:
     )
 
 
+#: the config entries (at any depth: a dataset's ``params``, a detector's) that hold a path on the server
+PATH_KEYS = frozenset({"data_root", "checkpoint", "path", "bank_dir", "weights_dir"})
+
+
+def config_shown(config: dict, paths: bool = True) -> dict:
+    """A run's config as a page shows it: as it is, or (not ``paths``: the app shows no server path to others) with
+    every path entry (:data:`PATH_KEYS`) cut to ``".../<last name>"``."""
+    if paths:
+        return config
+
+    def shown(value, key=None):
+        if isinstance(value, dict):
+            return {k: shown(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [shown(v) for v in value]
+        if key in PATH_KEYS and isinstance(value, str) and value:
+            return f".../{PurePath(value).name}"
+        return value
+
+    return shown(config)
+
+
 def _folder_shown(choice, paths: bool) -> str:
     """An image folder's path as given, or (not ``paths``) its last name, ``folder <name>``."""
     path = str(choice.params.get("path", choice.name))

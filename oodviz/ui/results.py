@@ -37,6 +37,7 @@ from oodviz.results import (
     per_class_at_threshold,
     sampling_table,
 )
+from oodviz.runs.plan import config_shown
 from oodviz.runs.rundir import RunDir
 from oodviz.thumbnails import prefetch_datasets, thumbnails
 from oodviz.ui.access import show_server_details
@@ -475,8 +476,8 @@ def run_details(page: Page) -> None:
         # every stage in view (a 30-stage run's table scrolled inside a 10-row box)
         st.dataframe(shown, hide_index=True, width="stretch", height=min(38 + 35 * len(shown), 1200))
     tuning_panel(results)
-    st.markdown("**Config** (the run's `config.json`)")
-    st.json(results.config, expanded=False)
+    st.markdown("**Config** (the run's `config.json`" + ("" if show_server_details() else ", server paths cut") + ")")
+    st.json(config_shown(results.config, paths=show_server_details()), expanded=False)
 
 
 def detector_failures(results) -> None:
