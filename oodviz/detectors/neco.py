@@ -36,7 +36,7 @@ from oodviz.detectors.base import Detector
 from oodviz.detectors.protocol import FitState
 from oodviz.detectors.stats import Moments, symmetric_eigh
 from oodviz.detectors.teaching import Teaching
-from oodviz.detectors.vim import batch_logits, default_dim
+from oodviz.detectors.vim import batch_logits, default_dim, principal_dim
 
 
 class NECO(Detector):
@@ -71,13 +71,7 @@ class NECO(Detector):
         self.max_logit = max_logit
 
     def _subspace_dim(self, n_features: int) -> int:
-        dim = default_dim(n_features) if self.dim is None else self.dim
-        if not 0 < dim < n_features:
-            raise ValueError(
-                f"neco: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features (at D every "
-                "ratio is 1); choose a smaller principal subspace."
-            )
-        return dim
+        return principal_dim(self.name, self.dim, n_features, " (at D every ratio is 1)")
 
     def _new_parts(self, pass_index: int) -> dict:
         return {"moments": Moments()}

@@ -63,6 +63,19 @@ def default_dim(n_features: int) -> int:
     return n_features // 2
 
 
+def principal_dim(detector: str, dim: int | None, n_features: int, why: str = "") -> int:
+    """The principal-subspace dimension ``detector`` uses for ``n_features`` = D features: ``dim``, or
+    :func:`default_dim` for ``None``; a ValueError naming the fix unless ``0 < dim < D`` (``why``: what a dim of D
+    would mean for that detector, said in the error)."""
+    dim = default_dim(n_features) if dim is None else dim
+    if not 0 < dim < n_features:
+        raise ValueError(
+            f"{detector}: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features{why}; "
+            "choose a smaller principal subspace."
+        )
+    return dim
+
+
 class ResidualSpaceDetector(Detector):
     """Base of ``vim`` and ``residual``: parameter ``dim``, the head's origin ``u`` and, from the uncentred second
     moment ``S`` about it, ``origin_`` ``[D]`` and the residual space ``residual_space_`` ``[D, D - dim]`` (in
@@ -96,13 +109,7 @@ class ResidualSpaceDetector(Detector):
         return self._head_origin[1]
 
     def _subspace_dim(self, n_features: int) -> int:
-        dim = default_dim(n_features) if self.dim is None else self.dim
-        if not 0 < dim < n_features:
-            raise ValueError(
-                f"{self.name}: dim={dim} must be between 1 and D-1 = {n_features - 1} for D={n_features} features; "
-                "choose a smaller principal subspace."
-            )
-        return dim
+        return principal_dim(self.name, self.dim, n_features)
 
     def _fit_residual_space(self, state: FitState, second_moment: Tensor) -> None:
         """``residual_space_`` from ``second_moment``, ``1/N sum_i (x_i - u)(x_i - u)^T`` ``[D, D]`` float64 (lower
