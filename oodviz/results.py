@@ -195,11 +195,16 @@ def metrics_table(scores: pd.DataFrame, groups: dict[str, str]) -> pd.DataFrame:
 MIN_CLASSIFIER_ERRORS = 20
 
 
+def misclassified(id_rows: pd.DataFrame) -> np.ndarray:
+    """bool ``[n]``: the classifier is wrong on each of ``id_rows`` (``prediction != label``, the stored ones)."""
+    return id_rows.prediction.to_numpy() != id_rows.label.to_numpy()
+
+
 def classifier_errors(scores: pd.DataFrame) -> tuple[int, int]:
-    """``(errors, n)``: the ID test samples the classifier gets wrong (``prediction != label``) and the ID test
+    """``(errors, n)``: the ID test samples the classifier gets wrong (:func:`misclassified`) and the ID test
     samples, the counts that AURC and risk at coverage (:func:`selective_metrics`) rest on."""
     id_rows = scores[scores.split == ID_SPLIT]
-    return int((id_rows.prediction.to_numpy() != id_rows.label.to_numpy()).sum()), len(id_rows)
+    return int(misclassified(id_rows).sum()), len(id_rows)
 
 
 def classifier_errors_note(scores: pd.DataFrame) -> tuple[str, bool]:
@@ -233,7 +238,7 @@ def selective_curve(scores: pd.DataFrame, detector: str) -> dict[str, np.ndarray
     (``prediction != label``, from the stored predictions) among the samples accepted (``score <= t``)."""
     check_detector(scores, detector)
     id_rows = scores[scores.split == ID_SPLIT]
-    return risk_coverage(score_values(id_rows, detector), id_rows.prediction.to_numpy() != id_rows.label.to_numpy())
+    return risk_coverage(score_values(id_rows, detector), misclassified(id_rows))
 
 
 def selective_metrics(scores: pd.DataFrame, detector: str) -> dict[str, float]:
@@ -334,8 +339,13 @@ def write_table(path: Path, frame: pd.DataFrame) -> None:
     write_atomic(path, buffer.getvalue())
 
 
-def _table_kind(path: Path) -> str:
-    return "Parquet" if path.suffix == ".parquet" else "CSV"
+#: what :func:`read_table_checked` and :func:`scores_file_problem` say of a result file that is not there
+MISSING = "is missing"
+
+
+def _unreadable(path: Path) -> str:
+    """What is said of a result file that cannot be parsed."""
+    return f"is not a readable {'Parquet' if path.suffix == '.parquet' else 'CSV'} table (truncated or damaged)"
 
 
 def _lacking(found, columns) -> str | None:
@@ -350,11 +360,11 @@ def read_table_checked(path: Path, columns=()) -> tuple[pd.DataFrame | None, str
     column(s) ..."``. Never raises."""
     path = Path(path)
     if not path.exists():
-        return None, "is missing"
+        return None, MISSING
     try:
         table = pd.read_parquet(path) if path.suffix == ".parquet" else pd.read_csv(path)
     except Exception:  # an unreadable or empty table is reported as what is wrong, not as a crash of the page
-        return None, f"is not a readable {_table_kind(path)} table (truncated or damaged)"
+        return None, _unreadable(path)
     problem = _lacking(table.columns, columns)
     return (None, problem) if problem else (table, None)
 
@@ -376,11 +386,11 @@ def scores_file_problem(run_dir: Path) -> str | None:
     is. A check cheap enough for a list of runs: it reads no rows."""
     path = Path(run_dir) / "scores.parquet"
     if not path.exists():
-        return "is missing"
+        return MISSING
     try:
         schema = pq.read_schema(path)
     except Exception:  # pyarrow's ArrowInvalid, an OSError: the file cannot be what the run wrote
-        return "is not a readable Parquet table (truncated or damaged)"
+        return _unreadable(path)
     return _lacking(schema.names, SCORE_META_COLUMNS)
 
 

@@ -74,14 +74,22 @@ class ClassifierCheck:
         )
 
 
-def check_classifier(backbone, dataset, seed: int = 0, sample: int = SAMPLE) -> ClassifierCheck:
+def check_classifier(backbone, dataset, seed: int = 0, other_classes=(), sample: int = SAMPLE) -> ClassifierCheck:
     """:class:`ClassifierCheck` of ``backbone`` (on its device, in eval mode, its mode restored) on the ID ``dataset`` (items
-    ``(image, label, index)``, ``None`` for an unreadable one): the names, else one forward pass of ``sample``
+    ``(image, label, index)``, ``None`` for an unreadable one): the names of ``dataset``'s classes and of each of
+    ``other_classes`` (the ID test set's, when it is another dataset), else one forward pass of ``sample``
     seeded items drawn uniformly; items without a class (label ``-1``: an unlabelled ID set such as generated
     noise) are not judged, and a set of only those has nothing to judge by (``n`` 0)."""
-    import torch  # deferred: the module's check is read where torch is not imported
+    import torch  # deferred: oodviz.runs.preflight imports this module and keeps torch out of its own import
 
-    names = class_mismatch(dataset.classes, backbone.classes)
+    names = next(
+        (
+            found
+            for classes in (*other_classes, dataset.classes)
+            if (found := class_mismatch(classes, backbone.classes))
+        ),
+        None,
+    )
     if names is not None:
         return ClassifierCheck(backbone.num_classes, names=names)
     rows = np.sort(np.random.default_rng(seed).permutation(len(dataset))[: min(sample, len(dataset))])

@@ -51,7 +51,7 @@ from oodviz.results import (
     write_table,
 )
 from oodviz.runs.batchprobe import ModelBatches, measure_for_run, sized
-from oodviz.runs.classifier_check import ClassifierCheck, check_classifier
+from oodviz.runs.classifier_check import check_classifier
 from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.runs.layers import combine_layers, detector_columns, extract_layers_split, record_layers
 from oodviz.runs.model_passes import fit_on_inputs, score_with_model
@@ -227,7 +227,6 @@ def load_data(job: Job) -> None:
     the pre-flight did not (:func:`oodviz.runs.batchprobe.measure_for_run`: their batch sizes come from it), and
     warn when a need is over the machine's limits (:mod:`oodviz.runs.preflight`; ``oodviz run`` refuses such a run
     before it starts, unless ``--force``)."""
-    from oodviz.data import class_mismatch
     from oodviz.models import estimate_memory
     from oodviz.runs.preflight import assess, disk_cap_bytes, layer_estimates, machine_limits, splits_to_extract
     from oodviz.runs.validation import ConfigError, check_sizes
@@ -243,9 +242,8 @@ def load_data(job: Job) -> None:
         if problems:
             raise ConfigError(problems)
         # the pre-flight refused a model whose classes are not the ID labels: started with --force or "Run anyway"
-        names = class_mismatch(job.datasets["id_test"].classes, backbone.classes)  # the fit split's: the check's
-        check = ClassifierCheck(backbone.num_classes, names=names) if names else None
-        problem = (check or check_classifier(backbone, job.datasets["id_fit"], config.seed)).problem()
+        fit, test = job.datasets["id_fit"], job.datasets["id_test"]
+        problem = check_classifier(backbone, fit, config.seed, [test.classes]).problem()
         if problem is not None:
             job.reporter.warn(problem)
         sizes = {split: len(ds) for split, ds in job.datasets.items()}

@@ -361,7 +361,7 @@ def preflight(config, runs_root) -> Preflight:
     problems = check_sizes(config, sizes["id_fit"], backbone.feature_dim, backbone.num_classes)
     if problems:
         raise ConfigError(problems)
-    classifier = check_classifier(backbone, datasets["id_fit"], config.seed)
+    classifier = check_classifier(backbone, datasets["id_fit"], config.seed, [datasets["id_test"].classes])
     layers = layer_estimates(
         config, backbone, sizes, lambda view: splits_to_extract(config, view, datasets, chosen, store_root)
     )
