@@ -243,8 +243,8 @@ def measure_live(url: str, runs_root: Path, seconds: float = 10.0) -> dict:
 def synthetic_running_run(root: Path, n_events: int) -> Path:
     """``root/live-<n>``: a default run's config, state running with no worker pid (so it stays running), and
     ``n_events`` events: nine stages started and ended, then the tenth stage's progress, one every 0.1 s."""
-    from oodviz.runs.config import RunConfig
-    from oodviz.runs.plan import planned_stages
+    from oodviz.config.plan import planned_stages
+    from oodviz.config.run import RunConfig
     from oodviz.runs.rundir import RunDir
 
     config = RunConfig()

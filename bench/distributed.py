@@ -47,7 +47,7 @@ def make_images(root: Path, seed: int = 0) -> None:
 
 
 def write_config(root: Path, device: str, batch_size: int) -> Path:
-    from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+    from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 
     config = RunConfig(
         backbone="resnet18",

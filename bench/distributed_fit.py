@@ -3,7 +3,7 @@
 Synthetic float32 features ``[N, D]`` with ``C`` classes (a large common offset), logits from a random head.
 Each world size starts ``N`` processes (gloo on the CPU, NCCL with ``--device cuda``: one GPU per rank) that
 load the data, take their contiguous rows and fit each detector with
-:func:`oodviz.distributed.fit_across_ranks`; the fit time is rank 0's wall time of that call (update on its
+:func:`oodviz.pipeline.distributed.fit_across_ranks`; the fit time is rank 0's wall time of that call (update on its
 rows, gather and merge of the states, finalize, per pass). One process is an ordinary ``fit``. Prints the
 seconds per detector and world size, the speed-up, and whether the fitted float64 statistics equal one
 process's within 1e-9 relative. Every process runs one thread (``OMP_NUM_THREADS=1``, as torchrun sets it for
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from oodviz import Batch
 from oodviz.detectors import create
-from oodviz.distributed import World, fit_across_ranks, join_world, leave_world, shard_bounds
+from oodviz.pipeline.distributed import World, fit_across_ranks, join_world, leave_world, shard_bounds
 
 world = World.from_env()
 data_path, out_path, device, *names = sys.argv[1:]

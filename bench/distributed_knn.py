@@ -3,9 +3,9 @@
 A synthetic float32 bank ``[N, D]`` (a few hundred Gaussian clusters, as ID features are) and ``Q`` queries
 (half near the clusters, half spread). Each world size starts fresh processes (gloo on the CPU, NCCL with
 ``--device cuda``: one GPU per rank, :func:`distributed_fit.run_world`); rank ``r`` keeps its contiguous rows of the
-bank as its shard (:func:`oodviz.distributed.fit_bank_across_ranks`: the normalised rows written to a file, as a run
+bank as its shard (:func:`oodviz.pipeline.distributed.fit_bank_across_ranks`: the normalised rows written to a file, as a run
 does for a bank that is not a store), then every rank searches every query against its shard and rank 0 merges the
-top-``k`` lists (:func:`oodviz.distributed.search_across_ranks`). Prints rank 0's wall time of the fit and of the
+top-``k`` lists (:func:`oodviz.pipeline.distributed.search_across_ranks`). Prints rank 0's wall time of the fit and of the
 search (each after a barrier), the speed-up over the first world size, and whether the scores equal its scores
 within 1e-5 relative. One process is an ordinary ``fit`` and ``score``. One thread per process
 (``OMP_NUM_THREADS=1``, as torchrun sets it for several workers), so the figures compare processes, not threads.
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from oodviz import Batch
 from oodviz.detectors import create
-from oodviz.distributed import World, barrier, fit_bank_across_ranks, join_world, leave_world, search_across_ranks
-from oodviz.distributed import shard_bounds
+from oodviz.pipeline.distributed import World, barrier, fit_bank_across_ranks, join_world, leave_world, search_across_ranks
+from oodviz.pipeline.distributed import shard_bounds
 
 world = World.from_env()
 data_dir, out_path, device, k = sys.argv[1:5]

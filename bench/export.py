@@ -13,11 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from oodviz.analysis import score_histogram
-from oodviz.export import browser_path, export_problem, figure_images
-from oodviz.plots import histogram_figure
-from oodviz.report import write_report
-from oodviz.results import detectors_of, load_results
+from oodviz.figures.export import browser_path, export_problem, figure_images
+from oodviz.figures.plots import histogram_figure
+from oodviz.figures.report import write_report
+from oodviz.results.analysis import score_histogram
+from oodviz.results.tables import detectors_of, load_results
 
 
 def main(run_dir: str) -> None:

@@ -6,7 +6,7 @@ hover sprite (so the mouse hovers that point and no other). For each it records 
 the point to the panel's image being decoded (the panel waits ``DWELL_MS`` before it asks), the bytes that came
 over the websocket meanwhile (the answer's fragment: the component's new data, with up to ``ANSWER_TILES``
 thumbnails), and whether the thumbnail was already in the page (sent with an earlier answer as a neighbour).
-Also, in this process, :func:`oodviz.projection_map.thumbnail_answer`'s time and JSON size for batches of
+Also, in this process, :func:`oodviz.figures.projection_map.thumbnail_answer`'s time and JSON size for batches of
 ``ANSWER_TILES`` drawn rows with the datasets already open. Usage::
 
     .venv/bin/python bench/hover_answers.py RUN_DIR [--points 20]
@@ -27,7 +27,7 @@ import numpy as np
 import pandas as pd
 from app_bench import Wire, serve  # the app served as the other browser benchmark serves it
 
-from oodviz.projection_map import ANSWER_TILES, KEYS, drawn_rows, thumbnail_answer, thumbnails_path
+from oodviz.figures.projection_map import ANSWER_TILES, KEYS, drawn_rows, thumbnail_answer, thumbnails_path
 
 CHROMIUM = "/usr/bin/chromium"
 SHOWN = (
@@ -114,7 +114,7 @@ def main() -> None:
     args = parser.parse_args()
     run = args.run.resolve()
     if not thumbnails_path(run, "pca", ".parquet").exists():
-        from oodviz.projection import project_run
+        from oodviz.figures.projection import project_run
 
         project_run(run, "pca")
     frame = pd.read_parquet(run / "projection-pca.parquet")

@@ -56,10 +56,10 @@ def extract_variant(out: Path, batch_size: int) -> None:
     import torch
 
     from oodviz import Batch
+    from oodviz.config.run import RunConfig
     from oodviz.data import load_dataset
     from oodviz.detectors import create
     from oodviz.engine import extract
-    from oodviz.runs.config import RunConfig
 
     backbone = RunConfig().load_backbone()
     figures = {"threads": torch.get_num_threads(), "mkldnn": torch.backends.mkldnn.enabled}

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from oodviz.columns import PENULTIMATE
 from oodviz.data import load_dataset
 from oodviz.engine import extract_or_reuse
 from oodviz.engine.layers import extract_layers_or_reuse
-from oodviz.layers import PENULTIMATE
 from oodviz.models import load_backbone
 
 

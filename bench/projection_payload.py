@@ -3,9 +3,9 @@
 - **before**: the figure as ``oodviz/ui/explore.py`` built it up to commit 1048d14: every point drawn, a
   per-point hover string (``"<set> #<index><br>true <class> · predicted <class>"``), int64 row numbers as
   customdata and float64 coordinates;
-- **after**: :func:`oodviz.projection_map.projection_figure` of the :func:`~oodviz.projection_map.drawn_rows`
+- **after**: :func:`oodviz.figures.projection_map.projection_figure` of the :func:`~oodviz.figures.projection_map.drawn_rows`
   subsample (at most ``MAP_POINTS``, seeded) plus the hover panel's data
-  (:func:`~oodviz.projection_map.hover_data`) with a sprite of ``SPRITE_BUDGET`` bytes, the most
+  (:func:`~oodviz.figures.projection_map.hover_data`) with a sprite of ``SPRITE_BUDGET`` bytes, the most
   ``oodviz project`` writes (incompressible bytes: the base64 is as long as a real sprite's of that size).
 
 Bytes are those of the JSON the page gets (``plotly.io.to_json`` of the figure, as ``st.plotly_chart`` sends
@@ -26,7 +26,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from oodviz.projection_map import SPRITE_BUDGET, drawn_rows, hover_data, projection_figure
+from oodviz.figures.projection_map import SPRITE_BUDGET, drawn_rows, hover_data, projection_figure
 
 CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 

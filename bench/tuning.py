@@ -21,7 +21,7 @@ import torch
 
 from oodviz import Batch
 from oodviz.detectors import create, detector_class
-from oodviz.metrics import ood_metrics
+from oodviz.results.metrics import ood_metrics
 
 KNN_GRID = detector_class("knn").default_grid["k"]
 

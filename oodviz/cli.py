@@ -32,10 +32,10 @@ RUN_EXIT_CODES = """exit status:
 
 
 def cmd_run(args) -> int:
-    from oodviz.runs.config import ConfigError, RunConfig, preset
-    from oodviz.runs.reporter import TerminalProgress
+    from oodviz.config.run import ConfigError, RunConfig, preset
+    from oodviz.pipeline.reporter import TerminalProgress
+    from oodviz.pipeline.worker import cancel_on_signals, execute
     from oodviz.runs.rundir import RunDir
-    from oodviz.runs.worker import cancel_on_signals, execute
 
     try:
         if args.preset:
@@ -89,8 +89,8 @@ def cmd_run(args) -> int:
     else:
         from functools import partial
 
-        from oodviz.runs.batchprobe import BatchPeak
-        from oodviz.runs.pipeline import run_pipeline
+        from oodviz.pipeline.batchprobe import BatchPeak
+        from oodviz.pipeline.stages import run_pipeline
 
         peaks = [BatchPeak(**peak) for peak in report.estimate["batch_peaks"]] if report else None
         with cancel_on_signals(run) as received:
@@ -108,7 +108,7 @@ def cmd_run(args) -> int:
         print(f"error: {status.get('error')}", file=sys.stderr)
     if state != "done":
         return EXIT_CODES.get(state, 1)
-    from oodviz.results import group_means, read_result_table
+    from oodviz.results.tables import group_means, read_result_table
 
     table = group_means(read_result_table(run.path, "metrics.csv"), values=("auroc", "fpr95"))
     print("\nMean AUROC / FPR95 per near/far group (OOD is positive; FPR95 = ID flagged at 95% OOD recall):")
@@ -122,15 +122,15 @@ def cmd_run(args) -> int:
 
 
 def preflight_report(config, runs_root: Path, force: bool):
-    """The pre-flight's report (:func:`oodviz.runs.preflight.preflight`; the run takes its measured batches), or
+    """The pre-flight's report (:func:`oodviz.pipeline.preflight.preflight`; the run takes its measured batches), or
     False (the table and the fixes printed) when the run's needs are over this machine's limits, or the model's
-    classes are not the ID labels (:mod:`oodviz.runs.classifier_check`), and not ``force``; with ``force`` they
+    classes are not the ID labels (:mod:`oodviz.pipeline.classifier_check`), and not ``force``; with ``force`` they
     are printed as a warning. False too (each problem printed, ``force`` or
     not) for what no run of ``config`` gets past: an unreadable checkpoint, a detector parameter the data's sizes
     rule out. A pre-flight that cannot load the model or the data otherwise refuses nothing (None): the run's own
     stages report that."""
-    from oodviz.runs.config import ConfigError
-    from oodviz.runs.preflight import preflight
+    from oodviz.config.run import ConfigError
+    from oodviz.pipeline.preflight import preflight
 
     try:
         report = preflight(config, runs_root)
@@ -141,8 +141,8 @@ def preflight_report(config, runs_root: Path, force: bool):
         print(f"pre-flight skipped: {type(error).__name__}: {error}", file=sys.stderr)
         return None
     if report.startable:
-        for note in report.fixes:  # wide features that fit: which detectors hold a D x D state
-            print(f"note: {note}", file=sys.stderr)
+        for note in report.fixes:  # wide features that fit: which detectors hold a D x D state (advice)
+            print(f"note: {note.text}", file=sys.stderr)
         return report
     if report.classifier_problem is not None:
         print(report.classifier_problem, file=sys.stderr)
@@ -157,8 +157,8 @@ def preflight_report(config, runs_root: Path, force: bool):
 
 def cmd_runs(args) -> int:
     """List the runs, read-only: a damaged run is listed as ``damaged: <what>``, a dead job as failed."""
+    from oodviz.results.summary import summarise
     from oodviz.runs.jobs import list_runs
-    from oodviz.runs.summary import summarise
 
     runs = list_runs(Path(args.runs_root))
     if not runs:
@@ -312,10 +312,10 @@ def shown_path(path: str) -> str:
 
 
 def cmd_score(args) -> int:
-    """Score image files with a run's model and saved detectors (:func:`oodviz.scoring.score_images`): a table
+    """Score image files with a run's model and saved detectors (:func:`oodviz.pipeline.scoring.score_images`): a table
     on stdout (or ``--out`` CSV); exit 1 when some file could not be read or some detector could not be
     loaded (the others scored, the reasons on stderr), 2 when the run cannot score."""
-    from oodviz.scoring import RunNotScorableError, score_images
+    from oodviz.pipeline.scoring import RunNotScorableError, score_images
 
     try:
         scored = score_images(Path(args.run), args.images, detector=args.detector, device=args.device)
@@ -344,9 +344,9 @@ def cmd_score(args) -> int:
 
 
 def cmd_report(args) -> int:
-    """Write a run's self-contained HTML report (:func:`oodviz.report.write_report`); exit 2 when it cannot."""
+    """Write a run's self-contained HTML report (:func:`oodviz.figures.report.write_report`); exit 2 when it cannot."""
+    from oodviz.figures.report import write_report
     from oodviz.models import format_bytes
-    from oodviz.report import write_report
 
     try:
         path = write_report(Path(args.run), args.output, args.detector or None, args.gallery, args.figure_files)
@@ -358,8 +358,8 @@ def cmd_report(args) -> int:
 
 
 def cmd_project(args) -> int:
-    """Compute a run's 2-D feature projection (:func:`oodviz.projection.project_run`); exit 2 when it cannot."""
-    from oodviz.projection import project_run, projection_path
+    """Compute a run's 2-D feature projection (:func:`oodviz.figures.projection.project_run`); exit 2 when it cannot."""
+    from oodviz.figures.projection import project_run, projection_path
 
     try:
         frame = project_run(Path(args.run), args.method, max_points=args.max_points, seed=args.seed)
@@ -498,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if getattr(args, "preset", None) is not None:  # checked here: the other commands need no run config
-        from oodviz.runs.config import PRESETS
+        from oodviz.config.run import PRESETS
 
         if args.preset not in PRESETS:
             run.error(f"argument --preset: invalid choice: {args.preset!r} (choose from {', '.join(PRESETS)})")

@@ -17,6 +17,7 @@ import math
 import types
 import typing
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 _NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
 
@@ -121,3 +122,46 @@ def param_problems(
             minimum = min(default, 1)
             found.append(f"{where}: {name} must be {'positive' if minimum else '>= 0'}, got {value}")
     return found
+
+
+@dataclass(frozen=True)
+class ParamField:
+    """How the form edits one detector parameter: ``kind`` is ``"int"``, ``"float"`` (``optional``: blank =
+    the detector's automatic choice, None), ``"bool"`` or ``"choice"`` (one of ``choices``)."""
+
+    name: str
+    kind: str
+    default: object
+    optional: bool = False
+    choices: tuple = ()
+
+
+def editable_fields(cls) -> list[ParamField]:
+    """The parameters of class ``cls`` (a detector: its ``param_names()`` and ``param_choices``) a browser user may
+    edit, from its constructor's signature: numbers (also ``int | None``), booleans and the strings of
+    ``param_choices``. Paths (``bank_dir``), module names, lists and the model are left to config files. The app's
+    form reads them from :mod:`oodviz.config.catalog` (no torch import)."""
+    try:
+        parameters = inspect.signature(cls.__init__, eval_str=True).parameters
+    except (NameError, TypeError):
+        parameters = inspect.signature(cls.__init__).parameters
+    fields = []
+    for name in cls.param_names():
+        parameter = parameters[name]
+        annotation, default = parameter.annotation, parameter.default
+        options = (
+            set(typing.get_args(annotation))
+            if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+            else set()
+        )
+        if name in cls.param_choices:
+            fields.append(ParamField(name, "choice", default, choices=tuple(cls.param_choices[name])))
+        elif annotation is bool or isinstance(default, bool):
+            fields.append(ParamField(name, "bool", bool(default)))
+        elif annotation in (int, float) or (annotation is parameter.empty and type(default) in (int, float)):
+            number = annotation if annotation in (int, float) else type(default)
+            fields.append(ParamField(name, number.__name__, default))
+        elif options in ({int, type(None)}, {float, type(None)}):
+            kind = "int" if int in options else "float"
+            fields.append(ParamField(name, kind, default, optional=True))
+    return fields

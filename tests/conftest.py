@@ -243,7 +243,7 @@ def assert_same_ranking(ours, theirs, n_id: int) -> None:
     (Spearman > 0.9999) and give the same AUROC (to 1e-5), on an OOD set that is detectable."""
     from scipy.stats import spearmanr
 
-    from oodviz.metrics import ood_metrics
+    from oodviz.results.metrics import ood_metrics
 
     assert spearmanr(ours, theirs).statistic > 0.9999
     ours_auroc = ood_metrics(ours[:n_id], ours[n_id:])["auroc"]
@@ -304,11 +304,11 @@ def oodviz_in_process(*args, cwd=None) -> subprocess.CompletedProcess:
 @pytest.fixture
 def app_subprocesses_in_process(monkeypatch):
     """The app's child processes run in this process (:func:`run_in_process`): the memory estimate's probe
-    (``python -m oodviz.runs.probe``, :mod:`oodviz.runs.probe`) and the explore tabs' ``oodviz project`` and
+    (``python -m oodviz.pipeline.probe``, :mod:`oodviz.pipeline.probe`) and the explore tabs' ``oodviz project`` and
     ``oodviz score`` (:mod:`oodviz.ui.explore`). For AppTest tests of what the page does with their answers, not of
     the processes: tests/test_security.py and tests/test_batchprobe.py start the probe process, test_browser's
     probe and feature-map views the explore ones. Streamlit's cached estimates are dropped before and after."""
-    from oodviz.runs import probe
+    from oodviz.pipeline import probe
     from oodviz.ui import explore
     from oodviz.ui.sidebar import memory_estimate
 
@@ -403,8 +403,8 @@ def default_run_copy(default_run, tmp_path):
 
 @pytest.fixture(scope="session")
 def default_results(default_run):
-    """:func:`oodviz.results.load_results` of :func:`default_run` (shared: copy what you change)."""
-    from oodviz.results import load_results
+    """:func:`oodviz.results.tables.load_results` of :func:`default_run` (shared: copy what you change)."""
+    from oodviz.results.tables import load_results
 
     return load_results(default_run.path)
 

@@ -1,4 +1,4 @@
-"""oodviz.analysis: histograms, curves, counts at a threshold, failure cases, comparisons, memory."""
+"""oodviz.results.analysis: histograms, curves, counts at a threshold, failure cases, comparisons, memory."""
 
 import numpy as np
 import pandas as pd
@@ -6,9 +6,9 @@ import pytest
 from conftest import synthetic_scores
 from sklearn.metrics import average_precision_score, precision_recall_curve, roc_auc_score, roc_curve
 
-from oodviz import analysis as A
-from oodviz.metrics import ood_metrics
-from oodviz.results import ood_datasets_of
+from oodviz.results import analysis as A
+from oodviz.results.metrics import ood_metrics
+from oodviz.results.tables import ood_datasets_of
 
 # ---- fixtures -----------------------------------------------------------------------------------
 

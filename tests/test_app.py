@@ -11,7 +11,7 @@ import pytest
 from conftest import brute_force_threshold
 from streamlit.testing.v1 import AppTest
 
-from oodviz.runs.config import DetectorChoice, RunConfig, preset
+from oodviz.config.run import DetectorChoice, RunConfig, preset
 from oodviz.ui.form import FOLDER_PRESET, FormValues, config_from_form, form_values_from_config
 from oodviz.ui.history import runs_table_key
 
@@ -292,15 +292,19 @@ def test_a_failed_run_shows_a_readable_error_with_details_folded(app, runs_root)
 
 
 def test_a_failed_run_offers_the_fixes_its_error_names_and_a_click_fills_the_form(app, runs_root):
-    """The OOM killer's message names a smaller batch: "Retry with" fills the sidebar with the run's choices and
-    a quarter of its batch size, estimates it, and starts nothing."""
+    """A run the OOM killer ended carries the smaller-batch fix in its status (as the supervisor records it):
+    "Retry with" fills the sidebar with the run's choices and a quarter of its batch size, estimates it, and starts
+    nothing. The button comes from the fix's kind and value: the error's words play no part."""
+    from oodviz.fixes import smaller_batch
     from oodviz.runs.rundir import RunDir
 
     failed = runs_root / "r-oom"
     shutil.copytree(runs_root / "r1", failed)
     (failed / "metrics.csv").unlink()
     RunDir(failed).write_status(
-        state="failed", error="worker was killed by signal 9 (SIGKILL) — likely out of memory (the kernel's OOM killer)"
+        state="failed",
+        error="(any words: the fix is data)",
+        fixes=[smaller_batch(256, "killed by the OOM killer").to_dict()],
     )
     before = sorted(p.name for p in runs_root.iterdir())
     app.query_params["run"] = "r-oom"
@@ -475,7 +479,7 @@ def test_the_live_panel_reads_the_event_log_incrementally_and_keeps_a_bounded_me
 
 
 def test_stage_k_of_n_the_run_fraction_and_its_eta(default_run):
-    from oodviz.runs.plan import planned_stages
+    from oodviz.config.plan import planned_stages
     from oodviz.ui.live import EventTail, hms, run_eta_s, stage_position
 
     plan = planned_stages(RunConfig.load(default_run.path / "config.json"))
@@ -599,8 +603,9 @@ def test_sizes_have_three_significant_digits_and_no_exponent():
 
 def test_every_chart_of_the_default_run_stays_under_50_kib(default_run):
     """The owners' budget per chart: the histogram, ROC and PR with 7 OOD sets or all 20 detectors."""
-    from oodviz import analysis, plots
-    from oodviz.results import detectors_of, ood_datasets_of
+    from oodviz.figures import plots
+    from oodviz.results import analysis
+    from oodviz.results.tables import detectors_of, ood_datasets_of
     from oodviz.ui.results import curve_points
 
     scores = pd.read_parquet(default_run.path / "scores.parquet")
@@ -640,7 +645,7 @@ def test_only_a_strict_best_is_marked_and_unrankable_aurc_columns_are_greyed():
 def test_aurc_and_risk_say_how_many_classifier_errors_they_rest_on(app, runs_root):
     """The metrics table's caption and the risk–coverage tab count the classifier's errors on the ID test set
     (counted here from scores.parquet); below 20 they say the columns cannot rank detectors."""
-    from oodviz.results import MIN_CLASSIFIER_ERRORS
+    from oodviz.results.tables import MIN_CLASSIFIER_ERRORS
 
     scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
     id_rows = scores[scores.split == "id_test"]

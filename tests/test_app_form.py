@@ -9,10 +9,10 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 import oodviz.ui.main
+from oodviz.config.defaults import default_detector_params
+from oodviz.config.run import DatasetChoice, DetectorChoice
 from oodviz.data import load_dataset
-from oodviz.results import ood_datasets_of
-from oodviz.runs.config import DatasetChoice, DetectorChoice
-from oodviz.runs.defaults import default_detector_params
+from oodviz.results.tables import ood_datasets_of
 from oodviz.runs.jobs import QueueFull
 from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config
 from oodviz.ui.form_tuning import HELD_OUT, VALIDATION_FOLDER
@@ -202,11 +202,11 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
     asks for (margin_for)."""
     import json
 
-    import oodviz.runs.preflight
+    import oodviz.pipeline.preflight
+    from oodviz.config.run import RunConfig
     from oodviz.engine.store.space import margin_for
     from oodviz.models.digits import DigitsCNN
-    from oodviz.runs.config import RunConfig
-    from oodviz.runs.probe import estimate_for_config
+    from oodviz.pipeline.probe import estimate_for_config
 
     model = DigitsCNN()
     dims = {"features.0": model.features[0].out_channels, "features.3": model.features[2].out_channels}
@@ -216,12 +216,12 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
     store = {layer: n * (d * 4 + model.fc.out_features * 4 + 24) for layer, d in dims.items()}
     two = store["features.0"] + store["features.3"]
     disk = two + margin_for(two) + store["penultimate"] // 2  # the two narrow layers with head room, half the widest
-    limits = oodviz.runs.preflight.machine_limits
+    limits = oodviz.pipeline.preflight.machine_limits
 
     def with_small_disk(root, device, cap=None):
         return {**limits(root, device, cap), "disk": disk}
 
-    monkeypatch.setattr(oodviz.runs.preflight, "machine_limits", with_small_disk)
+    monkeypatch.setattr(oodviz.pipeline.preflight, "machine_limits", with_small_disk)
     monkeypatch.setattr(
         oodviz.ui.main,
         "memory_estimate",
@@ -248,10 +248,10 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
 def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default_run_copy, monkeypatch):
     """The worker's warning event and the results page say the same: the page shows it once, above the results
     (with "Tuning:"), not again in the run's warnings."""
-    from oodviz.runs.config import RunConfig
-    from oodviz.runs.reporter import Reporter
+    from oodviz.config.run import RunConfig
+    from oodviz.config.tuning import validation_warnings
+    from oodviz.pipeline.reporter import Reporter
     from oodviz.runs.rundir import RunDir
-    from oodviz.runs.tuning import validation_warnings
 
     config = RunConfig.load(default_run_copy / "config.json")
     config.id_fit.subsample_mode = "first"  # the fit's first images, validation its last: only the OOD set overlaps
@@ -277,12 +277,13 @@ def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default
 def test_the_fewer_layers_fix_is_offered_only_for_a_layer_the_form_has_beside_others():
     """From a refusal or a failed run's warning (a run started anyway): the widest layer out, the others kept in
     order; nothing for a form with that layer alone, or without it."""
-    from oodviz.ui.form import suggested_fixes
+    from oodviz.fixes import Fix
+    from oodviz.ui.form import form_fixes
 
-    said = "This run does not fit ...\nTo make it fit:\n- fewer layers: the widest is features.3 (D=32)"
+    said = [Fix("drop_layer", "fewer layers: the widest is features.3 (D=32)", "features.3")]
     three = FormValues(layers=["features.0", "features.3", "penultimate"])
-    ((label, fixed),) = [(fix.label, fix.values) for fix in suggested_fixes(said, three)]
-    assert (label, fixed.layers) == ("Leave out layer features.3 (the widest, D=32)", ["features.0", "penultimate"])
+    ((label, fixed),) = [(fix.label, fix.values) for fix in form_fixes(said, three)]
+    assert (label, fixed.layers) == ("Leave out layer features.3 (the widest)", ["features.0", "penultimate"])
     assert fixed == FormValues(layers=["features.0", "penultimate"])  # nothing else changed
-    assert suggested_fixes(said, FormValues(layers=["features.3"])) == []
-    assert suggested_fixes(said, FormValues(layers=["features.0", "penultimate"])) == []
+    assert form_fixes(said, FormValues(layers=["features.3"])) == []
+    assert form_fixes(said, FormValues(layers=["features.0", "penultimate"])) == []

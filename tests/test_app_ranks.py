@@ -56,7 +56,7 @@ def test_the_supervisor_starts_torchruns_launcher_for_a_run_on_several_processes
     jobs.start_worker(one)
     jobs.start_worker(several)
     path = str(several.path.resolve())
-    assert started[0] == [sys.executable, "-m", "oodviz.runs.worker", str(one.path.resolve())]
+    assert started[0] == [sys.executable, "-m", "oodviz.pipeline.worker", str(one.path.resolve())]
     assert started[1] == [sys.executable, "-m", "oodviz.runs.launch", path, "4"]
     assert launch_main([path]) == 2 and launch_main([path, "0"]) == 2  # usage: RUN_DIR N with N >= 1
 

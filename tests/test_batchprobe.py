@@ -11,13 +11,13 @@ import pytest
 import torch
 from kernels import assert_kernel_close
 
-import oodviz.runs.preflight
+import oodviz.pipeline.preflight
 from oodviz.cli import main
+from oodviz.config.run import DetectorChoice, RunConfig
 from oodviz.models.memory import format_bytes
-from oodviz.runs.batchprobe import BatchPeak
-from oodviz.runs.config import DetectorChoice, RunConfig
-from oodviz.runs.preflight import assess
-from oodviz.ui.form import FormValues, suggested_fixes
+from oodviz.pipeline.batchprobe import BatchPeak
+from oodviz.pipeline.preflight import assess, preflight
+from oodviz.ui.form import FormValues, form_fixes
 
 MiB = 2**20
 BATCH = 256
@@ -42,8 +42,8 @@ DIRECT_ODIN = textwrap.dedent(
     import psutil, torch
     from oodviz.batch import Batch
     from oodviz.detectors import create
-    from oodviz.runs.config import RunConfig
-    from oodviz.runs.splits import load_split
+    from oodviz.config.run import RunConfig
+    from oodviz.config.splits import load_split
 
     config = RunConfig.from_dict(json.loads(sys.stdin.read()))
     backbone = config.load_backbone()
@@ -75,8 +75,8 @@ DIRECT_ODIN_CUDA = textwrap.dedent(
     import torch
     from oodviz.batch import Batch
     from oodviz.detectors import create
-    from oodviz.runs.config import RunConfig
-    from oodviz.runs.splits import load_split
+    from oodviz.config.run import RunConfig
+    from oodviz.config.splits import load_split
 
     config = RunConfig.from_dict(json.loads(sys.stdin.read()))
     backbone = config.load_backbone()
@@ -107,11 +107,11 @@ def fashion_odin(tmp_path_factory):
 
 
 def test_the_probe_figure_for_odin_matches_a_direct_peak_rss_measurement(tmp_path):
-    from oodviz.runs.probe import estimate_in_subprocess
+    from oodviz.pipeline.probe import estimate_in_subprocess
 
     # In a fresh process, as the app runs it: in a long-lived test worker malloc serves the batch from heap that
     # is resident already, so the peak rises less (103 vs 152 MiB in CI) and the probe would read low.
-    estimate, description, refusal = estimate_in_subprocess(json.dumps(FASHION_ODIN), runs_root=tmp_path / "runs")
+    estimate, description, refusal, _, _ = estimate_in_subprocess(json.dumps(FASHION_ODIN), runs_root=tmp_path / "runs")
     peaks = {peak["what"]: BatchPeak(**peak) for peak in estimate["batch_peaks"]}
     assert set(peaks) == {"extraction", "odin"} and estimate["batch_probe_failed"] == {}
     odin = peaks["odin"]
@@ -136,8 +136,8 @@ def test_the_probe_measures_in_the_runs_precision(precision):
     as the run's own passes do (a bf16 run's batches were measured in float32 before: its extraction batch of 512
     fashion-cnn rows measured 116 MiB in float32, 61 in bf16). ODIN turns autocast off for its gradient step
     itself (odin.py), so its second forward is the one in the run's precision."""
-    from oodviz.runs.batchprobe import batch_peaks
-    from oodviz.runs.splits import load_split
+    from oodviz.config.splits import load_split
+    from oodviz.pipeline.batchprobe import batch_peaks
 
     config = RunConfig.from_dict({**FASHION_ODIN, "batch_size": 16, "precision": precision})
     backbone = config.load_backbone()
@@ -161,10 +161,10 @@ def test_the_probe_measures_in_the_runs_precision(precision):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_probe_figure_for_odin_matches_the_allocator_peak_of_one_batch(tmp_path):
-    from oodviz.runs.probe import estimate_for_config
+    from oodviz.pipeline.probe import estimate_for_config
 
     config = {**FASHION_ODIN, "device": "cuda"}
-    estimate, _, _ = estimate_for_config(RunConfig.from_dict(config), tmp_path / "runs")
+    estimate = estimate_for_config(RunConfig.from_dict(config), tmp_path / "runs").estimate
     (odin,) = [BatchPeak(**peak) for peak in estimate["batch_peaks"] if peak["what"] == "odin"]
     done = subprocess.run(
         [sys.executable, "-c", DIRECT_ODIN_CUDA], input=json.dumps(config), capture_output=True, text=True, check=True
@@ -175,7 +175,7 @@ def test_on_a_gpu_the_probe_figure_for_odin_matches_the_allocator_peak_of_one_ba
 
 
 def fake_probe(peaks):
-    """A stand-in for :func:`oodviz.runs.batchprobe.batch_peaks` that "measures" ``peaks`` (copies)."""
+    """A stand-in for :func:`oodviz.pipeline.batchprobe.batch_peaks` that "measures" ``peaks`` (copies)."""
 
     def batch_peaks(config, backbone, dataset, extraction=True, names=None):
         found = [p for p in peaks if (extraction if p.what == "extraction" else names is None or p.what in names)]
@@ -185,9 +185,9 @@ def fake_probe(peaks):
 
 
 def small_ram(monkeypatch, ram):
-    real_limits = oodviz.runs.preflight.machine_limits
+    real_limits = oodviz.pipeline.preflight.machine_limits
     monkeypatch.setattr(
-        oodviz.runs.preflight,
+        oodviz.pipeline.preflight,
         "machine_limits",
         lambda store_root, device, disk_cap=None: {**real_limits(store_root, device, disk_cap), "ram": ram},
     )
@@ -198,13 +198,13 @@ def test_the_cli_refuses_naming_the_batch_size_that_fits_and_the_app_proposes_th
 ):
     """RAM 100 MiB. Extraction: 20 MiB + 256 x 1 MiB is over; (100 - 20) / 1 = 80 rows fit: batch_size=80. ODIN
     sizes its own batch, max(1, floor((0.5 x 100 - 99) / 2)) = 1 row, 99 + 2 = 101 MiB: over even at one row."""
-    import oodviz.runs.batchprobe
+    import oodviz.pipeline.batchprobe
 
     peaks = [
         BatchPeak("extraction", BATCH, fixed_bytes=20 * MiB, per_row_bytes=MiB),
         BatchPeak("odin", BATCH, fixed_bytes=99 * MiB, per_row_bytes=2 * MiB),
     ]
-    monkeypatch.setattr(oodviz.runs.batchprobe, "batch_peaks", fake_probe(peaks))
+    monkeypatch.setattr(oodviz.pipeline.batchprobe, "batch_peaks", fake_probe(peaks))
     small_ram(monkeypatch, 100 * MiB)
     runs_root = tmp_path / "runs"
     code = main(["run", fashion_odin, "--runs-root", str(runs_root)])
@@ -216,8 +216,9 @@ def test_the_cli_refuses_naming_the_batch_size_that_fits_and_the_app_proposes_th
     assert "a smaller batch: batch_size=80 or less fits one batch through the model (now 256 rows)" in err
     assert "leave out odin" in err
     assert "pool the features" not in err  # the store and the fits are not what is over
-    fixes = [fix.label for fix in suggested_fixes(err, FormValues(detectors=["msp", "odin"], batch_size=BATCH))]
-    assert fixes == ["Leave out odin", "Batch size 256 → 80"]  # the size the pre-flight names, not a quarter
+    form = FormValues(detectors=["msp", "odin"], batch_size=BATCH)
+    fixes = [fix.label for fix in form_fixes(preflight(RunConfig.load(fashion_odin), runs_root).fixes, form)]
+    assert fixes == ["Batch size 256 → 80", "Leave out odin"]  # the size the pre-flight names, not a quarter
     # ODIN at 20 MiB + 2 MiB per row fits its own batch: (50 - 20) / 2 = 15 rows; only the extraction is over
     peaks[1] = BatchPeak("odin", BATCH, fixed_bytes=20 * MiB, per_row_bytes=2 * MiB)
     assert main(["run", fashion_odin, "--runs-root", str(runs_root)]) == 2
@@ -225,7 +226,7 @@ def test_the_cli_refuses_naming_the_batch_size_that_fits_and_the_app_proposes_th
     (line,) = [line for line in err.splitlines() if "batch of odin (15 rows at once)" in line]
     assert not line.endswith("OVER") and format_bytes(50 * MiB) in line
     assert "leave out odin" not in err
-    assert [fix.label for fix in suggested_fixes(err, FormValues(detectors=["msp", "odin"], batch_size=BATCH))] == [
+    assert [fix.label for fix in form_fixes(preflight(RunConfig.load(fashion_odin), runs_root).fixes, form)] == [
         "Batch size 256 → 80"
     ]
 
@@ -234,8 +235,8 @@ def odin_scores_of_the_images(config: dict, split: str) -> tuple[torch.Tensor, t
     """ODIN on every image of ``split`` (``id_test`` or an OOD set's name) directly: all rows at once, and one row
     at a time."""
     from oodviz.batch import Batch
+    from oodviz.config.splits import load_split
     from oodviz.detectors import create
-    from oodviz.runs.splits import load_split
 
     run_config = RunConfig.from_dict(config)
     backbone = run_config.load_backbone()
@@ -261,14 +262,14 @@ def test_the_run_takes_odins_batch_size_from_the_preflights_probe_with_the_same_
     """``oodviz run`` hands the pre-flight's measured peaks to the run (no second probe): with 1 MiB + 1 MiB per
     row and 17 MiB available, ODIN passes max(1, floor((0.5 x 17 - 1) / 1)) = 7 rows at once, recorded in
     detectors.json; its scores equal ODIN's over the whole split at once and one row at a time."""
-    import oodviz.runs.batchprobe
+    import oodviz.pipeline.batchprobe
     from oodviz.detectors import modelmemory
 
     peaks = [
         BatchPeak("extraction", BATCH, fixed_bytes=MiB, per_row_bytes=MiB // 64),
         BatchPeak("odin", BATCH, fixed_bytes=MiB, per_row_bytes=MiB),
     ]
-    monkeypatch.setattr(oodviz.runs.batchprobe, "batch_peaks", fake_probe(peaks))
+    monkeypatch.setattr(oodviz.pipeline.batchprobe, "batch_peaks", fake_probe(peaks))
     monkeypatch.setattr(modelmemory, "available_bytes", lambda device: 17 * MiB)
     out = tmp_path / "runs" / "odin"
     assert main(["run", fashion_odin, "--out", str(out)]) == 0, capsys.readouterr().err
@@ -297,8 +298,8 @@ def test_a_run_without_a_preflight_measures_odin_itself_and_sizes_its_batch_from
     """``run_pipeline`` alone (the app's worker, the Python API): the run measures ODIN's batch before extracting
     and passes ``min(256, max(1, floor((0.5 x available - fixed) / per_row)))`` rows at once."""
     from oodviz.detectors import modelmemory
-    from oodviz.runs.pipeline import run_pipeline
-    from oodviz.runs.reporter import Reporter
+    from oodviz.pipeline.reporter import Reporter
+    from oodviz.pipeline.stages import run_pipeline
     from oodviz.runs.rundir import RunDir
 
     available = 128 * MiB
@@ -320,7 +321,7 @@ def test_a_run_without_a_preflight_measures_odin_itself_and_sizes_its_batch_from
 
 
 def test_rows_from_memory_is_the_arithmetic_of_the_measured_peak():
-    from oodviz.runs.batchprobe import ModelBatches, rows_from_memory, sized
+    from oodviz.pipeline.batchprobe import ModelBatches, rows_from_memory, sized
 
     peak = BatchPeak(
         "odin", BATCH, fixed_bytes=10 * MiB, per_row_bytes=3 * MiB, gpu_fixed_bytes=MiB, gpu_per_row_bytes=MiB
@@ -353,7 +354,7 @@ def test_rows_from_memory_is_the_arithmetic_of_the_measured_peak():
 
 def test_batch_rows_scale_the_measured_line_and_name_the_batch_that_fits():
     """Needs are ``fixed + rows x per_row`` at the rows each batch has (a model-based detector's: those it chose,
-    :func:`~oodviz.runs.batchprobe.sized`); the batch size fix is the largest whose extraction batch fits; a
+    :func:`~oodviz.pipeline.batchprobe.sized`); the batch size fix is the largest whose extraction batch fits; a
     detector over at its rows is left out; the extraction is never "left out"."""
     estimate = {
         "feature_dim": 64,
@@ -380,11 +381,15 @@ def test_batch_rows_scale_the_measured_line_and_name_the_batch_that_fits():
     }
     assert [(need.resource, need.what.split()[2]) for need in report.over] == [("ram", "odin"), ("gpu", "odin")]
     # odin chooses its own batch size: no batch_size fix for it, only leaving it out
-    assert report.fixes == ["fewer detectors: leave out odin (one batch of it is over the memory)"]
+    assert [fix.text for fix in report.fixes] == [
+        "fewer detectors: leave out odin (one batch of it is over the memory)"
+    ]
+    assert [(fix.kind, fix.value) for fix in report.fixes] == [("drop_detectors", ("odin",))]
     only_extraction = assess(config, estimate, {"disk": 10**12, "ram": 50 * MiB}, batches=batches[:1])
-    assert only_extraction.fixes == [
+    assert [fix.text for fix in only_extraction.fixes] == [
         "a smaller batch: batch_size=120 or less fits one batch through the model (now 256 rows)"
     ]
+    assert [(fix.kind, fix.value) for fix in only_extraction.fixes] == [("batch_size", 120)]
 
 
 def test_a_runs_own_probe_hands_each_peak_to_the_stage_before_resetting_it(monkeypatch):
@@ -393,8 +398,8 @@ def test_a_runs_own_probe_hands_each_peak_to_the_stage_before_resetting_it(monke
     from types import SimpleNamespace
 
     import oodviz.runs.telemetry
-    from oodviz.runs.batchprobe import ModelBatches, measure_for_run
-    from oodviz.runs.splits import load_split
+    from oodviz.config.splits import load_split
+    from oodviz.pipeline.batchprobe import ModelBatches, measure_for_run
 
     order = []
     reset = oodviz.runs.telemetry.reset_peak_rss

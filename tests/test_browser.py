@@ -245,7 +245,7 @@ def _fashion_installed() -> bool:
 def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, runs_root, tmp_path):
     """The Fashion-MNIST preset's quick example config, run by the CLI (in this process), analysed in the app (README
     screenshots)."""
-    from oodviz.runs.config import RunConfig
+    from oodviz.config.run import RunConfig
 
     config = RunConfig.load(REPO / "examples" / "fashion-mnist-quick.toml")
     config.data_root = str(tmp_path / "data")
@@ -306,7 +306,7 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
     (README screenshots, 1000 px)."""
     from PIL import Image
 
-    from oodviz.scoring import score_images
+    from oodviz.pipeline.scoring import score_images
 
     shutil.copytree(default_run.path, runs_root / "default-copy")
     shutil.copytree(default_run.path.parent / ".features", runs_root / ".features", dirs_exist_ok=True)

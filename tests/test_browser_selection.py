@@ -12,8 +12,8 @@ import pytest
 from conftest import chromium
 from test_browser import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
 
-from oodviz.analysis import score_histogram
-from oodviz.plots import hidden_at_first
+from oodviz.figures.plots import hidden_at_first
+from oodviz.results.analysis import score_histogram
 
 pytestmark = chromium
 
@@ -238,8 +238,8 @@ def test_the_feature_map_shows_a_hovered_points_thumbnail_and_the_images_of_a_bo
     from sklearn.datasets import load_digits
 
     from oodviz.data import digits_split
-    from oodviz.projection_map import KEYS, THUMBNAIL_SIZE
-    from oodviz.thumbnails import thumbnails
+    from oodviz.figures.projection_map import KEYS, THUMBNAIL_SIZE
+    from oodviz.figures.thumbnails import thumbnails
 
     received = []  # each websocket message from the server
     page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: received.append(payload)))
@@ -276,7 +276,7 @@ def test_the_feature_map_shows_a_hovered_points_thumbnail_and_the_images_of_a_bo
     assert np.corrcoef(shown.ravel(), reference.ravel())[0, 1] > 0.95
     shoot(page, tmp_path, "feature-space-hover")
     # a digit outside the sprite: once the mouse rests on it the server sends its thumbnail (lossless), which the
-    # page decodes to the pixels of oodviz.thumbnails' image of that sample and of sklearn's digit
+    # page decodes to the pixels of oodviz.figures.thumbnails' image of that sample and of sklearn's digit
     page.mouse.move(area["x"] + 2, area["y"] + area["height"] + 60)
     panel.wait_for(state="hidden", timeout=30_000)
     row = isolated_digit(frame, unit, np.setdiff1d(np.arange(len(frame)), in_sprite))
@@ -341,7 +341,7 @@ def test_a_figure_downloads_as_png_and_svg_where_kaleido_works(page, app_url, ru
 
     from PIL import Image
 
-    from oodviz.export import kaleido_problem
+    from oodviz.figures.export import kaleido_problem
 
     if kaleido_problem() is not None:
         pytest.skip(kaleido_problem())

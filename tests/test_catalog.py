@@ -1,4 +1,4 @@
-"""The form's catalog (:mod:`oodviz.catalog`) is what the code declares: the file equals :func:`build`, and the
+"""The form's catalog (:mod:`oodviz.config.catalog`) is what the code declares: the file equals :func:`build`, and the
 form's readers give what the detector classes, the model registry and the dataset registry give."""
 
 from __future__ import annotations
@@ -9,28 +9,29 @@ import numpy as np
 import pytest
 from test_data import _write_idx
 
-from oodviz import catalog
+from oodviz.config import catalog
+from oodviz.config.catalog import param_fields
+from oodviz.config.defaults import FAMILY_CHANGES, default_detector_params
+from oodviz.config.run import DetectorChoice, RunConfig
+from oodviz.config.tuning import detector_grid
 from oodviz.data import load_dataset
 from oodviz.detectors import available, detector_class
 from oodviz.models import architecture_layer_names, available_backbones
 from oodviz.models.architectures import backbone_family
-from oodviz.runs.config import DetectorChoice, RunConfig
-from oodviz.runs.defaults import FAMILY_CHANGES, default_detector_params
-from oodviz.runs.tuning import detector_grid
-from oodviz.ui.form import declared_param_fields, param_fields
+from oodviz.params import editable_fields
 from oodviz.ui.form_tuning import layer_options, tuned_grids
 
 SPLITS = ("train", "test")
 
 
 def test_the_catalog_file_is_what_the_code_declares():
-    # regenerate with `python -m oodviz.catalog` when this fails
+    # regenerate with `python -m oodviz.config.catalog` when this fails
     assert catalog.catalog() == json.loads(json.dumps(catalog.build()))
 
 
 @pytest.mark.parametrize("name", available())
 def test_the_forms_parameter_fields_are_the_constructors(name):
-    read, declared = param_fields(name), declared_param_fields(name)
+    read, declared = param_fields(name), editable_fields(detector_class(name))
     assert read == declared
     assert [type(f.default) for f in read] == [type(f.default) for f in declared]
 

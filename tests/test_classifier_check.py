@@ -1,4 +1,4 @@
-"""The model's classes against the ID labels, before any extraction (oodviz/runs/classifier_check.py): the rule
+"""The model's classes against the ID labels, before any extraction (oodviz/pipeline/classifier_check.py): the rule
 against scipy's binomial tail, the bundled model passing, a model whose head is permuted failing, and a run on an
 image folder whose classes are not the model's refused by ``oodviz run`` (exit 2, nothing created) until
 ``--force``, which runs it with the warning in its log and on its page."""
@@ -13,10 +13,10 @@ from scipy.stats import binom
 from streamlit.testing.v1 import AppTest
 from test_runs import small_config
 
+from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.data import load_dataset
 from oodviz.models import Backbone
-from oodviz.runs.classifier_check import CHANCE_TAIL, ClassifierCheck, check_classifier
-from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.pipeline.classifier_check import CHANCE_TAIL, ClassifierCheck, check_classifier
 from oodviz.runs.rundir import RunDir
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -114,7 +114,7 @@ def test_oodviz_run_refuses_a_folder_whose_classes_are_not_the_models_until_forc
     assert not app.exception
     assert any("are not classes of the model" in w.value for w in app.warning)
     assert json.loads((run_dir / "status.json").read_text())["state"] == "done"
-    from oodviz.report import report_html
+    from oodviz.figures.report import report_html
 
     report = report_html(run_dir, detectors=["msp"])
     assert '<p class="warning">Warning: The model&#x27;s classes are not the ID labels: 4 of the 4' in report

@@ -9,11 +9,11 @@ import pytest
 from conftest import make_problem
 from PIL import Image
 
+from oodviz.config.run import ConfigError, DatasetChoice, DetectorChoice, RunConfig
+from oodviz.config.validation import check_sizes
 from oodviz.data import class_mismatch, dataset_param_problems, load_dataset
 from oodviz.detectors import create
 from oodviz.models import architecture_layer_names, backbone_classes, load_backbone
-from oodviz.runs.config import ConfigError, DatasetChoice, DetectorChoice, RunConfig
-from oodviz.runs.validation import check_sizes
 
 
 def small_config(**changes) -> RunConfig:
@@ -92,7 +92,7 @@ def test_from_dict_refuses_what_is_not_a_table_of_settings():
 
 
 def test_the_default_config_and_the_presets_have_no_problems():
-    from oodviz.runs.config import PRESETS
+    from oodviz.config.run import PRESETS
 
     for make in PRESETS.values():
         assert make().problems() == []

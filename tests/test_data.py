@@ -343,7 +343,7 @@ def test_a_stratified_subsample_is_seeded_and_uniform_within_each_class():
 
 
 def test_the_default_subsample_is_stratified_and_an_ood_sets_is_uniform():
-    from oodviz.runs.config import DatasetChoice
+    from oodviz.config.run import DatasetChoice
 
     assert DatasetChoice("digits-test").subsample_mode == "stratified"
     assert inspect.signature(load_dataset).parameters["subsample_mode"].default == "stratified"

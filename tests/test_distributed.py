@@ -15,9 +15,9 @@ import pandas as pd
 import pytest
 from kernels import assert_kernel_close, run_batch_size
 
-from oodviz.distributed import DatasetSlice, World, shard_bounds
+from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.engine.store import list_stores
-from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.pipeline.distributed import DatasetSlice, World, shard_bounds
 from oodviz.runs.launch import torchrun_argv
 from oodviz.runs.rundir import RunDir
 
@@ -70,11 +70,11 @@ def assert_saved_detectors_score_like_the_run(run: Path) -> None:
     each, at other batch shapes; a single-process run's saved detectors give the bits: tests/test_scoring.py): a
     ``<detector>@<layer>`` the layer's store (``meta.json["layers"]``), a plain name the run's. The combined
     Mahalanobis is computed from the per-layer ones, not saved."""
+    from oodviz.columns import split_column
     from oodviz.detectors import detector_class, load
     from oodviz.engine import STORES_DIRNAME, open_store
-    from oodviz.layers import split_column
-    from oodviz.results import ID_SPLIT, load_results
-    from oodviz.scoring import COMBINED_COLUMN, detectors_dir
+    from oodviz.pipeline.scoring import COMBINED_COLUMN, detectors_dir
+    from oodviz.results.tables import ID_SPLIT, load_results
 
     results = load_results(run)
     layer_stores = results.meta.get("layers", {}).get("stores", {})
@@ -140,7 +140,11 @@ def test_the_world_comes_from_torchruns_variables_and_bad_ones_are_refused():
 
 def test_torchrun_gets_standalone_on_one_node_and_the_rendezvous_on_several(tmp_path):
     one = torchrun_argv(tmp_path, 4)
-    assert one[:3] == ["--standalone", "--nnodes", "1"] and one[-3:] == ["oodviz.runs.worker", str(tmp_path), "--echo"]
+    assert one[:3] == ["--standalone", "--nnodes", "1"] and one[-3:] == [
+        "oodviz.pipeline.worker",
+        str(tmp_path),
+        "--echo",
+    ]
     two = torchrun_argv(tmp_path, 2, nnodes=2, node_rank=1, rdzv_endpoint="10.0.0.1:29500")
     assert two[:6] == ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "10.0.0.1:29500"]
     with pytest.raises(ValueError, match="needs --rdzv-endpoint"):
@@ -396,7 +400,7 @@ import torch
 from oodviz import Batch
 from oodviz.detectors import available, create, detector_class
 from oodviz.detectors.stats import ClassMeans, ClassMoments
-from oodviz.distributed import (World, fit_across_ranks, fit_bank_across_ranks, join_world, leave_world,
+from oodviz.pipeline.distributed import (World, fit_across_ranks, fit_bank_across_ranks, join_world, leave_world,
                                 merge_across_ranks, search_across_ranks, shard_bounds)
 
 world = World.from_env()

@@ -12,8 +12,8 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from oodviz import plots
 from oodviz.detectors import describe
+from oodviz.figures import plots
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
 
@@ -102,7 +102,7 @@ def test_the_metrics_table_has_aurc_greyed_when_the_classifier_errs_too_rarely(a
     """AURC as computed here; the default run's classifier makes fewer than 20 errors on the ID test set, so the
     AURC column is grey in every row and highlights none; each AUROC column marks its strict best only (none when
     the best value as shown is tied)."""
-    from oodviz.results import MIN_CLASSIFIER_ERRORS
+    from oodviz.results.tables import MIN_CLASSIFIER_ERRORS
 
     open_tab(app, "Metrics")
     shown = app.dataframe[0].value.set_index("detector")
@@ -175,7 +175,7 @@ def test_the_feature_space_tab_projects_as_many_points_as_asked(app, runs_root, 
 def probe_page(run_path: str):
     from types import SimpleNamespace
 
-    from oodviz.results import load_results
+    from oodviz.results.tables import load_results
     from oodviz.ui import explore
 
     explore.probe_tab(SimpleNamespace(results=load_results(run_path)))
@@ -189,7 +189,7 @@ def test_the_probe_tab_shows_readable_headers_the_verdicts_rule_and_telling_digi
     import streamlit
 
     from oodviz.data import load_dataset
-    from oodviz.scoring import score_images
+    from oodviz.pipeline.scoring import score_images
 
     image, _, _ = load_dataset("digits-test", root="data")[0]
     image.save(tmp_path / "digit0.png")
@@ -253,7 +253,7 @@ def test_the_sidebar_explains_the_chosen_detector_from_its_module(app):
 
 
 def views(run_path: str):
-    from oodviz.results import load_results
+    from oodviz.results.tables import load_results
     from oodviz.ui import explore
 
     results = load_results(run_path)
@@ -264,9 +264,9 @@ def views(run_path: str):
 
 
 def test_the_views_render_a_real_run(default_run, tmp_path):
-    from oodviz.analysis import ORACLE, risk_coverage_curves
-    from oodviz.export import kaleido_problem
-    from oodviz.projection import project_run
+    from oodviz.figures.export import kaleido_problem
+    from oodviz.figures.projection import project_run
+    from oodviz.results.analysis import ORACLE, risk_coverage_curves
 
     copy = default_run.path.parent / f"explore-{tmp_path.parent.name}-{tmp_path.name}"  # one name per xdist worker too
     shutil.copytree(default_run.path, copy)
@@ -315,7 +315,7 @@ def test_a_set_hidden_at_first_is_named_and_a_box_shows_only_the_sets_drawn_unde
     """The default run has seven sets, six drawn at first: the page names the hidden one. A box whose points lie on
     the ID trace and the first OOD set's (what plotly sends when the others are hidden) shows the images of those
     two sets only (it showed every set's, hidden ones included)."""
-    from oodviz.analysis import score_histogram
+    from oodviz.results.analysis import score_histogram
 
     open_tab(app, "Score histograms")
     detector = app.selectbox(key="shared-detector:r1").value

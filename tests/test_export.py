@@ -10,9 +10,9 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from oodviz.analysis import curves
-from oodviz.export import figure_images, kaleido_problem
-from oodviz.plots import roc_figure
+from oodviz.figures.export import figure_images, kaleido_problem
+from oodviz.figures.plots import roc_figure
+from oodviz.results.analysis import curves
 
 pytestmark = pytest.mark.skipif(kaleido_problem() is not None, reason=f"{kaleido_problem()}")
 
@@ -53,7 +53,7 @@ def test_a_roc_figure_exports_as_a_png_of_the_asked_size_with_its_curve_drawn_an
 
 
 def test_the_report_offers_each_figure_as_png_and_svg(default_run, tmp_path):
-    from oodviz.report import FIGURE_CLASS, write_report
+    from oodviz.figures.report import FIGURE_CLASS, write_report
 
     out = write_report(default_run.path, tmp_path / "r.html", detectors=["msp"], gallery_size=2, figure_files=True)
     text = out.read_text()

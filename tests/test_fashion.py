@@ -19,6 +19,7 @@ from PIL import Image
 
 import oodviz.data.torchvision_sets as tv_sets
 from oodviz.cli import main as cli_main
+from oodviz.config.run import PRESETS, ConfigError, RunConfig, fashion_mnist_config, preset
 from oodviz.data import (
     FASHION_HELD_OUT,
     FASHION_ID_CLASSES,
@@ -40,7 +41,6 @@ from oodviz.models.fashion import (
     FashionTransform,
     normalize_fashion,
 )
-from oodviz.runs.config import PRESETS, ConfigError, RunConfig, fashion_mnist_config, preset
 
 DEBIAN = "/usr/share/datasets/fashion-mnist"
 RAW = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -400,8 +400,8 @@ def test_preset_runs_end_to_end(preset_run):
 
 @needs_files
 def test_preset_thumbnails_are_the_real_28x28_images(preset_run):
-    from oodviz.results import load_results
-    from oodviz.thumbnails import fit_image, thumbnails
+    from oodviz.figures.thumbnails import fit_image, thumbnails
+    from oodviz.results.tables import load_results
 
     results = load_results(preset_run)
     scores = pd.read_parquet(preset_run / "scores.parquet")

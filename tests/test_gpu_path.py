@@ -662,8 +662,8 @@ def test_tempscale_reads_its_sums_once_per_pass():
 
 @cuda  # marked cuda by conftest's hook: selected by -m cuda
 def test_a_cuda_stage_lasts_until_its_kernels_end(tmp_path):
-    from oodviz.runs.config import RunConfig
-    from oodviz.runs.reporter import Reporter
+    from oodviz.config.run import RunConfig
+    from oodviz.pipeline.reporter import Reporter
     from oodviz.runs.rundir import RunDir
 
     device = torch.device("cuda", torch.cuda.current_device())

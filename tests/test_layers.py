@@ -14,13 +14,14 @@ from kernels import assert_kernel_close, run_batch_size
 from streamlit.testing.v1 import AppTest
 from test_tuning import sklearn_auroc
 
+from oodviz.columns import COMBINED, layer_column, split_column
+from oodviz.config.plan import planned_stages
+from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.config.splits import feature_store_root
 from oodviz.engine.store import FeatureStore
-from oodviz.layers import COMBINED, layer_column, layer_ranking, split_column
-from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
-from oodviz.runs.plan import planned_stages
+from oodviz.pipeline.worker import execute
+from oodviz.results.layers import layer_ranking
 from oodviz.runs.rundir import RunDir
-from oodviz.runs.splits import feature_store_root
-from oodviz.runs.worker import execute
 
 pytestmark = pytest.mark.kernels  # scores and features compared across runs, extractions and batch sizes
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -279,7 +280,7 @@ def test_oodviz_score_scores_one_per_layer_detector_of_a_multi_layer_run(runs, t
     some CPUs. Compared as the squared distance ``2 - 2 cos`` of unit vectors (scale 4), whose rounding does not grow
     as the distance shrinks."""
     from oodviz.data import load_dataset
-    from oodviz.scoring import score_images
+    from oodviz.pipeline.scoring import score_images
 
     image, _, index = load_dataset("digits-test")[0]
     image.save(tmp_path / "digit.png")
@@ -298,7 +299,7 @@ def test_oodviz_score_leaves_out_per_layer_detectors_it_cannot_load_and_says_why
 
     from oodviz.cli import main as cli_main
     from oodviz.data import load_dataset
-    from oodviz.scoring import LAYERS_FILE, detectors_dir
+    from oodviz.pipeline.scoring import LAYERS_FILE, detectors_dir
 
     image, _, _ = load_dataset("digits-test")[0]
     image.save(tmp_path / "digit.png")
@@ -406,8 +407,8 @@ def test_oodviz_score_reproduces_every_column_of_a_multi_layer_run_bit_for_bit(t
     saved per-layer knn references its layer's ID fit store as its bank (no copy)."""
     from oodviz.data import load_dataset
     from oodviz.detectors import load
-    from oodviz.results import detectors_of
-    from oodviz.scoring import detectors_dir, score_images
+    from oodviz.pipeline.scoring import detectors_dir, score_images
+    from oodviz.results.tables import detectors_of
 
     dataset = load_dataset("digits-test")
     files = []
@@ -435,8 +436,8 @@ def test_compare_matches_a_single_layer_run_with_the_same_layer_of_a_run_over_se
     """Run A over three layers against run B at the penultimate layer: mahalanobis@penultimate is B's mahalanobis
     (the same scores: their deltas 0), msp is msp; the detectors at other layers and the combined one are listed
     with why, not dropped without a word (they were)."""
-    from oodviz.analysis import compare_runs, unmatched_detectors
-    from oodviz.results import load_results
+    from oodviz.results.analysis import compare_runs, unmatched_detectors
+    from oodviz.results.tables import load_results
 
     a, b = load_results(runs["layers"]), load_results(runs["penultimate"])
     table = compare_runs(a, b)
@@ -483,7 +484,7 @@ def test_the_app_names_what_compare_could_not_match(runs, tmp_path, monkeypatch)
 
 
 def test_depth_order_places_layers_by_the_models_module_order():
-    from oodviz.layers import depth_order
+    from oodviz.results.layers import depth_order
 
     names = ["features", "features.0", "features.1", "features.4", "avgpool", "fc"]
     assert depth_order(["penultimate", "features.4", "features.1"], names) == [

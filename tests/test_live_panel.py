@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest, local_script_runner
 
-from oodviz.runs.config import RunConfig
-from oodviz.runs.plan import planned_stages
+from oodviz.config.plan import planned_stages
+from oodviz.config.run import RunConfig
 from oodviz.runs.rundir import RunDir
 from oodviz.ui.live import MAX_READ_BYTES
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from oodviz.config.run import RunConfig
 from oodviz.data import load_dataset
 from oodviz.data.base import ImageDataset
 from oodviz.data.bundled import ArraySource
@@ -17,7 +18,6 @@ from oodviz.engine import extract
 from oodviz.engine.batched import check_pass_options, make_loader
 from oodviz.engine.loading import MAX_WORKERS_CPU, MAX_WORKERS_CUDA, auto_workers, batch_transform
 from oodviz.models import load_backbone
-from oodviz.runs.config import RunConfig
 
 
 class _OneByOne:

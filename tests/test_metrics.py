@@ -6,7 +6,7 @@ import torch
 from pytorch_ood.metrics.functional import fpr_at_tpr
 from sklearn.metrics import average_precision_score, roc_auc_score
 
-from oodviz.metrics import ood_metrics
+from oodviz.results.metrics import ood_metrics
 
 
 def _brute_force_fpr95(id_scores, ood_scores):

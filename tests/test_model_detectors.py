@@ -20,10 +20,10 @@ from scipy.stats import spearmanr
 from torch import nn
 
 from oodviz import Batch
+from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.detectors import create, detector_class
 from oodviz.engine import Cancelled, score_inputs
 from oodviz.models import wrap_model
-from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
 
 
 class TinyCNN(nn.Module):
@@ -515,11 +515,11 @@ def test_default_run_has_odin_and_gradnorm_but_not_mcd():
 def test_a_run_with_model_detectors_scores_them_in_store_order(tmp_path):
     import json
 
+    from oodviz.config.splits import load_split
     from oodviz.models import load_backbone
-    from oodviz.runs.pipeline import run_pipeline
-    from oodviz.runs.reporter import Reporter
+    from oodviz.pipeline.reporter import Reporter
+    from oodviz.pipeline.stages import run_pipeline
     from oodviz.runs.rundir import RunDir
-    from oodviz.runs.splits import load_split
 
     config = RunConfig(
         ood=[DatasetChoice("digits-heldout"), DatasetChoice("noise-uniform", params={"n": 200})],

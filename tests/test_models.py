@@ -450,8 +450,8 @@ SPELLING = "device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"
     "text", ["gpu", "CUDA", "Cpu", " cpu", "cuda:", "cuda:01", "cuda:-1", "cuda: 1", "mps", "", None, 0]
 )
 def test_device_names_outside_the_four_forms_are_refused_with_the_forms(text):
+    from oodviz.config.run import RunConfig
     from oodviz.models import device_problem, parse_device
-    from oodviz.runs.config import RunConfig
 
     with pytest.raises(ValueError, match=SPELLING) as refused:
         parse_device(text)
@@ -462,8 +462,8 @@ def test_device_names_outside_the_four_forms_are_refused_with_the_forms(text):
 
 
 def test_device_names_in_the_four_forms_pass_the_spelling_check_without_looking_at_the_hardware():
+    from oodviz.config.run import RunConfig
     from oodviz.models import device_problem
-    from oodviz.runs.config import RunConfig
 
     for text in ["auto", "cpu", "cuda", "cuda:0", "cuda:7", "cuda:12", torch.device("cpu"), torch.device("cuda", 3)]:
         assert device_problem(text) is None
@@ -492,7 +492,7 @@ def test_cpu_and_auto_resolve_to_the_cpu_without_a_gpu():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_names_without_cuda_say_to_use_cpu_or_auto():
     from oodviz.models import parse_device
-    from oodviz.runs.pipeline import resolve_device
+    from oodviz.pipeline.job import resolve_device
 
     for text in ["cuda", "cuda:0", "cuda:3", torch.device("cuda")]:
         with pytest.raises(ValueError, match=r"but CUDA is not available here .*; use device='cpu' or 'auto'"):

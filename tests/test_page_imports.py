@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from oodviz.runs.config import RunConfig, preset
+from oodviz.config.run import RunConfig, preset
 
 HEAVY = ("torch", "torchvision", "sklearn", "scipy")
 #: What the run page imports and reads before it draws the results.
-PAGE_MODULES = ("oodviz.ui.results", "oodviz.ui.history", "oodviz.ui.watch", "oodviz.runs.config", "oodviz.runs.plan")
+PAGE_MODULES = ("oodviz.ui.results", "oodviz.ui.history", "oodviz.ui.watch", "oodviz.config.run", "oodviz.config.plan")
 
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -43,12 +43,12 @@ def test_reading_a_runs_config_and_its_headline_needs_no_torch(tmp_path, name):
     path = tmp_path / "config.json"
     config.save(path)
     code = (
-        "from oodviz.runs.config import RunConfig\nfrom oodviz.runs.plan import run_headline\n"
+        "from oodviz.config.run import RunConfig\nfrom oodviz.config.plan import run_headline\n"
         f"config = RunConfig.load({str(path)!r})\nprint(run_headline(config))"
     )
     assert imported_after(code) == []
     # the same config and headline as read with everything imported
-    from oodviz.runs.plan import run_headline
+    from oodviz.config.plan import run_headline
 
     loaded = RunConfig.load(path)
     assert loaded == config
@@ -71,7 +71,7 @@ def test_sizes_format_without_torch_and_every_model_name_is_its_submodules():
 
 def test_a_run_page_with_its_sidebar_form_imports_no_torch_torchvision_sklearn_or_scipy(default_run, tmp_path):
     """The whole app script on a finished run's page, in a fresh interpreter: the sidebar form (backbones, layers,
-    detectors, parameters, grids, devices, the ID fit set's count) reads :mod:`oodviz.catalog`; the detector
+    detectors, parameters, grids, devices, the ID fit set's count) reads :mod:`oodviz.config.catalog`; the detector
     explanation below it is drawn only once opened. Its count is the loaded set's. The results page's last step,
     :func:`oodviz.ui.results.prefetch` (background threads that open the galleries' datasets and import
     scikit-learn once the page is drawn), is recorded here instead of started."""

@@ -1,14 +1,14 @@
-"""oodviz.plots: figures carry the data of oodviz.analysis, the convention and consistent colours."""
+"""oodviz.figures.plots: figures carry the data of oodviz.results.analysis, the convention and consistent colours."""
 
 import numpy as np
 import pandas as pd
 import pytest
 from conftest import synthetic_scores
 
-from oodviz import analysis as A
-from oodviz import plots as P
-from oodviz.plots_layers import layer_ranking_figure
-from oodviz.results import default_threshold, ood_datasets_of, per_class_at_threshold
+from oodviz.figures import plots as P
+from oodviz.figures.plots import layer_ranking_figure
+from oodviz.results import analysis as A
+from oodviz.results.tables import default_threshold, ood_datasets_of, per_class_at_threshold
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-import oodviz.runs.worker
+import oodviz.pipeline.worker
 from oodviz.cli import main
+from oodviz.config.run import DetectorChoice, RunConfig
 from oodviz.engine.store.space import MARGIN_BYTES, MARGIN_FRACTION, margin_for
+from oodviz.fixes import Fix, smaller_batch
 from oodviz.models.memory import format_bytes
-from oodviz.runs.config import DetectorChoice, RunConfig
-from oodviz.runs.preflight import WIDE_FEATURES, assess
+from oodviz.pipeline.preflight import WIDE_FEATURES, assess
 
 GiB = 2**30
 # The issue's case: ViT-B/16's last encoder block unpooled, 197 tokens x 768 = 151,296 features per image.
@@ -93,7 +94,9 @@ def test_wide_features_name_the_square_state_detectors_even_when_they_fit():
         config_with("vim", "msp"), estimate_of(d, 10, {"id_fit": 10, "id_test": 10}), {"disk": 10**15, "ram": 10**15}
     )
     assert report.fits
-    assert report.fixes == [f"at D={d:,} the D x D state of vim is large: pool or leave them out"]
+    assert [(fix.kind, fix.text) for fix in report.fixes] == [
+        ("advice", f"at D={d:,} the D x D state of vim is large: pool or leave them out")
+    ]
 
 
 def test_memory_budget_is_an_optional_cap_none_by_default():
@@ -132,7 +135,7 @@ def test_force_starts_the_unpooled_vit_run(tmp_path, capsys, vit_config, monkeyp
         started.append(run.path)
         raise Started
 
-    monkeypatch.setattr(oodviz.runs.worker, "execute", execute)
+    monkeypatch.setattr(oodviz.pipeline.worker, "execute", execute)
     runs_root = tmp_path / "runs"
     with pytest.raises(Started):
         main(["run", vit_config, "--runs-root", str(runs_root), "--force"])
@@ -218,18 +221,19 @@ def test_a_run_over_several_layers_is_told_to_pool_its_widest_layer():
     report = assess(config, layers["penultimate"][0], {"disk": 10**15, "ram": 16 * GiB}, layers=layers)
     assert [need.what.split()[1] for need in report.over] == [f"mahalanobis@{block}"]
     assert (
-        report.fixes[0]
+        report.fixes[0].text
         == "pool the features: pooling='avg' gives D=768 instead of 151,296 (197 x 768 per sample, 197x smaller)"
     )
-    assert f"fewer layers: the widest is {block} (D=151,296)" in report.fixes
+    assert Fix("drop_layer", f"fewer layers: the widest is {block} (D=151,296)", block) in report.fixes
 
 
 def test_the_fixes_a_refusal_names_become_changes_of_the_form():
-    """Each fix of a pre-flight refusal (or a failed run's error) is the form with one change: pooled, the
-    detectors over the memory left out, every split at most half the largest, float16, a quarter of the batch."""
+    """Each fix of a pre-flight refusal (or a failed run's status) is the form with one change: pooled, every split
+    at most half the largest, float16, the detectors over the memory left out, a quarter of the batch; read from
+    the fix's kind and value, never from its words."""
     from dataclasses import replace
 
-    from oodviz.ui.form import FormValues, suggested_fixes
+    from oodviz.ui.form import FormValues, form_fixes
 
     config = RunConfig(
         pooling="none", detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis"), DetectorChoice("energy")]
@@ -237,27 +241,65 @@ def test_the_fixes_a_refusal_names_become_changes_of_the_form():
     estimate = estimate_of(151_296, 1000, {"id_fit": 50_000, "id_test": 1_000, "ood:noise": 1_000}, pooled=768)
     report = assess(config, estimate, {"disk": 8 * GiB, "ram": 16 * GiB})
     values = FormValues(pooling="none", detectors=["msp", "mahalanobis", "energy"], test_subsample=500)
-    fixes = suggested_fixes(report.message(), values)
+    fixes = form_fixes(report.fixes, values)
     assert [(f.label, f.values) for f in fixes] == [
         ("Pool the features (pooling avg)", replace(values, pooling="avg")),
-        ("Leave out mahalanobis", replace(values, detectors=["msp", "energy"])),
         (
             "Subsample every split to at most 25,000 images",
             replace(values, fit_subsample=25_000, test_subsample=500, ood_subsample=25_000),
         ),
         ("Store the features as float16", replace(values, feature_dtype="float16")),
+        ("Leave out mahalanobis", replace(values, detectors=["msp", "energy"])),
     ]
     applied = fixes[0].values
-    assert [f.label for f in suggested_fixes(report.message(), applied)][0] == "Leave out mahalanobis"
-    oom = "worker was killed by signal 9 (SIGKILL) — likely out of memory (the kernel's OOM killer)"
-    assert [(f.label, f.values.batch_size) for f in suggested_fixes(oom, values)] == [("Batch size 256 → 64", 64)]
-    assert suggested_fixes("ValueError: vim: dim=64 must be between 1 and D-1", values) == []
-    assert (
-        suggested_fixes(
-            "every detector failed (mahalanobis: leave out mahalanobis)", replace(values, detectors=["mahalanobis"])
-        )
-        == []
+    assert "Pool the features (pooling avg)" not in [f.label for f in form_fixes(report.fixes, applied)]
+    oom = smaller_batch(256, "killed by the OOM killer")
+    assert [(f.label, f.values.batch_size) for f in form_fixes([oom], values)] == [("Batch size 256 → 64", 64)]
+    assert form_fixes([Fix("advice", "choose another layer")], values) == []
+    only = replace(values, detectors=["mahalanobis"])
+    assert form_fixes([Fix("drop_detectors", "leave out mahalanobis", ["mahalanobis"])], only) == []
+
+
+def test_rewording_every_fix_changes_no_button_and_no_config():
+    """A translation hook: every fix's sentence rewritten; each button still makes the same change of the form,
+    and each fix the same change of the config (:meth:`Fix.apply`, compared with the config changed by hand)."""
+    from dataclasses import replace
+
+    from oodviz.ui.form import FormValues, form_fixes
+
+    config = RunConfig(
+        pooling="none",
+        layers=["features.0", "penultimate"],
+        detectors=[DetectorChoice("msp"), DetectorChoice("mahalanobis"), DetectorChoice("energy")],
     )
+    sizes = {"id_fit": 50_000, "id_test": 1_000, "ood:noise": 1_000}
+    layers = {"features.0": (estimate_of(151_296, 1000, sizes, pooled=768), list(sizes))}
+    layers["penultimate"] = (estimate_of(768, 1000, sizes), list(sizes))
+    report = assess(config, layers["features.0"][0], {"disk": 8 * GiB, "ram": 16 * GiB}, layers=layers)
+    kinds = {fix.kind for fix in report.fixes}
+    assert {"pooling", "drop_layer", "subsample", "feature_dtype", "drop_detectors"} <= kinds
+    reworded = [replace(fix, text=f"(sentence {i} in another language)") for i, fix in enumerate(report.fixes)]
+    values = FormValues(
+        pooling="none", layers=["features.0", "penultimate"], detectors=["msp", "mahalanobis", "energy"]
+    )
+    assert [f.values for f in form_fixes(reworded, values)] == [f.values for f in form_fixes(report.fixes, values)]
+    assert len(form_fixes(reworded, values)) == len(kinds - {"advice"})
+    by_hand = {
+        "pooling": replace(config, pooling="avg"),
+        "drop_layer": replace(config, layers=["penultimate"]),
+        "feature_dtype": replace(config, feature_dtype="float16"),
+        "drop_detectors": replace(config, detectors=[DetectorChoice("msp"), DetectorChoice("energy")]),
+    }
+    for fix in reworded:
+        changed = fix.apply(config)
+        if fix.kind == "advice":
+            assert changed is None
+        elif fix.kind == "subsample":
+            every = [changed.id_fit, changed.id_test, *changed.ood]
+            assert [choice.subsample for choice in every] == [25_000] * len(every)
+        else:
+            assert changed == by_hand[fix.kind], fix.kind
+        assert Fix.from_dict(json.loads(json.dumps(fix.to_dict()))) == fix  # as the probe's JSON carries it
 
 
 def digits_layer_stores() -> tuple[dict, int, dict, dict]:
@@ -292,8 +334,8 @@ def test_the_run_checks_the_free_disk_for_every_layers_new_stores(tmp_path, monk
     stores plus the margin (the main layer's alone would fit), and starts with exactly that much free."""
     import oodviz.engine.store.space
     from oodviz.engine import DiskFullError
-    from oodviz.runs import pipeline
-    from oodviz.runs.reporter import Reporter
+    from oodviz.pipeline import stages as pipeline
+    from oodviz.pipeline.reporter import Reporter
     from oodviz.runs.rundir import RunDir
 
     _, _, store, settings = digits_layer_stores()
@@ -318,7 +360,7 @@ def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_
     """Two layers of digits-cnn: the disk need is both layers' stores, each layer's mahalanobis fit is at that
     layer's D; a disk cap between one layer's stores and both refuses the run (``oodviz run``, exit 2)."""
     from oodviz.models.memory import describe_memory
-    from oodviz.runs.preflight import preflight
+    from oodviz.pipeline.preflight import preflight
 
     dims, c, store, settings = digits_layer_stores()
     report = preflight(RunConfig.from_dict(settings), tmp_path / "runs")
@@ -347,14 +389,14 @@ def test_a_run_over_several_layers_needs_the_stores_and_fits_of_every_layer(tmp_
 
 
 def test_the_pre_flight_and_the_run_ask_for_the_same_free_disk(tmp_path, monkeypatch):
-    """One disk need (:func:`oodviz.runs.preflight.store_disk_need`: the new stores and the head room): with one
+    """One disk need (:func:`oodviz.pipeline.preflight.store_disk_need`: the new stores and the head room): with one
     byte less free the pre-flight refuses and the run's own check before extraction fails, with that much both
     go on (the pre-flight accepted 6.95 MiB of stores on a disk the run then refused for wanting ~22.9 MiB)."""
     import oodviz.engine.store.space
     from oodviz.engine import DiskFullError
-    from oodviz.runs import pipeline
-    from oodviz.runs.preflight import preflight
-    from oodviz.runs.reporter import Reporter
+    from oodviz.pipeline import stages as pipeline
+    from oodviz.pipeline.preflight import preflight
+    from oodviz.pipeline.reporter import Reporter
     from oodviz.runs.rundir import RunDir
 
     config = RunConfig.from_dict(

@@ -9,14 +9,14 @@ from sklearn.decomposition import PCA
 from sklearn.manifold import TSNE
 
 from oodviz.engine import STORES_DIRNAME, open_store
-from oodviz.projection import PROJECTION_COLUMNS, project_run, projection_path, streaming_pca
+from oodviz.figures.projection import PROJECTION_COLUMNS, project_run, projection_path, streaming_pca
 
 
 @pytest.mark.parametrize("offset", [0.0, 1e4])
 def test_streaming_pca_equals_sklearn_in_blocks_far_from_the_origin(offset, monkeypatch):
     """Sums about a sample, in blocks: the same components and projection as sklearn's full SVD, also with
     features offset far from 0 (where sums about 0 would cancel)."""
-    import oodviz.projection as projection
+    import oodviz.figures.projection as projection
 
     monkeypatch.setattr(projection, "BATCH_ROWS", 37)  # many blocks
     rng = np.random.default_rng(0)
@@ -107,7 +107,7 @@ def test_a_runs_umap_projection_is_umap_learns_map_of_the_seeded_subsample(defau
 def test_without_umap_learn_the_umap_projection_is_refused_and_not_offered(default_run_copy, monkeypatch):
     import sys
 
-    from oodviz.projection import available_methods
+    from oodviz.figures.projection import available_methods
 
     monkeypatch.setitem(sys.modules, "umap", None)  # as if umap-learn were not installed
     assert available_methods() == ["pca", "tsne"]

@@ -12,7 +12,7 @@ import plotly.io as pio
 import pytest
 from PIL import Image
 
-from oodviz.projection_map import (
+from oodviz.figures.projection_map import (
     ANSWER_TILES,
     HOVER_THUMBNAILS,
     KEYS,
@@ -109,7 +109,7 @@ def test_oodviz_project_writes_a_sprite_whose_tiles_are_the_samples_images_withi
     from sklearn.datasets import load_digits
 
     from oodviz.data import digits_split
-    from oodviz.projection import project_run
+    from oodviz.figures.projection import project_run
 
     frame = project_run(default_run_copy, "pca")
     keys = pd.read_parquet(thumbnails_path(default_run_copy, "pca", ".parquet"))
@@ -146,7 +146,7 @@ def test_a_thumbnail_answer_is_each_asked_points_own_image_pixel_for_pixel(defau
     from sklearn.datasets import load_digits
 
     from oodviz.data import digits_split
-    from oodviz.thumbnails import thumbnails
+    from oodviz.figures.thumbnails import thumbnails
 
     config = json.loads((default_run.path / "config.json").read_text())
     drawn = pd.read_parquet(default_run.path / "scores.parquet")[KEYS]  # any table of samples, row k = point k
@@ -158,7 +158,7 @@ def test_a_thumbnail_answer_is_each_asked_points_own_image_pixel_for_pixel(defau
     images = thumbnails(config, drawn.iloc[rows[:4]], size=THUMBNAIL_SIZE)
     source = digits_split("test")[2]
     for row, url, image in zip(answer["rows"], answer["images"], images):
-        shown = decode_url(url, "webp")  # lossless: oodviz.thumbnails' pixels exactly
+        shown = decode_url(url, "webp")  # lossless: oodviz.figures.thumbnails' pixels exactly
         np.testing.assert_array_equal(shown, np.asarray(image.convert("RGB")))
         assert shown.shape == (THUMBNAIL_SIZE, THUMBNAIL_SIZE, 3) and image.info["oodviz"] == "ok"
         if drawn.dataset.iloc[row] == "digits-test":  # and sklearn's digit: 0..16 to 0..255, in 4x4-pixel blocks

@@ -59,7 +59,7 @@ def fit_data(n=900, d=24, c=5, offset=1e3, seed=0):
 
 def fit_on_shards(name, shards, head):
     """One detector per shard, each pass: update on its shard, all states merged in shard order into every
-    detector, finalize (what :func:`oodviz.distributed.fit_across_ranks` does across processes)."""
+    detector, finalize (what :func:`oodviz.pipeline.distributed.fit_across_ranks` does across processes)."""
     detectors = [create(name) for _ in shards]
     while True:
         states = [d.update(shard, head=head).state_dict() for d, shard in zip(detectors, shards, strict=True)]

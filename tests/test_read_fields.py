@@ -3,11 +3,11 @@ each detector declares."""
 
 import pandas as pd
 
+from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.detectors import available, detector_class
 from oodviz.engine.store import batches as store_batches
-from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
-from oodviz.runs.pipeline import run_pipeline
-from oodviz.runs.reporter import Reporter
+from oodviz.pipeline.reporter import Reporter
+from oodviz.pipeline.stages import run_pipeline
 from oodviz.runs.rundir import RunDir
 
 

@@ -18,8 +18,8 @@ from torch import nn
 
 from oodviz import Batch
 from oodviz.detectors import NotFittedError, create
-from oodviz.metrics import ood_metrics
 from oodviz.models import wrap_model
+from oodviz.results.metrics import ood_metrics
 
 
 def spearman(a, b) -> float:
@@ -405,12 +405,12 @@ def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
 
     import pandas as pd
 
+    from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+    from oodviz.config.splits import load_split
     from oodviz.models import load_backbone
-    from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
-    from oodviz.runs.pipeline import run_pipeline
-    from oodviz.runs.reporter import Reporter
+    from oodviz.pipeline.reporter import Reporter
+    from oodviz.pipeline.stages import run_pipeline
     from oodviz.runs.rundir import RunDir
-    from oodviz.runs.splits import load_split
 
     names = ["msp", "adascale", "gram"]
     gram_params = {"layers": ["features.3", "features.6"], "poles": 2}

@@ -10,9 +10,9 @@ import pytest
 from conftest import chromium
 
 from oodviz.detectors import describe
+from oodviz.figures.report import FIGURE_CLASS, FORMULA_CLASS, report_html
 from oodviz.models import format_bytes
-from oodviz.report import FIGURE_CLASS, FORMULA_CLASS, report_html
-from oodviz.results import best_detector
+from oodviz.results.tables import best_detector
 
 GALLERY = 3
 PER_DETECTOR = ("histogram", "roc", "pr", "per-class")

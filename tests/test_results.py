@@ -1,4 +1,4 @@
-"""oodviz.results: the result schema, the derived tables (metrics, per-class, group means, best detector), loading."""
+"""oodviz.results.tables: the result schema, the derived tables (metrics, per-class, group means, best detector), loading."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import pytest
 from conftest import brute_force_threshold, synthetic_scores
 from sklearn.metrics import average_precision_score, roc_auc_score
 
-from oodviz import results as R
+from oodviz.results import tables as R
 
 
 @pytest.fixture(scope="module")

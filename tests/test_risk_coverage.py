@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from conftest import synthetic_scores
 
-from oodviz.analysis import ORACLE, risk_coverage_curves
-from oodviz.metrics import aurc, risk_at_coverage, risk_coverage
-from oodviz.plots_risk import ORACLE_COLOR, risk_coverage_figure
-from oodviz.results import ID_SPLIT, metrics_table, selective_metrics
+from oodviz.figures.plots import ORACLE_COLOR, risk_coverage_figure
+from oodviz.results.analysis import ORACLE, risk_coverage_curves
+from oodviz.results.metrics import aurc, risk_at_coverage, risk_coverage
+from oodviz.results.tables import ID_SPLIT, metrics_table, selective_metrics
 
 
 def brute_force_curve(scores, errors):

@@ -18,11 +18,12 @@ import pytest
 from conftest import oodviz_in_process
 from test_runs import extraction_started, slow_config, small_config, wait_for
 
+from oodviz.config.run import DatasetChoice, DetectorChoice
 from oodviz.engine import STORES_DIRNAME, check_stores
-from oodviz.runs.config import DatasetChoice, DetectorChoice
+from oodviz.files import write_atomic
+from oodviz.results.summary import summarise
 from oodviz.runs.jobs import MAX_QUEUED, QueueFull, delete_run, list_runs, refresh, submit
-from oodviz.runs.rundir import RunDir, process_alive, process_started, write_atomic
-from oodviz.runs.summary import summarise
+from oodviz.runs.rundir import RunDir, process_alive, process_started
 
 APP = Path(__file__).resolve().parents[1] / "app.py"
 MSP = DetectorChoice("msp")
@@ -113,7 +114,7 @@ def test_data_dependent_limits_are_refused_by_the_pre_flight_before_a_run_direct
 def test_the_run_refuses_data_dependent_limits_itself_before_any_extraction(tmp_path):
     """Started without the pre-flight (a queued run, ``--force`` skips only the machine's limits): the run's load
     data stage refuses the same problems with the same function before anything is extracted."""
-    from oodviz.runs.worker import execute
+    from oodviz.pipeline.worker import execute
 
     config = small_config(ood=[DatasetChoice("digits-heldout")], detectors=[DetectorChoice("knn", {"k": 10**6})])
     run = RunDir.create(tmp_path, config.to_dict())
@@ -479,7 +480,7 @@ def test_the_pre_flight_refuses_what_the_runs_own_disk_check_would(ten_mib_disk)
     as the run's own check does, so it refuses (exit 2, nothing written) instead of accepting a run that then
     fails; started anyway, the run's check names the same number."""
     from oodviz.models.memory import format_bytes
-    from oodviz.runs.preflight import preflight
+    from oodviz.pipeline.preflight import preflight
 
     config = small_config(ood=[DatasetChoice("noise-uniform", params={"n": 20_000})], detectors=[MSP])
     config.save(ten_mib_disk.parent / "run.json")

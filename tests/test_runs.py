@@ -16,10 +16,10 @@ import pytest
 from conftest import brute_force_threshold, cuda
 from sklearn.metrics import average_precision_score, roc_auc_score
 
-from oodviz.metrics import ood_metrics, threshold_at_recall
-from oodviz.runs.config import ConfigError, DatasetChoice, DetectorChoice, RunConfig
+from oodviz.config.run import ConfigError, DatasetChoice, DetectorChoice, RunConfig
+from oodviz.pipeline.job import resolve_device
+from oodviz.results.metrics import ood_metrics, threshold_at_recall
 from oodviz.runs.jobs import cancel, list_runs, refresh, submit
-from oodviz.runs.pipeline import resolve_device
 from oodviz.runs.rundir import RunDir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,9 +56,9 @@ def wait_final(run: RunDir, timeout=180.0) -> dict:
 
 
 def run_here(config: RunConfig, runs_root: Path) -> RunDir:
-    """``config`` run to its end in this process (the worker's :func:`oodviz.runs.worker.execute`), for tests of
+    """``config`` run to its end in this process (the worker's :func:`oodviz.pipeline.worker.execute`), for tests of
     what a run does rather than of the background job's processes (:func:`submit`, tested below)."""
-    from oodviz.runs.worker import execute
+    from oodviz.pipeline.worker import execute
 
     run = RunDir.create(runs_root, config.validate().to_dict())
     execute(run)
@@ -283,8 +283,8 @@ def test_a_detector_failing_to_score_is_recorded_like_one_failing_to_fit(tmp_pat
     msp goes on, and odin is not scored again."""
     from dataclasses import replace
 
-    from oodviz.runs import pipeline
-    from oodviz.runs.reporter import Reporter
+    from oodviz.pipeline import stages as pipeline
+    from oodviz.pipeline.reporter import Reporter
 
     config = small_config(detectors=[DetectorChoice("mcd"), DetectorChoice("msp"), DetectorChoice("odin")])
     run = RunDir.create(tmp_path, config.to_dict())
@@ -313,7 +313,7 @@ def test_a_detector_failing_to_score_is_recorded_like_one_failing_to_fit(tmp_pat
 
 def test_a_cancel_request_raises_the_engines_cancelled_at_the_next_stage(tmp_path):
     from oodviz.engine import Cancelled
-    from oodviz.runs.reporter import Reporter
+    from oodviz.pipeline.reporter import Reporter
 
     run = RunDir.create(tmp_path, small_config().to_dict())
     reporter = Reporter(run)
@@ -338,6 +338,8 @@ def test_kill_9_of_the_worker_mid_extraction_fails_the_run_readably_and_stores_n
     status = wait_final(run, timeout=30)
     assert status["state"] == "failed"
     assert "killed by signal 9 (SIGKILL) — likely out of memory" in status["error"]
+    batch = run.read_config()["batch_size"]  # the retry the app offers: a quarter of the batch, as data
+    assert [(fix["kind"], fix["value"]) for fix in status["fixes"]] == [("batch_size", max(batch // 4, 1))]
     assert not run.scratch_path.exists()  # the supervisor removed the dead worker's scratch files
     from oodviz.engine import list_stores
 
@@ -434,7 +436,7 @@ def test_a_subsample_that_leaves_a_class_without_an_image_is_a_run_warning_in_th
     from PIL import Image
 
     from oodviz.cli import main
-    from oodviz.results import sampling_table
+    from oodviz.results.tables import sampling_table
 
     for k in range(8):
         for i in range(3):

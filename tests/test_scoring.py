@@ -17,8 +17,8 @@ from oodviz.cli import main as cli_main
 from oodviz.data import load_dataset
 from oodviz.detectors import detector_class, load
 from oodviz.engine import STORES_DIRNAME, open_store
-from oodviz.results import ID_SPLIT, OOD_SPLIT
-from oodviz.scoring import BACKBONE_FILE, SCORED_COLUMNS, detectors_dir
+from oodviz.pipeline.scoring import BACKBONE_FILE, SCORED_COLUMNS, detectors_dir
+from oodviz.results.tables import ID_SPLIT, OOD_SPLIT
 
 pytestmark = pytest.mark.kernels  # saved detectors scoring the run's stores to the bit: the same batches as the run's
 
@@ -159,7 +159,7 @@ def test_oodviz_score_refuses_what_it_cannot_score(default_run, image_files, tmp
 
 def test_scores_of_the_model_detectors_match_the_run(default_run, default_results, image_files):
     """odin runs the model again on the transformed image: the same score as in the run for the same image."""
-    from oodviz.scoring import score_images
+    from oodviz.pipeline.scoring import score_images
 
     scored = score_images(default_run.path, image_files[:1], detector="odin")
     stored = default_results.scores
@@ -197,7 +197,7 @@ def test_oodviz_score_scores_with_the_detectors_that_load_and_says_why_the_other
     table = pd.read_csv(tmp_path / "s.csv")
     expected = [n for n in default_results.detectors if n not in ("knn", "mahalanobis", "vim", "energy")]
     assert list(table.detector) == expected
-    from oodviz.scoring import score_images
+    from oodviz.pipeline.scoring import score_images
 
     intact = score_images(default_run.path, image_files[:1])  # every detector loads: what the command scores
     assert not intact.not_loaded and not intact.unreadable

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from oodviz.runs.config import DatasetChoice, RunConfig, preset
-from oodviz.runs.probe import ProbeError, estimate_for_config, estimate_in_subprocess
+from oodviz.config.run import DatasetChoice, RunConfig, preset
+from oodviz.pipeline.probe import ProbeError, estimate_for_config, estimate_in_subprocess
 from oodviz.ui.access import NOT_ALLOWED, AccessPolicy, PathRefused, run_path
 
 APP = str(Path(__file__).resolve().parent.parent / "app.py")
@@ -244,7 +244,7 @@ def test_serving_others_hides_server_paths_and_tracebacks(runs_root, serving_oth
 def test_serving_others_the_run_headline_names_an_ood_folder_without_its_server_path(runs_root, serving_others, state):
     """The headline above a finished run (and the live panel of a running one) names an OOD image folder by its
     last name only when serving others; on loopback by its path."""
-    from oodviz.runs.config import DatasetChoice
+    from oodviz.config.run import DatasetChoice
     from oodviz.runs.rundir import RunDir
 
     run = runs_root / "r-folder"
@@ -319,7 +319,7 @@ def test_the_estimate_runs_no_model_code_in_the_app_process(runs_root, monkeypat
     assert not app.exception
     assert not [e.value for e in app.sidebar.error]
     [shown] = [c.value for c in app.sidebar.code]
-    assert counted_and_batches(shown) == counted_and_batches(expected[1])
+    assert counted_and_batches(shown) == counted_and_batches(expected.description)
     assert counted_and_batches(shown)[1] == ["batch of extraction", "batch of odin"]
 
 
@@ -339,11 +339,12 @@ def without_batch_peaks(estimate: dict) -> dict:
 
 def test_the_probe_process_gives_the_in_process_estimate_or_a_clear_error(tmp_path):
     config = RunConfig(ood=RunConfig().ood[:2])
-    estimate, description, warning = estimate_in_subprocess(json.dumps(config.to_dict()))
+    answer = estimate_in_subprocess(json.dumps(config.to_dict()))
     expected = estimate_for_config(config)
-    assert without_batch_peaks(estimate) == without_batch_peaks(json.loads(json.dumps(expected[0])))
-    assert counted_and_batches(description) == counted_and_batches(expected[1])
-    assert warning == expected[2]
+    estimate = answer.estimate
+    assert without_batch_peaks(estimate) == without_batch_peaks(json.loads(json.dumps(expected.estimate)))
+    assert counted_and_batches(answer.description) == counted_and_batches(expected.description)
+    assert (answer.refusal, answer.table, answer.fixes) == (expected.refusal, expected.table, expected.fixes)
     assert estimate["splits"]["id_fit"]["n_samples"] == 1081  # digits classes 0-7, the fit split
     missing = RunConfig(backbone="torchscript", checkpoint=str(tmp_path / "none.pt"))
     with pytest.raises(ProbeError, match="FileNotFoundError: .*none.pt"):

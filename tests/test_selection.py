@@ -1,12 +1,12 @@
-"""From a chart selection to its samples (oodviz.selection), checked against brute force over the rows."""
+"""From a chart selection to its samples (oodviz.results.selection), checked against brute force over the rows."""
 
 import numpy as np
 import pandas as pd
 import pytest
 
-from oodviz.analysis import curves
-from oodviz.plots import roc_figure
-from oodviz.selection import (
+from oodviz.figures.plots import roc_figure
+from oodviz.results.analysis import curves
+from oodviz.results.selection import (
     SAMPLE_COLUMNS,
     operating_point_samples,
     samples_in_range,

@@ -4,8 +4,7 @@ import re
 
 import pytest
 
-import oodviz.detectors as detectors
-from oodviz.detectors import Teaching, available, describe, detector_class
+from oodviz.detectors import Teaching, available, describe, detector_class, registry
 from oodviz.detectors.mahalanobis import Mahalanobis
 from oodviz.detectors.teaching import formula_clauses
 
@@ -44,7 +43,7 @@ def test_a_detector_without_its_own_teaching_is_named(monkeypatch):
     class Undocumented(Mahalanobis):  # inherits Mahalanobis's teaching, which does not describe it
         name = "undocumented"
 
-    monkeypatch.setitem(detectors._REGISTRY, "undocumented", Undocumented)
+    monkeypatch.setitem(registry._REGISTRY, "undocumented", Undocumented)
     with pytest.raises(ValueError, match=r"'undocumented' .*declares no teaching = Teaching\(formula=..."):
         describe("undocumented")
 

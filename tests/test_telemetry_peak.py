@@ -5,8 +5,8 @@ import mmap
 import numpy as np
 import pytest
 
-from oodviz.runs.config import RunConfig
-from oodviz.runs.reporter import Reporter
+from oodviz.config.run import RunConfig
+from oodviz.pipeline.reporter import Reporter
 from oodviz.runs.rundir import RunDir
 from oodviz.runs.telemetry import peak_rss_bytes, reset_peak_rss
 

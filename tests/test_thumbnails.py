@@ -1,4 +1,4 @@
-"""oodviz.thumbnails: each scores row's image, re-read from its dataset, through a bounded cache."""
+"""oodviz.figures.thumbnails: each scores row's image, re-read from its dataset, through a bounded cache."""
 
 import copy
 
@@ -6,9 +6,9 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from oodviz import thumbnails as T
-from oodviz.analysis import failure_cases
 from oodviz.data import digits_split, load_dataset
+from oodviz.figures import thumbnails as T
+from oodviz.results.analysis import failure_cases
 
 
 def _upscaled(pixels: np.ndarray, factor: int) -> np.ndarray:

@@ -16,14 +16,14 @@ from scipy.special import logsumexp
 from sklearn.metrics import roc_auc_score
 from streamlit.testing.v1 import AppTest
 
+from oodviz.config.defaults import default_detector_params, defaults_reason
+from oodviz.config.plan import planned_stages
+from oodviz.config.run import ConfigError, DatasetChoice, DetectorChoice, RunConfig
+from oodviz.config.tuning import MAX_GRID_POINTS, validation_warnings
 from oodviz.detectors import available, create, detector_class
 from oodviz.engine import STORES_DIRNAME, open_store
-from oodviz.runs.config import ConfigError, DatasetChoice, DetectorChoice, RunConfig
-from oodviz.runs.defaults import default_detector_params, defaults_reason
-from oodviz.runs.plan import planned_stages
+from oodviz.pipeline.worker import execute
 from oodviz.runs.rundir import RunDir
-from oodviz.runs.tuning import MAX_GRID_POINTS, validation_warnings
-from oodviz.runs.worker import execute
 
 REPO = Path(__file__).resolve().parent.parent
 REACT_GRID = [50.0, 90.0, 99.0]

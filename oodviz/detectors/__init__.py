@@ -11,118 +11,153 @@ again: they take it as ``create(name, model=...)`` and score ``Batch(inputs=...)
 also fit on in-distribution ``Batch(inputs=..., labels=...)`` (:mod:`oodviz.detectors.model_fit`).
 """
 
-from oodviz.detectors.adascale import AdaSCALE
-from oodviz.detectors.ash import ASH
-from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
-from oodviz.detectors.cadref import CADRef
-from oodviz.detectors.caref import CARef
-from oodviz.detectors.dice import DICE
-from oodviz.detectors.energy import Energy
-from oodviz.detectors.entropy import Entropy
-from oodviz.detectors.fdbd import FDBD
-from oodviz.detectors.gen import GEN
-from oodviz.detectors.gmm import GMM
-from oodviz.detectors.gradnorm import GradNorm
-from oodviz.detectors.gram import Gram
-from oodviz.detectors.klm import KLMatching
-from oodviz.detectors.knn import KNN
-from oodviz.detectors.lts import LTS
-from oodviz.detectors.mahalanobis import Mahalanobis
-from oodviz.detectors.maxlogit import MaxLogit
-from oodviz.detectors.mcd import MCD
-from oodviz.detectors.msp import MaxSoftmax
-from oodviz.detectors.nci import NCI
-from oodviz.detectors.neco import NECO
-from oodviz.detectors.nnguide import NNGuide
-from oodviz.detectors.odin import ODIN
-from oodviz.detectors.openmax import OpenMax
-from oodviz.detectors.persist import DetectorFileError, load
-from oodviz.detectors.pnml import PNML
-from oodviz.detectors.rankfeat import RankFeat
-from oodviz.detectors.react import ReAct
-from oodviz.detectors.residual import Residual
-from oodviz.detectors.rmd import RelativeMahalanobis
-from oodviz.detectors.scale import SCALE
-from oodviz.detectors.she import SHE
-from oodviz.detectors.teaching import Teaching, describe
-from oodviz.detectors.tempscale import TemperatureScaling
-from oodviz.detectors.vim import ViM
-from oodviz.detectors.vra import VRA
-from oodviz.detectors.weightedebo import WeightedEBO
-from oodviz.detectors.weiper import WeiPer
+from __future__ import annotations
 
-_REGISTRY: dict[str, type[Detector]] = {
-    cls.name: cls
-    for cls in (
-        MaxSoftmax,
-        MaxLogit,
-        Energy,
-        WeightedEBO,
-        Entropy,
-        GEN,
-        TemperatureScaling,
-        KLMatching,
-        Mahalanobis,
-        RelativeMahalanobis,
-        ViM,
-        Residual,
-        NECO,
-        PNML,
-        SHE,
-        CARef,
-        CADRef,
-        KNN,
-        ReAct,
-        ASH,
-        SCALE,
-        LTS,
-        DICE,
-        FDBD,
-        NCI,
-        GradNorm,
-        VRA,
-        GMM,
-        OpenMax,
-        NNGuide,
-        ODIN,
-        MCD,
-        WeiPer,
-        AdaSCALE,
-        RankFeat,
-        Gram,
-    )
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
+    from oodviz.detectors.adascale import AdaSCALE
+    from oodviz.detectors.ash import ASH
+    from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
+    from oodviz.detectors.cadref import CADRef
+    from oodviz.detectors.caref import CARef
+    from oodviz.detectors.dice import DICE
+    from oodviz.detectors.energy import Energy
+    from oodviz.detectors.entropy import Entropy
+    from oodviz.detectors.fdbd import FDBD
+    from oodviz.detectors.gen import GEN
+    from oodviz.detectors.gmm import GMM
+    from oodviz.detectors.gradnorm import GradNorm
+    from oodviz.detectors.gram import Gram
+    from oodviz.detectors.klm import KLMatching
+    from oodviz.detectors.knn import KNN
+    from oodviz.detectors.lts import LTS
+    from oodviz.detectors.mahalanobis import Mahalanobis
+    from oodviz.detectors.maxlogit import MaxLogit
+    from oodviz.detectors.mcd import MCD
+    from oodviz.detectors.msp import MaxSoftmax
+    from oodviz.detectors.nci import NCI
+    from oodviz.detectors.neco import NECO
+    from oodviz.detectors.nnguide import NNGuide
+    from oodviz.detectors.odin import ODIN
+    from oodviz.detectors.openmax import OpenMax
+    from oodviz.detectors.persist import DetectorFileError
+    from oodviz.detectors.pnml import PNML
+    from oodviz.detectors.rankfeat import RankFeat
+    from oodviz.detectors.react import ReAct
+    from oodviz.detectors.registry import available, create, describe, detector_class, load
+    from oodviz.detectors.residual import Residual
+    from oodviz.detectors.rmd import RelativeMahalanobis
+    from oodviz.detectors.scale import SCALE
+    from oodviz.detectors.she import SHE
+    from oodviz.detectors.teaching import Teaching
+    from oodviz.detectors.tempscale import TemperatureScaling
+    from oodviz.detectors.vim import ViM
+    from oodviz.detectors.vra import VRA
+    from oodviz.detectors.weightedebo import WeightedEBO
+    from oodviz.detectors.weiper import WeiPer
+
+#: Each public name and the submodule that defines it. The package imports a submodule when one of its names is
+#: first used, so that torch-free layers (the run config, the app's pages) can import this package and ask it for
+#: a detector only when they need one; the detectors import torch.
+_SOURCES = {
+    "adascale": ("AdaSCALE",),
+    "ash": ("ASH",),
+    "base": ("Detector", "FitData", "ModelDetector", "NotFittedError"),
+    "cadref": ("CADRef",),
+    "caref": ("CARef",),
+    "dice": ("DICE",),
+    "energy": ("Energy",),
+    "entropy": ("Entropy",),
+    "fdbd": ("FDBD",),
+    "gen": ("GEN",),
+    "gmm": ("GMM",),
+    "gradnorm": ("GradNorm",),
+    "gram": ("Gram",),
+    "klm": ("KLMatching",),
+    "knn": ("KNN",),
+    "lts": ("LTS",),
+    "mahalanobis": ("Mahalanobis",),
+    "maxlogit": ("MaxLogit",),
+    "mcd": ("MCD",),
+    "msp": ("MaxSoftmax",),
+    "nci": ("NCI",),
+    "neco": ("NECO",),
+    "nnguide": ("NNGuide",),
+    "odin": ("ODIN",),
+    "openmax": ("OpenMax",),
+    "persist": ("DetectorFileError",),
+    "pnml": ("PNML",),
+    "rankfeat": ("RankFeat",),
+    "react": ("ReAct",),
+    "registry": ("available", "create", "describe", "detector_class", "load"),
+    "residual": ("Residual",),
+    "rmd": ("RelativeMahalanobis",),
+    "scale": ("SCALE",),
+    "she": ("SHE",),
+    "teaching": ("Teaching",),
+    "tempscale": ("TemperatureScaling",),
+    "vim": ("ViM",),
+    "vra": ("VRA",),
+    "weightedebo": ("WeightedEBO",),
+    "weiper": ("WeiPer",),
 }
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 
 
-def available() -> list[str]:
-    """Names of every detector, for ``create``."""
-    return list(_REGISTRY)
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'oodviz.detectors' has no attribute {name!r}")
+    import importlib
 
-
-def detector_class(name: str) -> type[Detector]:
-    """The class registered under ``name`` (its ``summary``, ``paper``, ``inputs``, parameters)."""
-    if name not in _REGISTRY:
-        raise ValueError(f"Unknown detector {name!r}; choose one of: {', '.join(available())}")
-    return _REGISTRY[name]
-
-
-def create(name: str, **params) -> Detector:
-    """A new, unfitted detector ``name`` with the given parameters."""
-    cls = detector_class(name)
-    unknown = sorted(set(params) - set(cls.param_names()))
-    if unknown:
-        valid = ", ".join(cls.param_names()) or "none"
-        raise ValueError(f"Detector {name!r} has no parameter(s) {', '.join(unknown)}; valid parameters: {valid}")
-    return cls(**params)
+    value = getattr(importlib.import_module(f"oodviz.detectors.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
 
 
 __all__ = [
+    "ASH",
+    "AdaSCALE",
+    "CADRef",
+    "CARef",
+    "DICE",
     "Detector",
     "DetectorFileError",
+    "Energy",
+    "Entropy",
+    "FDBD",
     "FitData",
+    "GEN",
+    "GMM",
+    "GradNorm",
+    "Gram",
+    "KLMatching",
+    "KNN",
+    "LTS",
+    "MCD",
+    "Mahalanobis",
+    "MaxLogit",
+    "MaxSoftmax",
     "ModelDetector",
+    "NCI",
+    "NECO",
+    "NNGuide",
     "NotFittedError",
+    "ODIN",
+    "OpenMax",
+    "PNML",
+    "RankFeat",
+    "ReAct",
+    "RelativeMahalanobis",
+    "Residual",
+    "SCALE",
+    "SHE",
     "Teaching",
+    "TemperatureScaling",
+    "VRA",
+    "ViM",
+    "WeiPer",
+    "WeightedEBO",
     "available",
     "create",
     "describe",

@@ -37,6 +37,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.fitdata import FitData, Shapes, all_finite, iter_batches, row_chunks
 from oodviz.detectors.modelmemory import activation_bytes, rows_that_fit
+from oodviz.detectors.persist import save
 from oodviz.detectors.protocol import FitState
 from oodviz.models.placement import model_on_device
 
@@ -101,7 +102,7 @@ class Detector:
     #: part of the default detector list of a run (``RunConfig().detectors``)
     in_defaults: ClassVar[bool] = True
     #: the values a run tries for each parameter when it tunes on validation data, ``{parameter: (values, ...)}``
-    #: (:mod:`oodviz.runs.tuning`; empty: nothing worth tuning). The grid is the cartesian product, tried in order.
+    #: (:mod:`oodviz.pipeline.tuning`; empty: nothing worth tuning). The grid is the cartesian product, tried in order.
     default_grid: ClassVar[dict[str, tuple]] = {}
     #: parameters that only change ``score``: a fitted detector takes new values with :meth:`set_params`, no refit
     #: (tuning fits once per value of the other parameters and rescores for these)
@@ -125,7 +126,7 @@ class Detector:
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
         """Host bytes the fit holds at its peak for ``n_samples`` rows of ``D = n_features``, ``C = n_classes``
-        (the pre-flight check, :mod:`oodviz.runs.preflight`). The default is a state of per-class vectors,
+        (the pre-flight check, :mod:`oodviz.pipeline.preflight`). The default is a state of per-class vectors,
         ``8 x (C x D + D + C)`` (float64), or 0 for detectors with no fit; detectors with a larger state
         (a ``D x D`` covariance, a ``C x C`` table) override it."""
         if not cls.needs_fit:
@@ -361,7 +362,6 @@ class Detector:
 
     def save(self, directory, copy_files: bool = False) -> None:
         """Write the parameters and fitted state to ``directory`` (:mod:`oodviz.detectors.persist`)."""
-        from oodviz.detectors.persist import save
 
         save(self, directory, copy_files)
 
@@ -409,7 +409,7 @@ class ModelDetector(Detector):
     needs_model = True
     #: copies of one input's activations alive at once while scoring (see :mod:`oodviz.detectors.modelmemory`)
     activation_copies: ClassVar[int] = 1
-    #: inputs scored at once, set by a run from its batch probe (:class:`oodviz.runs.batchprobe.ModelBatches`);
+    #: inputs scored at once, set by a run from its batch probe (:class:`oodviz.pipeline.batchprobe.ModelBatches`);
     #: None: from the activation estimate (:meth:`_chunk_bytes`)
     batch_rows: int | None = None
 

@@ -44,8 +44,8 @@ lists, i.e. exact, at worst): features without cluster structure get a wide sear
 narrow one, and the scores' ranking stays that of the exact search (AUROC within 1e-3 on
 ``bench/knn_scale.py``).
 
-Split over ranks (a run on several processes, :func:`oodviz.distributed.fit_bank_across_ranks` and
-:func:`~oodviz.distributed.search_across_ranks`), the bank is the union of shards: rank ``r`` keeps its own
+Split over ranks (a run on several processes, :func:`oodviz.pipeline.distributed.fit_bank_across_ranks` and
+:func:`~oodviz.pipeline.distributed.search_across_ranks`), the bank is the union of shards: rank ``r`` keeps its own
 contiguous rows of the fit split as its bank (:meth:`KNN.fit_shard`; the memory map of those rows of the
 store, no copy, when they are all in-distribution), so bank reads per rank are ``1/W`` of the bank; every
 rank searches every query against its shard (:meth:`KNN.top_similarities`: the ``k`` largest inner products
@@ -193,7 +193,7 @@ class KNN(Detector):
         if self.holds_shard:
             raise ValueError(
                 f"{self.name} holds one shard of the bank (fit_shard): its own scores are not those of the whole "
-                "bank; search every shard with top_similarities and merge them (oodviz.distributed.search_across_ranks)"
+                "bank; search every shard with top_similarities and merge them (oodviz.pipeline.distributed.search_across_ranks)"
             )
         return self.scores_from_top(*self.top_similarities(batches, device))
 

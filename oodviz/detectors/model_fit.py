@@ -10,7 +10,7 @@ gets the ``[N]`` values of the whole pass, in order. The two ways to run it give
 - ``fit(batches, head=None, device=None)``: batches of ``Batch(inputs=..., labels=...)`` (OOD rows,
   label -1, left out; a re-iterable for two passes), the model moved to ``device`` in eval mode for
   the fit and put back afterwards;
-- a run (:mod:`oodviz.runs.pipeline`) streams the ID fit split's images with
+- a run (:mod:`oodviz.pipeline.stages`) streams the ID fit split's images with
   :func:`oodviz.engine.score_inputs` (OOM back-off, progress, cancel) once per pass, calling
   ``fit_begin(head)``, then per pass ``fit_step`` on every batch and ``end_pass``, then nothing else.
   A retried batch (out-of-memory back-off) must leave the state as one call would: steps update their

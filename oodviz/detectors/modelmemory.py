@@ -14,9 +14,9 @@ pass with hooks (:func:`activation_bytes`; no graph, the random state restored, 
 :mod:`oodviz.engine.batched` stays as the safety net.
 
 This estimate serves a detector scored on its own (``create("odin", model=m).score(batches)``). A run measures
-instead: its batch probe (:mod:`oodviz.runs.batchprobe`) gives a model-based detector's peak per row and its
+instead: its batch probe (:mod:`oodviz.pipeline.batchprobe`) gives a model-based detector's peak per row and its
 fixed part, and the run passes ``rows_within(fixed, per_row, MEMORY_FRACTION x available)`` rows at once
-(:func:`oodviz.runs.batchprobe.rows_from_memory`).
+(:func:`oodviz.pipeline.batchprobe.rows_from_memory`).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 import oodviz
-from oodviz.runs.rundir import write_atomic
+from oodviz.files import write_atomic
 
 FORMAT = "oodviz-detector"
 VERSION = 1
@@ -253,28 +253,10 @@ def _state_value(directory: Path, key: str, entry) -> object:
     raise DetectorFileError(f"{directory / MANIFEST}: state {key} has an unknown kind {kind!r}")
 
 
-def load(directory, **objects):
-    """The detector saved in ``directory`` by :func:`save`, fitted as it was; ``objects`` are the
-    constructor parameters not saved (``model=`` for the detectors that run the classifier again).
-    :class:`DetectorFileError` when a file is missing, damaged, changed or not an oodviz detector's."""
-    from oodviz.detectors import available, create
-
-    directory = Path(directory)
-    manifest = read_manifest(directory)
-    name = manifest.get("name")
-    if name not in available():
-        raise DetectorFileError(
-            f"{directory / MANIFEST} is a {name!r} detector, which this oodviz does not have "
-            f"({', '.join(available())}); update oodviz"
-        )
-    unknown = sorted(set(objects) - set(OBJECT_PARAMS))
-    if unknown:
-        raise ValueError(f"load: {', '.join(unknown)} are saved parameters, not objects; only {OBJECT_PARAMS} are")
-    try:
-        detector = create(name, **manifest["params"], **objects)
-    except (TypeError, ValueError) as error:
-        raise DetectorFileError(f"{directory / MANIFEST}: its parameters are refused: {error}") from None
-    state = manifest["state"]
+def restore_state(detector, directory: Path, state: dict):
+    """``detector`` (made from the saved name and parameters) with the fitted ``state`` of ``detector.json`` set on
+    it, checked entry by entry and then together (:func:`_check_shapes`); returns it. What
+    :func:`oodviz.detectors.load` does after making the detector."""
     moved = {  # a copied memory map's old path -> its copy
         entry["copied_from"]: str((directory / entry["file"]).resolve())
         for entry in state.values()

@@ -15,7 +15,7 @@ In the shape of torchmetrics' metrics. A detector whose class sets ``mergeable =
 - ``detector.state_dict()`` / ``load_state_dict(d)``: the pass under way, as tensors.
 
 ``fit(batches)`` is exactly ``update(batches)`` + ``finalize()``, once per pass. A fit split over processes
-(:func:`oodviz.distributed.fit_across_ranks`) is: each rank updates on its rows, the states are gathered and
+(:func:`oodviz.pipeline.distributed.fit_across_ranks`) is: each rank updates on its rows, the states are gathered and
 merged in rank order on every rank, and every rank finalizes the same merged state (so every rank holds the
 same fitted detector, bit for bit). Detectors without the protocol fit on the whole data (their docstrings
 say why).

@@ -34,12 +34,10 @@ class Teaching:
             raise ValueError("Teaching.fails_when is one line")
 
 
-def describe(name: str) -> dict:
-    """``{"name", "summary", "formula", "citation", "paper" (link), "reads", "fails_when", "inputs",
-    "needs_fit", "needs_labels", "needs_head", "needs_model"}`` of the registered detector ``name``."""
-    from oodviz.detectors import detector_class
-
-    cls = detector_class(name)
+def teaching_of(cls, name: str) -> dict:
+    """``{"summary", "formula", "citation", "reads", "fails_when", "paper" (link), "inputs", "needs_fit",
+    "needs_labels", "needs_head", "needs_model"}`` of detector class ``cls`` (registered as ``name``):
+    its ``teaching`` and what the class declares. ValueError when the class declares no :class:`Teaching`."""
     teaching = vars(cls).get("teaching")
     if not isinstance(teaching, Teaching):
         raise ValueError(
@@ -47,7 +45,6 @@ def describe(name: str) -> dict:
             "citation=..., reads=..., fails_when=...) (oodviz.detectors.teaching)"
         )
     return {
-        "name": name,
         "summary": cls.summary,
         **asdict(teaching),
         "paper": cls.paper,

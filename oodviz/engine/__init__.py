@@ -15,50 +15,99 @@
   (:mod:`oodviz.engine.batched`).
 """
 
-from oodviz.engine.batched import PRECISIONS, BatchedPass, Cancelled, CudaContextLost, is_out_of_memory
-from oodviz.engine.extract import extract, extract_or_reuse
-from oodviz.engine.inputs import InputScores, score_inputs
-from oodviz.engine.store import (
-    FEATURE_DTYPES,
-    STORE_FORMAT,
-    STORES_DIRNAME,
-    VERIFY_LEVELS,
-    DeviceSplit,
-    DiskFullError,
-    FeatureStore,
-    StoreBatches,
-    StoreError,
-    StoreWriter,
-    check_free_space,
-    check_stores,
-    clean_stale_tmp,
-    describe_transform,
-    find_store,
-    key_spec,
-    list_stores,
-    open_store,
-    remove_store,
-    store_key,
-    store_users,
-    stores_used_only_by,
-)
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
+    from oodviz.engine.batched import PRECISIONS, BatchedPass, Cancelled, CudaContextLost, is_out_of_memory
+    from oodviz.engine.extract import extract, extract_or_reuse
+    from oodviz.engine.inputs import InputScores, score_inputs
+    from oodviz.engine.store import (
+        FEATURE_DTYPES,
+        STORE_FORMAT,
+        STORES_DIRNAME,
+        VERIFY_LEVELS,
+        DeviceSplit,
+        DiskFullError,
+        FeatureStore,
+        StoreBatches,
+        StoreError,
+        StoreWriter,
+        check_free_space,
+        check_stores,
+        clean_stale_tmp,
+        describe_transform,
+        find_store,
+        key_spec,
+        list_stores,
+        open_store,
+        remove_store,
+        store_key,
+        store_users,
+        stores_used_only_by,
+    )
+
+#: Each public name and the submodule that defines it, imported on first use: the store's constants and the torch-free
+#: layers that name them (the run config, the app's catalog) do not load torch with this package.
+_SOURCES = {
+    "batched": ("BatchedPass", "Cancelled", "CudaContextLost", "PRECISIONS", "is_out_of_memory"),
+    "extract": ("extract", "extract_or_reuse"),
+    "inputs": ("InputScores", "score_inputs"),
+    "store": (
+        "DeviceSplit",
+        "DiskFullError",
+        "FEATURE_DTYPES",
+        "FeatureStore",
+        "STORES_DIRNAME",
+        "STORE_FORMAT",
+        "StoreBatches",
+        "StoreError",
+        "StoreWriter",
+        "VERIFY_LEVELS",
+        "check_free_space",
+        "check_stores",
+        "clean_stale_tmp",
+        "describe_transform",
+        "find_store",
+        "key_spec",
+        "list_stores",
+        "open_store",
+        "remove_store",
+        "store_key",
+        "store_users",
+        "stores_used_only_by",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'oodviz.engine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"oodviz.engine.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
-    "FEATURE_DTYPES",
-    "PRECISIONS",
-    "STORES_DIRNAME",
-    "STORE_FORMAT",
-    "VERIFY_LEVELS",
     "BatchedPass",
     "Cancelled",
     "CudaContextLost",
     "DeviceSplit",
     "DiskFullError",
+    "FEATURE_DTYPES",
     "FeatureStore",
     "InputScores",
+    "PRECISIONS",
+    "STORES_DIRNAME",
+    "STORE_FORMAT",
     "StoreBatches",
     "StoreError",
     "StoreWriter",
+    "VERIFY_LEVELS",
     "check_free_space",
     "check_stores",
     "clean_stale_tmp",

@@ -30,6 +30,7 @@ _SOURCES = {
         "backbone_info",
         "default_weights_dir",
         "imagenet_transform",
+        "unknown_layer_message",
     ),
     "backbone": ("POOLINGS", "Backbone", "FeatureShape", "pool_features"),
     "digits": ("DigitsCNN", "DigitsTransform", "digits_arrays"),
@@ -37,7 +38,7 @@ _SOURCES = {
     "checkpoints": ("CheckpointError",),
     "memory": ("MemoryEstimate", "describe_memory", "estimate_memory", "format_bytes", "warn_if_over"),
     "placement": ("DEVICE_CHOICES", "device_problem", "model_on_device", "parse_device"),
-    "registry": ("backbone_classes", "load_backbone", "load_scripted", "wrap_model"),
+    "registry": ("USER_MODEL_NAMES", "backbone_classes", "load_backbone", "load_scripted", "wrap_model"),
 }
 _MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 

@@ -96,7 +96,7 @@ def _split_line(name: str, split: Mapping, d: int) -> str:
 
 def describe_memory(estimate: Mapping) -> str:
     """A few readable lines: one per split and the total; for a run over several layers (``estimate["layers"]``:
-    layer -> that layer's estimate, :func:`oodviz.runs.preflight.assess`), those of each layer and the sum."""
+    layer -> that layer's estimate, :func:`oodviz.pipeline.preflight.assess`), those of each layer and the sum."""
     layers = estimate.get("layers") or {None: estimate}
     lines = []
     for layer, part in layers.items():

@@ -3,7 +3,7 @@
 ``submit`` creates the run directory and starts a small *supervisor* process
 (``python -m oodviz.runs.supervise RUN_DIR``, a new session, detached from the caller). The
 supervisor waits for its turn (one job runs at a time per runs root, in order of creation),
-then starts the *worker* (``python -m oodviz.runs.worker RUN_DIR``) that does the work, and
+then starts the *worker* (``python -m oodviz.pipeline.worker RUN_DIR``) that does the work, and
 records how it ended. A host out-of-memory kill or a CUDA fault takes down the worker, never
 the app that submitted it; the supervisor, which holds no data, survives to say so.
 """
@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from oodviz.runs.rundir import FINAL_STATES, RunDir, process_alive
+from oodviz.runs.telemetry import job_environment
 
 # Nothing here imports torch at module level: the supervisor imports this module and waits its turn
 # as a small process (the config, the telemetry's environment and the worker come in lazily).
@@ -33,7 +34,6 @@ class QueueFull(ValueError):
 
 
 def _spawn(module: str, run: RunDir, new_session: bool, args: tuple[str, ...] = ()) -> subprocess.Popen:
-    from oodviz.runs.telemetry import job_environment
 
     log = open(run.log_path, "ab")
     env = job_environment(dict(os.environ, PYTHONUNBUFFERED="1"))  # cuda:N as the app lists it
@@ -76,7 +76,7 @@ def start_worker(run: RunDir) -> subprocess.Popen:
     processes = int(run.read_status().get("nproc_per_node") or 1)
     if processes > 1:
         return _spawn("oodviz.runs.launch", run, new_session=False, args=(str(processes),))
-    return _spawn("oodviz.runs.worker", run, new_session=False)
+    return _spawn("oodviz.pipeline.worker", run, new_session=False)
 
 
 #: each process of a job, as ``status.json`` records it: (pid key, start time key)

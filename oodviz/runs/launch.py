@@ -1,6 +1,6 @@
 """``oodviz run CONFIG --nproc-per-node N``: the run's worker on N processes through torch's elastic launcher.
 
-This is ``torchrun [options] -m oodviz.runs.worker RUN_DIR --echo`` called in-process
+This is ``torchrun [options] -m oodviz.pipeline.worker RUN_DIR --echo`` called in-process
 (:func:`torch.distributed.run.run`), so every torchrun option keeps its meaning: one machine gets
 ``--standalone`` (a rendezvous on a free local port); several take ``--nnodes``, ``--node-rank`` and
 ``--rdzv-endpoint HOST:PORT`` (node 0's address), with the run directory on a filesystem every node
@@ -11,7 +11,7 @@ app's supervisor starts it instead of the one-process worker for a run on "all N
 
 When a rank fails, torch's agent stops the others and raises :class:`ChildFailedError`; :func:`launch`
 then records the run ``failed`` with the rank that failed first, its exit code or signal, and what it
-said (its ``rank`` event, :func:`oodviz.runs.sharded.rank_failure`).
+said (its ``rank`` event, :func:`rank_failure`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def torchrun_argv(
         "--monitor-interval",
         "0.5",
         "-m",
-        "oodviz.runs.worker",
+        "oodviz.pipeline.worker",
         str(Path(run_dir).resolve()),
         "--echo",
     ]
@@ -59,7 +59,6 @@ def torchrun_argv(
 
 def describe_failure(run: RunDir, error) -> str:
     """Which rank failed first and how (a ``ChildFailedError``), with what that rank said when it said something."""
-    from oodviz.runs.sharded import rank_failure
 
     rank, failure = error.get_first_failure()
     code = failure.exitcode
@@ -112,3 +111,11 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+def rank_failure(run: RunDir) -> str:
+    """What the last failed rank said in the events log, or a general reason when none has said anything."""
+    failed = [e for e in run.read_events() if e.get("event") == "rank" and e.get("kind") == "failed"]
+    if failed:
+        return f"rank {failed[-1]['rank']} failed: {failed[-1].get('message')}"
+    return "the launcher stopped rank 0 because another rank failed or was killed (see worker.log or torchrun's output)"

@@ -9,7 +9,7 @@ Layout of ``<runs root>/<run id>/``::
     events.jsonl     one JSON event per line, appended by the worker (progress, memory, warnings)
     cancel           present = the user asked the run to stop
     worker.log       the worker's stdout and stderr
-    metrics.csv, scores.parquet, per_class.csv, detectors.json, meta.json   the results (see oodviz.results)
+    metrics.csv, scores.parquet, per_class.csv, detectors.json, meta.json   the results (see oodviz.results.tables)
 
 Every file except the event log is written atomically (a temporary file renamed over the old
 one), so a reader never sees half a file. The event log is only appended; a reader skips a
@@ -24,7 +24,6 @@ import json
 import os
 import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -33,8 +32,7 @@ from pathlib import Path
 
 import psutil
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+from oodviz.files import FILE_MODE, read_json_object, write_json
 
 STATES = ("queued", "running", "done", "failed", "cancelled")
 FINAL_STATES = ("done", "failed", "cancelled")
@@ -42,41 +40,6 @@ FINAL_STATES = ("done", "failed", "cancelled")
 DAMAGED = "damaged"
 LOCK_TIMEOUT_S = 30.0
 START_TIME_TOLERANCE_S = 0.05  # psutil derives start times from clock ticks since boot
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write ``data`` to ``path`` (its directory must exist) so that readers see the old or the new file,
-    never a part; on any error (a full disk) the temporary file is removed and the error raised."""
-    path = Path(path)
-    # no mkdir: a write into a run directory that was deleted meanwhile must fail, not re-create it
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp creates 0600; results are ordinary files
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def read_json_object(path: Path) -> tuple[dict, str | None]:
-    """``(the JSON object in path, None)``, or ``({}, what is wrong)`` when the file is missing, unreadable,
-    not UTF-8 JSON or not an object. Never raises."""
-    name = Path(path).name
-    try:
-        value = json.loads(Path(path).read_bytes())
-    except FileNotFoundError:
-        return {}, f"{name} is missing"
-    except OSError as error:
-        return {}, f"{name} cannot be read ({error.strerror})"
-    except (ValueError, RecursionError):  # JSONDecodeError, UnicodeDecodeError, nesting too deep
-        return {}, f"{name} is not valid JSON"
-    if not isinstance(value, dict):
-        return {}, f"{name} holds a {type(value).__name__}, not an object"
-    return value, None
 
 
 def process_started(pid: int) -> float | None:
@@ -103,10 +66,6 @@ def process_alive(pid: int | None, started: float | None) -> bool:
         return False
     except psutil.AccessDenied:
         return True
-
-
-def write_json(path: Path, value) -> None:
-    write_atomic(path, json.dumps(value, indent=2, default=str))
 
 
 def new_run_id() -> str:
@@ -190,7 +149,7 @@ class RunDir:
         """Hold the run's lock (``flock`` on ``.lock``; TimeoutError after ``timeout_s``). Not
         ``filelock``: it creates missing directories, and a run deleted meanwhile must stay deleted
         (FileNotFoundError here). The lock is released when the holder exits, however it exits."""
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o666 & ~_UMASK)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             deadline = time.monotonic() + timeout_s
             while True:

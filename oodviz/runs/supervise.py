@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from oodviz.fixes import smaller_batch
 from oodviz.runs.jobs import CANCEL_GRACE_S, queue_ahead, start_worker
 from oodviz.runs.rundir import FINAL_STATES, RunDir, process_alive, process_started
 
@@ -46,7 +47,7 @@ def _describe_exit(code: int) -> str:
 
 def stop_on_sigterm(run: RunDir, worker) -> None:
     """On SIGTERM, kill the worker, record why the run ended and exit (a SIGKILL of the supervisor
-    cannot be caught: the worker notices its parent is gone, :func:`oodviz.runs.worker.exit_with_parent`)."""
+    cannot be caught: the worker notices its parent is gone, :func:`oodviz.pipeline.worker.exit_with_parent`)."""
 
     def stop(number, frame):
         worker.kill()
@@ -91,7 +92,13 @@ def supervise(run: RunDir) -> int:
                 state="cancelled", exit_code=code, finished=time.time(), error="cancelled (worker stopped)"
             )
         else:
-            run.write_status(state="failed", exit_code=code, finished=time.time(), error=_describe_exit(code))
+            fixes = []
+            if code == -signal.SIGKILL:  # likely the kernel's OOM killer: a smaller batch may get through
+                fix = smaller_batch(run.read_config().get("batch_size", 1), "killed by the OOM killer")
+                fixes = [fix.to_dict()] if fix else []
+            run.write_status(
+                state="failed", exit_code=code, finished=time.time(), error=_describe_exit(code), fixes=fixes
+            )
         run.append_event({"stage": run.read_status()["state"], "message": run.read_status()["error"]})
     else:
         run.write_status(exit_code=code)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # no torch at import: ``oodviz app`` reads the policy before it execs Streamlit
-    from oodviz.runs.config import RunConfig
+    from oodviz.config.run import RunConfig
 
 ENV_TOKEN = "OODVIZ_ACCESS_TOKEN"
 ENV_SERVE_OTHERS = "OODVIZ_SERVE_OTHERS"

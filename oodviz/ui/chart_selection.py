@@ -1,9 +1,9 @@
 """From a chart to its images: a box or lasso on a score histogram, a point or a stretch of a ROC curve, a
 selection on the feature-space map, each shows the images it covers with true class, prediction and score.
 
-What a selection covers is computed by :mod:`oodviz.selection` from the run's ``scores.parquet``; this
+What a selection covers is computed by :mod:`oodviz.results.selection` from the run's ``scores.parquet``; this
 module only draws the charts with selection on and the galleries, for the run's
-:class:`oodviz.results.Results` ``results``.
+:class:`oodviz.results.tables.Results` ``results``.
 """
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from oodviz import plots
-from oodviz.results import ID_SPLIT
-from oodviz.selection import (
+from oodviz.figures import plots
+from oodviz.figures.thumbnails import thumbnails
+from oodviz.results.selection import (
     operating_point_samples,
     samples_in_range,
     selected_curve_thresholds,
     selected_range,
     selected_traces,
 )
-from oodviz.thumbnails import thumbnails
+from oodviz.results.tables import ID_SPLIT
 from oodviz.ui.figure_export import chart
 
 GALLERY_SIZE = 12
@@ -49,7 +49,7 @@ def image_grid(images, captions, empty: str = "None.") -> None:
 
 
 def gallery(results, rows: pd.DataFrame, empty: str = "None.") -> None:
-    """Thumbnails of ``rows`` (a :data:`oodviz.selection.SAMPLE_COLUMNS` table), :data:`COLUMNS` a line."""
+    """Thumbnails of ``rows`` (a :data:`oodviz.results.selection.SAMPLE_COLUMNS` table), :data:`COLUMNS` a line."""
     image_grid(thumbnails(results, rows) if len(rows) else [], [sample_caption(r) for r in rows.itertuples()], empty)
 
 
@@ -79,7 +79,7 @@ def selection_of(event) -> dict:
 
 
 def histogram_selection_gallery(results, detector: str, event, hist: dict) -> None:
-    """Below a histogram of ``hist`` (:func:`oodviz.analysis.score_histogram`) drawn with ``on_select="rerun"``:
+    """Below a histogram of ``hist`` (:func:`oodviz.results.analysis.score_histogram`) drawn with ``on_select="rerun"``:
     the images in the box's or lasso's score range, of the sets drawn under it (a set hidden from the legend has
     no bars to select, and none of its images are shown)."""
     selection = selection_of(event)
@@ -96,7 +96,7 @@ def histogram_selection_gallery(results, detector: str, event, hist: dict) -> No
 
 
 def roc_chart(results, detector: str, curves: dict, title: str, colors, dataset: str | None, key: str) -> None:
-    """The ROC curves of ``curves`` (label -> :func:`oodviz.analysis.curves`), each point selectable: one
+    """The ROC curves of ``curves`` (label -> :func:`oodviz.results.analysis.curves`), each point selectable: one
     point shows the images wrong at its threshold, a box or lasso over several the images between their
     thresholds. ``dataset``: the OOD set when the curves are detectors; ``None`` when they are OOD sets
     of ``detector``."""

@@ -1,7 +1,7 @@
 """Render functions for the issue-15 views of a finished run, to be placed in the results page's tabs.
 
-Each function draws one view of a :class:`oodviz.results.Results`; everything it shows is computed by the
-library (:mod:`oodviz.analysis`, :mod:`oodviz.results`, :mod:`oodviz.plots_risk`, :mod:`oodviz.report`,
+Each function draws one view of a :class:`oodviz.results.tables.Results`; everything it shows is computed by the
+library (:mod:`oodviz.results.analysis`, :mod:`oodviz.results.tables`, :mod:`oodviz.figures.plots`, :mod:`oodviz.figures.report`,
 :mod:`oodviz.detectors.teaching`). Work that runs the model or a long computation (scoring uploaded images,
 a t-SNE map) runs in a subprocess (``python -m oodviz.cli score|project``), never in the server process.
 """
@@ -16,11 +16,13 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from oodviz.analysis import risk_coverage_curves
-from oodviz.layers import split_column
-from oodviz.plots_risk import risk_coverage_figure
-from oodviz.projection import available_methods, projection_path
-from oodviz.projection_map import (
+from oodviz import detectors
+from oodviz.columns import split_column
+from oodviz.detectors.teaching import formula_clauses
+from oodviz.figures.export import kaleido_problem
+from oodviz.figures.plots import risk_coverage_figure
+from oodviz.figures.projection import available_methods, projection_path
+from oodviz.figures.projection_map import (
     ANSWER_TILES,
     KEYS,
     MAP_POINTS,
@@ -31,9 +33,11 @@ from oodviz.projection_map import (
     projection_figure,
     thumbnails_path,
 )
-from oodviz.results import ID_SPLIT, OOD_SPLIT, Results, classifier_errors_note, detectors_of, read_table
-from oodviz.runs.rundir import read_json_object
-from oodviz.selection import selected_samples
+from oodviz.figures.report import report_html
+from oodviz.files import read_json_object
+from oodviz.results.analysis import risk_coverage_curves
+from oodviz.results.selection import selected_samples
+from oodviz.results.tables import ID_SPLIT, OOD_SPLIT, Results, classifier_errors_note, detectors_of, read_table
 from oodviz.ui.chart_selection import projection_selection_gallery
 from oodviz.ui.figure_export import chart
 from oodviz.ui.hover_thumbnail import hover_panel
@@ -43,15 +47,13 @@ SUBPROCESS_TIMEOUT_S = 600
 
 def teaching_panel(detector: str) -> None:
     """What ``detector`` does: its formula, paper, inputs and when it fails (from its own module); a per-layer
-    result column (``"knn@features.4"``, :mod:`oodviz.layers`) shows its detector's."""
-    from oodviz.detectors import describe, detector_class  # torch: only where a detector is explained
-    from oodviz.detectors.teaching import formula_clauses
+    result column (``"knn@features.4"``, :mod:`oodviz.results.layers`) shows its detector's."""
 
     detector = split_column(detector)[0]
     try:
-        about = describe(detector)
+        about = detectors.describe(detector)
     except ValueError:  # a detector module without its teaching metadata yet: its one-line summary
-        cls = detector_class(detector)
+        cls = detectors.detector_class(detector)
         st.markdown(f"**{detector}**: {cls.summary} ([paper]({cls.paper}))")
         return
     st.markdown(f"**{detector}**: {about['summary']}")
@@ -111,7 +113,7 @@ def probe_table(rows: pd.DataFrame) -> pd.DataFrame:
 
 def probe_view(results: Results, key: str = "probe") -> None:
     """Upload images; a subprocess scores them with the run's saved detectors (``oodviz score``)."""
-    from oodviz.scoring import detectors_dir  # torch: only when the probe tab is open
+    from oodviz.pipeline.scoring import detectors_dir  # torch: only when the probe tab is open
 
     if not detectors_dir(results.path).is_dir():
         st.info(
@@ -173,8 +175,8 @@ def projection_view(
 ) -> None:
     """The run's 2-D feature map (computed on request by ``oodviz project`` in a subprocess), coloured by
     ``color_by``: ``"dataset"`` (each set in its colour of ``colors``, the page's
-    :func:`~oodviz.plots.color_map`), ``"label"`` or a detector's score; t-SNE or UMAP on ``max_points`` samples.
-    At most :data:`~oodviz.projection_map.MAP_POINTS` points are drawn (a seeded subsample). Hovering a point
+    :func:`~oodviz.figures.plots.color_map`), ``"label"`` or a detector's score; t-SNE or UMAP on ``max_points`` samples.
+    At most :data:`~oodviz.figures.projection_map.MAP_POINTS` points are drawn (a seeded subsample). Hovering a point
     shows its set, index, true class, prediction and thumbnail (:mod:`oodviz.ui.hover_thumbnail`: from the
     sprite sent with the map, or asked for on demand); selecting
     points shows their images with ``detector``'s score (default: the ``color_by`` detector, else the run's
@@ -227,16 +229,13 @@ def projection_view(
 
 
 def report_download(results: Results) -> None:
-    """A button that builds the self-contained HTML report (:func:`oodviz.report.report_html`) and offers it;
+    """A button that builds the self-contained HTML report (:func:`oodviz.figures.report.report_html`) and offers it;
     with each figure also as PNG and SVG downloads when ticked (offered where kaleido and Chromium are)."""
-    from oodviz.export import kaleido_problem
 
     with_files = kaleido_problem() is None and st.checkbox(
         "with each figure as PNG and SVG", key="report-figure-files", help="Drawn by kaleido in Chromium: slower"
     )
     if st.button("Build the HTML report", key="build-report"):
-        from oodviz.report import report_html  # the detectors' explanations: torch modules, imported on demand
-
         with st.spinner("Building the report..."):
             try:
                 st.session_state[f"report-html:{results.path}"] = report_html(results.path, figure_files=with_files)

@@ -1,5 +1,5 @@
 """A plotly chart with "PNG / SVG" downloads below it, drawn by kaleido in the system's Chromium
-(:mod:`oodviz.export`), offered only where kaleido 1.x and a Chromium are installed.
+(:mod:`oodviz.figures.export`), offered only where kaleido 1.x and a Chromium are installed.
 
 The files are drawn on request (a click: a browser session takes seconds) and kept in the session for as
 long as the figure stays the same. When the first export fails (the browser does not start), the reason is
@@ -13,7 +13,7 @@ import hashlib
 import plotly.graph_objects as go
 import streamlit as st
 
-from oodviz.export import figure_images, kaleido_problem
+from oodviz.figures.export import figure_images, kaleido_problem
 
 BROKEN = "figure-export-broken"
 

@@ -2,7 +2,7 @@
 
 The last estimate is kept in the session with the form values it was made for: while the form still holds
 those values and the estimate is over the machine's limits, Start is disabled (unless "Run anyway" is
-ticked) and the fixes the pre-flight names (:func:`~oodviz.ui.form.suggested_fixes`) are buttons under it.
+ticked) and the fixes the pre-flight names (:class:`~oodviz.fixes.Fix` objects, :func:`~oodviz.ui.form.form_fixes`) are buttons under it.
 A fix, or a failed run's "retry with" button, fills the form: the fixed values are kept in the session for
 the page they were made on (the run in the URL, or none) and the sidebar draws them as its defaults; the
 next rerun estimates them.
@@ -15,7 +15,9 @@ from dataclasses import asdict, replace
 
 import streamlit as st
 
-from oodviz.ui.form import FormFix, FormValues, refusal_parts, suggested_fixes
+from oodviz.fixes import Fix
+from oodviz.pipeline.probe import ProbeAnswer
+from oodviz.ui.form import FormFix, FormValues, form_fixes
 
 #: session keys: the last estimate, the form filled by a fix, "estimate on the next rerun", the checkbox
 PREFLIGHT = "preflight"
@@ -34,19 +36,17 @@ def url_run() -> str | None:
 
 
 def store_estimate(
-    values: FormValues,
-    description: str = "",
-    refusal: str | None = None,
-    error: str = "",
-    classifier_problem: str | None = None,
+    values: FormValues, answer: ProbeAnswer | None = None, error: str = "", classifier_problem: str | None = None
 ) -> None:
-    """Keep the estimate of ``values``: its description, the pre-flight refusal (None: it fits), what is wrong with
-    the model's classes against the ID labels (None: nothing found, :mod:`oodviz.runs.classifier_check`), or why it
-    failed."""
+    """Keep the estimate of ``values``: the probe's answer (its description; the pre-flight refusal, its table and
+    fixes, or None when it fits), what is wrong with the model's classes against the ID labels (None: nothing found,
+    :mod:`oodviz.pipeline.classifier_check`), or why it failed."""
     st.session_state[PREFLIGHT] = {
         "form": form_key(values),
-        "description": description,
-        "refusal": refusal,
+        "description": answer.description if answer else "",
+        "refusal": answer.refusal if answer else None,
+        "table": answer.table if answer else "",
+        "fixes": list(answer.fixes) if answer else [],
         "error": error,
         "classifier_problem": classifier_problem,
     }
@@ -88,12 +88,14 @@ def apply_fix(fix: FormFix) -> None:
     st.rerun()
 
 
-def fix_buttons(message: str, values: FormValues, place, prefix: str, key: str, base: FormValues | None = None) -> None:
-    """One button per fix that ``message`` names for the form ``base`` (default: ``values``), each ``prefix +
-    label``; a click applies the fix's change onto ``values`` (the form as it is). A fix ``values`` already has
-    is not offered again."""
+def fix_buttons(
+    fixes: list[Fix], values: FormValues, place, prefix: str, key: str, base: FormValues | None = None
+) -> None:
+    """One button per fix of ``fixes`` that the form ``base`` (default: ``values``) can make
+    (:func:`~oodviz.ui.form.form_fixes`), each ``prefix + label``; a click applies the fix's change onto ``values``
+    (the form as it is). A fix ``values`` already has is not offered again."""
     base = values if base is None else base
-    for i, fix in enumerate(suggested_fixes(message, base)):
+    for i, fix in enumerate(form_fixes(fixes, base)):
         change = {k: v for k, v in asdict(fix.values).items() if getattr(base, k) != v}
         if all(getattr(values, k) == v for k, v in change.items()):
             continue
@@ -114,7 +116,7 @@ def estimate_panel(values: FormValues) -> None:
         st.sidebar.error(f"Could not estimate the run's needs: {entry['error']}")
         return
     st.sidebar.markdown("**Estimated needs**")
-    head, table, fixes = refusal_parts(entry["refusal"] or "")
+    table, fixes = entry.get("table", ""), entry.get("fixes", [])
     # the refusal's table of needs beside the estimate (once: a run over several layers has it there already),
     # lines wrapped: nothing cut in the sidebar
     described = entry["description"] if table in entry["description"] else f"{entry['description']}\n\n{table}"
@@ -138,10 +140,10 @@ def estimate_panel(values: FormValues) -> None:
         st.sidebar.warning(classifier_problem)
     if entry["refusal"]:
         st.sidebar.warning(
-            f"{head.rstrip(':')} (the needs marked OVER above)."
-            + ("\n\nTo make it fit:\n" + "\n".join(f"- {fix}" for fix in fixes) if fixes else "")
+            "This run does not fit on this machine (the needs marked OVER above)."
+            + ("\n\nTo make it fit:\n" + "\n".join(f"- {fix.text}" for fix in fixes) if fixes else "")
         )
-        fix_buttons(entry["refusal"], values, st.sidebar, "Fix: ", "preflight-fix")
+        fix_buttons(fixes, values, st.sidebar, "Fix: ", "preflight-fix")
     st.sidebar.checkbox(
         "Run anyway",
         key=RUN_ANYWAY,

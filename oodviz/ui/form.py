@@ -5,8 +5,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, replace
 
-from oodviz.layers import PENULTIMATE
-from oodviz.runs.config import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
+from oodviz.columns import PENULTIMATE
+from oodviz.config.catalog import dataset_group_and_source
+from oodviz.config.run import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
+from oodviz.fixes import Fix
+from oodviz.ui.access import PathRefused
 from oodviz.ui.form_tuning import (
     HELD_OUT,
     NO_VALIDATION,
@@ -61,7 +64,6 @@ OOD_CHOICES = (
 
 
 def ood_label(name: str) -> str:
-    from oodviz.catalog import dataset_group_and_source
 
     group, source = dataset_group_and_source(name)
     return f"{name} ({group or 'far'}, {source})"
@@ -330,7 +332,6 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
     """Every problem of the form, keyed by the field it is about (:data:`FORM_FIELDS`): the typed paths
     refused by ``policy`` (an :class:`~oodviz.ui.access.AccessPolicy`), each image folder that cannot be
     read, and :meth:`RunConfig.problems` of the config the form makes. Empty when the run can start."""
-    from oodviz.ui.access import PathRefused
 
     found: dict[str, list[str]] = {}
     config = config_from_form(values)
@@ -379,125 +380,41 @@ class FormFix:
     values: FormValues
 
 
-#: lower-case fragments of messages that a smaller batch may cure: allocation failures, the OOM killer
-_OUT_OF_MEMORY = ("out of memory", "can't allocate", "cannot allocate", "memoryerror", "sigkill", "smaller batch")
-_LEAVE_OUT = re.compile(r"leave out ([a-z0-9_]+(?:, [a-z0-9_]+)*)")
-_LARGEST_SPLIT = re.compile(r"subsample the largest splits \((\w+): ([\d,]+) samples\)")
-_WIDEST_LAYER = re.compile(r"fewer layers: the widest is (\S+) \(D=([\d,]+)\)")
-#: the pre-flight's "a smaller batch: batch_size=N or less fits ..."
-_BATCH_THAT_FITS = re.compile(r"batch_size=([\d,]+) or less")
+def form_fixes(fixes: list[Fix], values: FormValues) -> list[FormFix]:
+    """Each fix (:class:`~oodviz.fixes.Fix`: the pre-flight's, or a failed run's) that the form can make, as a
+    change of the form ``values``, labelled for its button; read from the fix's kind and value, never from its
+    text:
 
+    - ``pooling``: when the form does not pool;
+    - ``drop_layer``: that layer out of the form's layers (when others remain);
+    - ``drop_detectors``: those detectors out (when others remain);
+    - ``subsample``: every split at most that many images;
+    - ``feature_dtype``, ``batch_size``: that value.
 
-def suggested_fixes(message: str, values: FormValues) -> list[FormFix]:
-    """The fixes that ``message`` names (a failed run's error and warnings, or a pre-flight refusal:
-    :meth:`~oodviz.runs.preflight.Preflight.message`) as changes of the form ``values``, in this order:
-
-    - "pool" with ``pooling="none"``: ``pooling="avg"``;
-    - "fewer layers: the widest is L (D=...)" (:func:`~oodviz.runs.preflight.fixes`): layer L out of the form's
-      layers (when others remain);
-    - "leave out A, B": those detectors out (when others remain);
-    - "subsample the largest splits (S: N samples)": every split at most ``N // 2`` images;
-    - "float16": ``feature_dtype="float16"``;
-    - "batch_size=N or less" (the pre-flight's batch that fits): ``batch_size=N``; otherwise an allocation
-      failure or the OOM killer (:data:`_OUT_OF_MEMORY`): a quarter of the batch size.
-
-    A fix that would change nothing is left out; an empty list when the message names none."""
-    lower = message.lower()
+    A fix that would change nothing is left out, as is ``advice``."""
     found = []
-    if "pool" in lower and values.pooling == "none":
-        found.append(FormFix("Pool the features (pooling avg)", replace(values, pooling="avg")))
-    widest = _WIDEST_LAYER.search(message)
-    if widest and widest.group(1) in values.layers and len(values.layers) > 1:
-        layer, dim = widest.groups()
-        kept = [name for name in values.layers if name != layer]
-        found.append(FormFix(f"Leave out layer {layer} (the widest, D={dim})", replace(values, layers=kept)))
-    named = {name for match in _LEAVE_OUT.finditer(lower) for name in match.group(1).split(", ")}
-    dropped = [name for name in values.detectors if name in named]
-    if dropped and len(dropped) < len(values.detectors):
-        kept = [name for name in values.detectors if name not in named]
-        found.append(FormFix(f"Leave out {', '.join(dropped)}", replace(values, detectors=kept)))
-    largest = _LARGEST_SPLIT.search(lower)
-    if largest:
-        cap = max(int(largest.group(2).replace(",", "")) // 2, 1)
-        capped = {
-            key: min(getattr(values, key) or cap, cap) for key in ("fit_subsample", "test_subsample", "ood_subsample")
-        }
-        if any(capped[key] != getattr(values, key) for key in capped):
-            found.append(FormFix(f"Subsample every split to at most {cap:,} images", replace(values, **capped)))
-    if "float16" in lower and values.feature_dtype != "float16":
-        found.append(FormFix("Store the features as float16", replace(values, feature_dtype="float16")))
-    named_batch = _BATCH_THAT_FITS.search(lower)
-    if named_batch:
-        smaller = max(int(named_batch.group(1).replace(",", "")), 1)
-    else:
-        smaller = max(values.batch_size // 4, 1) if any(marker in lower for marker in _OUT_OF_MEMORY) else None
-    if smaller is not None and smaller < values.batch_size:
-        found.append(FormFix(f"Batch size {values.batch_size:,} → {smaller:,}", replace(values, batch_size=smaller)))
+    for fix in fixes:
+        if fix.kind == "pooling" and values.pooling != fix.value:
+            found.append(FormFix(f"Pool the features (pooling {fix.value})", replace(values, pooling=fix.value)))
+        elif fix.kind == "drop_layer" and fix.value in values.layers and len(values.layers) > 1:
+            kept = [name for name in values.layers if name != fix.value]
+            found.append(FormFix(f"Leave out layer {fix.value} (the widest)", replace(values, layers=kept)))
+        elif fix.kind == "drop_detectors":
+            dropped = [name for name in values.detectors if name in fix.value]
+            if dropped and len(dropped) < len(values.detectors):
+                kept = [name for name in values.detectors if name not in fix.value]
+                found.append(FormFix(f"Leave out {', '.join(dropped)}", replace(values, detectors=kept)))
+        elif fix.kind == "subsample":
+            cap = int(fix.value)
+            keys = ("fit_subsample", "test_subsample", "ood_subsample")
+            capped = {key: min(getattr(values, key) or cap, cap) for key in keys}
+            if any(capped[key] != getattr(values, key) for key in keys):
+                found.append(FormFix(f"Subsample every split to at most {cap:,} images", replace(values, **capped)))
+        elif fix.kind == "feature_dtype" and values.feature_dtype != fix.value:
+            found.append(FormFix(f"Store the features as {fix.value}", replace(values, feature_dtype=fix.value)))
+        elif fix.kind == "batch_size" and int(fix.value) < values.batch_size:
+            smaller = int(fix.value)
+            found.append(
+                FormFix(f"Batch size {values.batch_size:,} → {smaller:,}", replace(values, batch_size=smaller))
+            )
     return found
-
-
-def refusal_parts(message: str) -> tuple[str, str, list[str]]:
-    """A pre-flight refusal (:meth:`~oodviz.runs.preflight.Preflight.message`) in its parts, for a narrow sidebar:
-    its first line, its needs table (aligned columns: shown as code) and its fixes (the ``"- "`` lines after
-    ``"To make it fit:"``)."""
-    head, _, rest = message.partition("\n")
-    table, _, fixes = rest.partition("\nTo make it fit:\n")
-    return head, table, [line[2:] for line in fixes.splitlines() if line.startswith("- ")]
-
-
-@dataclass(frozen=True)
-class ParamField:
-    """How the form edits one detector parameter: ``kind`` is ``"int"``, ``"float"`` (``optional``: blank =
-    the detector's automatic choice, None), ``"bool"`` or ``"choice"`` (one of ``choices``)."""
-
-    name: str
-    kind: str
-    default: object
-    optional: bool = False
-    choices: tuple = ()
-
-
-def param_fields(detector: str) -> list[ParamField]:
-    """:func:`declared_param_fields` of ``detector`` as :mod:`oodviz.catalog` holds them (no torch import); ``[]``
-    for an unknown name."""
-    from oodviz.catalog import detector_params
-
-    return [ParamField(**{**field, "choices": tuple(field["choices"])}) for field in detector_params(detector)]
-
-
-def declared_param_fields(detector: str) -> list[ParamField]:
-    """The parameters of ``detector`` a browser user may edit, from its constructor's signature: numbers (also
-    ``int | None``), booleans and the strings of :attr:`~oodviz.detectors.Detector.param_choices`. Paths
-    (``bank_dir``), module names, lists and the model are left to config files. Imports the detector classes
-    (torch): the form reads them from :mod:`oodviz.catalog` (:func:`param_fields`)."""
-    import inspect
-    import types
-    import typing
-
-    from oodviz.detectors import detector_class
-
-    cls = detector_class(detector)
-    try:
-        parameters = inspect.signature(cls.__init__, eval_str=True).parameters
-    except (NameError, TypeError):
-        parameters = inspect.signature(cls.__init__).parameters
-    fields = []
-    for name in cls.param_names():
-        parameter = parameters[name]
-        annotation, default = parameter.annotation, parameter.default
-        options = (
-            set(typing.get_args(annotation))
-            if typing.get_origin(annotation) in (typing.Union, types.UnionType)
-            else set()
-        )
-        if name in cls.param_choices:
-            fields.append(ParamField(name, "choice", default, choices=tuple(cls.param_choices[name])))
-        elif annotation is bool or isinstance(default, bool):
-            fields.append(ParamField(name, "bool", bool(default)))
-        elif annotation in (int, float) or (annotation is parameter.empty and type(default) in (int, float)):
-            number = annotation if annotation in (int, float) else type(default)
-            fields.append(ParamField(name, number.__name__, default))
-        elif options in ({int, type(None)}, {float, type(None)}):
-            kind = "int" if int in options else "float"
-            fields.append(ParamField(name, kind, default, optional=True))
-    return fields

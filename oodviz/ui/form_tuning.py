@@ -1,4 +1,4 @@
-"""The form's validation data (tuning, :mod:`oodviz.runs.tuning`) and layers (:mod:`oodviz.runs.layers`) as
+"""The form's validation data (tuning, :mod:`oodviz.pipeline.tuning`) and layers (:mod:`oodviz.pipeline.layers`) as
 RunConfig settings, and back (no streamlit here: unit-testable).
 
 - ID validation (``FormValues.id_val``): :data:`NO_VALIDATION`; :data:`HELD_OUT`, the last
@@ -8,15 +8,17 @@ RunConfig settings, and back (no streamlit here: unit-testable).
 - OOD validation (``FormValues.ood_val``): :data:`NO_VALIDATION` or one of the OOD sets the form offers, with
   the same parameters as a test set of that name (so the form can say when it is also a test set).
 - ``tune``: the switch; off, the run names no validation data and tunes nothing. On, each chosen detector
-  tries its default grid (:func:`oodviz.runs.tuning.detector_grid`) less the parameters set in the form.
+  tries its default grid (:func:`oodviz.pipeline.tuning.detector_grid`) less the parameters set in the form.
 - Layers (``FormValues.layers``): none or ``["penultimate"]`` = the default layer; one name = ``layer``;
   several = ``layers``, a run over several layers.
 """
 
 from __future__ import annotations
 
-from oodviz.layers import PENULTIMATE
-from oodviz.runs.config import DatasetChoice
+from oodviz.columns import PENULTIMATE
+from oodviz.config.catalog import backbone_layers, backbone_names, default_grid, detector_names, param_fields
+from oodviz.config.run import DatasetChoice
+from oodviz.config.tuning import detector_grid
 
 NO_VALIDATION = "none"
 HELD_OUT = "part of the ID fit set"
@@ -44,7 +46,6 @@ def layer_options(backbone: str, chosen: list[str]) -> list[str]:
     (:func:`oodviz.models.architecture_layer_names`, the names the config is checked against), then any
     ``chosen`` name that is not one of them (a run's config, shown so that its check can say what is wrong).
     A user's own model file offers only ``"penultimate"`` (no hooks can be attached to it)."""
-    from oodviz.catalog import backbone_layers, backbone_names
 
     names = backbone_layers(backbone) if backbone in backbone_names() else []
     offered = [PENULTIMATE, *names]
@@ -115,8 +116,7 @@ def grid_text(grid: dict) -> str:
 def parse_grid(detector: str, text: str) -> tuple[dict, list[str]]:
     """The grid typed as ``"parameter: value, value; parameter: value"`` for ``detector`` (blank: ``{}``, no
     tuning), and what cannot be read: each value as its parameter's kind (:func:`oodviz.ui.form.param_fields`);
-    the config's own checks (:func:`oodviz.runs.tuning.tuning_problems`) judge the parameters and values."""
-    from oodviz.ui.form import param_fields
+    the config's own checks (:func:`oodviz.pipeline.tuning.tuning_problems`) judge the parameters and values."""
 
     kinds = {field.name: field.kind for field in param_fields(detector)}
     grid, problems = {}, []
@@ -156,10 +156,8 @@ def grid_of(values, name: str) -> dict | None:
 
 
 def tuned_grids(config) -> dict[str, dict]:
-    """Detector -> the grid it tries in ``config`` (:func:`oodviz.runs.tuning.detector_grid`, with the default grids
-    of :mod:`oodviz.catalog`: no torch import), for each known detector; ``{}`` for one with nothing to tune."""
-    from oodviz.catalog import default_grid, detector_names
-    from oodviz.runs.tuning import detector_grid
+    """Detector -> the grid it tries in ``config`` (:func:`oodviz.pipeline.tuning.detector_grid`, with the default grids
+    of :mod:`oodviz.config.catalog`: no torch import), for each known detector; ``{}`` for one with nothing to tune."""
 
     known = detector_names()
     return {choice.name: detector_grid(choice, default_grid) for choice in config.detectors if choice.name in known}

@@ -15,10 +15,14 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from oodviz import plots
+from oodviz import engine
+from oodviz.figures import plots
+from oodviz.files import read_json_object, write_atomic
+from oodviz.results.analysis import compare_runs, unmatched_detectors
+from oodviz.results.summary import summarise
+from oodviz.results.tables import load_results
 from oodviz.runs.jobs import delete_run, list_runs
-from oodviz.runs.rundir import RunDir, read_json_object, write_atomic
-from oodviz.runs.summary import summarise
+from oodviz.runs.rundir import RunDir
 from oodviz.ui.access import PathRefused, run_path
 
 LABEL_FILE = "label.json"
@@ -59,7 +63,7 @@ def label_editor(run: RunDir) -> None:
 
 
 def runs_table(root: Path) -> pd.DataFrame:
-    """One row per run, read-only (:func:`oodviz.runs.summary.summarise`): a damaged run's state says what is wrong."""
+    """One row per run, read-only (:func:`oodviz.results.summary.summarise`): a damaged run's state says what is wrong."""
     rows = []
     for run in list_runs(root):
         try:
@@ -145,15 +149,14 @@ def confirm_delete(root: Path, picked: list[str], remove_stores: bool) -> None:
 
 def delete_runs(root: Path, run_ids: list[str], remove_stores: bool) -> None:
     """Delete runs (their processes first); with ``remove_stores``, also the feature stores no other run uses."""
-    from oodviz.engine.store import remove_store, stores_used_only_by
 
     for run_id in run_ids:
         run = RunDir(root / run_id)
-        unused = stores_used_only_by(run.path, root) if remove_stores else []  # before the run is gone
+        unused = engine.stores_used_only_by(run.path, root) if remove_stores else []  # before the run is gone
         delete_run(run)
         for store in unused:
             try:
-                remove_store(store.parent, store.name)
+                engine.remove_store(store.parent, store.name)
             except FileNotFoundError:  # removed meanwhile by another session
                 pass
 
@@ -203,7 +206,7 @@ def data_mismatch(a: dict, b: dict) -> str | None:
     return "; ".join(said) or None
 
 
-#: :func:`oodviz.analysis.compare_runs`'s columns as the comparison table shows them
+#: :func:`oodviz.results.analysis.compare_runs`'s columns as the comparison table shows them
 COMPARE_HEADINGS = {
     "ood_dataset": "OOD dataset",
     "auroc_a": "AUROC A",
@@ -225,8 +228,7 @@ def better_b(gain: float) -> str:
 
 def unmatched_note(a, b) -> None:
     """Names each detector of either run that the comparison could not match, and why
-    (:func:`oodviz.analysis.unmatched_detectors`): nothing a run computed leaves the comparison unsaid."""
-    from oodviz.analysis import unmatched_detectors
+    (:func:`oodviz.results.analysis.unmatched_detectors`): nothing a run computed leaves the comparison unsaid."""
 
     unmatched = unmatched_detectors(a, b)
     if unmatched:
@@ -239,8 +241,6 @@ def unmatched_note(a, b) -> None:
 def compare(root: Path, a_id: str, b_id: str) -> None:
     """Two runs side by side: a warning first when their data differ, the config difference, a per-detector
     scatter of mean AUROC (run A vs run B, over the OOD sets both have) and the table of deltas."""
-    from oodviz.analysis import compare_runs
-    from oodviz.results import load_results
 
     a, b = (load_results(root / r) for r in (a_id, b_id))
     if a.metrics is None or b.metrics is None:

@@ -2,13 +2,13 @@
 ``st.plotly_chart`` reports selections, not hovers, so a small Streamlit v2 component (its JavaScript is
 ``hover_thumbnail.js`` beside this file, run in the page; no iframe, no network) finds the map's chart by
 its ``layout.meta`` and, on plotly's own ``plotly_hover`` event, shows beside the cursor the point's set,
-index, true class, prediction and thumbnail, from :func:`oodviz.projection_map.hover_data` sent once.
+index, true class, prediction and thumbnail, from :func:`oodviz.figures.projection_map.hover_data` sent once.
 
 The sprite's points show their thumbnail at once. For any other point, once the mouse has rested on it, the
 panel asks (a window event) a second component that shows nothing, ``hover_thumbnail_answers.js`` in a
 fragment of its own (:func:`thumbnail_answers`), for that point and its nearest drawn neighbours without one:
 its ``request`` trigger value carries their drawn rows, its callback answers with
-:func:`oodviz.projection_map.thumbnail_answer`, only that fragment reruns (the map is not sent again), and the
+:func:`oodviz.figures.projection_map.thumbnail_answer`, only that fragment reruns (the map is not sent again), and the
 answer reaches the panel by a window event too. The page keeps every answered thumbnail, so a point is fetched
 once.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 
-from oodviz.projection_map import thumbnail_answer
+from oodviz.figures.projection_map import thumbnail_answer
 
 _HERE = Path(__file__).parent
 _PANEL = st.components.v2.component(
@@ -38,7 +38,7 @@ _ANSWERS = st.components.v2.component(
 
 def hover_panel(data: dict, meta: str, key: str, config: dict | None = None, drawn_keys=None) -> None:
     """Mount the hover panel for the chart whose ``layout.meta`` is ``meta`` (``data``: what
-    :func:`oodviz.projection_map.hover_data` returns); it takes no room on the page. With the run's ``config``
+    :func:`oodviz.figures.projection_map.hover_data` returns); it takes no room on the page. With the run's ``config``
     and the drawn table's keys (``drawn_keys``), points outside the sprite get theirs on demand."""
     _PANEL(key=key, data={**data, "meta": meta}, height=0)
     if config is not None and drawn_keys is not None:

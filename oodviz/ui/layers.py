@@ -1,12 +1,13 @@
 """The "Which layer?" tab of a run over several layers (``RunConfig.layers``): per detector, its layers ranked
-by mean AUROC over the OOD sets (:func:`oodviz.layers.layer_ranking`), as a figure and a table."""
+by mean AUROC over the OOD sets (:func:`oodviz.results.layers.layer_ranking`), as a figure and a table."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from oodviz.layers import COMBINED, COMBINED_DETECTOR, layer_column, layer_ranking
-from oodviz.plots_layers import layer_ranking_figure
+from oodviz.columns import COMBINED, COMBINED_DETECTOR, layer_column
+from oodviz.figures.plots import layer_ranking_figure
+from oodviz.results.layers import layer_ranking
 
 NOTHING_RANKED = (
     "No detector that reads features has scores at several layers in this run (each failed, or none was chosen)."
@@ -14,7 +15,7 @@ NOTHING_RANKED = (
 
 
 def layers_tab(page) -> None:
-    """The figure and the table of :func:`oodviz.layers.layer_ranking` for ``page.results`` (a run over several
+    """The figure and the table of :func:`oodviz.results.layers.layer_ranking` for ``page.results`` (a run over several
     layers: the tab is not offered for one)."""
     by_depth = ((page.results.meta or {}).get("layers") or {}).get("depth_order")  # None: runs before it was kept
     layers = by_depth or list(page.results.config.get("layers") or [])

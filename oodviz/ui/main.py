@@ -15,11 +15,14 @@ from pathlib import Path
 
 import streamlit as st
 
-from oodviz.catalog import detector_names
-from oodviz.runs.config import ConfigError, RunConfig, preset
+from oodviz.config.catalog import detector_names
+from oodviz.config.plan import run_headline
+from oodviz.config.run import ConfigError, RunConfig, preset
+from oodviz.files import read_json_object
+from oodviz.fixes import Fix, fixes_from
 from oodviz.runs.jobs import QueueFull, refresh, submit
-from oodviz.runs.plan import run_headline
-from oodviz.runs.rundir import FINAL_STATES, RunDir, read_json_object
+from oodviz.runs.rundir import FINAL_STATES, RunDir
+from oodviz.runs.telemetry import device_facts
 from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
 from oodviz.ui.fixes import (
     ESTIMATE_NEXT,
@@ -33,13 +36,16 @@ from oodviz.ui.fixes import (
 from oodviz.ui.form import (
     FormValues,
     config_from_form,
+    form_fixes,
     form_problems,
     form_values_from_config,
     processes_of,
-    suggested_fixes,
 )
 from oodviz.ui.history import label_editor, past_runs, read_label
+from oodviz.ui.results import results_page
 from oodviz.ui.sidebar import memory_estimate, render_form
+from oodviz.ui.tuning import without_validation_warnings
+from oodviz.ui.watch import job_panel
 
 
 def runs_root() -> Path:
@@ -110,7 +116,7 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
         return
     config = AccessPolicy.from_env().confine_config(config_from_form(values))
     try:
-        estimate, description, refusal = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
+        answer = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
     except ConfigError as error:  # the pre-flight's refusal (an unreadable checkpoint, knn's k above the fit rows)
         store_estimate(values, error=str(error))
         if action == "start":  # as a refusal of submit(): nothing is started
@@ -119,11 +125,9 @@ def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
     except Exception as error:  # a missing dataset or weight file: say what, keep the app running
         store_estimate(values, error=str(error))
     else:
-        store_estimate(values, description, refusal, classifier_problem=estimate.get("classifier_problem"))
+        store_estimate(values, answer, classifier_problem=answer.estimate.get("classifier_problem"))
     if action == "start":
         if not refused(values) or st.session_state.get(RUN_ANYWAY):
-            from oodviz.runs.telemetry import device_facts  # torch: only when a run starts
-
             gpus = sum(f["device"].startswith("cuda") for f in device_facts())
             start_run(config, slots["form"], processes=processes_of(values, gpus))
             return
@@ -174,10 +178,13 @@ def run_warnings(run: RunDir, limit: int = 8) -> list[str]:
     return list(dict.fromkeys(messages))[-limit:]
 
 
+def run_fixes(run: RunDir) -> list[Fix]:
+    """The fixes the run's warnings carry (the pre-flight's, for a run started over the limits), each once."""
+    found = [fix for e in run.read_events() if e.get("event") == "warning" for fix in fixes_from(e.get("fixes"))]
+    return list(dict.fromkeys(found))
+
+
 def run_page(run: RunDir, values: FormValues) -> None:
-    from oodviz.ui.results import results_page
-    from oodviz.ui.tuning import without_validation_warnings
-    from oodviz.ui.watch import job_panel
 
     status = refresh(run)
     state = status.get("state")
@@ -202,7 +209,7 @@ def run_page(run: RunDir, values: FormValues) -> None:
         st.warning(message)
     if state == "failed":
         st.error(f"The run failed: {status.get('error') or 'no error was recorded (was the worker killed?)'}")
-        said = " ".join([status.get("error") or "", *run_warnings(run)])
+        fixes = [*fixes_from(status.get("fixes")), *run_fixes(run)]
         try:
             ran = form_values_from_config(RunConfig.load(run.config_path))
         except (ValueError, OSError):  # a config this version cannot read: the fixes apply to the form as it is
@@ -210,9 +217,9 @@ def run_page(run: RunDir, values: FormValues) -> None:
         st.info(
             "To retry: the sidebar holds this run's choices. Change what the error names and press Start run "
             "(a new run; this one is kept)."
-            + (" Or fill the form with a fix the error names:" if suggested_fixes(said, ran) else "")
+            + (" Or fill the form with a fix the error names:" if form_fixes(fixes, ran) else "")
         )
-        fix_buttons(said, values, st, "Retry with: ", "retry-fix", base=ran)
+        fix_buttons(fixes, values, st, "Retry with: ", "retry-fix", base=ran)
         if status.get("detail") and show_server_details():
             with st.expander("Details"):
                 st.code(status["detail"])

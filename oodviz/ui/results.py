@@ -19,9 +19,12 @@ import numpy as np
 import pandas as pd
 import streamlit as st
 
-from oodviz import analysis, plots
+from oodviz.config.plan import config_shown
+from oodviz.figures import plots
+from oodviz.figures.thumbnails import prefetch_datasets, thumbnails
 from oodviz.models import format_bytes
-from oodviz.results import (
+from oodviz.results import analysis
+from oodviz.results.tables import (
     METRIC_HEADINGS,
     METRIC_NAMES,
     Results,
@@ -37,9 +40,7 @@ from oodviz.results import (
     per_class_at_threshold,
     sampling_table,
 )
-from oodviz.runs.plan import config_shown
 from oodviz.runs.rundir import RunDir
-from oodviz.thumbnails import prefetch_datasets, thumbnails
 from oodviz.ui.access import show_server_details
 from oodviz.ui.chart_selection import histogram_selection_gallery, image_grid, roc_chart
 from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, risk_coverage_tab, teaching_panel
@@ -242,7 +243,7 @@ def best_marks(values: pd.Series, lower_is_better: bool) -> pd.Series:
 def metric_marks(values: pd.Series, ranked: bool) -> pd.Series:
     """The styles of one metrics column (named by its metric, e.g. ``"AURC"`` or ``"AUROC near"``): its strict best
     (:func:`best_marks`), or, for an AURC or risk column when the classifier made too few errors to rank by
-    (``ranked`` False, :func:`oodviz.results.classifier_errors_note`), every cell :data:`UNRANKED`."""
+    (``ranked`` False, :func:`oodviz.results.tables.classifier_errors_note`), every cell :data:`UNRANKED`."""
     if values.name.startswith(SELECTIVE_COLUMNS) and not ranked:
         return pd.Series(UNRANKED, index=values.index)
     return best_marks(values, values.name.startswith(LOWER_IS_BETTER))

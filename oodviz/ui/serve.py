@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from oodviz.ui import APP_SCRIPT
+from oodviz.ui import APP_SCRIPT, streamlit_has_option
 
 #: What the app's pages import at their first draw: the landing page, a run's results, the live panel, and what
 #: those import lazily when they first draw (the page icon's emoji table, scores.parquet's reader, the metrics
@@ -74,8 +74,6 @@ def listed_origin(origin: str) -> bool:
     Streamlit's own check compares host names only: it lets in a page from any port of localhost, 127.0.0.1,
     0.0.0.0 and the machine's addresses, so another local web server's page could drive the app."""
     from streamlit import config
-
-    from oodviz.ui import streamlit_has_option
 
     listed = config.get_option("server.corsAllowedOrigins") if streamlit_has_option("server.corsAllowedOrigins") else []
     return origin.strip() in {entry.strip() for entry in listed}

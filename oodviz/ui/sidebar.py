@@ -8,28 +8,20 @@ from dataclasses import asdict, replace
 
 import streamlit as st
 
-from oodviz.catalog import backbone_names, choices, detector_names, known_split_size
-from oodviz.layers import PENULTIMATE
+from oodviz.columns import PENULTIMATE
+from oodviz.config.catalog import backbone_names, choices, detector_names, known_split_size, param_fields
+from oodviz.config.defaults import default_detector_params, defaults_reason
+from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.config.splits import load_split
+from oodviz.config.tuning import validation_warnings
 from oodviz.models import format_bytes
-from oodviz.runs.config import DatasetChoice, DetectorChoice, RunConfig
-from oodviz.runs.defaults import default_detector_params, defaults_reason
-from oodviz.runs.probe import estimate_in_subprocess
+from oodviz.params import ParamField
+from oodviz.pipeline.probe import estimate_in_subprocess
 from oodviz.runs.telemetry import device_facts
-from oodviz.runs.tuning import validation_warnings
 from oodviz.ui.access import AccessPolicy, PathRefused
 from oodviz.ui.explore import teaching_panel
 from oodviz.ui.fixes import estimate_panel, form_key, start_blocked
-from oodviz.ui.form import (
-    ALL_GPUS,
-    FOLDER_PRESET,
-    ID_PRESETS,
-    OOD_CHOICES,
-    FormValues,
-    ParamField,
-    config_from_form,
-    ood_label,
-    param_fields,
-)
+from oodviz.ui.form import ALL_GPUS, FOLDER_PRESET, ID_PRESETS, OOD_CHOICES, FormValues, config_from_form, ood_label
 from oodviz.ui.form_tuning import (
     ID_VALIDATION_CHOICES,
     NO_VALIDATION,
@@ -113,7 +105,7 @@ def _keys(generation: str) -> dict[str, str]:
 
 def _switch_default_detectors(generation: str, detectors_shown: list[str]) -> None:
     """On a change of backbone: when the detector list (and each family parameter) is still the default of the
-    backbone it was made for, make it the new backbone's family default (:mod:`oodviz.runs.defaults`); a list
+    backbone it was made for, make it the new backbone's family default (:mod:`oodviz.config.defaults`); a list
     the user edited (and submitted: a form's pending edits are not known) is kept."""
     state, keys = st.session_state, _keys(generation)
     old = default_detector_params(state[keys["defaults_of"]])
@@ -133,13 +125,12 @@ def _switch_default_detectors(generation: str, detectors_shown: list[str]) -> No
 @st.cache_data(show_spinner="Counting the ID fit images…", max_entries=16)
 def _count_images(choice_json: str, data_root: str) -> int | None:
     """How many images the ID fit dataset ``choice_json`` has (None when it cannot be read): read without torch
-    where the catalog knows how (:func:`oodviz.catalog.known_split_size`: the bundled digits, the MNIST-style
+    where the catalog knows how (:func:`oodviz.config.catalog.known_split_size`: the bundled digits, the MNIST-style
     files), else counted by loading the set."""
     choice = json.loads(choice_json)
     known = known_split_size(choice["name"], choice["params"], data_root)
     if known is not None:
         return known
-    from oodviz.runs.splits import load_split
 
     try:
         return len(
@@ -231,7 +222,7 @@ def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> 
 
 
 def _grid_editor(defaults: FormValues, detectors: list[str], params: dict[str, dict], slots: dict) -> dict[str, str]:
-    """ "Grids tried": per chosen detector with a default grid (:func:`~oodviz.runs.tuning.detector_grid`, less the
+    """ "Grids tried": per chosen detector with a default grid (:func:`~oodviz.pipeline.tuning.detector_grid`, less the
     parameters set by hand), its grid as text to edit (:func:`~oodviz.ui.form_tuning.parse_grid`); returns the
     grids that differ from the default, as typed."""
     chosen = RunConfig(detectors=[DetectorChoice(name, params.get(name, {})) for name in detectors])
@@ -260,7 +251,7 @@ def _grid_editor(defaults: FormValues, detectors: list[str], params: dict[str, d
 
 
 def _validation_warnings(values: FormValues, slots: dict) -> None:
-    """Under the validation fields: the warnings of :func:`~oodviz.runs.tuning.validation_warnings` (a validation
+    """Under the validation fields: the warnings of :func:`~oodviz.pipeline.tuning.validation_warnings` (a validation
     set that is also a test or fit set)."""
     for warning in validation_warnings(config_from_form(values)):
         field = "ood_val" if warning.startswith("the OOD validation") else "id_val"
@@ -466,7 +457,7 @@ LAYER_CHIPS_STYLE = """<style>
 @st.cache_data(show_spinner="Estimating the run's needs…", max_entries=32, ttl=30)
 def memory_estimate(config_json: str, runs_root: str) -> tuple[dict, str, str | None]:
     """(estimate, description, refusal) for a config run under ``runs_root``: the refusal is the pre-flight
-    table and fixes when the run is over the machine's limits (:mod:`oodviz.runs.preflight`), else None. It
+    table and fixes when the run is over the machine's limits (:mod:`oodviz.pipeline.preflight`), else None. It
     loads the model and runs one batch through it (the checkpoint's own code), so it runs in a subprocess with
     a timeout, never in the server's process; raises ConfigError when no run of the config can start (an unreadable
     checkpoint, a detector parameter the data rules out), ProbeError when the estimate fails. Cached 30 s: free memory

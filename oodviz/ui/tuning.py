@@ -1,4 +1,4 @@
-"""What tuning on validation data chose (:mod:`oodviz.runs.tuning`), and the warning when a validation set is also
+"""What tuning on validation data chose (:mod:`oodviz.pipeline.tuning`), and the warning when a validation set is also
 a test set; the tables come from :func:`tuning_table` and :func:`grid_table` (no streamlit in them)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from oodviz.runs.config import RunConfig
-from oodviz.runs.tuning import validation_warnings
-from oodviz.runs.validation import ConfigError
+from oodviz.config.run import RunConfig
+from oodviz.config.tuning import validation_warnings
+from oodviz.config.validation import ConfigError
 
 
 def tuning_table(detectors: dict) -> pd.DataFrame:
@@ -57,7 +57,7 @@ def _points(tuning: dict) -> list[dict]:
 
 
 def config_warnings(config: dict) -> list[str]:
-    """:func:`~oodviz.runs.tuning.validation_warnings` of a run's saved config (none for one that no longer reads)."""
+    """:func:`~oodviz.pipeline.tuning.validation_warnings` of a run's saved config (none for one that no longer reads)."""
     try:
         return validation_warnings(RunConfig.from_dict(config))
     except (ConfigError, TypeError, AttributeError):
@@ -73,7 +73,7 @@ def validation_warning(results) -> None:
 
 def without_validation_warnings(messages: list[str], config: dict) -> list[str]:
     """A run's warning ``messages`` less those :func:`validation_warning` shows above its results (the worker
-    warns the same, :func:`oodviz.runs.tuning.tune_detectors`)."""
+    warns the same, :func:`oodviz.pipeline.tuning.tune_detectors`)."""
     shown = set(config_warnings(config))
     return [message for message in messages if message not in shown]
 

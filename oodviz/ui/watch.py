@@ -14,12 +14,12 @@ from __future__ import annotations
 import pandas as pd
 import streamlit as st
 
-from oodviz.analysis import memory_timeline
+from oodviz.config.plan import planned_stages, run_headline
+from oodviz.config.run import RunConfig
+from oodviz.figures.plots import memory_figure
 from oodviz.models import format_bytes
-from oodviz.plots import memory_figure
-from oodviz.runs.config import RunConfig
+from oodviz.results.analysis import memory_timeline
 from oodviz.runs.jobs import cancel, refresh
-from oodviz.runs.plan import planned_stages, run_headline
 from oodviz.runs.rundir import FINAL_STATES, RunDir
 from oodviz.ui.access import show_server_details
 from oodviz.ui.live import EventTail, hms, run_eta_s, stage_position

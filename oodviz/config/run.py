@@ -1,0 +1,411 @@
+"""RunConfig: everything that defines a run, as plain data that round-trips through JSON or TOML.
+
+``RunConfig()`` is the bundled offline default: ``digits-cnn`` on scikit-learn's digits against
+every bundled OOD set, with the default detectors of its backbone's family (:func:`default_detectors`: for a CNN
+every detector with ``in_defaults``, so not ``mcd``, which needs dropout layers most classifiers lack).
+``id_val`` and ``ood_val`` with ``DetectorChoice.grid`` make a run tune its detectors on validation data
+(:mod:`oodviz.pipeline.tuning`). ``validate()`` lists every problem at once, before any work starts.
+
+``preset(name)`` returns a named ready-made config (:data:`PRESETS`): ``"digits"`` (= ``RunConfig()``)
+and ``"fashion-mnist"`` (``fashion-cnn`` on the real Fashion-MNIST, :func:`fashion_mnist_config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from oodviz import detectors, engine, models
+from oodviz.config.defaults import default_detector_params
+from oodviz.config.layers import layers_problems
+from oodviz.config.tuning import tuning_problems
+from oodviz.config.validation import MAX_BATCH_SIZE, ConfigError, cpu_count, device_problem_here, read_config_file
+from oodviz.files import write_json
+from oodviz.params import describe, matches, non_finite, param_problems, shown
+from oodviz.sampling import SUBSAMPLE_MODES
+
+DEFAULT_OOD = (
+    "digits-heldout",
+    "digits-inverted",
+    "digits-rotated",
+    "photo-patches",
+    "noise-gaussian",
+    "noise-uniform",
+)
+
+
+@dataclass
+class DatasetChoice:
+    """A dataset from ``oodviz.data`` with its parameters, optional subsample and (OOD) near/far group.
+
+    ``subsample``: at most this many images (``None`` = all), taken by ``subsample_mode`` with the run's seed
+    (:func:`oodviz.sampling.subsample_indices`): ``"stratified"`` (the default: each class its share, drawn
+    uniformly; an OOD set, without classes, a uniform draw), ``"random"``, or ``"first"`` / ``"last"`` (what
+    tuning's held-out ID images use: the fit takes the first images, validation the last ones)."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+    subsample: int | None = None
+    subsample_mode: str = "stratified"
+    group: str | None = None  # None = the group the dataset registers
+
+
+@dataclass
+class DetectorChoice:
+    """A detector from ``oodviz.detectors`` with its parameters and, for a run that tunes on validation data
+    (:mod:`oodviz.pipeline.tuning`), the values to try: ``grid`` ``{parameter: [values]}``; None = the detector's
+    ``default_grid`` less the parameters set in ``params``, ``{}`` = no tuning."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+    grid: dict | None = None
+
+
+def default_detectors(backbone) -> list[DetectorChoice]:
+    """The default detectors of ``backbone``'s family and their parameters (:mod:`oodviz.config.defaults`)."""
+
+    return [DetectorChoice(name, params) for name, params in default_detector_params(backbone).items()]
+
+
+@dataclass
+class RunConfig:
+    backbone: str = "digits-cnn"
+    weights: str = "default"  # "default" (pretrained / bundled) or "random" (a dry run)
+    checkpoint: str | None = None  # a TorchScript file or a state dict for the backbone's architecture
+    layer: str | None = None  # None = the penultimate layer
+    #: several layers in one forward pass (module names, or "penultimate"); [] = one layer, ``layer``
+    #: (:mod:`oodviz.pipeline.layers`)
+    layers: list = field(default_factory=list)
+    pooling: str = "avg"
+    id_fit: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-train"))
+    id_test: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-test"))
+    ood: list[DatasetChoice] = field(default_factory=lambda: [DatasetChoice(name) for name in DEFAULT_OOD])
+    #: None = the default detectors of the backbone's family (:func:`default_detectors`)
+    detectors: list[DetectorChoice] | None = None
+    device: str = "auto"  # "auto" = the first GPU if there is one, else the CPU
+    batch_size: int = 256
+    precision: str = "fp32"
+    #: DataLoader workers reading image folders and torchvision sets; "auto" = a function of the CPU cores and
+    #: the dataset (0 for the in-memory sets, transformed a batch at a time: oodviz.engine.loading.auto_workers)
+    num_workers: int | str = "auto"
+    seed: int = 0
+    data_root: str = "data"
+    download: bool = False
+    feature_dtype: str = "float32"
+    #: an extra cap (GiB) on the disk the new feature stores may take, below the free disk; None = the disk's own
+    #: free space (the pre-flight check, :mod:`oodviz.pipeline.preflight`, compares with the machine's real limits)
+    memory_budget_gb: float | None = None
+    #: tuning on validation data (:mod:`oodviz.pipeline.tuning`): held-out ID images and an OOD set that is not a test set
+    id_val: DatasetChoice | None = None
+    ood_val: DatasetChoice | None = None
+
+    def __post_init__(self):
+        if self.detectors is None:
+            self.detectors = default_detectors(self.backbone)
+
+    # -- serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> RunConfig:
+        """Build a config from plain data. Unknown keys, and datasets or detectors that are neither a name nor
+        a table with a ``name``, are a ConfigError listing them all; the values are checked by :meth:`problems`."""
+        if not isinstance(data, Mapping):
+            raise ConfigError([f"a run config is a table of settings, got {shown(data)}"])
+        data = dict(data)
+        problems = [f"unknown setting {key!r}" for key in sorted(set(data) - set(cls.__dataclass_fields__), key=str)]
+        for key in ("id_fit", "id_test", "id_val", "ood_val"):
+            if key in data and not (key in ("id_val", "ood_val") and data[key] is None):  # null: no validation split
+                data[key] = _choice(DatasetChoice, data[key], key, problems)
+        for key, kind in (("ood", DatasetChoice), ("detectors", DetectorChoice)):
+            if key not in data:
+                continue
+            if isinstance(data[key], list):
+                data[key] = [_choice(kind, item, f"{key}[{i}]", problems) for i, item in enumerate(data[key])]
+            else:
+                problems.append(f"{key} must be a list of names or tables, got {shown(data[key])}")
+        if problems:
+            raise ConfigError(problems)
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+    def load_backbone(self):
+        """The run's :class:`oodviz.models.Backbone` (architecture, weights or checkpoint, layer, pooling)."""
+
+        return models.load_backbone(
+            self.backbone, weights=self.weights, checkpoint=self.checkpoint, layer=self.layer, pooling=self.pooling
+        )
+
+    def save(self, path: Path) -> None:
+
+        write_json(Path(path), self.to_dict())
+
+    @classmethod
+    def load(cls, path: Path) -> RunConfig:
+        """Read a ``.json`` or ``.toml`` file (:func:`oodviz.config.validation.read_config_file`); a
+        ConfigError with one message for a file that cannot be read as a table of settings."""
+        return cls.from_dict(read_config_file(Path(path)))
+
+    # -- validation -------------------------------------------------------------------------
+    def problems(self) -> list[str]:
+        """Every problem with this config (empty when it is valid), checked against this machine's devices
+        and the model's layer names and classes; no data is loaded, no weights are read."""
+        # torch: only when a config is checked (a run is started), not when one is read (the results page)
+        from oodviz.engine.loading import AUTO_WORKERS
+
+        wrong = _type_problems(self, _FIELD_TYPES, "")
+        found = list(wrong.values())
+        model_found = self._model_problems(wrong)
+        found += model_found
+        if "layers" not in wrong and self.layers:
+            found += layers_problems(self, model_known=not ({"backbone", "layer"} & set(wrong)) and not model_found)
+        named = [("id_fit", self.id_fit), ("id_test", self.id_test)]
+        named += [(f"ood[{i}]", d) for i, d in enumerate(self.ood)] if "ood" not in wrong else []
+        named += [(key, getattr(self, key)) for key in ("id_val", "ood_val") if getattr(self, key) is not None]
+        model_known = not ({"backbone", "weights", "checkpoint"} & set(wrong)) and not model_found
+        for where, choice in named:
+            found += _dataset_problems(choice, where, self if model_known else None)
+        if "ood" not in wrong:
+            if not self.ood:
+                found.append("choose at least one OOD dataset")
+            ood_names = [d.name for d in self.ood if isinstance(d, DatasetChoice) and isinstance(d.name, str)]
+            for name in sorted({n for n in ood_names if ood_names.count(n) > 1}):
+                found.append(f"OOD dataset {name!r} is listed twice")
+        if "detectors" not in wrong:
+            if not self.detectors:
+                found.append("choose at least one detector")
+            for i, choice in enumerate(self.detectors):
+                found += _detector_problems(choice, f"detectors[{i}]")
+            names = [d.name for d in self.detectors if isinstance(d, DetectorChoice) and isinstance(d.name, str)]
+            for name in sorted({n for n in names if names.count(n) > 1}):  # one result column per name
+                found.append(f"detector {name!r} is listed twice: keep one (to compare its parameters, give it a grid)")
+        # models.device_problem checks the type too, with the message that lists the accepted names
+        if problem := models.device_problem(self.device) or device_problem_here(self.device):
+            found.append(problem)
+        limits = {"batch_size": (1, MAX_BATCH_SIZE), "num_workers": (0, cpu_count()), "seed": (0, None)}
+        if "num_workers" not in wrong and isinstance(self.num_workers, str):
+            if self.num_workers != AUTO_WORKERS:
+                found.append(f"num_workers must be an integer >= 0 or {AUTO_WORKERS!r}, got {self.num_workers!r}")
+            wrong["num_workers"] = ""  # "auto" or reported: no bounds to check
+        for key, (low, high) in limits.items():
+            value = getattr(self, key)
+            if key in wrong:
+                continue
+            if value < low:
+                found.append(f"{key} must be an integer >= {low}, got {value!r}")
+            elif high is not None and value > high:
+                why = "the largest batch oodviz takes" if key == "batch_size" else "the CPU cores this process may use"
+                found.append(f"{key} must be at most {high} ({why}), got {value!r}")
+        for key, allowed in (
+            ("precision", tuple(engine.PRECISIONS)),
+            ("feature_dtype", engine.FEATURE_DTYPES),
+            ("pooling", models.POOLINGS),
+        ):
+            if key not in wrong and getattr(self, key) not in allowed:
+                found.append(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
+        if "memory_budget_gb" not in wrong and self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
+            found.append(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}")
+        return found + tuning_problems(self, detectors_checked="detectors" not in wrong)
+
+    def _model_problems(self, wrong: dict[str, str]) -> list[str]:
+        """The backbone, its weights, checkpoint file and layer."""
+        from oodviz.models.architectures import unknown_layer_message
+        from oodviz.models.registry import USER_MODEL_NAMES
+
+        found = []
+        if "weights" not in wrong and self.weights not in ("default", "random"):
+            found.append(f"weights must be 'default' or 'random', got {self.weights!r}")
+        if "checkpoint" not in wrong and self.checkpoint is not None and not _is_file(self.checkpoint):
+            found.append(f"checkpoint file {self.checkpoint} does not exist")
+        if "backbone" in wrong:
+            return found
+        backbones = models.available_backbones()
+        if self.backbone in USER_MODEL_NAMES:
+            if self.checkpoint is None:
+                found.append(f"backbone {self.backbone!r} needs checkpoint: the path of your model file")
+            if self.layer is not None:
+                found.append(
+                    f"layer={self.layer!r} is not supported for {self.backbone} models (hooks cannot be attached "
+                    "to them); leave layer unset, or load a state dict of a built-in architecture"
+                )
+        elif self.backbone not in backbones:
+            found.append(
+                f"backbone {self.backbone!r} is unknown; choose one of: {', '.join(backbones)} "
+                f"(or {' / '.join(USER_MODEL_NAMES)} with a checkpoint file)"
+            )
+        elif "layer" not in wrong and self.layer is not None:
+            names = models.architecture_layer_names(self.backbone)
+            if self.layer not in names:
+                found.append(unknown_layer_message(self.backbone, self.layer, names))
+        return found
+
+    def validate(self) -> RunConfig:
+        """Self when valid, else a ConfigError listing every problem."""
+        found = self.problems()
+        if found:
+            raise ConfigError(found)
+        return self
+
+
+#: The type of every RunConfig setting that holds a value (the datasets and detectors are checked apart).
+_FIELD_TYPES = {
+    "backbone": str,
+    "weights": str,
+    "checkpoint": str | None,
+    "layer": str | None,
+    "layers": list,
+    "pooling": str,
+    "ood": list,
+    "detectors": list,
+    "batch_size": int,
+    "precision": str,
+    "num_workers": int | str,
+    "seed": int,
+    "data_root": str,
+    "download": bool,
+    "feature_dtype": str,
+    "memory_budget_gb": float | None,
+}
+_DATASET_TYPES = {"name": str, "params": dict, "subsample": int | None, "subsample_mode": str, "group": str | None}
+_DETECTOR_TYPES = {"name": str, "params": dict}
+
+
+def _type_problems(obj, types: dict, where: str) -> dict[str, str]:
+    """Attribute name -> its problem, for each attribute of ``obj`` named in ``types`` whose value has
+    another type or is not finite; messages name the attribute prefixed by ``where``."""
+    found = {}
+    for key, annotation in types.items():
+        value = getattr(obj, key)
+        name = f"{where}{key}"
+        if annotation in (list, dict):
+            if not isinstance(value, annotation):
+                found[key] = f"{name} must be a {'list' if annotation is list else 'table'}, got {shown(value)}"
+        elif value is None and not matches(None, annotation):
+            found[key] = f"{name} needs a value ({describe(annotation)}), got null"
+        elif not matches(value, annotation):
+            found[key] = f"{name} must be {describe(annotation)}, got {shown(value)}"
+        elif non_finite(value, name):
+            found[key] = non_finite(value, name)[0]
+    return found
+
+
+def _dataset_problems(choice: DatasetChoice, where: str, config: RunConfig | None) -> list[str]:
+    """What is wrong with one dataset choice; ``config`` (None when its model is wrong) gives the model's
+    classes for ``class_map="model"``."""
+    from oodviz.data import available_datasets, dataset_param_problems
+    from oodviz.data.registry import GROUPS
+
+    if not isinstance(choice, DatasetChoice):
+        return [f"{where} must be a DatasetChoice, got {choice!r}"]
+    wrong = _type_problems(choice, _DATASET_TYPES, f"{where}.")
+    found = list(wrong.values())
+    datasets = available_datasets()
+    if "name" not in wrong:
+        if choice.name not in datasets:
+            found.append(f"{where}: dataset {choice.name!r} is unknown; choose one of: {', '.join(datasets)}")
+        elif "params" not in wrong:
+            found += dataset_param_problems(choice.name, choice.params, f"{where} ({choice.name})")
+            if not found and choice.params.get("class_map") == "model" and config is not None:
+                classes = models.backbone_classes(config.backbone, config.weights, config.checkpoint)
+                if not classes:
+                    found.append(
+                        f'{where}: class_map="model" needs a model with class names; {config.backbone} '
+                        f"{'with a checkpoint ' if config.checkpoint else ''}has none, so leave class_map unset"
+                    )
+    if "subsample" not in wrong and choice.subsample is not None and choice.subsample <= 0:
+        found.append(f"{where}: subsample must be a positive number of samples, got {choice.subsample!r}")
+    if "subsample_mode" not in wrong and choice.subsample_mode not in SUBSAMPLE_MODES:
+        found.append(f"{where}: subsample_mode must be one of {SUBSAMPLE_MODES}, got {choice.subsample_mode!r}")
+    if "group" not in wrong and choice.group not in GROUPS:
+        found.append(f"{where}: group must be 'near', 'far' or unset, got {choice.group!r}")
+    return found
+
+
+def _detector_problems(choice: DetectorChoice, where: str) -> list[str]:
+    """What is wrong with one detector choice: its name, its parameters' names, types and values."""
+
+    if not isinstance(choice, DetectorChoice):
+        return [f"{where} must be a DetectorChoice, got {choice!r}"]
+    found = list(_type_problems(choice, _DETECTOR_TYPES, f"{where}.").values())
+    if found:
+        return found
+    if choice.name not in detectors.available():
+        return [f"{where}: detector {choice.name!r} is unknown; choose one of: {', '.join(detectors.available())}"]
+    # the detectors check their values themselves, with messages that say more (mcd's samples >= 2 for "var")
+    found = param_problems(
+        detectors.detector_class(choice.name), choice.params, f"{where} ({choice.name})", skip=("model",), signs=False
+    )
+    if found:
+        return found
+    try:
+        detectors.create(choice.name, **choice.params)
+    except (ValueError, TypeError) as error:
+        found.append(f"{where} ({choice.name}): {error}")
+    return found
+
+
+def _choice(kind: type, value, where: str, problems: list[str]):
+    """A DatasetChoice or DetectorChoice from a name or a table (unknown keys are problems)."""
+    if isinstance(value, str):
+        return kind(value)
+    if not isinstance(value, Mapping) or "name" not in value:
+        what = "dataset" if kind is DatasetChoice else "detector"
+        problems.append(f"{where} must be a {what} name or a table with a 'name', got {shown(value)}")
+        return None
+    known = {f.name for f in fields(kind)}
+    problems.extend(f"{where}: unknown setting {key!r}" for key in sorted(set(value) - known, key=str))
+    return kind(**{k: v for k, v in value.items() if k in known})
+
+
+# -- presets ------------------------------------------------------------------------------------
+
+#: The Fashion-MNIST preset's OOD sets: held-out classes and covariate shifts (near), digits, photo
+#: patches and noise at 28 x 28 (far).
+FASHION_OOD = (
+    DatasetChoice("fashion-mnist-heldout"),
+    DatasetChoice("fashion-mnist-inverted"),
+    DatasetChoice("fashion-mnist-rotated"),
+    DatasetChoice("digits-28"),
+    DatasetChoice("photo-patches", {"size": 28}),
+    DatasetChoice("noise-gaussian", {"size": 28}),
+    DatasetChoice("noise-uniform", {"size": 28}),
+)
+
+
+def fashion_mnist_config() -> RunConfig:
+    """``fashion-cnn`` on the real Fashion-MNIST: fit on the 48,000 training images of the 8 ID
+    classes, test on their 8,000 test images, against Shirt and Ankle boot (held out), inverted and
+    rotated ID test images, 28 x 28 digits, photo patches and noise; the default detectors.
+
+    Needs the Fashion-MNIST files (``apt-get install dataset-fashion-mnist``, the files under
+    ``data_root``, or ``download=True``)."""
+    from copy import deepcopy
+
+    return RunConfig(
+        backbone="fashion-cnn",
+        id_fit=DatasetChoice("fashion-mnist-id", {"split": "train"}),
+        id_test=DatasetChoice("fashion-mnist-id", {"split": "test"}),
+        ood=[deepcopy(choice) for choice in FASHION_OOD],
+    )
+
+
+#: Named ready-made configs: name -> a function returning a fresh RunConfig.
+PRESETS: dict[str, Callable[[], RunConfig]] = {
+    "digits": RunConfig,
+    "fashion-mnist": fashion_mnist_config,
+}
+
+
+def preset(name: str) -> RunConfig:
+    """A fresh copy of preset ``name`` (one of :data:`PRESETS`)."""
+    if name not in PRESETS:
+        raise ConfigError([f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}"])
+    return PRESETS[name]()
+
+
+def _is_file(path: str) -> bool:
+    try:
+        return Path(path).is_file()
+    except (OSError, ValueError):  # a name the OS cannot take (a NUL byte, too long)
+        return False
