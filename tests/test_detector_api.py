@@ -59,6 +59,8 @@ def test_registry_lists_the_issue_detectors():
         "lts",
         "caref",
         "cadref",
+        "relation",
+        "cfood",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -16,6 +16,7 @@ from oodviz.detectors.ash import ASH
 from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
 from oodviz.detectors.cadref import CADRef
 from oodviz.detectors.caref import CARef
+from oodviz.detectors.cfood import CFOOD
 from oodviz.detectors.dice import DICE
 from oodviz.detectors.energy import Energy
 from oodviz.detectors.entropy import Entropy
@@ -40,6 +41,7 @@ from oodviz.detectors.persist import DetectorFileError, load
 from oodviz.detectors.pnml import PNML
 from oodviz.detectors.rankfeat import RankFeat
 from oodviz.detectors.react import ReAct
+from oodviz.detectors.relation import Relation
 from oodviz.detectors.residual import Residual
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
@@ -84,6 +86,8 @@ _REGISTRY: dict[str, type[Detector]] = {
         GMM,
         OpenMax,
         NNGuide,
+        Relation,
+        CFOOD,
         ODIN,
         MCD,
         WeiPer,

@@ -83,17 +83,12 @@ class FeatureBank(Detector):
                     width = written.shape[1]
                     written.cpu().numpy().tofile(file)
                     rows += len(written)
-        if width is None:  # no row kept (a subsample of nothing): the width of the rows that would have been
-            width = self._bank_width(data)
+        self._check_bank(rows)  # before mapping: a file of no rows (a subsample that kept none) cannot be mapped
         self._keep_bank(np.memmap(path, dtype=np.float32, mode="r", shape=(rows, width)), normalised=True)
 
     def _bank_rows(self, features: Tensor, data: FitData, batch, rows: slice) -> Tensor:
         """The bank rows written for the fit features ``[b, D]`` (rows ``rows`` of ``batch``): float32, L2-normalised."""
         return _normalise(features)
-
-    def _bank_width(self, data: FitData) -> int:
-        """The width of a bank row (used when no row was written)."""
-        return data.n_features
 
     def _keep_bank(self, bank: np.ndarray, normalised: bool) -> None:
         self._check_bank(len(bank))

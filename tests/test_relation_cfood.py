@@ -1,0 +1,169 @@
+"""Issue 29's bank detectors, relation and cfood: each against OpenOOD's postprocessor re-written here plainly in numpy
+float64 (``relation_postprocessor.py``, ``cfood_postprocessor.py``), streamed in small chunks equal to one pass, and
+saved and loaded scoring the same."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import softmax
+from sklearn.metrics import roc_auc_score
+
+from oodviz import Batch
+from oodviz.detectors import bank as bank_module
+from oodviz.detectors import create, load
+
+
+def _float64(problem):
+    as64 = lambda t: t.double().numpy()  # noqa: E731
+    fx, ex = as64(problem.fit_x), as64(problem.eval_x)
+    return fx, ex, as64(problem.logits(problem.fit_x)), as64(problem.logits(problem.eval_x))
+
+
+def openood_normalize(feat):
+    """OpenOOD relation's ``normalize``: ``x / sqrt(|x|^2 + 1e-10)``."""
+    return feat / np.sqrt((feat**2).sum(-1) + 1e-10)[:, None]
+
+
+def relation_kernel(fx, f_logits, ex, e_logits):
+    """OpenOOD's ``kernel``: the clamped cosine times the inner product of the softmaxes, ``[N_query, N_train]``."""
+    dot = np.clip(openood_normalize(ex) @ openood_normalize(fx).T, 0, None)
+    return dot * (softmax(e_logits, axis=1) @ softmax(f_logits, axis=1).T)
+
+
+def relation_reference(rel, pow, thres=0.03):
+    """OpenOOD's ``get_relation`` from the kernel: ``sum sign(r) |r|^pow`` over ``|r| > thres``; negated (OOD score)."""
+    masked = (np.abs(rel) > thres) * rel
+    return -(np.sign(masked) * np.abs(masked) ** pow).sum(-1)
+
+
+@pytest.mark.parametrize("pow", [1, 2, 8])
+def test_relation_is_openoods_edge_sum(problem, pow):
+    fx, ex, fl, el = _float64(problem)
+    det = create("relation", pow=pow).fit(problem.fit_batches(), head=problem.head)
+    ours = det.score(problem.batches(problem.eval_x)).double().numpy()
+    rel = relation_kernel(fx, fl, ex, el)
+    expected = relation_reference(rel, pow)
+    # An edge within float32 rounding of the cut may fall on either side: at most its own weight apart.
+    borderline = np.where(np.abs(rel - 0.03) < 1e-6, rel**pow, 0).sum(-1)
+    assert (borderline > 0).mean() < 0.05
+    assert np.all(np.abs(ours - expected) <= borderline + 1e-5 * np.abs(expected).max())
+    assert det.bank_.shape == (len(fx), fx.shape[1] + fl.shape[1])
+    labels = np.r_[np.zeros(len(problem.test_x)), np.ones(len(problem.ood_x))]
+    assert abs(roc_auc_score(labels, ours) - roc_auc_score(labels, expected)) < 1e-5
+
+
+def test_relation_reads_the_batch_logits_or_the_head(problem):
+    """Batches without logits get them from the head; batches with other logits are read as given."""
+    det = create("relation").fit(problem.fit_batches(), head=problem.head)
+    with_logits = det.score(problem.batches(problem.eval_x))
+    features_only = [Batch(features=b.features) for b in problem.batches(problem.eval_x)]
+    torch.testing.assert_close(det.score(features_only), with_logits, rtol=1e-5, atol=1e-6)
+    fx, ex, fl, el = _float64(problem)
+    other = 2 * problem.logits(problem.eval_x)  # sharper softmaxes than the head's
+    ours = det.score([Batch(problem.eval_x, other)]).double().numpy()
+    np.testing.assert_allclose(
+        ours, relation_reference(relation_kernel(fx, fl, ex, other.double().numpy()), 1), rtol=1e-4, atol=1e-3
+    )
+
+
+def test_relation_takes_pow_and_thres_without_a_refit(problem):
+    det = create("relation", pow=1).fit(problem.fit_batches(), head=problem.head)
+    det.set_params(pow=4, thres=0.1)
+    fresh = create("relation", pow=4, thres=0.1).fit(problem.fit_batches(), head=problem.head)
+    query = problem.batches(problem.eval_x)
+    torch.testing.assert_close(det.score(query), fresh.score(query))
+    for bad in ({"pow": 0}, {"pow": "2"}, {"thres": 1.0}, {"thres": -0.1}, {"chunk_size": 0}):
+        with pytest.raises(ValueError, match="relation: "):
+            create("relation", **bad)
+    with pytest.raises(ValueError, match="relation needs the classifier's final linear layer"):
+        create("relation").fit(problem.fit_batches())
+
+
+# ---- cfood -------------------------------------------------------------------------------------
+
+
+def openood_cfood(fx, ex, alpha, k, seed):
+    """OpenOOD's CFOOD ``setup`` and ``postprocess`` in float64, with the reference rows drawn as documented (row ``i``
+    kept when the ``i``-th draw of ``default_rng(seed).random()`` is below ``alpha``). Returns the OOD score
+    (``-conf``) and the reference set."""
+    feats = fx / (np.linalg.norm(fx, axis=1, keepdims=True) + 1e-10)
+    ref = feats if alpha == 1 else feats[np.random.default_rng(seed).random(len(fx)) < alpha]
+    n = len(ref)
+    kval = np.concatenate((np.linspace(0.001, 0.1, 100), np.linspace(0.105, 0.5, 81), np.linspace(0.51, 0.99, 49)))
+    kpos = np.array(kval * n - 1, dtype=int)
+    keep = np.concatenate(([True], kpos[:-1] < kpos[1:]))
+    kval, kpos = kval[keep], kpos[keep]
+    knndst = np.stack([np.sort(((ref[i] - ref) ** 2).sum(1))[kpos + 1] for i in range(n)])
+    scores = []
+    for v in ex / (np.linalg.norm(ex, axis=1, keepdims=True) + 1e-10):
+        dst = ((v - ref) ** 2).sum(1)
+        count = (knndst >= dst[:, None]).sum(0) / n
+        pos = np.nonzero(count >= k)[0]
+        scores.append(kval[pos[0]] if len(pos) else 1.0)
+    return np.array(scores), ref, knndst
+
+
+@pytest.mark.parametrize(("alpha", "k"), [(1.0, 0.01), (0.1, 0.01), (0.5, 0.05), (0.5, 0.001)])
+def test_cfood_is_openoods_neighbourhood_fraction(problem, alpha, k):
+    fx, ex, _, _ = _float64(problem)
+    det = create("cfood", alpha=alpha, k=k, seed=3).fit(problem.fit_batches())
+    ours = det.score(problem.batches(problem.eval_x)).double().numpy()
+    expected, ref, knndst = openood_cfood(fx, ex, alpha, k, seed=3)
+    np.testing.assert_allclose(det.bank_, ref, atol=1e-6)  # the same reference rows, in order
+    np.testing.assert_allclose(det.knn_distances_, knndst, atol=2e-6)
+    # kappa is a grid value: float32 distances may move a query across a count's threshold at a near-tie, by one step
+    same = ours == expected.astype(np.float32)
+    assert same.mean() >= 0.99, same.mean()
+    grid = det.kval_.numpy()
+    assert np.all(np.abs(np.searchsorted(grid, ours[~same]) - np.searchsorted(grid, expected[~same])) <= 1)
+    labels = np.r_[np.zeros(len(problem.test_x)), np.ones(len(problem.ood_x))]
+    assert abs(roc_auc_score(labels, ours) - roc_auc_score(labels, expected)) < 2e-3
+    assert roc_auc_score(labels, ours) > 0.6  # OOD rows (between the classes) need larger neighbourhoods
+
+
+def test_cfood_takes_k_without_a_refit_and_checks_its_parameters(problem):
+    det = create("cfood", alpha=0.5, k=0.01).fit(problem.fit_batches())
+    det.set_params(k=0.05)
+    query = problem.batches(problem.eval_x)
+    torch.testing.assert_close(
+        det.score(query), create("cfood", alpha=0.5, k=0.05).fit(problem.fit_batches()).score(query)
+    )
+    with pytest.raises(ValueError, match="alpha changes what fit learns"):
+        det.set_params(alpha=1.0)
+    for bad in ({"alpha": 0}, {"alpha": 1.5}, {"k": 0}, {"k": 2}, {"seed": -1}, {"seed": 1.5}):
+        with pytest.raises(ValueError, match="cfood: "):
+            create("cfood", **bad)
+    with pytest.raises(ValueError, match=r"cfood: the reference set has [01] row\(s\).*raise alpha"):
+        create("cfood", alpha=1e-4).fit(problem.fit_batches())
+
+
+# ---- both: streamed in small chunks, saved and loaded -----------------------------------------
+
+
+@pytest.mark.parametrize(("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5})])
+def test_small_chunks_and_query_blocks_score_as_one_pass(problem, monkeypatch, name, params):
+    whole = create(name, **params).fit(problem.fit_batches(size=len(problem.fit_x)), head=problem.head)
+    expected = whole.score([Batch(problem.eval_x, problem.logits(problem.eval_x))])
+    monkeypatch.setattr(bank_module, "SIMILARITY_BYTES", 4 * 37 * 5)  # 5-row query blocks, 5-row self-distance blocks
+    streamed = create(name, chunk_size=37, **params).fit(problem.fit_batches(size=13), head=problem.head)
+    if name == "cfood":
+        np.testing.assert_allclose(streamed.knn_distances_, whole.knn_distances_, atol=1e-6)  # matmul blocking
+    scores = streamed.score(problem.batches(problem.eval_x, size=11))
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5})])
+@pytest.mark.parametrize("copy_files", [False, True])
+def test_saved_and_loaded_scores_the_same(problem, tmp_path, name, params, copy_files):
+    det = create(name, **params).fit(problem.fit_batches(), head=problem.head)
+    query = problem.batches(problem.eval_x)
+    expected = det.score(query)
+    det.save(tmp_path / "saved", copy_files=copy_files)
+    loaded = load(tmp_path / "saved")
+    assert loaded.get_params() == det.get_params()
+    if copy_files:  # the copies outlive the detector's temporary files
+        del det
+        gc.collect()
+    assert torch.equal(loaded.score(query), expected)
