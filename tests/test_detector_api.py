@@ -61,6 +61,7 @@ def test_registry_lists_the_issue_detectors():
         "cadref",
         "relation",
         "cfood",
+        "grood",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -25,6 +25,7 @@ from oodviz.detectors.gen import GEN
 from oodviz.detectors.gmm import GMM
 from oodviz.detectors.gradnorm import GradNorm
 from oodviz.detectors.gram import Gram
+from oodviz.detectors.grood import GROOD
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.lts import LTS
@@ -88,6 +89,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         NNGuide,
         Relation,
         CFOOD,
+        GROOD,
         ODIN,
         MCD,
         WeiPer,

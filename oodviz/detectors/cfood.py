@@ -105,6 +105,12 @@ class CFOOD(FeatureBank):
         self.chunk_size = check_chunk_size(self.name, chunk_size)
         self.bank_dir = bank_dir
 
+    @classmethod
+    def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
+        """The self-distance block and its sort (values and int64 indices): ``4 x SIMILARITY_BYTES``, whatever
+        ``N`` (the reference set and its radii are files)."""
+        return 4 * bank_module.SIMILARITY_BYTES + super().fit_memory_bytes(n_features, n_classes, n_samples)
+
     # -- fit ---------------------------------------------------------------------------------
     def _fit(self, data: FitData) -> None:
         self._draws = np.random.default_rng(self.seed)

@@ -1,6 +1,6 @@
-"""Issue 29's bank detectors, relation and cfood: each against OpenOOD's postprocessor re-written here plainly in numpy
-float64 (``relation_postprocessor.py``, ``cfood_postprocessor.py``), streamed in small chunks equal to one pass, and
-saved and loaded scoring the same."""
+"""Issue 29's bank detectors, relation, cfood and grood: each against OpenOOD's postprocessor re-written here plainly in
+float64 (``relation_postprocessor.py``, ``cfood_postprocessor.py``, ``grood.py``'s autograd path), streamed in small
+chunks equal to one pass, and saved and loaded scoring the same."""
 
 import gc
 
@@ -139,10 +139,63 @@ def test_cfood_takes_k_without_a_refit_and_checks_its_parameters(problem):
         create("cfood", alpha=1e-4).fit(problem.fit_batches())
 
 
-# ---- both: streamed in small chunks, saved and loaded -----------------------------------------
+# ---- grood -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5})])
+def openood_grood_gradients(x, predicted, prototypes, noise):
+    """OpenOOD grood's ``_compute_grad`` (autograd path) in float64: the gradient, with respect to the OOD prototype,
+    of the cross-entropy of the predicted class over ``-|x - P|`` for the class prototypes and the OOD one (last)."""
+    grads = []
+    for row, target in zip(torch.as_tensor(x), torch.as_tensor(predicted)):
+        noise_proto = torch.as_tensor(noise).clone().requires_grad_(True)
+        prototypes_all = torch.cat([torch.as_tensor(prototypes), noise_proto[None]])
+        ncc_scores = -torch.norm(row[None] - prototypes_all, dim=1)
+        loss = torch.nn.functional.cross_entropy(ncc_scores[None], target[None])
+        grads.append(torch.autograd.grad(loss, noise_proto)[0].numpy())
+    return np.stack(grads)
+
+
+def grood_reference(problem, noise=None):
+    fx, ex, fl, el = _float64(problem)
+    fy = problem.fit_y.numpy()
+    prototypes = np.stack([fx[fy == c].mean(0) for c in range(fl.shape[1])])
+    noise = prototypes.mean(0) if noise is None else np.asarray(noise, dtype=np.float64)
+    correct = fl.argmax(1) == fy
+    bank = openood_grood_gradients(fx[correct], fl.argmax(1)[correct], prototypes, noise)
+    queries = openood_grood_gradients(ex, el.argmax(1), prototypes, noise)
+    squared = ((queries[:, None, :] - bank[None, :, :]) ** 2).sum(-1)  # IndexFlatL2's squared distances
+    return squared.min(1), bank
+
+
+@pytest.mark.parametrize("noise", [None, "ood mean"])
+def test_grood_is_openoods_nearest_gradient_distance(problem, noise):
+    if noise == "ood mean":  # OpenOOD's default OOD prototype: the mean feature of OOD validation samples
+        noise = problem.ood_x[:100].double().mean(0).tolist()
+    det = create("grood", noise_prototype=noise).fit(problem.fit_batches(), head=problem.head)
+    ours = det.score(problem.batches(problem.eval_x)).double().numpy()
+    expected, bank = grood_reference(problem, noise)
+    np.testing.assert_allclose(det.bank_, bank, rtol=1e-5, atol=1e-7)  # the correct rows' gradients, in order
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-6 * expected.max())
+    labels = np.r_[np.zeros(len(problem.test_x)), np.ones(len(problem.ood_x))]
+    assert abs(roc_auc_score(labels, ours) - roc_auc_score(labels, expected)) < 1e-4
+
+
+def test_grood_checks_its_ood_prototype_and_its_bank(problem):
+    for bad in ([], [[1.0]], [float("nan")] * 12, "mean"):
+        with pytest.raises(ValueError, match="grood: noise_prototype must be D finite numbers"):
+            create("grood", noise_prototype=bad)
+    with pytest.raises(ValueError, match="grood: noise_prototype has 3 numbers but the features have D=12"):
+        create("grood", noise_prototype=[0.0, 1.0, 2.0]).fit(problem.fit_batches(), head=problem.head)
+    predicted = problem.logits(problem.fit_x).argmax(1)
+    wrong = (predicted + 1) % len(problem.bias)  # every row labelled as a class it is not predicted as
+    with pytest.raises(ValueError, match="grood: no fit sample is classified correctly"):
+        create("grood").fit(problem.batches(problem.fit_x, wrong), head=problem.head)
+
+
+# ---- all three: streamed in small chunks, saved and loaded -----------------------------------------
+
+
+@pytest.mark.parametrize(("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5}), ("grood", {})])
 def test_small_chunks_and_query_blocks_score_as_one_pass(problem, monkeypatch, name, params):
     whole = create(name, **params).fit(problem.fit_batches(size=len(problem.fit_x)), head=problem.head)
     expected = whole.score([Batch(problem.eval_x, problem.logits(problem.eval_x))])
@@ -154,7 +207,7 @@ def test_small_chunks_and_query_blocks_score_as_one_pass(problem, monkeypatch, n
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5})])
+@pytest.mark.parametrize(("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5}), ("grood", {})])
 @pytest.mark.parametrize("copy_files", [False, True])
 def test_saved_and_loaded_scores_the_same(problem, tmp_path, name, params, copy_files):
     det = create(name, **params).fit(problem.fit_batches(), head=problem.head)
