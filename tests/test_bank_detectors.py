@@ -1,6 +1,7 @@
-"""Issue 29's bank detectors, relation, cfood and grood: each against OpenOOD's postprocessor re-written here plainly in
-float64 (``relation_postprocessor.py``, ``cfood_postprocessor.py``, ``grood.py``'s autograd path), streamed in small
-chunks equal to one pass, and saved and loaded scoring the same."""
+"""Issue 29's bank detectors, relation, cfood, grood and combood: each against its reference code re-written here plainly
+in float64 (OpenOOD's ``relation_postprocessor.py``, ``cfood_postprocessor.py``, ``grood.py``'s autograd path;
+CombOOD's authors' scikit-learn and FAISS pipeline), streamed in small chunks equal to one pass, and saved and loaded
+scoring the same."""
 
 import gc
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 from scipy.special import softmax
 from sklearn.metrics import roc_auc_score
+from sklearn.preprocessing import PowerTransformer, StandardScaler
 
 from oodviz import Batch
 from oodviz.detectors import bank as bank_module
@@ -192,10 +194,72 @@ def test_grood_checks_its_ood_prototype_and_its_bank(problem):
         create("grood").fit(problem.batches(problem.fit_x, wrong), head=problem.head)
 
 
-# ---- all three: streamed in small chunks, saved and loaded -----------------------------------------
+# ---- combood ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5}), ("grood", {})])
+def combood_reference(fx, ex, k=50, reg=1.0):
+    """The authors' penultimate-feature CombOOD in float64: their ``normalizer`` (``x / |x| + 1e-10``), scikit-learn's
+    StandardScaler then PowerTransformer (Yeo-Johnson, Brent's lambdas), ``np.cov`` + ``reg I`` inverted, the mean 0;
+    the squared distance to the k-th nearest training feature (IndexFlatL2's); ``sqrt(D) log d_k^2 + M^2``."""
+    normalizer = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True) + 1e-10  # noqa: E731
+    zf, ze = normalizer(fx), normalizer(ex)
+    scaler, power = StandardScaler(), PowerTransformer(method="yeo-johnson", standardize=True)
+    train = power.fit_transform(scaler.fit_transform(zf))
+    inverse = np.linalg.inv(np.cov(train, rowvar=False) + reg * np.identity(train.shape[1]))
+    test = power.transform(scaler.transform(ze))
+    mahalanobis = np.einsum("ij,jk,ik->i", test, inverse, test)
+    kth = np.sort(((ze[:, None, :] - zf[None, :, :]) ** 2).sum(-1), axis=1)[:, k - 1]
+    return np.sqrt(zf.shape[1]) * np.log(kth) + mahalanobis, power.lambdas_
+
+
+@pytest.mark.parametrize(("k", "reg"), [(50, 1.0), (5, 0.1)])
+def test_combood_is_the_authors_knn_and_gaussianised_mahalanobis(problem, k, reg):
+    fx, ex, _, _ = _float64(problem)
+    det = create("combood", k=k, reg=reg).fit(problem.fit_batches())
+    ours = det.score(problem.batches(problem.eval_x)).double().numpy()
+    expected, lambdas = combood_reference(fx, ex, k, reg)
+    np.testing.assert_allclose(det.lambdas_.numpy(), lambdas, atol=1e-6)  # Brent's maxima, found on narrowing grids
+    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-4)
+    labels = np.r_[np.zeros(len(problem.test_x)), np.ones(len(problem.ood_x))]
+    assert abs(roc_auc_score(labels, ours) - roc_auc_score(labels, expected)) < 1e-5
+
+
+def test_combood_gaussianises_skewed_features_as_scikit_learn():
+    """Skewed, heavy-tailed and constant dimensions: lambdas far from 1 on both sides, and a zero deviation."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(800, 6, generator=g, dtype=torch.float64)
+    fit = torch.stack(
+        [base[:, 0].exp(), -base[:, 1].exp(), base[:, 2] ** 3, base[:, 3], base[:, 4].abs() + 0.1, base[:, 5]], dim=1
+    )
+    fit[:, 5] = 0.0  # constant (0 after the normalisation too)
+    query = fit[:40] * 1.5 + 0.2
+    det = create("combood", k=10).fit(Batch(features=fit.float()))
+    expected, lambdas = combood_reference(fit.float().double().numpy(), query.float().double().numpy(), k=10)
+    np.testing.assert_allclose(det.lambdas_.numpy()[:5], lambdas[:5], atol=1e-5)
+    ours = det.score(Batch(features=query.float())).double().numpy()
+    np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-3)
+
+
+def test_combood_takes_k_without_a_refit_and_checks_its_parameters(problem):
+    det = create("combood", k=50).fit(problem.fit_batches())
+    det.set_params(k=7)
+    query = problem.batches(problem.eval_x)
+    torch.testing.assert_close(det.score(query), create("combood", k=7).fit(problem.fit_batches()).score(query))
+    with pytest.raises(ValueError, match="combood: k=5000 needs at least max"):
+        det.set_params(k=5000)
+    for bad in ({"k": 0}, {"k": 1.5}, {"reg": 0}, {"reg": "1"}):
+        with pytest.raises(ValueError, match="combood: "):
+            create("combood", **bad)
+    with pytest.raises(ValueError, match="combood.fit reads the batches 6 times but got a one-shot iterator"):
+        create("combood").fit(iter(problem.fit_batches()))
+
+
+# ---- all four: streamed in small chunks, saved and loaded -----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5}), ("grood", {}), ("combood", {"k": 20})]
+)
 def test_small_chunks_and_query_blocks_score_as_one_pass(problem, monkeypatch, name, params):
     whole = create(name, **params).fit(problem.fit_batches(size=len(problem.fit_x)), head=problem.head)
     expected = whole.score([Batch(problem.eval_x, problem.logits(problem.eval_x))])
@@ -207,7 +271,9 @@ def test_small_chunks_and_query_blocks_score_as_one_pass(problem, monkeypatch, n
     torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5}), ("grood", {})])
+@pytest.mark.parametrize(
+    ("name", "params"), [("relation", {"pow": 2}), ("cfood", {"alpha": 0.5}), ("grood", {}), ("combood", {"k": 20})]
+)
 @pytest.mark.parametrize("copy_files", [False, True])
 def test_saved_and_loaded_scores_the_same(problem, tmp_path, name, params, copy_files):
     det = create(name, **params).fit(problem.fit_batches(), head=problem.head)

@@ -62,6 +62,7 @@ def test_registry_lists_the_issue_detectors():
         "relation",
         "cfood",
         "grood",
+        "combood",
     }
     for name in NAMES:
         cls = detector_class(name)

@@ -17,6 +17,7 @@ from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedErr
 from oodviz.detectors.cadref import CADRef
 from oodviz.detectors.caref import CARef
 from oodviz.detectors.cfood import CFOOD
+from oodviz.detectors.combood import CombOOD
 from oodviz.detectors.dice import DICE
 from oodviz.detectors.energy import Energy
 from oodviz.detectors.entropy import Entropy
@@ -90,6 +91,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         Relation,
         CFOOD,
         GROOD,
+        CombOOD,
         ODIN,
         MCD,
         WeiPer,
