@@ -240,6 +240,21 @@ def test_combood_gaussianises_skewed_features_as_scikit_learn():
     np.testing.assert_allclose(ours, expected, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("lmbda", [-1.5, 0.0, 0.3, 1.0, 2.0, 3.7])
+def test_yeo_johnson_is_scipys(lmbda):
+    from scipy.stats import yeojohnson
+
+    from oodviz.detectors.combood import yeo_johnson
+
+    u = np.r_[np.linspace(-4, 4, 81), -1e-9, 0.0, 1e-9]
+    np.testing.assert_allclose(
+        yeo_johnson(torch.from_numpy(u), torch.tensor(lmbda, dtype=torch.float64)).numpy(),
+        yeojohnson(u, lmbda=lmbda),
+        rtol=1e-12,
+        atol=1e-14,
+    )
+
+
 def test_combood_takes_k_without_a_refit_and_checks_its_parameters(problem):
     det = create("combood", k=50).fit(problem.fit_batches())
     det.set_params(k=7)

@@ -1,13 +1,16 @@
 """A bank of in-distribution rows on disk, searched in chunks: the machinery of the detectors that keep training rows.
 
-:class:`FeatureBank` is the base of :class:`~oodviz.detectors.knn.KNN` (and ``nnguide``), ``relation`` and
-``cfood``: methods whose score reads every training row, so the fit keeps them, as a float32 ``[N, E]`` file,
-never in memory.
+:class:`FeatureBank` is the base of :class:`~oodviz.detectors.knn.KNN` (and ``nnguide``), ``relation``, ``cfood``,
+``grood`` and ``combood``: methods whose score reads every training row (or a subsample, or a function of each),
+so the fit keeps them, as a float32 ``[N, E]`` file, never in memory. Only knn and nnguide (the
+:class:`~oodviz.detectors.knn.KNN` subclasses) shard their bank over the ranks of a run; the others fit on the
+whole store on every rank.
 
 - **Fit.** Batches from a feature store (``features_on_disk``) can be the bank themselves (knn: the store's file,
   L2-normalised as read). Otherwise :meth:`FeatureBank._write_bank` streams the rows
   :meth:`FeatureBank._bank_rows` makes of each block of fit features (knn: the normalised features; relation: the
-  normalised features beside the softmax; cfood: a seeded subsample) into a file in ``bank_dir`` or a temporary
+  normalised features beside the softmax; cfood: a seeded subsample; grood: gradients of the correctly
+  classified rows) into a file in ``bank_dir`` or a temporary
   directory removed with the detector, and keeps it as a read-only memory map (``bank_``, ``bank_path_``).
 - **Score.** :meth:`FeatureBank._staged_queries` reads the query batches once, turns each row block into query rows
   (:meth:`FeatureBank._query_rows`) and stages them in a float32 file (beside a bank the detector wrote, else the
@@ -15,7 +18,7 @@ never in memory.
   chunks of ``chunk_size`` rows are the outer loop and query blocks the inner one, each query block of
   ``max(1, SIMILARITY_BYTES // (4 x chunk rows))`` rows, so a ``[q, chunk]`` float32 block stays within
   ``SIMILARITY_BYTES`` (64 MiB). The detector folds each ``(query block, bank chunk)`` pair into a per-query state
-  (knn: a running top-k; relation: a running sum; cfood: running counts).
+  (knn and combood: a running top-k; relation: a running sum; cfood: running counts; grood: a running minimum).
 - **CUDA.** The bank is held on the device when it fits in ``DEVICE_FRACTION`` of the free memory, else streamed in
   chunks through two pinned host buffers copied on a side stream (the copy of chunk ``j + 1`` overlaps the work on
   chunk ``j``); the staged queries are held on the device when they fit in half of that share.

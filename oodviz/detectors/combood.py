@@ -67,18 +67,24 @@ _EPS = float(np.spacing(1.0))
 
 
 def yeo_johnson(u: Tensor, lambdas: Tensor) -> Tensor:
-    """``psi(u, lambda)`` elementwise (float64), ``lambdas`` broadcast against ``u``: ``((u + 1)^l - 1) / l`` for
-    ``u >= 0`` (``log1p(u)`` at ``l = 0``), ``-((1 - u)^(2 - l) - 1) / (2 - l)`` for ``u < 0`` (``-log1p(-u)`` at
-    ``l = 2``), scikit-learn's ``_yeo_johnson_transform``."""
-    lambdas = lambdas.expand_as(u)
-    positive = u >= 0
-    up, down = u.clamp(min=0), (-u).clamp(min=0)
-    near_zero, near_two = lambdas.abs() < _EPS, (lambdas - 2).abs() < _EPS
-    safe = torch.where(near_zero, torch.ones_like(lambdas), lambdas)
-    above = torch.where(near_zero, torch.log1p(up), torch.expm1(safe * torch.log1p(up)) / safe)
-    other = torch.where(near_two, torch.ones_like(lambdas), 2 - lambdas)
-    below = torch.where(near_two, -torch.log1p(down), -torch.expm1(other * torch.log1p(down)) / other)
-    return torch.where(positive, above, below)
+    """``psi(u, lambda)`` elementwise (float64), ``lambdas`` (one per column, or one) broadcast against ``u``:
+    ``((u + 1)^l - 1) / l`` for ``u >= 0`` (``log1p(u)`` at ``l = 0``), ``-((1 - u)^(2 - l) - 1) / (2 - l)`` for
+    ``u < 0`` (``-log1p(-u)`` at ``l = 2``), scikit-learn's ``_yeo_johnson_transform``."""
+    return yeo_johnson_of_logs(torch.log1p(u.abs()), (u < 0).to(u.dtype), lambdas)
+
+
+def yeo_johnson_of_logs(logs: Tensor, negative: Tensor, lambdas: Tensor) -> Tensor:
+    """:func:`yeo_johnson` from ``logs = log1p(|u|)`` and ``negative = (u < 0)`` as 0/1 (which do not depend on
+    lambda): with ``a = lambda`` where ``u >= 0`` and ``2 - lambda`` elsewhere, ``psi = +-expm1(a logs) / a``
+    (``+-logs`` at ``a = 0``): one ``expm1`` per element and no branch unless a lambda is 0 or 2."""
+    lambdas = torch.as_tensor(lambdas, dtype=logs.dtype, device=logs.device)
+    exponents = torch.addcmul(lambdas.expand_as(logs), negative, 2 - 2 * lambdas)  # lambda, or 2 - lambda
+    signs = 1 - 2 * negative
+    if bool(((lambdas.abs() < _EPS) | ((lambdas - 2).abs() < _EPS)).any()):  # a log branch somewhere
+        near_zero = exponents.abs() < _EPS
+        safe = torch.where(near_zero, torch.ones_like(exponents), exponents)
+        return torch.where(near_zero, logs, torch.expm1(safe * logs).div_(safe)).mul_(signs)
+    return torch.expm1(exponents * logs).div_(exponents).mul_(signs)
 
 
 def _scale(variance: Tensor) -> Tensor:
@@ -156,7 +162,6 @@ class CombOOD(FeatureBank):
         )
 
     def _check_bank(self, rows: int) -> None:
-        self._bank_size = rows
         if rows < max(self.k, 2):
             raise ValueError(
                 f"combood: k={self.k} needs at least max(k, 2) in-distribution samples, got {rows}; choose k <= {rows}."
@@ -216,10 +221,11 @@ class CombOOD(FeatureBank):
             signed_logs = torch.zeros_like(low) if first_pass else signed_logs
             for batch in data:
                 u = self._standardised(batch.features)
+                logs, negative = torch.log1p(u.abs()), (u < 0).to(u.dtype)
                 if first_pass:
-                    signed_logs += (u.sign() * torch.log1p(u.abs())).sum(dim=0)
+                    signed_logs += (u.sign() * logs).sum(dim=0)
                 for g in range(LAMBDA_GRID):
-                    psi = yeo_johnson(u, grid[g])
+                    psi = yeo_johnson_of_logs(logs, negative, grid[g])
                     sums[g] += psi.sum(dim=0)
                     squares[g] += psi.square().sum(dim=0)
                 n += len(u)
