@@ -59,6 +59,10 @@ def test_registry_lists_the_issue_detectors():
         "lts",
         "caref",
         "cadref",
+        "relation",
+        "cfood",
+        "grood",
+        "combood",
     }
     for name in NAMES:
         cls = detector_class(name)
@@ -196,6 +200,15 @@ def test_knn_keeps_its_bank_on_disk_and_removes_it(problem, tmp_path):
     assert not os.path.exists(path)
     kept = create("knn", k=5, bank_dir=str(tmp_path)).fit(problem.fit_batches())
     assert os.path.dirname(kept.bank_path_) == str(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["knn", "nnguide"])
+def test_a_bank_detector_fits_again(problem, name):
+    """A second fit writes a new bank (the first fit's row count once shadowed the method writing the rows)."""
+    det = create(name, k=5).fit(problem.fit_batches(), head=problem.head)
+    first = det.score(problem.batches(problem.eval_x))
+    det.fit(problem.fit_batches(size=31), head=problem.head)
+    torch.testing.assert_close(det.score(problem.batches(problem.eval_x)), first, rtol=1e-5, atol=1e-5)
 
 
 # ---- bad input: a ValueError that names the problem and the fix ---------------------------

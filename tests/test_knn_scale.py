@@ -10,8 +10,8 @@ import torch
 from conftest import cuda
 
 from oodviz import Batch
+from oodviz.detectors import bank as bank_module
 from oodviz.detectors import create
-from oodviz.detectors import knn as knn_module
 
 
 def brute_force(bank: np.ndarray, queries: np.ndarray, k: int) -> np.ndarray:
@@ -67,7 +67,7 @@ def one_shot(queries: np.ndarray, rows: int):
 
 @pytest.mark.parametrize("similarity_bytes", [4 * 37 * 5, 2**26])  # 5-row query blocks, or all at once
 def test_scores_equal_a_float64_brute_force_for_written_and_store_banks(data, tmp_path, monkeypatch, similarity_bytes):
-    monkeypatch.setattr(knn_module, "SIMILARITY_BYTES", similarity_bytes)
+    monkeypatch.setattr(bank_module, "SIMILARITY_BYTES", similarity_bytes)
     bank, queries = data
     expected = brute_force(bank, queries, k=7)
     written = create("knn", k=7, chunk_size=37).fit([Batch(torch.from_numpy(bank))])
@@ -137,7 +137,7 @@ def test_score_memory_is_the_same_for_one_big_batch_as_for_small_batches():
 @cuda
 @pytest.mark.parametrize("fraction", [0.5, 0.0])  # bank held on the device, or streamed through pinned buffers
 def test_cuda_scores_equal_cpu_scores(data, tmp_path, monkeypatch, fraction):
-    monkeypatch.setattr(knn_module, "DEVICE_FRACTION", fraction)
+    monkeypatch.setattr(bank_module, "DEVICE_FRACTION", fraction)
     bank, queries = data
     for detector in (
         create("knn", k=7, chunk_size=37).fit([Batch(torch.from_numpy(bank))]),

@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is i
     from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
     from oodviz.detectors.cadref import CADRef
     from oodviz.detectors.caref import CARef
+    from oodviz.detectors.cfood import CFOOD
+    from oodviz.detectors.combood import CombOOD
     from oodviz.detectors.dice import DICE
     from oodviz.detectors.energy import Energy
     from oodviz.detectors.entropy import Entropy
@@ -29,6 +31,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is i
     from oodviz.detectors.gmm import GMM
     from oodviz.detectors.gradnorm import GradNorm
     from oodviz.detectors.gram import Gram
+    from oodviz.detectors.grood import GROOD
     from oodviz.detectors.klm import KLMatching
     from oodviz.detectors.knn import KNN
     from oodviz.detectors.lts import LTS
@@ -46,6 +49,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is i
     from oodviz.detectors.rankfeat import RankFeat
     from oodviz.detectors.react import ReAct
     from oodviz.detectors.registry import available, create, describe, detector_class, load
+    from oodviz.detectors.relation import Relation
     from oodviz.detectors.residual import Residual
     from oodviz.detectors.rmd import RelativeMahalanobis
     from oodviz.detectors.scale import SCALE
@@ -66,6 +70,8 @@ _SOURCES = {
     "base": ("Detector", "FitData", "ModelDetector", "NotFittedError"),
     "cadref": ("CADRef",),
     "caref": ("CARef",),
+    "cfood": ("CFOOD",),
+    "combood": ("CombOOD",),
     "dice": ("DICE",),
     "energy": ("Energy",),
     "entropy": ("Entropy",),
@@ -74,6 +80,7 @@ _SOURCES = {
     "gmm": ("GMM",),
     "gradnorm": ("GradNorm",),
     "gram": ("Gram",),
+    "grood": ("GROOD",),
     "klm": ("KLMatching",),
     "knn": ("KNN",),
     "lts": ("LTS",),
@@ -90,6 +97,7 @@ _SOURCES = {
     "pnml": ("PNML",),
     "rankfeat": ("RankFeat",),
     "react": ("ReAct",),
+    "relation": ("Relation",),
     "registry": ("available", "create", "describe", "detector_class", "load"),
     "residual": ("Residual",),
     "rmd": ("RelativeMahalanobis",),
@@ -120,6 +128,8 @@ __all__ = [
     "AdaSCALE",
     "CADRef",
     "CARef",
+    "CFOOD",
+    "CombOOD",
     "DICE",
     "Detector",
     "DetectorFileError",
@@ -129,6 +139,7 @@ __all__ = [
     "FitData",
     "GEN",
     "GMM",
+    "GROOD",
     "GradNorm",
     "Gram",
     "KLMatching",
@@ -148,6 +159,7 @@ __all__ = [
     "PNML",
     "RankFeat",
     "ReAct",
+    "Relation",
     "RelativeMahalanobis",
     "Residual",
     "SCALE",

@@ -56,35 +56,23 @@ against the union's rows. A detector holding a shard refuses ``score`` (its own 
 smaller bank).
 """
 
-import contextlib
 import math
-import os
-import shutil
-import tempfile
-import weakref
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from oodviz.detectors import bank as bank_module
+from oodviz.detectors.bank import FeatureBank, _normalise, check_chunk_size
 from oodviz.detectors.base import Detector, FitData
-from oodviz.detectors.stats import row_blocks
 from oodviz.detectors.teaching import Teaching
 
-#: bytes of one ``[query rows, bank chunk rows]`` float32 similarity block
-SIMILARITY_BYTES = 64 * 2**20
-#: share of the free CUDA memory the normalised bank may take to be held on the device whole
-DEVICE_FRACTION = 0.5
 BACKENDS = ("exact", "faiss-flat", "faiss-ivf")
 #: queries drawn to calibrate IVF's nprobe against an exact search, and the tolerance (module docstring)
 CALIBRATION_QUERIES, CALIBRATION_TOLERANCE = 256, 0.02
 
 
-def _normalise(x: Tensor) -> Tensor:
-    return x.float() / x.float().norm(dim=1, keepdim=True).clamp(min=1e-12)
-
-
-class KNN(Detector):
+class KNN(FeatureBank):
     name = "knn"
     fitted_shapes = {**Detector.fitted_shapes, "bank_": "ND"}
     param_choices = {"backend": BACKENDS}
@@ -101,14 +89,13 @@ class KNN(Detector):
     inputs = ("features",)
 
     def __init__(self, k: int = 50, chunk_size: int = 16384, bank_dir: str | None = None, backend: str = "exact"):
-        for label, value in (("k", k), ("chunk_size", chunk_size)):
-            if int(value) != value or value < 1:
-                raise ValueError(f"knn: {label} must be a positive integer, got {value}")
+        if int(k) != k or k < 1:
+            raise ValueError(f"{self.name}: k must be a positive integer, got {k}")
         if backend not in BACKENDS:
             raise ValueError(f"knn: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
         self.k = int(k)
-        self.chunk_size = int(chunk_size)
+        self.chunk_size = check_chunk_size(self.name, chunk_size)
         self.bank_dir = bank_dir
 
     def _fit(self, data: FitData) -> None:
@@ -120,27 +107,6 @@ class KNN(Detector):
                 self._keep_bank(source, normalised=False)
                 return
         self._write_bank(data)
-
-    def _write_bank(self, data: FitData) -> None:
-        """Stream the L2-normalised features into a float32 file and keep it as a memory map."""
-        directory = self.bank_dir or tempfile.mkdtemp(prefix=f"oodviz-{self.name}-")
-        if self.bank_dir is None:
-            # The bank lives as long as this detector.
-            weakref.finalize(self, shutil.rmtree, directory, True)
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"{self.name}-bank-{id(self):x}.f32")
-        rows, dim = 0, None
-        with open(path, "wb") as file:
-            for batch in data:
-                dim = batch.features.shape[1]
-                for block in row_blocks(len(batch.features), dim, itemsize=4):
-                    self._bank_rows(batch.features[block], data).cpu().numpy().tofile(file)
-                rows += len(batch.features)
-        self._keep_bank(np.memmap(path, dtype=np.float32, mode="r", shape=(rows, dim)), normalised=True)
-
-    def _bank_rows(self, features: Tensor, data: FitData) -> Tensor:
-        """The bank rows written for fit features ``[b, D]``: float32, L2-normalised."""
-        return _normalise(features)
 
     _holds_shard = False
 
@@ -162,7 +128,7 @@ class KNN(Detector):
     def check_bank_rows(self, bank_rows: int) -> None:
         """ValueError when the bank (all shards together: ``bank_rows``, which a shard remembers for later changes
         of ``k``) has fewer than ``k`` rows."""
-        self._bank_rows = bank_rows
+        self._union_rows = bank_rows
         if bank_rows < self.k:
             raise ValueError(
                 f"{self.name}: k={self.k} exceeds the {bank_rows} in-distribution samples; choose k <= {bank_rows}."
@@ -170,18 +136,11 @@ class KNN(Detector):
 
     def _check_fitted_params(self) -> None:
         if hasattr(self, "bank_"):
-            self.check_bank_rows(getattr(self, "_bank_rows", len(self.bank_)) if self.holds_shard else len(self.bank_))
+            self.check_bank_rows(getattr(self, "_union_rows", len(self.bank_)) if self.holds_shard else len(self.bank_))
 
-    def _query_extra(self, batch) -> Tensor | None:
-        """Per-query numbers the final score needs besides the similarities (``[B]``, kept on the CPU), or None."""
-        return None
-
-    def _keep_bank(self, bank: np.ndarray, normalised: bool) -> None:
+    def _check_bank(self, rows: int) -> None:
         if not self.holds_shard:
-            self.check_bank_rows(len(bank))
-        self.bank_ = bank  # [N, D] memory map
-        self.bank_path_ = str(bank.filename)
-        self.bank_normalised_ = normalised  # False: the feature store's raw features, normalised as read
+            self.check_bank_rows(rows)
 
     @torch.no_grad()
     def score(self, batches, device=None) -> Tensor:
@@ -215,18 +174,11 @@ class KNN(Detector):
             return self._faiss_top_similarities(batches)
         with self._staged_queries(batches, device) as (queries, device, extra):
             best = torch.full((len(queries), self.k), -math.inf, device=device)  # top-k inner products so far
-            held = self._queries_on(device, queries)
-            # one block's similarities, the memory reused by every block
-            similarities = torch.empty(max(SIMILARITY_BYTES // 4, self.chunk_size), device=device)
-            for chunk in self._bank_chunks(device):
-                step = max(1, SIMILARITY_BYTES // (4 * len(chunk)))
-                for start in range(0, len(queries), step):
-                    rows = slice(start, start + step)
-                    z = held[rows] if held is not None else torch.from_numpy(np.array(queries[rows])).to(device)
-                    block = torch.mm(z, chunk.T, out=similarities[: len(z) * len(chunk)].view(len(z), len(chunk)))
-                    # the top k of best and the block = the top k of best and the block's top k (no [q, chunk] copy)
-                    top = torch.topk(block, k=min(self.k, len(chunk)), dim=1).values
-                    best[rows] = torch.topk(torch.cat([best[rows], top], dim=1), k=self.k, dim=1).values
+            for rows, z, chunk, _, buffer in self._sweep(queries, device):
+                block = torch.mm(z, chunk.T, out=buffer[: len(z) * len(chunk)].view(len(z), len(chunk)))
+                # the top k of best and the block = the top k of best and the block's top k (no [q, chunk] copy)
+                top = torch.topk(block, k=min(self.k, len(chunk)), dim=1).values
+                best[rows] = torch.topk(torch.cat([best[rows], top], dim=1), k=self.k, dim=1).values
             return best.float().cpu(), extra
 
     def _faiss_top_similarities(self, batches) -> tuple[Tensor, Tensor | None]:
@@ -234,7 +186,7 @@ class KNN(Detector):
         with self._staged_queries(batches, torch.device("cpu")) as (queries, _, extra):
             if self.backend == "faiss-ivf":
                 self._calibrate_nprobe(index, queries)
-            step = max(1, SIMILARITY_BYTES // (4 * self.chunk_size))
+            step = max(1, bank_module.SIMILARITY_BYTES // (4 * self.chunk_size))
             best = np.concatenate(
                 [index.search(np.array(queries[s : s + step]), self.k)[0] for s in range(0, len(queries), step)]
             )
@@ -280,80 +232,3 @@ class KNN(Detector):
         for chunk in self._bank_chunks(torch.device("cpu")):
             index.add(chunk.numpy())
         return index
-
-    @contextlib.contextmanager
-    def _staged_queries(self, batches, device):
-        """The validated query batches, L2-normalised in row blocks into a float32 file: yields its memory map
-        ``[N_q, D]``, the scoring device and the queries' :meth:`_query_extra` ``[N_q]`` (or None); the file is
-        removed afterwards."""
-        # Beside a bank this detector wrote, never inside a feature store (then the system's temporary directory).
-        own = getattr(self, "bank_normalised_", False)
-        directory = os.path.dirname(self.bank_path_) if own else None
-        file = tempfile.NamedTemporaryFile(prefix="knn-queries-", suffix=".f32", dir=directory, delete=False)
-        try:
-            rows, extras = 0, []
-            with file:
-                for batch in self.validated_batches(batches, device):
-                    device = batch.device
-                    for block in row_blocks(len(batch.features), batch.features.shape[1], itemsize=4):
-                        _normalise(batch.features[block]).cpu().numpy().tofile(file)
-                    rows += len(batch.features)
-                    extras.append(self._query_extra(batch))
-            if not rows:
-                raise ValueError(f"{self.name}.score got no samples: the batches were empty.")
-            extra = None if extras[0] is None else torch.cat(extras)
-            yield np.memmap(file.name, dtype=np.float32, mode="r", shape=(rows, self.bank_.shape[1])), device, extra
-        finally:
-            os.unlink(file.name)
-
-    @staticmethod
-    def _queries_on(device: torch.device, queries: np.ndarray) -> Tensor | None:
-        """All normalised queries on a CUDA device when they fit in half the bank's share of its free memory, else None
-        (they are then read block by block from the staging file)."""
-        if device.type != "cuda" or queries.nbytes > DEVICE_FRACTION * torch.cuda.mem_get_info(device)[0] / 2:
-            return None
-        return torch.from_numpy(np.array(queries)).to(device)
-
-    def _bank_chunks(self, device: torch.device):
-        """The normalised bank as float32 chunks ``[<= chunk_size, D]`` on ``device``, in bank order."""
-        if device.type == "cuda":
-            if self.bank_.nbytes <= DEVICE_FRACTION * torch.cuda.mem_get_info(device)[0]:
-                # Views of chunk_size rows: a [q, N] block would leave q tiny and read the bank N_q / q times.
-                yield from self._bank_on_device(device).split(self.chunk_size)
-            else:
-                yield from self._streamed_chunks(device)
-            return
-        for start in range(0, len(self.bank_), self.chunk_size):
-            chunk = torch.from_numpy(np.array(self.bank_[start : start + self.chunk_size]))
-            yield chunk if self.bank_normalised_ else _normalise(chunk)
-
-    def _bank_on_device(self, device: torch.device) -> Tensor:
-        """The whole normalised bank ``[N, D]`` on ``device``, copied in chunks (no full host copy)."""
-        bank = torch.empty(self.bank_.shape, dtype=torch.float32, device=device)
-        for start in range(0, len(bank), self.chunk_size):
-            chunk = torch.from_numpy(np.array(self.bank_[start : start + self.chunk_size])).to(device)
-            bank[start : start + len(chunk)] = chunk if self.bank_normalised_ else _normalise(chunk)
-        return bank
-
-    def _streamed_chunks(self, device: torch.device):
-        """Bank chunks through two pinned host buffers: the host fills one while the other's copy (on a side
-        stream) or the search of the chunk it carried runs; events order the copy before the search and the
-        refill of a buffer after its previous copy."""
-        compute, copy = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-        dim = self.bank_.shape[1]
-        buffers = [torch.empty((self.chunk_size, dim), dtype=torch.float32, pin_memory=True) for _ in range(2)]
-        copied: list[torch.cuda.Event | None] = [None, None]
-        for index, start in enumerate(range(0, len(self.bank_), self.chunk_size)):
-            slot = index % 2
-            if copied[slot] is not None:
-                copied[slot].synchronize()  # the buffer's previous copy has left it
-            rows = min(self.chunk_size, len(self.bank_) - start)
-            host = buffers[slot][:rows]
-            host.numpy()[:] = self.bank_[start : start + rows]
-            with torch.cuda.stream(copy):
-                chunk = host.to(device, non_blocking=True)
-                copied[slot] = torch.cuda.Event()
-                copied[slot].record(copy)
-            compute.wait_event(copied[slot])
-            chunk.record_stream(compute)  # allocated on the copy stream, used on the compute stream
-            yield chunk if self.bank_normalised_ else _normalise(chunk)

@@ -64,7 +64,7 @@ class NNGuide(KNN):
         self._write_bank(data)  # never the store's own file: its rows are scaled
         self.head_weight_, self.head_bias_ = data.head
 
-    def _bank_rows(self, features: Tensor, data: FitData) -> Tensor:
+    def _bank_rows(self, features: Tensor, data: FitData, batch=None, rows=None) -> Tensor:
         weight, bias = data.head
         return l2_normalised(features).mul_(confidence(features, weight, bias)[:, None])
 

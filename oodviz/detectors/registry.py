@@ -12,6 +12,8 @@ from oodviz.detectors.ash import ASH
 from oodviz.detectors.base import Detector
 from oodviz.detectors.cadref import CADRef
 from oodviz.detectors.caref import CARef
+from oodviz.detectors.cfood import CFOOD
+from oodviz.detectors.combood import CombOOD
 from oodviz.detectors.dice import DICE
 from oodviz.detectors.energy import Energy
 from oodviz.detectors.entropy import Entropy
@@ -20,6 +22,7 @@ from oodviz.detectors.gen import GEN
 from oodviz.detectors.gmm import GMM
 from oodviz.detectors.gradnorm import GradNorm
 from oodviz.detectors.gram import Gram
+from oodviz.detectors.grood import GROOD
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.lts import LTS
@@ -36,6 +39,7 @@ from oodviz.detectors.persist import MANIFEST, OBJECT_PARAMS, DetectorFileError,
 from oodviz.detectors.pnml import PNML
 from oodviz.detectors.rankfeat import RankFeat
 from oodviz.detectors.react import ReAct
+from oodviz.detectors.relation import Relation
 from oodviz.detectors.residual import Residual
 from oodviz.detectors.rmd import RelativeMahalanobis
 from oodviz.detectors.scale import SCALE
@@ -80,6 +84,10 @@ _REGISTRY: dict[str, type[Detector]] = {
         GMM,
         OpenMax,
         NNGuide,
+        Relation,
+        CFOOD,
+        GROOD,
+        CombOOD,
         ODIN,
         MCD,
         WeiPer,
