@@ -227,7 +227,9 @@ def test_layer_hook_pooling_and_memory(resnet18):
     with pytest.raises(ValueError, match="did you mean 'layer3'"):
         resnet18.with_layer("layer_3")
     with pytest.raises(ValueError, match="pooling must be one of"):
-        load_backbone("resnet18", weights="random", layer="layer3", pooling="mean")
+        load_backbone("resnet18", weights="random", layer="layer3", pooling="median")
+    with pytest.raises(ValueError, match="reads a transformer's token sequence .* use pooling='avg' or 'max'"):
+        resnet18.with_layer("layer3", pooling="mean")
     assert resnet18.with_layer(None).head is not None
 
 
@@ -255,6 +257,7 @@ def test_vit_unpooled_tokens_show_in_the_estimate(random_backbone):
     assert shape.raw == (197, 768) and shape.layout == "tokens" and vit.feature_dim == 197 * 768
     warning = estimate_memory(vit, {"imagenet-val": 50_000}).warn_if_over(8 * 2**30)
     assert "50,000 x 151,296 features" in warning and "pooling='avg' gives D=768" in warning
+    assert "'cls' (the class token) or 'mean' (of the patch tokens)" in warning
 
 
 # ----------------------------------------------------------------------------- weights and checkpoints

@@ -288,7 +288,8 @@ def fixes(
         shape = " x ".join(f"{s:,}" for s in raw) if raw else f"{d:,}"
         found.append(
             f"pool the features: pooling='avg' gives D={pooled:,} instead of {d:,} ({shape} per sample, "
-            f"{d // pooled:,}x smaller)"
+            f"{d // pooled:,}x smaller); so do 'max' and, for a transformer's tokens, 'cls' (the class token) or "
+            "'mean' (of the patch tokens)"
         )
     found.append("choose another layer with a smaller D (an earlier or narrower one, or the penultimate layer)")
     if dims and len(dims) > 1:
