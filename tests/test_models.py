@@ -1,5 +1,6 @@
 """The backbone registry (oodviz.models): bundled digits-cnn, torchvision archs, user models, memory."""
 
+import importlib.util
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from oodviz.models import (
     wrap_model,
 )
 from oodviz.models.digits import DIGITS_METADATA, DIGITS_WEIGHTS, DigitsCNN, as_served, normalize_digits
+from oodviz.models.hub import TIMM_LISTED
 
 TORCHVISION = ["resnet18", "resnet50", "vit_b_16", "swin_t", "convnext_tiny", "efficientnet_b0", "mobilenet_v3_large"]
 EXPECTED_D = {
@@ -71,7 +73,8 @@ def _digit_image(values: np.ndarray) -> Image.Image:
 
 
 def test_registry_names():
-    assert available_backbones() == ["digits-cnn", "fashion-cnn", *TORCHVISION]
+    listed_timm = list(TIMM_LISTED) if importlib.util.find_spec("timm") else []
+    assert available_backbones() == ["digits-cnn", "fashion-cnn", *TORCHVISION, *listed_timm]
     for name in TORCHVISION:
         info = backbone_info(name)
         assert info["feature_dim"] == EXPECTED_D[name] and info["num_classes"] == 1000

@@ -158,11 +158,18 @@ BUNDLED: dict[str, BundledWeights] = {
 
 
 def available_backbones() -> list[str]:
-    """Names ``load_backbone`` accepts without a checkpoint, the offline default first.
+    """Names ``load_backbone`` accepts without a checkpoint, the offline default first; then, when timm is
+    installed, a few timm models (:data:`oodviz.models.hub.TIMM_LISTED`; they take a checkpoint file or random
+    weights).
 
-    (``"torchscript"`` and ``"export"`` are also accepted, with ``checkpoint=``.)
+    (``"torchscript"`` and ``"export"`` are also accepted, with ``checkpoint=``; so are any ``timm:<model name>``
+    and ``hf:<directory>``, see :mod:`oodviz.models.hub`.)
     """
-    return list(ARCHITECTURES)
+    import importlib.util
+
+    from oodviz.models.hub import TIMM_LISTED  # here: hub imports this module
+
+    return list(ARCHITECTURES) + (list(TIMM_LISTED) if importlib.util.find_spec("timm") else [])
 
 
 #: Registry architectures built from attention blocks over patch tokens; every other one is a CNN.
@@ -171,9 +178,14 @@ BACKBONE_FAMILIES = ("cnn", "transformer")
 
 
 def backbone_family(name) -> str:
-    """``"transformer"`` for the registry's vision transformers (:data:`TRANSFORMERS`: ViT, Swin), else
-    ``"cnn"`` (the bundled CNNs, ResNets, ConvNeXt, EfficientNet, MobileNet, and a user's own model file,
-    whose architecture oodviz cannot see). Case and surrounding spaces are ignored; any other value is a CNN."""
+    """``"transformer"`` for the registry's vision transformers (:data:`TRANSFORMERS`: ViT, Swin) and timm /
+    Hugging Face transformers (:func:`oodviz.models.hub.hub_family`), else ``"cnn"`` (the bundled CNNs, ResNets,
+    ConvNeXt, EfficientNet, MobileNet, and a user's own model file, whose architecture oodviz cannot see). Case
+    and surrounding spaces are ignored; any other value is a CNN."""
+    from oodviz.models.hub import hub_family, hub_kind  # here: hub imports this module
+
+    if hub_kind(name):
+        return hub_family(name)
     key = name.strip().lower() if isinstance(name, str) else name
     return "transformer" if key in TRANSFORMERS else "cnn"
 
@@ -190,7 +202,8 @@ def architecture(name: str) -> Architecture:
         f"unknown backbone {name!r}"
         + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
         + f"; available: {', '.join(known)}. For your own model use load_backbone('torchscript', checkpoint=path), "
-        "load_backbone('<architecture>', checkpoint=state_dict_path) or wrap_model(model, ...)"
+        "load_backbone('<architecture>', checkpoint=state_dict_path), 'timm:<model name>', 'hf:<directory>' "
+        "or wrap_model(model, ...)"
     )
 
 
@@ -284,11 +297,11 @@ def build_random(arch: Architecture, num_classes: int, calibrate: bool = True) -
             # torchvision zero-initialises the ViT head (for fine-tuning); a dry run needs logits that vary.
             nn.init.normal_(head.weight, std=head.weight.shape[1] ** -0.5)
         if calibrate:
-            _calibrate_batchnorm(model, default_transform(arch)[1])
+            calibrate_batchnorm(model, default_transform(arch)[1])
     return model
 
 
-def _calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None:
+def calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None:
     """Set BatchNorm running statistics from one random batch (seeded by the caller).
 
     With freshly initialised statistics (mean 0, variance 1) the eval-mode activations of deep
@@ -314,8 +327,13 @@ def _calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None
 
 
 def architecture_layer_names(name: str) -> list[str]:
-    """The names ``layer=`` accepts for registry backbone ``name`` (``model.named_modules()``, the root
-    excluded), read from the architecture built on the meta device: no weights read, no memory used."""
+    """The names ``layer=`` accepts for registry backbone ``name`` or a ``timm:`` / ``hf:`` backbone
+    (``model.named_modules()``, the root excluded), read from the architecture built on the meta device: no
+    weights read, no memory used."""
+    from oodviz.models.hub import hub_kind, hub_layer_names  # here: hub imports this module
+
+    if hub_kind(name):
+        return hub_layer_names(name)
     return list(_layer_names(architecture(name).name))
 
 

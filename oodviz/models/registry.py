@@ -5,7 +5,9 @@
 user's own model: a state-dict checkpoint of a registry architecture
 (``load_backbone("resnet18", checkpoint="my.pt")``), a TorchScript file
 (``load_backbone("torchscript", checkpoint="model.pt")``) or a ``torch.export`` program
-(``load_backbone("export", checkpoint="model.pt2")``). ``wrap_model`` wraps a model object.
+(``load_backbone("export", checkpoint="model.pt2")``), a timm model (``load_backbone("timm:convnext_tiny",
+checkpoint="my.pt")``) or a saved Hugging Face classifier (``load_backbone("hf:path/to/directory")``), see
+:mod:`oodviz.models.hub`. ``wrap_model`` wraps a model object.
 
 Weights (``weights=``):
 
@@ -61,6 +63,7 @@ from oodviz.models.checkpoints import (
     short_error,
     torchvision_state_dict,
 )
+from oodviz.models.hub import hub_classes, hub_kind, load_hf, load_timm
 
 
 def load_backbone(
@@ -68,18 +71,20 @@ def load_backbone(
     weights: str | None = "default",
     checkpoint: str | os.PathLike | None = None,
     layer: str | None = None,
-    pooling: str = "avg",
+    pooling: str | None = None,
     weights_dir: str | os.PathLike | None = None,
     *,
     allow_download: bool = False,
     classes: Sequence[str] | None = None,
     transform: Callable | None = None,
     input_shape: Sequence[int] | None = None,
+    model_args: Mapping | None = None,
 ) -> Backbone:
     """Load a backbone by registry name, or a user's model from ``checkpoint``.
 
     - ``name``: one of :func:`available_backbones`, or ``"torchscript"`` / ``"export"`` with
-      ``checkpoint`` (see :func:`load_scripted`).
+      ``checkpoint`` (see :func:`load_scripted`), or ``"timm:<model name>"`` / ``"hf:<directory>"``
+      (:func:`oodviz.models.hub.load_timm`, :func:`oodviz.models.hub.load_hf`; nothing is downloaded).
     - ``weights``: ``"default"``, a torchvision weights name (``"IMAGENET1K_V2"``) or enum member,
       ``"random"`` or ``None`` (= random); see the module docstring. Ignored when ``checkpoint``
       is given.
@@ -88,16 +93,31 @@ def load_backbone(
       number of classes comes from the head weight's shape, so a 10-class resnet18 loads.
     - ``layer``: a module name (``"layer3"``, ``"encoder.layers.encoder_layer_6"``) whose output
       gives the features instead of the penultimate layer; ``head`` is then ``None``.
-    - ``pooling``: ``"avg"`` (default), ``"max"`` or ``"none"`` for a ``layer``'s feature maps or
-      tokens (``"none"`` flattens: ``D = C * H * W``, check :func:`estimate_memory`).
+    - ``pooling``: ``"avg"``, ``"max"`` or ``"none"`` for a ``layer``'s feature maps or tokens
+      (``"none"`` flattens: ``D = C * H * W``, check :func:`estimate_memory`); for a timm or Hugging Face
+      transformer's tokens also ``"cls"`` (the class token) or ``"mean"`` (the patch tokens' mean).
+      ``None`` (default): what the model's own head reads for such tokens, ``"avg"`` for everything else.
     - ``weights_dir``: folder holding torchvision weight files (default
       :func:`default_weights_dir`); ``allow_download``: let torchvision fetch a missing file.
     - ``classes``: class names for a checkpoint; ``transform`` / ``input_shape``: override the
       preprocessing (a checkpoint trained on other images than ImageNet needs its own).
+    - ``model_args``: for ``timm:`` names, what ``timm.create_model`` builds the model with
+      (``{"img_size": 32}``), as the checkpoint was trained.
 
     The model is returned in eval mode on the CPU.
     """
-    check_pooling(pooling)
+    if pooling is not None:
+        check_pooling(pooling)
+    hub = hub_kind(name)
+    if model_args is not None and hub != "timm":
+        raise ValueError(f"model_args are for timm:<model name> backbones, not {name!r}")
+    if hub is not None:
+        options = {"layer": layer, "pooling": pooling, "classes": classes, "transform": transform}
+        if hub == "timm":
+            return load_timm(
+                name[len("timm:") :], weights, checkpoint, **options, input_shape=input_shape, model_args=model_args
+            )
+        return load_hf(name[len("hf:") :], weights, checkpoint, **options, input_shape=input_shape)
     key = name.strip().lower() if isinstance(name, str) else name
     if key in USER_MODEL_NAMES:
         if checkpoint is None:
@@ -296,7 +316,7 @@ def wrap_model(
     name: str = "custom",
     head: str | None = None,
     layer: str | None = None,
-    pooling: str = "avg",
+    pooling: str | None = None,
     input_shape: Sequence[int] | None = None,
     classes: Sequence[str] | None = None,
     weights_id: str | None = None,
@@ -338,7 +358,10 @@ def wrap_model(
 def backbone_classes(name: str, weights: str | None = "default", checkpoint=None) -> list[str] | None:
     """The class names ``load_backbone(name, weights, checkpoint)`` gives the backbone, without loading it:
     the bundled models' classes, the torchvision weights' categories (also for ``"random"``), ``None`` for a
-    checkpoint (its classes are not recorded in the file) or a model file."""
+    checkpoint (its classes are not recorded in the file) or a model file; for ``timm:`` / ``hf:`` names
+    :func:`oodviz.models.hub.hub_classes`."""
+    if hub_kind(name):
+        return hub_classes(name, weights, checkpoint)
     key = name.strip().lower() if isinstance(name, str) else name
     if key in USER_MODEL_NAMES or checkpoint is not None:
         return None
