@@ -5,6 +5,8 @@ The features oodviz stores must be the ones the model's own head reads: timm's
 the logits the model's own, and the head (W, b) must map the features to them. Nothing is downloaded.
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -20,7 +22,7 @@ from oodviz.models import (
     wrap_model,
 )
 from oodviz.models.architectures import backbone_family
-from oodviz.models.hub import TIMM_LISTED
+from oodviz.models.hub_names import TIMM_LISTED
 
 timm = pytest.importorskip("timm")
 transformers = pytest.importorskip("transformers")
@@ -96,7 +98,7 @@ def test_timm_checkpoint_takes_its_class_count_and_reproduces_the_model(tmp_path
     args = {k: v for k, v in TINY_VIT.items() if k != "num_classes"}
     backbone = load_backbone("timm:vit_tiny_patch16_224", checkpoint=path, model_args=args, layer="blocks.1")
     assert backbone.num_classes == 7 and backbone.pooling == "cls" and backbone.head is None
-    assert backbone.weights_id.startswith("sha256:")
+    assert backbone.weights_id.startswith("sha256:") and backbone.weights_id.endswith(json.dumps(args, sort_keys=True))
     x = _inputs(backbone)
     with torch.no_grad():
         tokens = model.blocks(model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(x)))))

@@ -26,7 +26,7 @@ from oodviz.models import (
     wrap_model,
 )
 from oodviz.models.digits import DIGITS_METADATA, DIGITS_WEIGHTS, DigitsCNN, as_served, normalize_digits
-from oodviz.models.hub import TIMM_LISTED
+from oodviz.models.hub_names import TIMM_LISTED
 
 TORCHVISION = ["resnet18", "resnet50", "vit_b_16", "swin_t", "convnext_tiny", "efficientnet_b0", "mobilenet_v3_large"]
 EXPECTED_D = {

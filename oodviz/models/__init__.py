@@ -15,7 +15,7 @@ estimate_memory(bb, {"train": 50_000}).warn_if_over(4 * 2**30)     # str or None
 ```
 
 See :mod:`oodviz.models.registry` (the loaders: names, weights, checkpoints, model files), :mod:`oodviz.models.hub`
-(timm and Hugging Face models, optional dependencies) with
+(timm and Hugging Face models, optional dependencies; their names in :mod:`oodviz.models.hub_names`) with
 :mod:`oodviz.models.architectures` and :mod:`oodviz.models.checkpoints`, :mod:`oodviz.models.backbone`
 (feature sources, pooling), :mod:`oodviz.models.memory` (store size estimates) and
 :mod:`oodviz.models.placement` (device names, a model held on a device for a block).
@@ -38,6 +38,7 @@ _SOURCES = {
     "digits": ("DigitsCNN", "DigitsTransform", "digits_arrays"),
     "fashion": ("FashionCNN", "FashionTransform"),
     "hub": ("load_hf", "load_timm"),
+    "hub_names": ("hub_family", "hub_kind"),
     "checkpoints": ("CheckpointError",),
     "memory": ("MemoryEstimate", "describe_memory", "estimate_memory", "format_bytes", "warn_if_over"),
     "placement": ("DEVICE_CHOICES", "device_problem", "model_on_device", "parse_device"),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from oodviz.models.digits import DIGITS_CLASSES, DIGITS_WEIGHTS, DigitsTransform, build_digits_cnn
 from oodviz.models.fashion import FASHION_CLASSES, FASHION_WEIGHTS, FashionTransform, build_fashion_cnn
+from oodviz.models.hub_names import TIMM_LISTED, hub_family, hub_kind
 
 #: Seed of ``weights="random"``; part of its ``weights_id``.
 RANDOM_SEED = 0
@@ -159,16 +161,12 @@ BUNDLED: dict[str, BundledWeights] = {
 
 def available_backbones() -> list[str]:
     """Names ``load_backbone`` accepts without a checkpoint, the offline default first; then, when timm is
-    installed, a few timm models (:data:`oodviz.models.hub.TIMM_LISTED`; they take a checkpoint file or random
+    installed, a few timm models (:data:`oodviz.models.hub_names.TIMM_LISTED`; they take a checkpoint file or random
     weights).
 
     (``"torchscript"`` and ``"export"`` are also accepted, with ``checkpoint=``; so are any ``timm:<model name>``
     and ``hf:<directory>``, see :mod:`oodviz.models.hub`.)
     """
-    import importlib.util
-
-    from oodviz.models.hub import TIMM_LISTED  # here: hub imports this module
-
     return list(ARCHITECTURES) + (list(TIMM_LISTED) if importlib.util.find_spec("timm") else [])
 
 
@@ -179,11 +177,9 @@ BACKBONE_FAMILIES = ("cnn", "transformer")
 
 def backbone_family(name) -> str:
     """``"transformer"`` for the registry's vision transformers (:data:`TRANSFORMERS`: ViT, Swin) and timm /
-    Hugging Face transformers (:func:`oodviz.models.hub.hub_family`), else ``"cnn"`` (the bundled CNNs, ResNets,
+    Hugging Face transformers (:func:`oodviz.models.hub_names.hub_family`), else ``"cnn"`` (the bundled CNNs, ResNets,
     ConvNeXt, EfficientNet, MobileNet, and a user's own model file, whose architecture oodviz cannot see). Case
     and surrounding spaces are ignored; any other value is a CNN."""
-    from oodviz.models.hub import hub_family, hub_kind  # here: hub imports this module
-
     if hub_kind(name):
         return hub_family(name)
     key = name.strip().lower() if isinstance(name, str) else name
@@ -330,7 +326,7 @@ def architecture_layer_names(name: str) -> list[str]:
     """The names ``layer=`` accepts for registry backbone ``name`` or a ``timm:`` / ``hf:`` backbone
     (``model.named_modules()``, the root excluded), read from the architecture built on the meta device: no
     weights read, no memory used."""
-    from oodviz.models.hub import hub_kind, hub_layer_names  # here: hub imports this module
+    from oodviz.models.hub import hub_layer_names  # here: hub imports this module
 
     if hub_kind(name):
         return hub_layer_names(name)

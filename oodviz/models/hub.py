@@ -40,47 +40,10 @@ from torch import Tensor, nn
 from oodviz.models.architectures import RANDOM_SEED, Architecture, RGBTransform, build_random, calibrate_batchnorm
 from oodviz.models.backbone import Backbone, TokenLayout, check_pooling
 from oodviz.models.checkpoints import build_from_state_dict, check_file, file_sha256, load_state_dict_file
+from oodviz.models.hub_names import HF_PREFIX, HF_TRANSFORMERS, TIMM_PREFIX, hub_kind
 
-TIMM_PREFIX = "timm:"
-HF_PREFIX = "hf:"
-#: The timm models the app lists when timm is installed (any other timm name loads too): OpenOOD v1.5's ImageNet
-#: transformers and CNNs (ViT-B/16, Swin-T, RegNetY-16GF), DeiT and ConvNeXt.
-TIMM_LISTED = (
-    "timm:vit_base_patch16_224",
-    "timm:deit_small_patch16_224",
-    "timm:swin_tiny_patch4_window7_224",
-    "timm:convnext_tiny",
-    "timm:regnety_160",
-)
-#: Hugging Face ``model_type`` values of transformers over patch tokens whose token layout oodviz knows
-#: (:func:`_hf_tokens`); the others count as CNNs.
-HF_TRANSFORMERS = ("vit", "deit", "beit", "data2vec-vision", "dinov2", "dinov2_with_registers", "swin", "swinv2")
-#: timm model-name prefixes of transformers over patch tokens.
-TIMM_TRANSFORMERS = ("vit", "deit", "beit", "eva", "swin", "cait", "xcit", "flexivit", "pvt", "twins", "levit")
 # PIL's resampling codes (Hugging Face processors' ``resample``) -> torchvision's names.
 _RESAMPLE = {0: "NEAREST", 1: "LANCZOS", 2: "BILINEAR", 3: "BICUBIC", 4: "BOX", 5: "HAMMING"}
-
-
-def hub_kind(name) -> str | None:
-    """``"timm"`` for ``timm:<model>``, ``"hf"`` for ``hf:<directory>``, else ``None``."""
-    if isinstance(name, str):
-        if name.startswith(TIMM_PREFIX):
-            return "timm"
-        if name.startswith(HF_PREFIX):
-            return "hf"
-    return None
-
-
-def hub_family(name: str) -> str:
-    """``"transformer"`` or ``"cnn"`` for a ``timm:`` / ``hf:`` name, from the timm model name or the directory's
-    ``config.json`` (``"cnn"`` when it cannot be read)."""
-    if hub_kind(name) == "timm":
-        return "transformer" if name[len(TIMM_PREFIX) :].startswith(TIMM_TRANSFORMERS) else "cnn"
-    try:
-        model_type = json.loads((Path(name[len(HF_PREFIX) :]) / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return "cnn"
-    return "transformer" if model_type in HF_TRANSFORMERS else "cnn"
 
 
 def _require(package: str, extra: str):
@@ -209,7 +172,10 @@ def load_timm(
         path = check_file(checkpoint)
         state = load_state_dict_file(path, f"a state dict of the timm model {model_name}")
         model = build_from_state_dict(arch, state, path)
-        weights_id = f"sha256:{file_sha256(path)}"
+        # model_args such as global_pool change the features, not the file: both make the cache key
+        weights_id = f"sha256:{file_sha256(path)}" + (
+            f":{json.dumps(model_args, sort_keys=True)}" if model_args else ""
+        )
     elif random:
         model = build_random(arch, arch.default_classes, calibrate=False)
         weights_id = f"random:{arch.name}:{json.dumps(model_args, sort_keys=True)}:seed={RANDOM_SEED}"

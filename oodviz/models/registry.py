@@ -63,7 +63,8 @@ from oodviz.models.checkpoints import (
     short_error,
     torchvision_state_dict,
 )
-from oodviz.models.hub import hub_classes, hub_kind, load_hf, load_timm
+from oodviz.models.hub import hub_classes, load_hf, load_timm
+from oodviz.models.hub_names import HF_PREFIX, TIMM_PREFIX, hub_kind
 
 
 def load_backbone(
@@ -113,11 +114,10 @@ def load_backbone(
         raise ValueError(f"model_args are for timm:<model name> backbones, not {name!r}")
     if hub is not None:
         options = {"layer": layer, "pooling": pooling, "classes": classes, "transform": transform}
+        options["input_shape"] = input_shape
         if hub == "timm":
-            return load_timm(
-                name[len("timm:") :], weights, checkpoint, **options, input_shape=input_shape, model_args=model_args
-            )
-        return load_hf(name[len("hf:") :], weights, checkpoint, **options, input_shape=input_shape)
+            return load_timm(name[len(TIMM_PREFIX) :], weights, checkpoint, **options, model_args=model_args)
+        return load_hf(name[len(HF_PREFIX) :], weights, checkpoint, **options)
     key = name.strip().lower() if isinstance(name, str) else name
     if key in USER_MODEL_NAMES:
         if checkpoint is None:
