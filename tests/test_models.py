@@ -254,6 +254,16 @@ def test_channels_last_and_token_layers(random_backbone):
     assert pool_features(tokens, "none").shape == (2, 197 * 768)
 
 
+def test_vit_b_16_token_layers_default_to_the_class_token_its_head_reads(random_backbone):
+    penultimate = random_backbone("vit_b_16")
+    assert penultimate.tokens.prefix == 1 and "encoder.layers.encoder_layer_0" in penultimate.tokens.layers
+    assert "conv_proj" not in penultimate.tokens.layers  # the patch embedding: before the class token
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    encoder = penultimate.with_layer("encoder")
+    assert encoder.pooling == "cls" and _close(encoder.features_and_logits(x)[0], penultimate.features_and_logits(x)[0])
+    assert penultimate.with_layer("conv_proj").pooling == "avg"
+
+
 def test_vit_unpooled_tokens_show_in_the_estimate(random_backbone):
     vit = random_backbone("vit_b_16").with_layer("encoder", pooling="none")
     shape = vit.feature_shape()

@@ -2,8 +2,8 @@
 
 :data:`ARCHITECTURES` maps a registry name (:func:`available_backbones`) to an :class:`Architecture`:
 the builder (``num_classes -> nn.Module`` with random weights), the module path of its final
-``nn.Linear``, the feature size ``D``, the class count of its default weights and which layers
-output channels-last maps. :data:`BUNDLED` says where the bundled models' weights are
+``nn.Linear``, the feature size ``D``, the class count of its default weights, which layers
+output channels-last maps and, for ViT, where its class token is. :data:`BUNDLED` says where the bundled models' weights are
 (``oodviz/weights/``); torchvision models take torchvision's weight enums (:func:`weights_enum`).
 ``build_random`` makes the seeded random model of ``weights="random"``.
 """
@@ -73,6 +73,8 @@ class Architecture:
     default_classes: int
     channels_last: Callable[[str], bool] | None  # does layer `name` output [B, H, W, C]? (None: never)
     torchvision: bool = True
+    # a transformer's (prefix tokens, what its head reads, the module giving its final token sequence)
+    tokens: tuple[int, str, str] | None = None
 
 
 def _swin_channels_last(layer: str) -> bool:
@@ -87,6 +89,9 @@ def _convnext_channels_last(layer: str) -> bool:
 
 
 _CHANNELS_LAST = {"swin": _swin_channels_last, "convnext": _convnext_channels_last}
+# ViT-B/16: its class token first, read by the head from the encoder's output (Swin has no class token: its
+# stages are maps)
+_TOKENS = {"vit_b_16": (1, "cls", "encoder")}
 
 
 def _torchvision_builder(arch: str) -> Callable[[int], nn.Module]:
@@ -123,6 +128,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             _torchvision_builder(name),
             1000,
             _CHANNELS_LAST.get(name.split("_")[0]),
+            tokens=_TOKENS.get(name),
         )
         for name, (head, dim) in _TORCHVISION.items()
     },

@@ -85,6 +85,39 @@ class TokenLayout:
     layers: tuple[str, ...]
 
 
+def probe_token_layout(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    prefix: int,
+    head_pooling: str,
+    last_hidden: Callable[[Tensor], Tensor],
+) -> TokenLayout | None:
+    """The :class:`TokenLayout` of a transformer, from one forward pass of a fixed random input ``[1,
+    *input_shape]``: its layers are the modules whose output has the ``T`` tokens of ``last_hidden(x)`` (the
+    model's final sequence ``[B, T, D]``). ``None`` when ``last_hidden`` gives no token sequence."""
+    seen: dict[str, tuple] = {}
+
+    def record(name: str) -> Callable:
+        def hook(_module, _args, out) -> None:  # returns None: the output is left as it is
+            seen.setdefault(name, tuple(out.shape) if isinstance(out, Tensor) else ())
+
+        return hook
+
+    x = torch.randn((1, *input_shape), generator=torch.Generator().manual_seed(_PROBE_SEED))
+    hooks = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
+    try:
+        with torch.no_grad(), _eval_mode(model):
+            last = last_hidden(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if last.ndim != 3:
+        return None
+    tokens = last.shape[1]
+    layers = tuple(n for n, _ in model.named_modules() if len(seen.get(n, ())) == 3 and seen[n][1] == tokens)
+    return TokenLayout(prefix=prefix, head_pooling=head_pooling, layers=layers)
+
+
 def check_pooling(pooling: str) -> str:
     if pooling not in POOLINGS:
         raise ValueError(
@@ -444,8 +477,8 @@ class Backbone:
         if self.tokens is None:
             raise ValueError(
                 f"{self.name}: pooling={self.pooling!r} needs to know where the class and patch tokens are, which "
-                "oodviz knows for timm and Hugging Face vision transformers (timm:<model>, hf:<directory>); for "
-                "this model use pooling='avg' or 'max'"
+                "oodviz knows for vit_b_16 and timm and Hugging Face vision transformers (timm:<model>, "
+                "hf:<directory>); for this model use pooling='avg' or 'max'"
             )
         if self.layer not in self.tokens.layers:
             raise ValueError(

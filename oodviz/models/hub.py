@@ -38,7 +38,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from oodviz.models.architectures import RANDOM_SEED, Architecture, RGBTransform, build_random, calibrate_batchnorm
-from oodviz.models.backbone import Backbone, TokenLayout, check_pooling
+from oodviz.models.backbone import Backbone, check_pooling, probe_token_layout
 from oodviz.models.checkpoints import build_from_state_dict, check_file, file_sha256, load_state_dict_file
 from oodviz.models.hub_names import HF_PREFIX, HF_TRANSFORMERS, TIMM_PREFIX, hub_kind
 
@@ -458,30 +458,6 @@ def last_axis_layers(model: nn.Module) -> Callable[[str], bool]:
     return rule
 
 
-def _token_layers(model: nn.Module, x: Tensor, last_hidden: Callable[[Tensor], Tensor]) -> tuple[str, ...] | None:
-    """The modules whose output is the model's whole token sequence ``[B, T, D]`` (``T`` of ``last_hidden``'s
-    output, prefix tokens included), in module order; ``None`` when the model has no token sequence."""
-    seen: dict[str, tuple] = {}
-
-    def record(name: str) -> Callable:
-        def hook(_module, _args, out) -> None:  # returns None: the output is left as it is
-            seen.setdefault(name, tuple(out.shape) if isinstance(out, Tensor) else ())
-
-        return hook
-
-    hooks = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
-    try:
-        with torch.no_grad():
-            last = last_hidden(x)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    if last.ndim != 3:
-        return None
-    tokens = last.shape[1]
-    return tuple(n for n, _ in model.named_modules() if len(seen.get(n, ())) == 3 and seen[n][1] == tokens)
-
-
 def _finish(
     name: str,
     model: nn.Module,
@@ -502,12 +478,7 @@ def _finish(
     if input_shape is None:
         sample = transform(Image.new("RGB", (256, 256)))
         input_shape = tuple(sample.shape)
-    tokens = None
-    if token_info is not None:
-        probe = torch.randn((1, *input_shape), generator=torch.Generator().manual_seed(1234))
-        layers = _token_layers(model, probe, last_hidden)
-        if layers:
-            tokens = TokenLayout(prefix=token_info[0], head_pooling=token_info[1], layers=layers)
+    tokens = None if token_info is None else probe_token_layout(model, input_shape, *token_info, last_hidden)
     backbone = Backbone(
         name,
         model,

@@ -52,7 +52,7 @@ from oodviz.models.architectures import (
     imagenet_transform,
     weights_enum,
 )
-from oodviz.models.backbone import Backbone, check_pooling
+from oodviz.models.backbone import Backbone, check_pooling, probe_token_layout
 from oodviz.models.checkpoints import (
     CheckpointError,
     archive_kind,
@@ -95,8 +95,8 @@ def load_backbone(
     - ``layer``: a module name (``"layer3"``, ``"encoder.layers.encoder_layer_6"``) whose output
       gives the features instead of the penultimate layer; ``head`` is then ``None``.
     - ``pooling``: ``"avg"``, ``"max"`` or ``"none"`` for a ``layer``'s feature maps or tokens
-      (``"none"`` flattens: ``D = C * H * W``, check :func:`estimate_memory`); for a timm or Hugging Face
-      transformer's tokens also ``"cls"`` (the class token) or ``"mean"`` (the patch tokens' mean).
+      (``"none"`` flattens: ``D = C * H * W``, check :func:`estimate_memory`); for the tokens of ``vit_b_16``
+      or a timm or Hugging Face transformer also ``"cls"`` (the class token) or ``"mean"`` (the patch tokens' mean).
       ``None`` (default): what the model's own head reads for such tokens, ``"avg"`` for everything else.
     - ``weights_dir``: folder holding torchvision weight files (default
       :func:`default_weights_dir`); ``allow_download``: let torchvision fetch a missing file.
@@ -164,6 +164,10 @@ def load_backbone(
     else:
         default_shape = None
     shape = tuple(input_shape) if input_shape is not None else (default_shape or _infer_input_shape(transform))
+    tokens = None
+    if arch.tokens is not None:
+        prefix, head_pooling, sequence = arch.tokens
+        tokens = probe_token_layout(model, shape, prefix, head_pooling, lambda x: _module_output(model, sequence, x))
     backbone = Backbone(
         arch.name,
         model,
@@ -176,11 +180,23 @@ def load_backbone(
         classes=classes if classes is not None else default_classes,
         arch=arch.name,
         channels_last=arch.channels_last,
+        tokens=tokens,
     )
     if layer is not None:
         backbone.feature_shape()  # one probe forward: D is known (and checked) before any run
         _check_classes(backbone, classes)
     return backbone
+
+
+def _module_output(model: nn.Module, name: str, x: Tensor) -> Tensor:
+    """The output of ``model``'s module ``name`` in a forward pass of ``x``."""
+    captured = []
+    handle = dict(model.named_modules())[name].register_forward_hook(lambda _m, _args, out: captured.append(out))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    return captured[-1]
 
 
 def _infer_input_shape(transform: Callable) -> tuple[int, ...]:
