@@ -257,3 +257,45 @@ def test_hf_swin_has_no_class_token_and_its_head_reads_the_tokens_mean(tmp_path)
     _check_head_and_logits(backbone, x, features, logits)
     last_norm = backbone.with_layer("swin.layernorm")
     assert last_norm.pooling == "mean" and _close(last_norm.features_and_logits(x)[0], pooled)
+
+
+# ----------------------------------------------------------------------------- through the engine
+
+
+class _Images:
+    """``ds[i] -> (PIL image, label, source_index)``: ``n`` seeded random 40 x 40 images, labels ``i % classes``."""
+
+    def __init__(self, n, name, seed, classes):
+        rng = np.random.default_rng(seed)
+        self.images = [Image.fromarray(rng.integers(0, 256, (40, 40, 3), dtype=np.uint8)) for _ in range(n)]
+        self.name = name
+        self.classes = [str(c) for c in range(classes)]
+
+    def __len__(self):
+        return len(self.images)
+
+    def __getitem__(self, i):
+        return self.images[i], i % len(self.classes), i
+
+
+@pytest.mark.parametrize("source, layer", [("timm", None), ("timm", "blocks.1"), ("hf", None), ("hf", "vit.layers.0")])
+def test_features_go_through_the_store_to_mahalanobis_vim_and_energy(vit, hf_dir, source, layer, tmp_path):
+    from oodviz.detectors import create
+    from oodviz.engine import extract
+
+    loaded = vit if source == "timm" else load_backbone(f"hf:{hf_dir}")
+    backbone = loaded if layer is None else loaded.with_layer(layer)
+    fit, test = (_Images(n, name, seed, loaded.num_classes) for n, name, seed in ((40, "fit", 0), (12, "test", 1)))
+    stores = {ds.name: extract(backbone, ds, tmp_path, {"layer": layer}, batch_size=16) for ds in (fit, test)}
+    x = torch.stack([backbone.transform(image) for image in test.images])
+    features, logits = backbone.features_and_logits(x)
+    assert _close(torch.from_numpy(np.array(stores["test"].features)), features)
+    assert _close(torch.from_numpy(np.array(stores["test"].logits)), logits)
+    head = stores["fit"].head
+    assert (head is None) == (layer is not None)
+    for name, params in (("mahalanobis", {}), ("vim", {"dim": 8}), ("energy", {})):
+        if name == "vim" and head is None:
+            continue  # vim needs the head, which a block's features do not feed
+        detector = create(name, **params).fit(stores["fit"].batches(), head=head)
+        scores = detector.score(stores["test"].batches())
+        assert scores.shape == (12,) and torch.isfinite(scores).all(), name
