@@ -20,7 +20,9 @@ file (``checkpoint=``; the class count from its head) or is random (seeded); a H
   :class:`~oodviz.models.backbone.TokenLayout` (prefix tokens, what the head reads, which layers hold the token
   sequence), so that ``pooling="cls"`` / ``"mean"`` work and are the default of its token layers.
 
-timm and transformers are imported inside the functions that need them, so that oodviz works without them.
+timm and transformers are imported inside the functions that need them, so that oodviz works without them; the
+names (``hub_kind``, ``hub_family``, the timm models the app lists) are in :mod:`oodviz.models.hub_names`, without
+torch.
 """
 
 from __future__ import annotations
