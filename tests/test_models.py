@@ -1,5 +1,6 @@
 """The backbone registry (oodviz.models): bundled digits-cnn, torchvision archs, user models, memory."""
 
+import importlib.util
 import json
 import os
 import pickle
@@ -25,6 +26,7 @@ from oodviz.models import (
     wrap_model,
 )
 from oodviz.models.digits import DIGITS_METADATA, DIGITS_WEIGHTS, DigitsCNN, as_served, normalize_digits
+from oodviz.models.hub_names import TIMM_LISTED
 
 TORCHVISION = ["resnet18", "resnet50", "vit_b_16", "swin_t", "convnext_tiny", "efficientnet_b0", "mobilenet_v3_large"]
 EXPECTED_D = {
@@ -71,7 +73,8 @@ def _digit_image(values: np.ndarray) -> Image.Image:
 
 
 def test_registry_names():
-    assert available_backbones() == ["digits-cnn", "fashion-cnn", *TORCHVISION]
+    listed_timm = list(TIMM_LISTED) if importlib.util.find_spec("timm") else []
+    assert available_backbones() == ["digits-cnn", "fashion-cnn", *TORCHVISION, *listed_timm]
     for name in TORCHVISION:
         info = backbone_info(name)
         assert info["feature_dim"] == EXPECTED_D[name] and info["num_classes"] == 1000
@@ -227,7 +230,9 @@ def test_layer_hook_pooling_and_memory(resnet18):
     with pytest.raises(ValueError, match="did you mean 'layer3'"):
         resnet18.with_layer("layer_3")
     with pytest.raises(ValueError, match="pooling must be one of"):
-        load_backbone("resnet18", weights="random", layer="layer3", pooling="mean")
+        load_backbone("resnet18", weights="random", layer="layer3", pooling="median")
+    with pytest.raises(ValueError, match="reads a transformer's token sequence .* use pooling='avg' or 'max'"):
+        resnet18.with_layer("layer3", pooling="mean")
     assert resnet18.with_layer(None).head is not None
 
 
@@ -249,12 +254,23 @@ def test_channels_last_and_token_layers(random_backbone):
     assert pool_features(tokens, "none").shape == (2, 197 * 768)
 
 
+def test_vit_b_16_token_layers_default_to_the_class_token_its_head_reads(random_backbone):
+    penultimate = random_backbone("vit_b_16")
+    assert penultimate.tokens.prefix == 1 and "encoder.layers.encoder_layer_0" in penultimate.tokens.layers
+    assert "conv_proj" not in penultimate.tokens.layers  # the patch embedding: before the class token
+    x = torch.randn(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    encoder = penultimate.with_layer("encoder")
+    assert encoder.pooling == "cls" and _close(encoder.features_and_logits(x)[0], penultimate.features_and_logits(x)[0])
+    assert penultimate.with_layer("conv_proj").pooling == "avg"
+
+
 def test_vit_unpooled_tokens_show_in_the_estimate(random_backbone):
     vit = random_backbone("vit_b_16").with_layer("encoder", pooling="none")
     shape = vit.feature_shape()
     assert shape.raw == (197, 768) and shape.layout == "tokens" and vit.feature_dim == 197 * 768
     warning = estimate_memory(vit, {"imagenet-val": 50_000}).warn_if_over(8 * 2**30)
     assert "50,000 x 151,296 features" in warning and "pooling='avg' gives D=768" in warning
+    assert "'cls' (the class token) or 'mean' (of the patch tokens)" in warning
 
 
 # ----------------------------------------------------------------------------- weights and checkpoints

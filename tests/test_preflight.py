@@ -220,9 +220,11 @@ def test_a_run_over_several_layers_is_told_to_pool_its_widest_layer():
     }
     report = assess(config, layers["penultimate"][0], {"disk": 10**15, "ram": 16 * GiB}, layers=layers)
     assert [need.what.split()[1] for need in report.over] == [f"mahalanobis@{block}"]
-    assert (
-        report.fixes[0].text
-        == "pool the features: pooling='avg' gives D=768 instead of 151,296 (197 x 768 per sample, 197x smaller)"
+    assert report.fixes[0] == Fix(
+        "pooling",
+        "pool the features: pooling='avg' gives D=768 instead of 151,296 (197 x 768 per sample, 197x smaller); "
+        "so do 'max' and, for a transformer's tokens, 'cls' (the class token) or 'mean' (of the patch tokens)",
+        "avg",
     )
     assert Fix("drop_layer", f"fewer layers: the widest is {block} (D=151,296)", block) in report.fixes
 

@@ -6,13 +6,16 @@ from oodviz.models import available_backbones, load_backbone, estimate_memory
 available_backbones()                      # ["digits-cnn", "fashion-cnn", "resnet18", ..., "mobilenet_v3_large"]
 bb = load_backbone("digits-cnn")           # bundled, offline (also "fashion-cnn": 28x28 Fashion-MNIST)
 bb = load_backbone("resnet18", weights="random", layer="layer3")   # D = 256 (avg-pooled)
+bb = load_backbone("timm:vit_small_patch16_224", checkpoint="vit.pt", layer="blocks.6")  # class token (pooling="cls")
+bb = load_backbone("hf:models/my-vit")     # a save_pretrained() directory, read with local files only
 x = torch.stack([bb.transform(img) for img in pil_images])          # [B, *bb.input_shape]
 features, logits = bb.features_and_logits(x)                        # [B, D], [B, C]
 bb.head                                    # (weight [C, D], bias [C]) or None
 estimate_memory(bb, {"train": 50_000}).warn_if_over(4 * 2**30)     # str or None
 ```
 
-See :mod:`oodviz.models.registry` (the loaders: names, weights, checkpoints, model files) with
+See :mod:`oodviz.models.registry` (the loaders: names, weights, checkpoints, model files), :mod:`oodviz.models.hub`
+(timm and Hugging Face models, optional dependencies; their names in :mod:`oodviz.models.hub_names`) with
 :mod:`oodviz.models.architectures` and :mod:`oodviz.models.checkpoints`, :mod:`oodviz.models.backbone`
 (feature sources, pooling), :mod:`oodviz.models.memory` (store size estimates) and
 :mod:`oodviz.models.placement` (device names, a model held on a device for a block).
@@ -32,9 +35,11 @@ _SOURCES = {
         "imagenet_transform",
         "unknown_layer_message",
     ),
-    "backbone": ("POOLINGS", "Backbone", "FeatureShape", "pool_features"),
+    "backbone": ("POOLINGS", "TOKEN_POOLINGS", "Backbone", "FeatureShape", "TokenLayout", "pool_features"),
     "digits": ("DigitsCNN", "DigitsTransform", "digits_arrays"),
     "fashion": ("FashionCNN", "FashionTransform"),
+    "hub": ("load_hf", "load_timm"),
+    "hub_names": ("hub_family", "hub_kind"),
     "checkpoints": ("CheckpointError",),
     "memory": ("MemoryEstimate", "describe_memory", "estimate_memory", "format_bytes", "warn_if_over"),
     "placement": ("DEVICE_CHOICES", "device_problem", "model_on_device", "parse_device"),

@@ -2,8 +2,8 @@
 
 :data:`ARCHITECTURES` maps a registry name (:func:`available_backbones`) to an :class:`Architecture`:
 the builder (``num_classes -> nn.Module`` with random weights), the module path of its final
-``nn.Linear``, the feature size ``D``, the class count of its default weights and which layers
-output channels-last maps. :data:`BUNDLED` says where the bundled models' weights are
+``nn.Linear``, the feature size ``D``, the class count of its default weights, which layers
+output channels-last maps and, for ViT, where its class token is. :data:`BUNDLED` says where the bundled models' weights are
 (``oodviz/weights/``); torchvision models take torchvision's weight enums (:func:`weights_enum`).
 ``build_random`` makes the seeded random model of ``weights="random"``.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 
 from oodviz.models.digits import DIGITS_CLASSES, DIGITS_WEIGHTS, DigitsTransform, build_digits_cnn
 from oodviz.models.fashion import FASHION_CLASSES, FASHION_WEIGHTS, FashionTransform, build_fashion_cnn
+from oodviz.models.hub_names import TIMM_LISTED, hub_family, hub_kind
 
 #: Seed of ``weights="random"``; part of its ``weights_id``.
 RANDOM_SEED = 0
@@ -71,6 +73,8 @@ class Architecture:
     default_classes: int
     channels_last: Callable[[str], bool] | None  # does layer `name` output [B, H, W, C]? (None: never)
     torchvision: bool = True
+    # a transformer's (prefix tokens, what its head reads, the module giving its final token sequence)
+    tokens: tuple[int, str, str] | None = None
 
 
 def _swin_channels_last(layer: str) -> bool:
@@ -85,6 +89,9 @@ def _convnext_channels_last(layer: str) -> bool:
 
 
 _CHANNELS_LAST = {"swin": _swin_channels_last, "convnext": _convnext_channels_last}
+# ViT-B/16: its class token first, read by the head from the encoder's output (Swin has no class token: its
+# stages are maps)
+_TOKENS = {"vit_b_16": (1, "cls", "encoder")}
 
 
 def _torchvision_builder(arch: str) -> Callable[[int], nn.Module]:
@@ -121,6 +128,7 @@ ARCHITECTURES: dict[str, Architecture] = {
             _torchvision_builder(name),
             1000,
             _CHANNELS_LAST.get(name.split("_")[0]),
+            tokens=_TOKENS.get(name),
         )
         for name, (head, dim) in _TORCHVISION.items()
     },
@@ -158,11 +166,14 @@ BUNDLED: dict[str, BundledWeights] = {
 
 
 def available_backbones() -> list[str]:
-    """Names ``load_backbone`` accepts without a checkpoint, the offline default first.
+    """Names ``load_backbone`` accepts without a checkpoint, the offline default first; then, when timm is
+    installed, a few timm models (:data:`oodviz.models.hub_names.TIMM_LISTED`; they take a checkpoint file or random
+    weights).
 
-    (``"torchscript"`` and ``"export"`` are also accepted, with ``checkpoint=``.)
+    (``"torchscript"`` and ``"export"`` are also accepted, with ``checkpoint=``; so are any ``timm:<model name>``
+    and ``hf:<directory>``, see :mod:`oodviz.models.hub`.)
     """
-    return list(ARCHITECTURES)
+    return list(ARCHITECTURES) + (list(TIMM_LISTED) if importlib.util.find_spec("timm") else [])
 
 
 #: Registry architectures built from attention blocks over patch tokens; every other one is a CNN.
@@ -171,9 +182,12 @@ BACKBONE_FAMILIES = ("cnn", "transformer")
 
 
 def backbone_family(name) -> str:
-    """``"transformer"`` for the registry's vision transformers (:data:`TRANSFORMERS`: ViT, Swin), else
-    ``"cnn"`` (the bundled CNNs, ResNets, ConvNeXt, EfficientNet, MobileNet, and a user's own model file,
-    whose architecture oodviz cannot see). Case and surrounding spaces are ignored; any other value is a CNN."""
+    """``"transformer"`` for the registry's vision transformers (:data:`TRANSFORMERS`: ViT, Swin) and timm /
+    Hugging Face transformers (:func:`oodviz.models.hub_names.hub_family`), else ``"cnn"`` (the bundled CNNs, ResNets,
+    ConvNeXt, EfficientNet, MobileNet, and a user's own model file, whose architecture oodviz cannot see). Case
+    and surrounding spaces are ignored; any other value is a CNN."""
+    if hub_kind(name):
+        return hub_family(name)
     key = name.strip().lower() if isinstance(name, str) else name
     return "transformer" if key in TRANSFORMERS else "cnn"
 
@@ -190,7 +204,8 @@ def architecture(name: str) -> Architecture:
         f"unknown backbone {name!r}"
         + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
         + f"; available: {', '.join(known)}. For your own model use load_backbone('torchscript', checkpoint=path), "
-        "load_backbone('<architecture>', checkpoint=state_dict_path) or wrap_model(model, ...)"
+        "load_backbone('<architecture>', checkpoint=state_dict_path), 'timm:<model name>', 'hf:<directory>' "
+        "or wrap_model(model, ...)"
     )
 
 
@@ -284,11 +299,11 @@ def build_random(arch: Architecture, num_classes: int, calibrate: bool = True) -
             # torchvision zero-initialises the ViT head (for fine-tuning); a dry run needs logits that vary.
             nn.init.normal_(head.weight, std=head.weight.shape[1] ** -0.5)
         if calibrate:
-            _calibrate_batchnorm(model, default_transform(arch)[1])
+            calibrate_batchnorm(model, default_transform(arch)[1])
     return model
 
 
-def _calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None:
+def calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None:
     """Set BatchNorm running statistics from one random batch (seeded by the caller).
 
     With freshly initialised statistics (mean 0, variance 1) the eval-mode activations of deep
@@ -314,8 +329,13 @@ def _calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None
 
 
 def architecture_layer_names(name: str) -> list[str]:
-    """The names ``layer=`` accepts for registry backbone ``name`` (``model.named_modules()``, the root
-    excluded), read from the architecture built on the meta device: no weights read, no memory used."""
+    """The names ``layer=`` accepts for registry backbone ``name`` or a ``timm:`` / ``hf:`` backbone
+    (``model.named_modules()``, the root excluded), read from the architecture built on the meta device: no
+    weights read, no memory used."""
+    from oodviz.models.hub import hub_layer_names  # here: hub imports this module
+
+    if hub_kind(name):
+        return hub_layer_names(name)
     return list(_layer_names(architecture(name).name))
 
 

@@ -15,8 +15,12 @@ Where the features come from (``source``):
 - ``"layer"``: the output of any named module (``layer="layer3"``, see :meth:`Backbone.layer_names`),
   pooled to ``[B, D]``: feature maps ``[B, C, H, W]`` over ``H, W`` (channels-last maps of Swin
   and ConvNeXt block internals over their spatial axes), token sequences ``[B, T, D]`` over ``T``;
-  ``pooling="avg"`` (default) or ``"max"``; ``pooling="none"`` flattens, which can make ``D``
-  huge (the memory estimate shows it). ``head`` is ``None``.
+  ``pooling="avg"`` or ``"max"``; for a transformer's token sequence also ``"cls"`` (the class token,
+  what a ViT's head reads) or ``"mean"`` (the mean of the patch tokens, class, register and
+  distillation tokens left out: what the head of a mean-pooled ViT reads); ``pooling="none"``
+  flattens, which can make ``D`` huge (the memory estimate shows it). Without a ``pooling`` a token
+  layer takes what the model's own head reads (:class:`TokenLayout`), every other layer ``"avg"``.
+  ``head`` is ``None``.
 - ``"output"``: models without hooks (TorchScript, exported programs, plain callables) follow
   an output contract: ``model(x)`` returns ``(features [B, D], logits [B, C])``, or logits
   ``[B, C]`` plus a ``model.features(x)`` method, or logits only (then ``features`` are the
@@ -37,7 +41,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-POOLINGS = ("avg", "max", "none")
+POOLINGS = ("avg", "max", "cls", "mean", "none")
+#: The poolings that read a transformer's token sequence by position (class token first, patch tokens last).
+TOKEN_POOLINGS = ("cls", "mean")
 Head = tuple[Tensor, Tensor]
 
 #: Input used for probes (shape discovery, head verification): fixed, so probes are reproducible.
@@ -62,9 +68,62 @@ class FeatureShape:
     num_classes: int
 
 
+@dataclass(frozen=True)
+class TokenLayout:
+    """Where a transformer keeps what in its token sequence ``[B, T, D]``, found by the loader from the model.
+
+    ``prefix``: the tokens before the patch tokens (class token, register and distillation tokens: timm's
+    ``num_prefix_tokens``); the class token, when the model has one, is token 0. ``head_pooling``: what the
+    model's own head reads, ``"cls"`` or ``"mean"`` (of the patch tokens), the default of a token layer.
+    ``layers``: the modules whose output is the whole sequence ``[B, T, D]``, prefix tokens included (the
+    encoder blocks and what follows them; not the patch embedding, which comes before the class token), in
+    the model's module order.
+    """
+
+    prefix: int
+    head_pooling: str
+    layers: tuple[str, ...]
+
+
+def probe_token_layout(
+    model: nn.Module,
+    input_shape: Sequence[int],
+    prefix: int,
+    head_pooling: str,
+    last_hidden: Callable[[Tensor], Tensor],
+) -> TokenLayout | None:
+    """The :class:`TokenLayout` of a transformer, from one forward pass of a fixed random input ``[1,
+    *input_shape]``: its layers are the modules whose output has the ``T`` tokens of ``last_hidden(x)`` (the
+    model's final sequence ``[B, T, D]``). ``None`` when ``last_hidden`` gives no token sequence."""
+    seen: dict[str, tuple] = {}
+
+    def record(name: str) -> Callable:
+        def hook(_module, _args, out) -> None:  # returns None: the output is left as it is
+            seen.setdefault(name, tuple(out.shape) if isinstance(out, Tensor) else ())
+
+        return hook
+
+    x = torch.randn((1, *input_shape), generator=torch.Generator().manual_seed(_PROBE_SEED))
+    hooks = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
+    try:
+        with torch.no_grad(), _eval_mode(model):
+            last = last_hidden(x)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if last.ndim != 3:
+        return None
+    tokens = last.shape[1]
+    layers = tuple(n for n, _ in model.named_modules() if len(seen.get(n, ())) == 3 and seen[n][1] == tokens)
+    return TokenLayout(prefix=prefix, head_pooling=head_pooling, layers=layers)
+
+
 def check_pooling(pooling: str) -> str:
     if pooling not in POOLINGS:
-        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}; 'avg' is the usual choice")
+        raise ValueError(
+            f"pooling must be one of {POOLINGS}, got {pooling!r}; 'avg' is the usual choice for feature maps, "
+            "'cls' or 'mean' for a transformer's tokens"
+        )
     return pooling
 
 
@@ -76,19 +135,32 @@ def _layout(value: Tensor, channels_last: bool) -> str:
     return "nhwc" if (channels_last and value.ndim == 4) else "nchw"
 
 
-def pool_features(value: Tensor, pooling: str = "avg", channels_last: bool = False) -> Tensor:
+def pool_features(value: Tensor, pooling: str = "avg", channels_last: bool = False, prefix_tokens: int = 0) -> Tensor:
     """Reduce one layer's output ``[B, ...]`` to features ``[B, D]``.
 
     ``[B, D]`` is returned as is. ``[B, T, D]`` (tokens) is reduced over ``T``; ``[B, C, H, W]``
     (or ``[B, C, *spatial]``) over the spatial axes; with ``channels_last=True`` a 4-D input is
     ``[B, H, W, C]`` and reduced over ``H, W``. ``pooling`` is ``"avg"``, ``"max"`` or ``"none"``
-    (flatten everything after the batch axis: ``D = C * H * W``).
+    (flatten everything after the batch axis: ``D = C * H * W``); for tokens ``[B, T, D]`` also
+    ``"cls"`` (token 0, ``value[:, 0]``) or ``"mean"`` (the patch tokens' mean,
+    ``value[:, prefix_tokens:].mean(1)``: the class, register and distillation tokens left out).
     """
     check_pooling(pooling)
     if value.ndim < 2:
         raise ValueError(f"a feature layer must give [B, ...] with at least 2 axes, got shape {tuple(value.shape)}")
     if value.ndim == 2:
         return value
+    if pooling in TOKEN_POOLINGS:
+        if value.ndim != 3:
+            raise ValueError(
+                f"pooling={pooling!r} reads a transformer's token sequence [B, T, D]; this layer gives "
+                f"{list(value.shape)}, a feature map: use pooling='avg' or 'max'"
+            )
+        if not 0 <= prefix_tokens < value.shape[1]:
+            raise ValueError(
+                f"prefix_tokens={prefix_tokens} leaves no patch tokens in a sequence of {value.shape[1]} tokens"
+            )
+        return value[:, 0] if pooling == "cls" else value[:, prefix_tokens:].mean(dim=1)
     if pooling == "none":
         return value.flatten(1)
     if value.ndim == 3:
@@ -150,8 +222,12 @@ class Backbone:
 
     Attributes: ``name``, ``model``, ``transform``, ``input_shape`` (``(C_in, H, W)`` of one
     transformed sample), ``layer``, ``pooling``, ``classes`` (list of class names or ``None``),
-    ``weights_id``, ``source`` (``"penultimate"``, ``"layer"`` or ``"output"``) and ``arch``
-    (registry architecture or ``None``).
+    ``weights_id``, ``source`` (``"penultimate"``, ``"layer"`` or ``"output"``), ``arch``
+    (registry architecture or ``None``) and ``tokens`` (the :class:`TokenLayout` of a transformer whose
+    loader knows it, else ``None``: ``pooling="cls"`` / ``"mean"`` need it).
+
+    ``pooling=None`` takes the layer's default: ``tokens.head_pooling`` for a layer in ``tokens.layers``,
+    ``"avg"`` otherwise; ``pooling`` is that resolved name.
     """
 
     def __init__(
@@ -164,10 +240,11 @@ class Backbone:
         weights_id: str,
         head_module: str | None = None,
         layer: str | None = None,
-        pooling: str = "avg",
+        pooling: str | None = None,
         classes: Sequence[str] | None = None,
         arch: str | None = None,
         channels_last: Callable[[str], bool] | None = None,
+        tokens: TokenLayout | None = None,
     ):
         self.name = name
         self.model = model
@@ -175,6 +252,10 @@ class Backbone:
         self.input_shape = tuple(int(s) for s in input_shape)
         self.weights_id = weights_id
         self.layer = layer
+        self.tokens = tokens
+        if pooling is None:
+            token_layer = tokens is not None and layer is not None and layer in tokens.layers
+            pooling = tokens.head_pooling if token_layer else "avg"
         self.pooling = check_pooling(pooling)
         self.arch = arch
         self._channels_last = channels_last or _never_channels_last
@@ -291,11 +372,12 @@ class Backbone:
         self._shape = shape
         return shape
 
-    def with_layer(self, layer: str | None = None, pooling: str = "avg") -> Backbone:
+    def with_layer(self, layer: str | None = None, pooling: str | None = None) -> Backbone:
         """Another view of the same model (shared, not copied) with features from ``layer``.
 
-        ``layer=None`` goes back to the penultimate features (where the model has a head). The
-        new backbone's ``feature_dim`` is found with one probe forward.
+        ``layer=None`` goes back to the penultimate features (where the model has a head); ``pooling=None``
+        is the layer's default (see the class docstring). The new backbone's ``feature_dim`` is found with
+        one probe forward.
         """
         other = Backbone(
             self.name,
@@ -309,6 +391,7 @@ class Backbone:
             classes=self._classes,
             arch=self.arch,
             channels_last=self._channels_last,
+            tokens=self.tokens,
         )
         if other.source != "penultimate":
             other.feature_shape()
@@ -384,7 +467,27 @@ class Backbone:
 
     def pool(self, raw: Tensor) -> Tensor:
         """This backbone's features ``[B, D]`` (float32) from its layer's raw output ``[B, ...]``."""
-        return pool_features(raw, self.pooling, self._is_channels_last()).float()
+        return pool_features(raw, self.pooling, self._is_channels_last(), self._prefix_tokens(raw)).float()
+
+    def _prefix_tokens(self, raw: Tensor) -> int:
+        """The tokens before the patch tokens in ``raw`` for ``pooling="cls"`` / ``"mean"`` (0 otherwise); a
+        ValueError when the layer's tokens are not the model's sequence with its class token at 0."""
+        if self.pooling not in TOKEN_POOLINGS or raw.ndim != 3:
+            return 0
+        if self.tokens is None:
+            raise ValueError(
+                f"{self.name}: pooling={self.pooling!r} needs to know where the class and patch tokens are, which "
+                "oodviz knows for vit_b_16 and timm and Hugging Face vision transformers (timm:<model>, "
+                "hf:<directory>); for this model use pooling='avg' or 'max'"
+            )
+        if self.layer not in self.tokens.layers:
+            raise ValueError(
+                f"{self.name}: layer {self.layer!r} gives {raw.shape[1]} tokens but not the model's token sequence "
+                f"with its class token first (it comes before the class token is added, or reshapes the tokens); "
+                f"pooling={self.pooling!r} reads the layers from {self.tokens.layers[0]!r} to "
+                f"{self.tokens.layers[-1]!r} (Backbone.tokens.layers), or use pooling='avg' or 'max' here"
+            )
+        return self.tokens.prefix
 
     def _captured_output(self, captured: list) -> Tensor:
         what = f"layer {self.layer!r}" if self.source == "layer" else f"head {self._head_name!r}"
@@ -405,6 +508,8 @@ class Backbone:
         with self.capture() as captured:
             out = self.model(x)
         raw = self._captured_output(captured)
+        if not isinstance(out, Tensor) and isinstance(getattr(out, "logits", None), Tensor):
+            out = out.logits  # a Hugging Face model's output object (ModelOutput)
         logits = out[-1] if isinstance(out, (tuple, list)) else out
         if not isinstance(logits, Tensor):
             raise ValueError(f"{self.name}: the model returned a {type(out).__name__}; expected logits [B, C]")

@@ -117,7 +117,8 @@ def warn_if_over(estimate: Mapping, budget_bytes: int) -> str | None:
     Example: ``"The feature store would need 9.39 GiB, over the budget of 4 GiB. train: 50,000 x
     50,176 features = 9.35 GiB (+ logits 191 MiB). The features of layer 'encoder' are not pooled
     (pooling='none', 196 x 256 per sample): pool the features (pooling='avg' gives D=256, 196x
-    smaller) or subsample the splits."``
+    smaller; so does 'max' and, for a transformer's tokens, 'cls' (the class token) or 'mean' (of the patch
+    tokens)) or subsample the splits."``
     """
     total = int(estimate["total_bytes"])
     if total <= budget_bytes:
@@ -133,9 +134,12 @@ def warn_if_over(estimate: Mapping, budget_bytes: int) -> str | None:
     where = f"layer {layer!r}" if layer else "the feature layer"
     if estimate.get("pooling") == "none" and pooled < d:
         raw_text = " x ".join(f"{s:,}" for s in raw) if raw else f"{d:,}"
+        also = "'max'"
+        if raw and len(raw) == 2:  # tokens [T, D]
+            also += " and, for a transformer's tokens, 'cls' (the class token) or 'mean' (of the patch tokens)"
         parts.append(
             f"The features of {where} are not pooled (pooling='none', {raw_text} per sample): pool the features "
-            f"(pooling='avg' gives D={pooled:,}, {d // pooled:,}x smaller) or subsample the splits."
+            f"(pooling='avg' gives D={pooled:,}, {d // pooled:,}x smaller; so does {also}) or subsample the splits."
         )
     else:
         parts.append(

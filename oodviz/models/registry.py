@@ -5,7 +5,9 @@
 user's own model: a state-dict checkpoint of a registry architecture
 (``load_backbone("resnet18", checkpoint="my.pt")``), a TorchScript file
 (``load_backbone("torchscript", checkpoint="model.pt")``) or a ``torch.export`` program
-(``load_backbone("export", checkpoint="model.pt2")``). ``wrap_model`` wraps a model object.
+(``load_backbone("export", checkpoint="model.pt2")``), a timm model (``load_backbone("timm:convnext_tiny",
+checkpoint="my.pt")``) or a saved Hugging Face classifier (``load_backbone("hf:path/to/directory")``), see
+:mod:`oodviz.models.hub`. ``wrap_model`` wraps a model object.
 
 Weights (``weights=``):
 
@@ -50,7 +52,7 @@ from oodviz.models.architectures import (
     imagenet_transform,
     weights_enum,
 )
-from oodviz.models.backbone import Backbone, check_pooling
+from oodviz.models.backbone import Backbone, check_pooling, probe_token_layout
 from oodviz.models.checkpoints import (
     CheckpointError,
     archive_kind,
@@ -61,6 +63,8 @@ from oodviz.models.checkpoints import (
     short_error,
     torchvision_state_dict,
 )
+from oodviz.models.hub import hub_classes, load_hf, load_timm
+from oodviz.models.hub_names import HF_PREFIX, TIMM_PREFIX, hub_kind
 
 
 def load_backbone(
@@ -68,18 +72,20 @@ def load_backbone(
     weights: str | None = "default",
     checkpoint: str | os.PathLike | None = None,
     layer: str | None = None,
-    pooling: str = "avg",
+    pooling: str | None = None,
     weights_dir: str | os.PathLike | None = None,
     *,
     allow_download: bool = False,
     classes: Sequence[str] | None = None,
     transform: Callable | None = None,
     input_shape: Sequence[int] | None = None,
+    model_args: Mapping | None = None,
 ) -> Backbone:
     """Load a backbone by registry name, or a user's model from ``checkpoint``.
 
     - ``name``: one of :func:`available_backbones`, or ``"torchscript"`` / ``"export"`` with
-      ``checkpoint`` (see :func:`load_scripted`).
+      ``checkpoint`` (see :func:`load_scripted`), or ``"timm:<model name>"`` / ``"hf:<directory>"``
+      (:func:`oodviz.models.hub.load_timm`, :func:`oodviz.models.hub.load_hf`; nothing is downloaded).
     - ``weights``: ``"default"``, a torchvision weights name (``"IMAGENET1K_V2"``) or enum member,
       ``"random"`` or ``None`` (= random); see the module docstring. Ignored when ``checkpoint``
       is given.
@@ -88,16 +94,30 @@ def load_backbone(
       number of classes comes from the head weight's shape, so a 10-class resnet18 loads.
     - ``layer``: a module name (``"layer3"``, ``"encoder.layers.encoder_layer_6"``) whose output
       gives the features instead of the penultimate layer; ``head`` is then ``None``.
-    - ``pooling``: ``"avg"`` (default), ``"max"`` or ``"none"`` for a ``layer``'s feature maps or
-      tokens (``"none"`` flattens: ``D = C * H * W``, check :func:`estimate_memory`).
+    - ``pooling``: ``"avg"``, ``"max"`` or ``"none"`` for a ``layer``'s feature maps or tokens
+      (``"none"`` flattens: ``D = C * H * W``, check :func:`estimate_memory`); for the tokens of ``vit_b_16``
+      or a timm or Hugging Face transformer also ``"cls"`` (the class token) or ``"mean"`` (the patch tokens' mean).
+      ``None`` (default): what the model's own head reads for such tokens, ``"avg"`` for everything else.
     - ``weights_dir``: folder holding torchvision weight files (default
       :func:`default_weights_dir`); ``allow_download``: let torchvision fetch a missing file.
     - ``classes``: class names for a checkpoint; ``transform`` / ``input_shape``: override the
       preprocessing (a checkpoint trained on other images than ImageNet needs its own).
+    - ``model_args``: for ``timm:`` names, what ``timm.create_model`` builds the model with
+      (``{"img_size": 32}``), as the checkpoint was trained.
 
     The model is returned in eval mode on the CPU.
     """
-    check_pooling(pooling)
+    if pooling is not None:
+        check_pooling(pooling)
+    hub = hub_kind(name)
+    if model_args is not None and hub != "timm":
+        raise ValueError(f"model_args are for timm:<model name> backbones, not {name!r}")
+    if hub is not None:
+        options = {"layer": layer, "pooling": pooling, "classes": classes, "transform": transform}
+        options["input_shape"] = input_shape
+        if hub == "timm":
+            return load_timm(name[len(TIMM_PREFIX) :], weights, checkpoint, **options, model_args=model_args)
+        return load_hf(name[len(HF_PREFIX) :], weights, checkpoint, **options)
     key = name.strip().lower() if isinstance(name, str) else name
     if key in USER_MODEL_NAMES:
         if checkpoint is None:
@@ -144,6 +164,10 @@ def load_backbone(
     else:
         default_shape = None
     shape = tuple(input_shape) if input_shape is not None else (default_shape or _infer_input_shape(transform))
+    tokens = None
+    if arch.tokens is not None:
+        prefix, head_pooling, sequence = arch.tokens
+        tokens = probe_token_layout(model, shape, prefix, head_pooling, lambda x: _module_output(model, sequence, x))
     backbone = Backbone(
         arch.name,
         model,
@@ -156,11 +180,23 @@ def load_backbone(
         classes=classes if classes is not None else default_classes,
         arch=arch.name,
         channels_last=arch.channels_last,
+        tokens=tokens,
     )
     if layer is not None:
         backbone.feature_shape()  # one probe forward: D is known (and checked) before any run
         _check_classes(backbone, classes)
     return backbone
+
+
+def _module_output(model: nn.Module, name: str, x: Tensor) -> Tensor:
+    """The output of ``model``'s module ``name`` in a forward pass of ``x``."""
+    captured = []
+    handle = dict(model.named_modules())[name].register_forward_hook(lambda _m, _args, out: captured.append(out))
+    try:
+        model(x)
+    finally:
+        handle.remove()
+    return captured[-1]
 
 
 def _infer_input_shape(transform: Callable) -> tuple[int, ...]:
@@ -296,7 +332,7 @@ def wrap_model(
     name: str = "custom",
     head: str | None = None,
     layer: str | None = None,
-    pooling: str = "avg",
+    pooling: str | None = None,
     input_shape: Sequence[int] | None = None,
     classes: Sequence[str] | None = None,
     weights_id: str | None = None,
@@ -338,7 +374,10 @@ def wrap_model(
 def backbone_classes(name: str, weights: str | None = "default", checkpoint=None) -> list[str] | None:
     """The class names ``load_backbone(name, weights, checkpoint)`` gives the backbone, without loading it:
     the bundled models' classes, the torchvision weights' categories (also for ``"random"``), ``None`` for a
-    checkpoint (its classes are not recorded in the file) or a model file."""
+    checkpoint (its classes are not recorded in the file) or a model file; for ``timm:`` / ``hf:`` names
+    :func:`oodviz.models.hub.hub_classes`."""
+    if hub_kind(name):
+        return hub_classes(name, weights, checkpoint)
     key = name.strip().lower() if isinstance(name, str) else name
     if key in USER_MODEL_NAMES or checkpoint is not None:
         return None

@@ -308,7 +308,8 @@ def fixes(
             Fix(
                 "pooling",
                 f"pool the features: pooling='avg' gives D={pooled:,} instead of {d:,} ({shape} per sample, "
-                f"{d // pooled:,}x smaller)",
+                f"{d // pooled:,}x smaller); so do 'max' and, for a transformer's tokens, 'cls' (the class token) or "
+                "'mean' (of the patch tokens)",
                 "avg",
             )
         )
