@@ -27,7 +27,6 @@ See :mod:`oodviz.models.registry` (the loaders: names, weights, checkpoints, mod
 _SOURCES = {
     "architectures": (
         "RGBTransform",
-        "architecture_layer_names",
         "available_backbones",
         "backbone_family",
         "backbone_info",
@@ -43,7 +42,14 @@ _SOURCES = {
     "checkpoints": ("CheckpointError",),
     "memory": ("MemoryEstimate", "describe_memory", "estimate_memory", "format_bytes", "warn_if_over"),
     "placement": ("DEVICE_CHOICES", "device_problem", "model_on_device", "parse_device"),
-    "registry": ("USER_MODEL_NAMES", "backbone_classes", "load_backbone", "load_scripted", "wrap_model"),
+    "registry": (
+        "USER_MODEL_NAMES",
+        "architecture_layer_names",
+        "backbone_classes",
+        "load_backbone",
+        "load_scripted",
+        "wrap_model",
+    ),
 }
 _MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 

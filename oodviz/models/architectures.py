@@ -328,14 +328,9 @@ def calibrate_batchnorm(model: nn.Module, input_shape: tuple[int, ...]) -> None:
     model.eval()
 
 
-def architecture_layer_names(name: str) -> list[str]:
-    """The names ``layer=`` accepts for registry backbone ``name`` or a ``timm:`` / ``hf:`` backbone
-    (``model.named_modules()``, the root excluded), read from the architecture built on the meta device: no
-    weights read, no memory used."""
-    from oodviz.models.hub import hub_layer_names  # here: hub imports this module
-
-    if hub_kind(name):
-        return hub_layer_names(name)
+def architecture_module_names(name: str) -> list[str]:
+    """The names of ``model.named_modules()`` (the root excluded) of registry backbone ``name``'s architecture, built on
+    the meta device: no weights read, no memory used."""
     return list(_layer_names(architecture(name).name))
 
 

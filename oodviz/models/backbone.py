@@ -41,6 +41,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from oodviz.models.architectures import unknown_layer_message
+
 POOLINGS = ("avg", "max", "cls", "mean", "none")
 #: The poolings that read a transformer's token sequence by position (class token first, patch tokens last).
 TOKEN_POOLINGS = ("cls", "mean")
@@ -271,8 +273,6 @@ class Backbone:
                     "make the model return (features, logits) from forward instead and pass layer=None"
                 )
             if layer not in modules:
-                from oodviz.models.architectures import unknown_layer_message
-
                 note = "Backbone.layer_names() lists all of them (the names of model.named_modules())."
                 raise ValueError(unknown_layer_message(name, layer, list(modules), note))
             self.source = "layer"

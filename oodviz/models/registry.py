@@ -46,6 +46,7 @@ from oodviz.models.architectures import (
     USER_MODEL_NAMES,
     architecture,
     architecture_classes,
+    architecture_module_names,
     available_backbones,
     build_random,
     default_transform,
@@ -63,7 +64,7 @@ from oodviz.models.checkpoints import (
     short_error,
     torchvision_state_dict,
 )
-from oodviz.models.hub import hub_classes, load_hf, load_timm
+from oodviz.models.hub import hub_classes, hub_layer_names, load_hf, load_timm
 from oodviz.models.hub_names import HF_PREFIX, TIMM_PREFIX, hub_kind
 
 
@@ -385,3 +386,12 @@ def backbone_classes(name: str, weights: str | None = "default", checkpoint=None
     if weights in (None, "random", "default") or not arch.torchvision:
         return architecture_classes(arch)
     return list(weights_enum(arch.name, weights).meta["categories"])
+
+
+def architecture_layer_names(name: str) -> list[str]:
+    """The names ``layer=`` accepts for registry backbone ``name`` or a ``timm:`` / ``hf:`` backbone
+    (``model.named_modules()``, the root excluded), read from the architecture built on the meta device: no
+    weights read, no memory used."""
+    if hub_kind(name):
+        return hub_layer_names(name)
+    return architecture_module_names(name)
