@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from oodviz.config.run import DetectorChoice
 from oodviz.config.tuning import VALIDATION_SPLITS, grid_points, tuned_columns, tunes, validation_warnings
 from oodviz.detectors import detector_class
 from oodviz.engine import Cancelled
@@ -36,7 +37,6 @@ from oodviz.pipeline.model_passes import score_with_model
 from oodviz.results.metrics import ood_metrics
 
 if TYPE_CHECKING:
-    from oodviz.config.run import DetectorChoice
     from oodviz.pipeline.job import Job
 
 
