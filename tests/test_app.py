@@ -295,7 +295,7 @@ def test_a_failed_run_offers_the_fixes_its_error_names_and_a_click_fills_the_for
     """A run the OOM killer ended carries the smaller-batch fix in its status (as the supervisor records it):
     "Retry with" fills the sidebar with the run's choices and a quarter of its batch size, estimates it, and starts
     nothing. The button comes from the fix's kind and value: the error's words play no part."""
-    from oodviz.fixes import smaller_batch
+    from oodviz.problems import smaller_batch
     from oodviz.runs.rundir import RunDir
 
     failed = runs_root / "r-oom"
@@ -415,7 +415,7 @@ def test_start_with_a_bad_form_shows_every_error_and_creates_no_run(app, runs_ro
 def test_a_bad_detector_parameter_is_said_once_under_the_detector_parameters(app, runs_root):
     """A parameter a detector refuses: its message, with the detector's name once, in the slot under "Detector
     parameters" (below the Detectors list and its caption); no run is created."""
-    from oodviz.ui.form import detector_problem_text, form_problems
+    from oodviz.ui.form import form_problems
 
     values = FormValues(detectors=["react", "knn"], detector_params={"react": {"percentile": 150}, "knn": {"k": -5}})
     assert form_problems(values) == {
@@ -424,9 +424,8 @@ def test_a_bad_detector_parameter_is_said_once_under_the_detector_parameters(app
             "knn: k must be a positive integer, got -5",
         ]
     }
-    assert detector_problem_text('detectors[3] (energy): temperature must be a number, got "x"') == (
-        'energy: temperature must be a number, got "x"'
-    )
+    [problem] = RunConfig(detectors=[DetectorChoice("energy", {"temperature": "x"})]).problems()
+    assert (problem.field, problem.detail) == ("detectors[0]", 'energy: temperature must be a number, got "x"')
     app.run()
     before = sorted(p.name for p in runs_root.iterdir())
     [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].set_value(["react", "energy"])

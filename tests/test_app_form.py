@@ -10,7 +10,7 @@ from streamlit.testing.v1 import AppTest
 
 import oodviz.ui.main
 from oodviz.config.defaults import default_detector_params
-from oodviz.config.run import DatasetChoice, DetectorChoice
+from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.data import load_dataset
 from oodviz.results.tables import ood_datasets_of
 from oodviz.runs.jobs import QueueFull
@@ -236,7 +236,7 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
     ((needs,),) = [[c.value for c in app.sidebar.code]]
     assert "feature stores, 3 layers" in needs and needs.count("OVER") == 1
     assert widget(app, "button", "Start run").disabled
-    click(app, f"Fix: Leave out layer penultimate (the widest, D={dims['penultimate']})")
+    click(app, "Fix: Leave out layer penultimate (the widest)")
     assert widget(app, "multiselect", "Layers").value == ["features.0", "features.3"]
     assert any(s.value.startswith("Applied: Leave out layer penultimate") for s in app.sidebar.success)
     assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
@@ -277,7 +277,7 @@ def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default
 def test_the_fewer_layers_fix_is_offered_only_for_a_layer_the_form_has_beside_others():
     """From a refusal or a failed run's warning (a run started anyway): the widest layer out, the others kept in
     order; nothing for a form with that layer alone, or without it."""
-    from oodviz.fixes import Fix
+    from oodviz.problems import Fix
     from oodviz.ui.form import form_fixes
 
     said = [Fix("drop_layer", "fewer layers: the widest is features.3 (D=32)", "features.3")]
@@ -287,3 +287,31 @@ def test_the_fewer_layers_fix_is_offered_only_for_a_layer_the_form_has_beside_ot
     assert fixed == FormValues(layers=["features.0", "penultimate"])  # nothing else changed
     assert form_fixes(said, FormValues(layers=["features.3"])) == []
     assert form_fixes(said, FormValues(layers=["features.0", "penultimate"])) == []
+
+
+def test_rewording_every_config_problem_keeps_each_under_its_field(monkeypatch):
+    """A translation hook: every problem of the config rewritten; the form still places each under the same field,
+    as it reads the problem's field, never its words."""
+    from oodviz.problems import Problem
+    from oodviz.ui.form import form_problems
+
+    values = FormValues(
+        detectors=["react", "knn"],
+        detector_params={"react": {"percentile": 150}},
+        batch_size=0,
+        pooling="nope",
+        device="cuda:7",
+    )
+    original = form_problems(values)
+    assert {"detector_params", "batch_size", "pooling", "device"} <= set(original)
+    problems = RunConfig.problems
+
+    def reworded(config):
+        return [Problem(f"«{i}»", p.field, f"«{i}»") for i, p in enumerate(problems(config))]
+
+    monkeypatch.setattr(RunConfig, "problems", reworded)
+    translated = form_problems(values)
+    assert {field: len(said) for field, said in translated.items()} == {
+        field: len(said) for field, said in original.items()
+    }
+    assert all(message.startswith("«") for said in translated.values() for message in said)

@@ -9,9 +9,9 @@ import oodviz.pipeline.worker
 from oodviz.cli import main
 from oodviz.config.run import DetectorChoice, RunConfig
 from oodviz.engine.store.space import MARGIN_BYTES, MARGIN_FRACTION, margin_for
-from oodviz.fixes import Fix, smaller_batch
 from oodviz.models.memory import format_bytes
 from oodviz.pipeline.preflight import WIDE_FEATURES, assess
+from oodviz.problems import Fix, smaller_batch
 
 GiB = 2**30
 # The issue's case: ViT-B/16's last encoder block unpooled, 197 tokens x 768 = 151,296 features per image.

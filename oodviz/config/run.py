@@ -23,6 +23,7 @@ from oodviz.config.tuning import tuning_problems
 from oodviz.config.validation import MAX_BATCH_SIZE, ConfigError, cpu_count, device_problem_here, read_config_file
 from oodviz.files import write_json
 from oodviz.params import describe, matches, non_finite, param_problems, shown
+from oodviz.problems import Problem, detector_problem, problems_at
 from oodviz.sampling import SUBSAMPLE_MODES
 
 DEFAULT_OOD = (
@@ -148,96 +149,99 @@ class RunConfig:
         return cls.from_dict(read_config_file(Path(path)))
 
     # -- validation -------------------------------------------------------------------------
-    def problems(self) -> list[str]:
+    def problems(self) -> list[Problem]:
         """Every problem with this config (empty when it is valid), checked against this machine's devices
-        and the model's layer names and classes; no data is loaded, no weights are read."""
-        # torch: only when a config is checked (a run is started), not when one is read (the results page)
-        from oodviz.engine.loading import AUTO_WORKERS
-
+        and the model's layer names and classes; no data is loaded, no weights are read. Each is a
+        :class:`~oodviz.problems.Problem`: its message, and the field it is about (``"backbone"``, ``"ood[1]"``,
+        ``"detectors[0]"``, ``"detectors[0].grid"``; ``""``: the config as a whole)."""
         wrong = _type_problems(self, _FIELD_TYPES, "")
-        found = list(wrong.values())
+        found = [Problem(message, key) for key, message in wrong.items()]
         model_found = self._model_problems(wrong)
         found += model_found
         if "layers" not in wrong and self.layers:
-            found += layers_problems(self, model_known=not ({"backbone", "layer"} & set(wrong)) and not model_found)
+            model_known = not ({"backbone", "layer"} & set(wrong)) and not model_found
+            found += problems_at("layers", layers_problems(self, model_known=model_known))
         named = [("id_fit", self.id_fit), ("id_test", self.id_test)]
         named += [(f"ood[{i}]", d) for i, d in enumerate(self.ood)] if "ood" not in wrong else []
         named += [(key, getattr(self, key)) for key in ("id_val", "ood_val") if getattr(self, key) is not None]
         model_known = not ({"backbone", "weights", "checkpoint"} & set(wrong)) and not model_found
         for where, choice in named:
-            found += _dataset_problems(choice, where, self if model_known else None)
+            found += problems_at(where, _dataset_problems(choice, where, self if model_known else None))
         if "ood" not in wrong:
             if not self.ood:
-                found.append("choose at least one OOD dataset")
+                found.append(Problem("choose at least one OOD dataset", "ood"))
             ood_names = [d.name for d in self.ood if isinstance(d, DatasetChoice) and isinstance(d.name, str)]
             for name in sorted({n for n in ood_names if ood_names.count(n) > 1}):
-                found.append(f"OOD dataset {name!r} is listed twice")
+                found.append(Problem(f"OOD dataset {name!r} is listed twice", "ood"))
         if "detectors" not in wrong:
             if not self.detectors:
-                found.append("choose at least one detector")
+                found.append(Problem("choose at least one detector", "detectors"))
             for i, choice in enumerate(self.detectors):
                 found += _detector_problems(choice, f"detectors[{i}]")
             names = [d.name for d in self.detectors if isinstance(d, DetectorChoice) and isinstance(d.name, str)]
             for name in sorted({n for n in names if names.count(n) > 1}):  # one result column per name
-                found.append(f"detector {name!r} is listed twice: keep one (to compare its parameters, give it a grid)")
+                message = f"detector {name!r} is listed twice: keep one (to compare its parameters, give it a grid)"
+                found.append(Problem(message, "detectors"))
         # models.device_problem checks the type too, with the message that lists the accepted names
         if problem := models.device_problem(self.device) or device_problem_here(self.device):
-            found.append(problem)
+            found.append(Problem(problem, "device"))
         limits = {"batch_size": (1, MAX_BATCH_SIZE), "num_workers": (0, cpu_count()), "seed": (0, None)}
         if "num_workers" not in wrong and isinstance(self.num_workers, str):
-            if self.num_workers != AUTO_WORKERS:
-                found.append(f"num_workers must be an integer >= 0 or {AUTO_WORKERS!r}, got {self.num_workers!r}")
+            if self.num_workers != engine.AUTO_WORKERS:
+                message = f"num_workers must be an integer >= 0 or {engine.AUTO_WORKERS!r}, got {self.num_workers!r}"
+                found.append(Problem(message, "num_workers"))
             wrong["num_workers"] = ""  # "auto" or reported: no bounds to check
         for key, (low, high) in limits.items():
             value = getattr(self, key)
             if key in wrong:
                 continue
             if value < low:
-                found.append(f"{key} must be an integer >= {low}, got {value!r}")
+                found.append(Problem(f"{key} must be an integer >= {low}, got {value!r}", key))
             elif high is not None and value > high:
                 why = "the largest batch oodviz takes" if key == "batch_size" else "the CPU cores this process may use"
-                found.append(f"{key} must be at most {high} ({why}), got {value!r}")
+                found.append(Problem(f"{key} must be at most {high} ({why}), got {value!r}", key))
         for key, allowed in (
             ("precision", tuple(engine.PRECISIONS)),
             ("feature_dtype", engine.FEATURE_DTYPES),
             ("pooling", models.POOLINGS),
         ):
             if key not in wrong and getattr(self, key) not in allowed:
-                found.append(f"{key} must be one of {allowed}, got {getattr(self, key)!r}")
+                found.append(Problem(f"{key} must be one of {allowed}, got {getattr(self, key)!r}", key))
         if "memory_budget_gb" not in wrong and self.memory_budget_gb is not None and self.memory_budget_gb <= 0:
-            found.append(f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}")
+            message = f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}"
+            found.append(Problem(message, "memory_budget_gb"))
         return found + tuning_problems(self, detectors_checked="detectors" not in wrong)
 
-    def _model_problems(self, wrong: dict[str, str]) -> list[str]:
+    def _model_problems(self, wrong: dict[str, str]) -> list[Problem]:
         """The backbone, its weights, checkpoint file and layer."""
-        from oodviz.models.architectures import unknown_layer_message
-        from oodviz.models.registry import USER_MODEL_NAMES
-
         found = []
         if "weights" not in wrong and self.weights not in ("default", "random"):
-            found.append(f"weights must be 'default' or 'random', got {self.weights!r}")
+            found.append(Problem(f"weights must be 'default' or 'random', got {self.weights!r}", "weights"))
         if "checkpoint" not in wrong and self.checkpoint is not None and not _is_file(self.checkpoint):
-            found.append(f"checkpoint file {self.checkpoint} does not exist")
+            found.append(Problem(f"checkpoint file {self.checkpoint} does not exist", "checkpoint"))
         if "backbone" in wrong:
             return found
         backbones = models.available_backbones()
-        if self.backbone in USER_MODEL_NAMES:
+        if self.backbone in models.USER_MODEL_NAMES:
             if self.checkpoint is None:
-                found.append(f"backbone {self.backbone!r} needs checkpoint: the path of your model file")
+                message = f"backbone {self.backbone!r} needs checkpoint: the path of your model file"
+                found.append(Problem(message, "checkpoint"))
             if self.layer is not None:
-                found.append(
+                message = (
                     f"layer={self.layer!r} is not supported for {self.backbone} models (hooks cannot be attached "
                     "to them); leave layer unset, or load a state dict of a built-in architecture"
                 )
+                found.append(Problem(message, "layer"))
         elif self.backbone not in backbones:
-            found.append(
+            message = (
                 f"backbone {self.backbone!r} is unknown; choose one of: {', '.join(backbones)} "
-                f"(or {' / '.join(USER_MODEL_NAMES)} with a checkpoint file)"
+                f"(or {' / '.join(models.USER_MODEL_NAMES)} with a checkpoint file)"
             )
+            found.append(Problem(message, "backbone"))
         elif "layer" not in wrong and self.layer is not None:
             names = models.architecture_layer_names(self.backbone)
             if self.layer not in names:
-                found.append(unknown_layer_message(self.backbone, self.layer, names))
+                found.append(Problem(models.unknown_layer_message(self.backbone, self.layer, names), "layer"))
         return found
 
     def validate(self) -> RunConfig:
@@ -322,27 +326,27 @@ def _dataset_problems(choice: DatasetChoice, where: str, config: RunConfig | Non
     return found
 
 
-def _detector_problems(choice: DetectorChoice, where: str) -> list[str]:
-    """What is wrong with one detector choice: its name, its parameters' names, types and values."""
-
+def _detector_problems(choice: DetectorChoice, where: str) -> list[Problem]:
+    """What is wrong with one detector choice: its name, its parameters' names, types and values; about field
+    ``where`` (``detectors[i]``), each ``detail`` said as ``"<name>: ..."`` (the app's form names a detector once)."""
     if not isinstance(choice, DetectorChoice):
-        return [f"{where} must be a DetectorChoice, got {choice!r}"]
-    found = list(_type_problems(choice, _DETECTOR_TYPES, f"{where}.").values())
+        return [Problem(f"{where} must be a DetectorChoice, got {choice!r}", where)]
+    found = problems_at(where, _type_problems(choice, _DETECTOR_TYPES, f"{where}.").values())
     if found:
         return found
     if choice.name not in detectors.available():
-        return [f"{where}: detector {choice.name!r} is unknown; choose one of: {', '.join(detectors.available())}"]
+        detail = f"detector {choice.name!r} is unknown; choose one of: {', '.join(detectors.available())}"
+        return [Problem.at(where, detail)]
     # the detectors check their values themselves, with messages that say more (mcd's samples >= 2 for "var")
-    found = param_problems(
-        detectors.detector_class(choice.name), choice.params, f"{where} ({choice.name})", skip=("model",), signs=False
-    )
-    if found:
-        return found
-    try:
-        detectors.create(choice.name, **choice.params)
-    except (ValueError, TypeError) as error:
-        found.append(f"{where} ({choice.name}): {error}")
-    return found
+    named = f"{where} ({choice.name})"
+    cls = detectors.detector_class(choice.name)
+    messages = param_problems(cls, choice.params, named, skip=("model",), signs=False)
+    if not messages:
+        try:
+            detectors.create(choice.name, **choice.params)
+        except (ValueError, TypeError) as error:
+            messages = [f"{named}: {error}"]
+    return [detector_problem(message, named, where, choice.name) for message in messages]
 
 
 def _choice(kind: type, value, where: str, problems: list[str]):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from oodviz import detectors
 from oodviz.config.layers import detector_columns
 from oodviz.params import param_problems, shown
+from oodviz.problems import Problem, detector_problem
 
 if TYPE_CHECKING:
     from oodviz.config.run import DetectorChoice, RunConfig
@@ -85,22 +86,25 @@ def validation_warnings(config: RunConfig) -> list[str]:
 
 
 # -- checks ---------------------------------------------------------------------------------------
-def tuning_problems(config: RunConfig, detectors_checked: bool = True) -> list[str]:
+def tuning_problems(config: RunConfig, detectors_checked: bool = True) -> list[Problem]:
     """Every problem with ``config``'s validation splits and grids (``detectors_checked``: the detector list
     itself is well-formed, so its grids can be read), each message naming the fix."""
     found = []
     if (config.id_val is None) != (config.ood_val is None):
         missing = "ood_val" if config.ood_val is None else "id_val"
-        found.append(
+        message = (
             f"tuning needs both id_val (held-out ID images) and ood_val (an OOD set that is not a test set); "
             f"set {missing} too, or neither"
         )
+        found.append(Problem(message, missing))
     if not detectors_checked:
         return found
 
     for i, choice in enumerate(config.detectors):
         if getattr(choice, "name", None) in detectors.available() and isinstance(getattr(choice, "params", None), dict):
-            found += _grid_problems(choice, f"detectors[{i}] ({choice.name})", tunes(config))
+            named = f"detectors[{i}] ({choice.name})"
+            for message in _grid_problems(choice, named, tunes(config)):
+                found.append(detector_problem(message, named, f"detectors[{i}].grid", choice.name))
     return found
 
 

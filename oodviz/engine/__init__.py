@@ -2,7 +2,7 @@
 
 - :func:`extract` / :func:`extract_or_reuse`: batched extraction of features, logits, labels,
   predictions and source indices into a store, bounded host memory, OOM back-off, no device
-  side effects (:mod:`oodviz.engine.extract`).
+  side effects (:mod:`oodviz.engine.extraction`).
 - :class:`FeatureStore` / :func:`open_store`: one split on disk, ``store.batches()`` streams it as
   :class:`oodviz.Batch` chunks for ``detector.fit`` / ``score`` (:mod:`oodviz.engine.store`).
 - :func:`store_key` / :func:`key_spec`: the content key of a split.
@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
     from oodviz.engine.batched import PRECISIONS, BatchedPass, Cancelled, CudaContextLost, is_out_of_memory
-    from oodviz.engine.extract import extract, extract_or_reuse
+    from oodviz.engine.extraction import extract, extract_or_reuse
     from oodviz.engine.inputs import InputScores, score_inputs
+    from oodviz.engine.loading import AUTO_WORKERS
     from oodviz.engine.store import (
         FEATURE_DTYPES,
         STORE_FORMAT,
@@ -52,7 +53,8 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is i
 #: layers that name them (the run config, the app's catalog) do not load torch with this package.
 _SOURCES = {
     "batched": ("BatchedPass", "Cancelled", "CudaContextLost", "PRECISIONS", "is_out_of_memory"),
-    "extract": ("extract", "extract_or_reuse"),
+    "extraction": ("extract", "extract_or_reuse"),
+    "loading": ("AUTO_WORKERS",),
     "inputs": ("InputScores", "score_inputs"),
     "store": (
         "DeviceSplit",
@@ -93,6 +95,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "AUTO_WORKERS",
     "BatchedPass",
     "Cancelled",
     "CudaContextLost",

@@ -67,7 +67,7 @@ from oodviz.detectors.modelmemory import MEMORY_FRACTION, NO_LIMIT, rows_within
 from oodviz.engine.batched import autocast_for
 from oodviz.models.memory import format_bytes
 from oodviz.models.placement import model_on_device, parse_device
-from oodviz.runs.telemetry import cpu_rss_bytes, peak_rss_bytes, reset_peak_rss
+from oodviz.runs import telemetry
 
 #: host bytes the probe's batch may take, at the one-row peak (and at most a quarter of the available RAM)
 PROBE_BYTES = 2**30
@@ -145,10 +145,10 @@ def pass_peak(
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         gpu_before = torch.cuda.memory_allocated(device)
-    before = cpu_rss_bytes()
+    before = telemetry.cpu_rss_bytes()
     if before_reset is not None:
         before_reset()
-    if not reset_peak_rss():
+    if not telemetry.reset_peak_rss():
         raise BatchProbeError("the batch probe needs Linux's /proc/self/clear_refs to measure peak memory")
     clock = time.perf_counter if cuda else time.process_time  # CPU time: the same on a loaded machine
     started = clock()
@@ -156,7 +156,7 @@ def pass_peak(
     if cuda:
         torch.cuda.synchronize(device)
     seconds = clock() - started
-    host = max(0, peak_rss_bytes() - before)
+    host = max(0, telemetry.peak_rss_bytes() - before)
     return host, (torch.cuda.max_memory_allocated(device) - gpu_before) if cuda else None, seconds
 
 

@@ -45,15 +45,15 @@ from oodviz.config.splits import load_split, run_splits, store_key_params
 from oodviz.config.validation import ConfigError, check_sizes
 from oodviz.detectors import detector_class
 from oodviz.engine import STORES_DIRNAME
-from oodviz.engine.store import find_store, store_key
-from oodviz.engine.store.space import free_bytes, margin_for
-from oodviz.fixes import Fix
+from oodviz.engine.store import find_store, space, store_key
 from oodviz.models import CheckpointError, estimate_memory
 from oodviz.models.memory import format_bytes
-from oodviz.pipeline.batchprobe import EXTRACTION, BatchProbeError, batch_peaks, sized
+from oodviz.pipeline import batchprobe
+from oodviz.pipeline.batchprobe import EXTRACTION, BatchProbeError, sized
 from oodviz.pipeline.classifier_check import ClassifierCheck, check_classifier
 from oodviz.pipeline.job import resolve_device
 from oodviz.pipeline.layers import backbone_views
+from oodviz.problems import Fix
 
 #: Features wider than this get the detectors with a ``D x D`` state named even when they fit.
 WIDE_FEATURES = 16_384
@@ -81,7 +81,7 @@ class Preflight:
     """The needs of a run, the machine's limits, and the fixes when something does not fit."""
 
     needs: list[Need]
-    #: what would make it fit (or, for a run that fits, advice): :class:`~oodviz.fixes.Fix` objects
+    #: what would make it fit (or, for a run that fits, advice): :class:`~oodviz.problems.Fix` objects
     fixes: list[Fix] = field(default_factory=list)
     estimate: dict = field(default_factory=dict)
     #: whether the model's classes are the ID labels (:mod:`oodviz.pipeline.classifier_check`); None: not checked
@@ -145,7 +145,7 @@ def disk_cap_bytes(config) -> int | None:
 def machine_limits(store_root, device, disk_cap: int | None = None) -> dict[str, int]:
     """``{"disk": free bytes under store_root (at most disk_cap), "ram": available RAM[, "gpu": free]}``."""
 
-    disk = free_bytes(store_root)
+    disk = space.free_bytes(store_root)
     limits = {
         "disk": disk if disk_cap is None else min(disk, disk_cap),
         "ram": psutil.virtual_memory().available,
@@ -217,7 +217,7 @@ def store_disk_need(layers: dict) -> int:
     (:func:`oodviz.pipeline.stages.check_disk_space`) both compare this with the free space."""
 
     needed = new_store_bytes(layers)
-    return needed + margin_for(needed)
+    return needed + space.margin_for(needed)
 
 
 def _fitted_columns(config, layers: dict) -> list[tuple]:
@@ -412,7 +412,7 @@ def preflight(config, runs_root) -> Preflight:
         failed = {"batch probe": "not run, the feature stores or the fits are over the limit already"}
     elif model_based:
         try:
-            batches, failed = batch_peaks(config, backbone, datasets["id_fit"])
+            batches, failed = batchprobe.batch_peaks(config, backbone, datasets["id_fit"])
         except BatchProbeError as error:  # the store and fit checks stand without it
             failed = {"batch probe": str(error)}
         batches = sized(batches, limits)

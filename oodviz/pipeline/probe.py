@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 from oodviz.config.run import RunConfig
 from oodviz.config.validation import ConfigError
-from oodviz.fixes import Fix, fixes_from
+from oodviz.problems import Fix, fixes_from
 
 TIMEOUT_S = 120.0
 
@@ -27,7 +27,7 @@ TIMEOUT_S = 120.0
 class ProbeAnswer(NamedTuple):
     """What the estimate found: the estimate (:func:`oodviz.models.estimate_memory`'s, with the pre-flight's
     measurements), its description, and when the run does not fit the refusal (the pre-flight's message), its
-    needs table and the fixes (:class:`~oodviz.fixes.Fix`) as data."""
+    needs table and the fixes (:class:`~oodviz.problems.Fix`) as data."""
 
     estimate: dict
     description: str

@@ -95,7 +95,7 @@ class Reporter:
             self.echo(event)
 
     def warn(self, message: str, fixes=()) -> None:
-        """A warning event; ``fixes``: :class:`~oodviz.fixes.Fix` objects that would cure it (the app's buttons)."""
+        """A warning event; ``fixes``: :class:`~oodviz.problems.Fix` objects that would cure it (the app's buttons)."""
         event = {"event": "warning", "message": message}
         if fixes:
             event["fixes"] = [fix.to_dict() for fix in fixes]

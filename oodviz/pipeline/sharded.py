@@ -56,7 +56,7 @@ from oodviz.config.splits import feature_store_root
 from oodviz.config.tuning import VALIDATION_SPLITS
 from oodviz.detectors.knn import KNN
 from oodviz.engine import Cancelled, extract
-from oodviz.engine.extract import trusted_store
+from oodviz.engine.extraction import trusted_store
 from oodviz.engine.layers import extract_layers_or_reuse
 from oodviz.engine.store import FeatureStore, StoreWriter, key_spec, store_key
 from oodviz.pipeline.distributed import (

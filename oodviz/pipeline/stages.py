@@ -48,6 +48,7 @@ from oodviz.engine import extract_or_reuse
 from oodviz.engine.store import DiskFullError, check_free_space
 from oodviz.files import write_json
 from oodviz.models import estimate_memory
+from oodviz.pipeline import preflight
 from oodviz.pipeline.batchprobe import ModelBatches, measure_for_run, sized
 from oodviz.pipeline.classifier_check import check_classifier
 from oodviz.pipeline.job import (
@@ -61,14 +62,6 @@ from oodviz.pipeline.job import (
 )
 from oodviz.pipeline.layers import combine_layers, extract_layers_split, layer_views, record_layers
 from oodviz.pipeline.model_passes import score_with_model
-from oodviz.pipeline.preflight import (
-    assess,
-    disk_cap_bytes,
-    layer_estimates,
-    machine_limits,
-    splits_to_extract,
-    store_disk_need,
-)
 from oodviz.pipeline.reporter import Reporter, Stage
 from oodviz.pipeline.scoring import save_run_detectors
 from oodviz.pipeline.tuning import tune_detectors, tuned_choice
@@ -124,13 +117,18 @@ def load_data(job: Job) -> None:
         estimate = estimate_memory(backbone, sizes, feature_dtype=config.feature_dtype)
         stage.note(estimate.describe())
         root = feature_store_root(job.run)
-        layers = layer_estimates(  # a run over several layers: every layer's stores and fits
-            config, backbone, sizes, lambda view: splits_to_extract(config, view, job.datasets, job.splits, root)
+        layers = preflight.layer_estimates(  # a run over several layers: every layer's stores and fits
+            config,
+            backbone,
+            sizes,
+            lambda view: preflight.splits_to_extract(config, view, job.datasets, job.splits, root),
         )
         new = check_disk_space(job, estimate, layers)
-        limits = machine_limits(root, job.device, disk_cap_bytes(config))
+        limits = preflight.machine_limits(root, job.device, preflight.disk_cap_bytes(config))
         batches = sized(measure_for_run(job, stage), limits)  # model-based detectors' batches, measured here
-        report = assess(config, next(iter(layers.values()))[0] if layers else estimate, limits, new, layers, batches)
+        report = preflight.assess(
+            config, next(iter(layers.values()))[0] if layers else estimate, limits, new, layers, batches
+        )
         if not report.fits:  # started anyway (--force, the app's "run anyway"): say what will not fit
             job.reporter.warn(report.message(), fixes=report.fixes)
 
@@ -144,8 +142,10 @@ def check_disk_space(job: Job, estimate, layers: dict | None = None) -> list[str
 
     root = feature_store_root(job.run)
     if not layers:
-        layers = {None: (estimate, splits_to_extract(job.config, job.backbone, job.datasets, job.splits, root))}
-    message = check_free_space(root, store_disk_need(layers), margin_bytes=0)  # the pre-flight's number
+        layers = {
+            None: (estimate, preflight.splits_to_extract(job.config, job.backbone, job.datasets, job.splits, root))
+        }
+    message = check_free_space(root, preflight.store_disk_need(layers), margin_bytes=0)  # the pre-flight's number
     if message:
         raise DiskFullError(message)
     return next(iter(layers.values()))[1]

@@ -21,11 +21,11 @@ from pathlib import Path
 from oodviz.config.run import RunConfig
 from oodviz.engine import Cancelled, DiskFullError
 from oodviz.engine.batched import is_out_of_memory
-from oodviz.fixes import smaller_batch
 from oodviz.pipeline.distributed import World
 from oodviz.pipeline.reporter import Reporter, TerminalProgress
 from oodviz.pipeline.sharded import RankRunDir, run_rank, stop_on_sigterm
 from oodviz.pipeline.stages import run_pipeline
+from oodviz.problems import smaller_batch
 from oodviz.results.tables import Results, load_results
 from oodviz.runs.rundir import RunDir, process_started
 

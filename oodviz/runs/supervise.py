@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from oodviz.fixes import smaller_batch
+from oodviz.problems import smaller_batch
 from oodviz.runs.jobs import CANCEL_GRACE_S, queue_ahead, start_worker
 from oodviz.runs.rundir import FINAL_STATES, RunDir, process_alive, process_started
 

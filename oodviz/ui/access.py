@@ -37,7 +37,12 @@ NOT_ALLOWED = "folder not under an allowed data directory"
 
 
 class PathRefused(ValueError):
-    """A path typed in the page that the policy does not allow; the message names no server path."""
+    """A path typed in the page that the policy does not allow; the message names no server path. ``refused``:
+    ``(field label, why)`` of each refused path, for a form to show each under its field."""
+
+    def __init__(self, message: str, refused: tuple[tuple[str, str], ...] = ()):
+        super().__init__(message)
+        self.refused = tuple(refused)
 
 
 def is_loopback(host: str) -> bool:
@@ -129,7 +134,7 @@ class AccessPolicy:
             try:
                 return self.confine(typed)
             except PathRefused as error:
-                refused.append(f"{label}: {error}")
+                refused.append((label, str(error)))
                 return typed
 
         splits = [("ID fit", confined.id_fit), ("ID test", confined.id_test), *[("OOD", c) for c in confined.ood]]
@@ -146,7 +151,10 @@ class AccessPolicy:
             confined.data_root = check("data root", confined.data_root)
         if refused:
             allowed = "" if self.data_dirs else " (none were named when the app was started: only the bundled data)"
-            raise PathRefused("; ".join(refused) + allowed)
+            raise PathRefused(
+                "; ".join(f"{label}: {why}" for label, why in refused) + allowed,
+                tuple((label, why + allowed) for label, why in refused),
+            )
         return confined
 
 

@@ -2,7 +2,7 @@
 
 The last estimate is kept in the session with the form values it was made for: while the form still holds
 those values and the estimate is over the machine's limits, Start is disabled (unless "Run anyway" is
-ticked) and the fixes the pre-flight names (:class:`~oodviz.fixes.Fix` objects, :func:`~oodviz.ui.form.form_fixes`) are buttons under it.
+ticked) and the fixes the pre-flight names (:class:`~oodviz.problems.Fix` objects, :func:`~oodviz.ui.form.form_fixes`) are buttons under it.
 A fix, or a failed run's "retry with" button, fills the form: the fixed values are kept in the session for
 the page they were made on (the run in the URL, or none) and the sidebar draws them as its defaults; the
 next rerun estimates them.
@@ -15,8 +15,8 @@ from dataclasses import asdict, replace
 
 import streamlit as st
 
-from oodviz.fixes import Fix
 from oodviz.pipeline.probe import ProbeAnswer
+from oodviz.problems import Fix
 from oodviz.ui.form import FormFix, FormValues, form_fixes
 
 #: session keys: the last estimate, the form filled by a fix, "estimate on the next rerun", the checkbox

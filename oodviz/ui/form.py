@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field, replace
 
 from oodviz.columns import PENULTIMATE
 from oodviz.config.catalog import dataset_group_and_source
 from oodviz.config.run import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
-from oodviz.fixes import Fix
+from oodviz.problems import Fix, Problem
 from oodviz.ui.access import PathRefused
 from oodviz.ui.form_tuning import (
     HELD_OUT,
@@ -241,22 +240,22 @@ FORM_FIELDS = (
     "feature_dtype",
     "form",
 )
-#: A problem of the config goes under the first field whose word it starts with (or, failing that, names).
-_FIELD_WORDS = (
-    ("checkpoint", "checkpoint"),
-    ("layer", "layers"),
-    ("backbone", "backbone"),
-    ("weights", "weights"),
-    ("pooling", "pooling"),
-    ("detector", "detectors"),
-    ("ood", "ood"),
-    ("device", "device"),
-    ("batch_size", "batch_size"),
-    ("precision", "precision"),
-    ("feature_dtype", "feature_dtype"),
-    ("data root", "data_root"),
-    ("data_root", "data_root"),
-)
+#: The config's fields (:attr:`~oodviz.problems.Problem.field`, its first part) -> the form field that sets them.
+_CONFIG_FIELDS = {
+    "backbone": "backbone",
+    "weights": "weights",
+    "checkpoint": "checkpoint",
+    "layer": "layers",
+    "layers": "layers",
+    "pooling": "pooling",
+    "ood": "ood",
+    "detectors": "detectors",
+    "device": "device",
+    "batch_size": "batch_size",
+    "precision": "precision",
+    "feature_dtype": "feature_dtype",
+    "ood_val": "ood_val",
+}
 #: :meth:`AccessPolicy.confine_config`'s labels of refused paths -> the field typed
 _REFUSED_LABELS = {
     "ID fit folder": "fit_folder",
@@ -268,52 +267,25 @@ _REFUSED_LABELS = {
 }
 
 
-#: "detectors[0] (knn): " of a config problem about a detector's parameters
-_CONFIG_DETECTOR = re.compile(r"^detectors\[\d+\] \(([^)]+)\): ")
-
-
-def detector_problem_text(problem: str) -> str:
-    """A config problem as the form says it: the form's detectors are unique, so ``"detectors[0] (knn): k must
-    ..."`` is ``"knn: k must ..."`` (the name the form shows, once: the detectors' own messages often start with
-    it already)."""
-    match = _CONFIG_DETECTOR.match(problem)
-    if match is None:
-        return problem
-    name, rest = match.group(1), problem[match.end() :]
-    return rest if rest.startswith(f"{name}: ") else f"{name}: {rest}"
-
-
-def problem_field(problem: str, values: FormValues) -> str:
-    """The form field a problem of :meth:`RunConfig.problems` is about (see :data:`FORM_FIELDS`)."""
-    folders = values.id_preset == FOLDER_PRESET
-    for prefix, fit_or_test in (("id_fit", "fit_folder"), ("id_test", "test_folder")):
-        if problem.startswith(prefix):
-            return fit_or_test if folders else "id_preset"
-    if problem.startswith("id_val"):
+def problem_field(problem: Problem, values: FormValues) -> str:
+    """The form field a problem of :meth:`RunConfig.problems` is about (see :data:`FORM_FIELDS`), from the config
+    field it names (:attr:`~oodviz.problems.Problem.field`): the ID splits go under their folders or the ID preset,
+    an OOD set beyond the form's list under the OOD folder, a detector's grid under the grids and its parameters
+    under "Detector parameters"; the rest beside Start."""
+    path = problem.field
+    head = path.split("[")[0].split(".")[0]
+    if head in ("id_fit", "id_test"):
+        if values.id_preset != FOLDER_PRESET:
+            return "id_preset"
+        return "fit_folder" if head == "id_fit" else "test_folder"
+    if head == "id_val":
         return "id_val_folder" if values.id_val == VALIDATION_FOLDER else "id_val"
-    if problem.startswith("ood_val") or "set ood_val too" in problem:
-        return "ood_val"
-    if "set id_val too" in problem:
-        return "id_val"
-    if problem.startswith("detectors[") and "grid" in problem:
-        return "grids"
-    if _CONFIG_DETECTOR.match(problem):  # a detector's parameter: under "Detector parameters"
-        return "detector_params"
-    if problem.startswith("ood["):
-        index = int(problem[4 : problem.index("]")])
+    if head == "detectors" and "[" in path:
+        return "grids" if path.endswith(".grid") else "detector_params"
+    if head == "ood" and "[" in path:
+        index = int(path[len("ood[") : path.index("]")])
         return "ood_folder" if index >= len(values.ood) else "ood"
-    if problem.startswith("OOD dataset") or "OOD dataset" in problem[:30]:
-        return "ood"
-    lower = problem.lower()
-    for word, name in _FIELD_WORDS:
-        if lower.startswith(word):
-            return name
-    if values.backbone in lower and "layer" in lower:  # "resnet18 has no layer 'x'"
-        return "layers"
-    for word, name in _FIELD_WORDS:
-        if word in lower:
-            return name
-    return "form"
+    return _CONFIG_FIELDS.get(head, "form")
 
 
 def folder_problem(path: str) -> str | None:
@@ -339,9 +311,8 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
         try:
             config = policy.confine_config(config)
         except PathRefused as refusal:
-            for part in str(refusal).split("; "):
-                label, _, why = part.partition(": ")
-                found.setdefault(_REFUSED_LABELS.get(label, "form"), []).append(why or part)
+            for label, why in refusal.refused or (("", str(refusal)),):
+                found.setdefault(_REFUSED_LABELS.get(label, "form"), []).append(why)
             return found  # the other checks would read paths the server does not allow
     folders = []
     if values.id_preset == FOLDER_PRESET:
@@ -357,7 +328,7 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
         name = problem_field(problem, values)
         if name in found and name.endswith("_folder"):
             continue  # the folder's own message says it better
-        found.setdefault(name, []).append(detector_problem_text(problem))
+        found.setdefault(name, []).append(problem.detail)
     for name in values.detectors if values.tune else []:
         for problem in parse_grid(name, values.detector_grids[name])[1] if name in values.detector_grids else []:
             found.setdefault("grids", []).append(problem)
@@ -381,7 +352,7 @@ class FormFix:
 
 
 def form_fixes(fixes: list[Fix], values: FormValues) -> list[FormFix]:
-    """Each fix (:class:`~oodviz.fixes.Fix`: the pre-flight's, or a failed run's) that the form can make, as a
+    """Each fix (:class:`~oodviz.problems.Fix`: the pre-flight's, or a failed run's) that the form can make, as a
     change of the form ``values``, labelled for its button; read from the fix's kind and value, never from its
     text:
 

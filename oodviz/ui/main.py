@@ -19,7 +19,7 @@ from oodviz.config.catalog import detector_names
 from oodviz.config.plan import run_headline
 from oodviz.config.run import ConfigError, RunConfig, preset
 from oodviz.files import read_json_object
-from oodviz.fixes import Fix, fixes_from
+from oodviz.problems import Fix, fixes_from
 from oodviz.runs.jobs import QueueFull, refresh, submit
 from oodviz.runs.rundir import FINAL_STATES, RunDir
 from oodviz.runs.telemetry import device_facts

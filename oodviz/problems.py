@@ -1,4 +1,11 @@
-"""A fix: a typed change of a run config that would cure a problem the pre-flight or a failed run found.
+"""Problems and fixes as data: what is wrong with a run config (:class:`Problem`: its message and the config field
+it is about), and a typed change of a config that would cure it (:class:`Fix`).
+
+A :class:`Problem` is the message itself (a ``str``, so that every caller that prints or joins problems is
+unchanged) carrying ``field``, the path of the config field it is about (``"backbone"``, ``"ood[1]"``,
+``"detectors[0]"``, ``"detectors[0].grid"``, ``""`` for the config as a whole), and ``detail``, the message without
+the field's name. The checks of :mod:`oodviz.config` set both where they find the problem; the app's form places
+each problem under its field from ``field`` (:func:`oodviz.ui.form.problem_field`), never from the words.
 
 The pre-flight (:mod:`oodviz.pipeline.preflight`) and the worker (:mod:`oodviz.pipeline.worker`, a run that ran out
 of memory) say what would help as :class:`Fix` objects, never only as sentences: ``kind`` says what to change,
@@ -25,6 +32,53 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from oodviz.config.run import RunConfig
+
+
+class Problem(str):
+    """A problem with a run config: the message (this string), the config ``field`` it is about and the ``detail``
+    (the message less the field's name; the message itself when it names none)."""
+
+    field: str
+    detail: str
+
+    def __new__(cls, message: str, field: str = "", detail: str | None = None):
+        problem = super().__new__(cls, message)
+        problem.field, problem.detail = field, message if detail is None else detail
+        return problem
+
+    @classmethod
+    def at(cls, where: str, detail: str) -> Problem:
+        """``"<where>: <detail>"`` about field ``where`` (``where`` empty: ``detail`` alone, about the config)."""
+        return cls(f"{where}: {detail}" if where else detail, where, detail)
+
+    def __reduce__(self):  # pickled (Streamlit's cache) with its field
+        return (Problem, (str(self), self.field, self.detail))
+
+
+def problems_at(field: str, messages) -> list[Problem]:
+    """``messages`` (each already saying where, e.g. a parameter check's ``"ood[0]: n must be ..."``) about ``field``:
+    a message that is a :class:`Problem` keeps the field it has when that is more precise (``field`` a prefix of it)."""
+    found = []
+    for message in messages:
+        inner = getattr(message, "field", "")
+        found.append(
+            Problem(
+                str(message), inner if inner.startswith(field) and inner else field, getattr(message, "detail", None)
+            )
+        )
+    return found
+
+
+def detector_problem(message: str, named: str, where: str, name: str) -> Problem:
+    """``message`` (which starts with ``named``, ``"detectors[i] (<name>)"``: the check that wrote it put it there)
+    about field ``where``; its detail names the
+    detector once, as the app's form says it: ``"<name>: k must ..."`` (a detector's own message often starts with
+    its name already)."""
+    rest = message.removeprefix(f"{named}: ")
+    if rest == message:  # "<named> has no parameter(s) ...": the message says it whole
+        return Problem(message, where)
+    return Problem(message, where, rest if rest.startswith(f"{name}: ") else f"{name}: {rest}")
+
 
 FIX_KINDS = ("pooling", "drop_layer", "drop_detectors", "subsample", "feature_dtype", "batch_size", "advice")
 
