@@ -54,9 +54,11 @@ test-kernels: $(STAMP) fashion-mnist
 	  env $$variant $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m kernels -q || exit 1; \
 	done
 
+# The import contract too (pyproject's [tool.importlinter]): the layers in data-flow order, no import circle.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python bench/detectors.py
