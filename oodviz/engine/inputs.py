@@ -66,8 +66,10 @@ def score_inputs(
     :param backbone: has ``model`` (moved to ``device`` for the pass and restored afterwards),
         ``transform`` and ``name``; the same object the split was extracted with
     :param dataset: as for :func:`~oodviz.engine.extract`
-    :param device, batch_size, num_workers, precision: as for :func:`~oodviz.engine.extract`
-        (``precision`` turns on autocast around ``score``)
+    :param device: as for :func:`~oodviz.engine.extract`
+    :param batch_size: as for :func:`~oodviz.engine.extract`
+    :param num_workers: as for :func:`~oodviz.engine.extract`
+    :param precision: as for :func:`~oodviz.engine.extract` (it turns on autocast around ``score``)
     :param progress: ``progress(done, total, info)`` after every batch, ``info`` as in extraction
         (``stage="score"``)
     :param should_cancel: checked before every batch; True raises :class:`~oodviz.engine.Cancelled`
