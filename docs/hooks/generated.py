@@ -23,6 +23,7 @@ DETECTOR_TABLE = "<!-- oodviz:detector-table -->"
 DETECTOR_CARDS = "<!-- oodviz:detector-cards -->"
 CLI_HELP = "<!-- oodviz:cli-help -->"
 DETECTOR_API = "<!-- oodviz:detector-api -->"
+LAYOUT = "<!-- oodviz:layout -->"
 #: The commands whose help the CLI page shows, in the order it shows them.
 CLI_COMMANDS = (
     ("run",),
@@ -130,6 +131,36 @@ def detector_api() -> str:
     return "\n\n".join(f"::: {detector_class(name).__module__}{options}" for name in available())
 
 
+def _first_line(path: Path) -> str:
+    """The first sentence line of a module's docstring (read with ast: nothing is imported)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    import re
+
+    line = doc.strip().split("\n\n", 1)[0].replace("\n", " ").replace("``", "`")
+    return re.sub(r":(?:func|class|mod|meth|attr|data|exc):`~?([\w.]+)`", r"`\1`", line)
+
+
+def layout() -> str:
+    """The package's modules layer by layer, from the ground up, in the order of the import contract in
+    pyproject.toml (``[tool.importlinter]``, checked in CI), each with its docstring's first paragraph."""
+    import tomllib
+
+    layers = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]["layers"]
+    out = []
+    for layer in reversed(layers):
+        out += [f"### {' · '.join(f'`{name.strip()}`' for name in layer.split('|'))}", ""]
+        for name in (part.strip() for part in layer.split("|")):
+            path = REPO / name.replace(".", "/")
+            modules = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+            for module in modules:
+                relative = module.relative_to(REPO).as_posix()
+                out.append(f"- `{relative}`: {_first_line(module)}")
+        out.append("")
+    return "\n".join(out)
+
+
 def cli_help() -> str:
     """Each command's ``--help``, as the CLI's own argparse parser prints it."""
     from oodviz import cli
@@ -152,6 +183,8 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         markdown = markdown.replace(DETECTOR_CARDS, detector_cards())
     if DETECTOR_API in markdown:
         markdown = markdown.replace(DETECTOR_API, detector_api())
+    if LAYOUT in markdown:
+        markdown = markdown.replace(LAYOUT, layout())
     if CLI_HELP in markdown:
         markdown = markdown.replace(CLI_HELP, cli_help())
     return markdown
