@@ -142,3 +142,48 @@ def test_the_readme_library_example_runs(tmp_path, monkeypatch):
     scores = namespace["scores"]
     assert scores.shape == (4,) and torch.isfinite(scores).all()
     assert {"msp", "mahalanobis"} <= set(namespace["results"].metrics["detector"])
+
+
+def test_the_library_page_examples_run(tmp_path, monkeypatch):
+    """The library page's Python blocks on stand-in data (random features of a random linear head, on the CPU);
+    the blocks that need a finished run or a process group are run elsewhere (the README example above,
+    tests/test_distributed.py)."""
+    import torch
+
+    page = (REPO / "docs" / "library.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    own = [b for b in blocks if "create(" in b and "World" not in b]
+    assert len(own) == 2, len(own)
+    generator = torch.Generator().manual_seed(0)
+    d, c = 640, 4  # D above the example's vim dim=512
+
+    def chunks(n, labelled):
+        out = []
+        for _ in range(n):
+            f = torch.randn(256, d, generator=generator).relu()
+            y = torch.randint(0, c, (256,), generator=generator)
+            out.append((f, f @ model.fc.weight.T + model.fc.bias, y) if labelled else (f, f @ model.fc.weight.T))
+        return out
+
+    model = torch.nn.Module()
+    model.fc = torch.nn.Linear(d, c)
+    monkeypatch.chdir(tmp_path)
+    from oodviz import Batch
+
+    namespace = {
+        "model": model,
+        "my_id_train_chunks": chunks(4, True),
+        "my_id_test_chunks": [(f, z) for f, z, _ in chunks(2, True)],
+        "my_ood_chunks": [(f * 3, z * 3) for f, z, _ in chunks(2, True)],
+    }
+    with torch.no_grad():
+        exec(compile(own[0].replace('device="cuda"', 'device="cpu"'), "library.md", "exec"), namespace)
+    assert torch.equal(namespace["same"].score(namespace["ood_batches"]), namespace["ood_scores"])
+    halves = [Batch(features=f, labels=y) for f, _, y in chunks(4, True)]
+    split = {"first_half_batches": halves[:2], "second_half_batches": halves[2:]}
+    exec(compile(own[1], "library.md", "exec"), split)
+    from oodviz.detectors import create
+
+    whole = create("mahalanobis").fit(halves)  # what the page says the merged halves equal
+    query = Batch(features=namespace["ood_batches"][0].features)
+    torch.testing.assert_close(split["a"].score(query), whole.score(query), rtol=1e-5, atol=1e-4)
