@@ -16,9 +16,12 @@ from __future__ import annotations
 import contextlib
 import inspect
 import io
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # document this checkout's oodviz, whichever one the environment has installed
+    sys.path.insert(0, str(REPO))
 DETECTOR_TABLE = "<!-- oodviz:detector-table -->"
 DETECTOR_CARDS = "<!-- oodviz:detector-cards -->"
 CLI_HELP = "<!-- oodviz:cli-help -->"
