@@ -45,3 +45,6 @@ class SphinxRoles(griffe.Extension):
     def on_object(self, *, obj: griffe.Object, **kwargs) -> None:
         if obj.docstring is not None and ":" in obj.docstring.value:
             obj.docstring.value = _replace(obj, obj.docstring.value)
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs) -> None:  # the top package is not among the objects
+        self.on_object(obj=pkg)
