@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup app test test-kernels lint browser fashion-mnist bench bench-app clean
+.PHONY: setup app test test-kernels lint docs browser fashion-mnist bench bench-app clean
 
 setup: $(STAMP) fashion-mnist
 
@@ -60,6 +60,11 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
+# The documentation site, offline (Material without Google fonts, KaTeX from the package), into site/; --strict:
+# a broken link or a reference mkdocstrings cannot resolve fails the build (tests/test_docs.py builds it too).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 bench: $(STAMP)
 	$(BIN)/python bench/detectors.py
 
@@ -70,4 +75,4 @@ bench-app: $(STAMP) browser
 	$(BIN)/python bench/streamlit_floor.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

@@ -13,7 +13,7 @@ Without CUDA (and without ``--quick``) it prints why and exits 0.
 What it measures (targets in brackets):
 
 (a) ResNet-50 (torchvision, random weights) at batch 256 with bf16 autocast and channels-last:
-    ``oodviz.engine.extraction`` over an in-memory dataset of uint8 images already 224 x 224 (so
+    ``oodviz.engine.extract`` over an in-memory dataset of uint8 images already 224 x 224 (so
     decoding is not the bottleneck), with DataLoader workers (``--workers``, default ``auto`` and 0), pinned memory and the store
     written to disk, against the bare forward pass on input already on the GPU, the limit
     [engine >= 90% of the limit]. The engine's rate is taken in steady state (from the 10th
@@ -213,7 +213,7 @@ def part_a(args, device, rows, notes, scratch: Path):
             rows.append(
                 (
                     "a",
-                    f"oodviz.engine.extraction, {workers} workers",
+                    f"oodviz.engine.extract, {workers} workers",
                     f"failed: {type(err).__name__}: {err}"[:200],
                     ">= 90% of limit",
                     "FAIL",
@@ -228,7 +228,7 @@ def part_a(args, device, rows, notes, scratch: Path):
         rows.append(
             (
                 "a",
-                f"oodviz.engine.extraction, {workers} workers{', pinned' if device.type == 'cuda' else ''}, {precision}, store to disk "
+                f"oodviz.engine.extract, {workers} workers{', pinned' if device.type == 'cuda' else ''}, {precision}, store to disk "
                 f"({store.n:,} images; whole run {whole:,.0f} img/s)",
                 f"{steady:,.0f} img/s = {ratio:.1%} of limit",
                 ">= 90% of limit",

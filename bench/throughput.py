@@ -1,6 +1,6 @@
 """Extraction throughput against the bare forward pass on the CPU (issue 13.7): how much the data path costs.
 
-For each model, the same images go (a) through ``oodviz.engine.extraction`` (data loading, transform, forward,
+For each model, the same images go (a) through ``oodviz.engine.extract`` (data loading, transform, forward,
 writing the feature store) and (b) through ``backbone.features_and_logits(x)`` alone, on tensors transformed
 beforehand and held in memory (the limit). The ratio ``(b) / (a)`` is the share of the bare forward's speed the
 extraction reaches. Two data paths are measured side by side, ``--repeats`` times taking turns (bare, before, after,

@@ -4,7 +4,7 @@ The front door, for Python users (nothing heavy is imported until a name is used
 
     import oodviz
 
-    config = oodviz.RunConfig.load("examples/digits.toml")    # or oodviz.preset("fashion-mnist"), or RunConfig(...)
+    config = oodviz.RunConfig.load("examples/fashion-mnist-quick.toml")  # or oodviz.preset(...), RunConfig(...)
     results = oodviz.run(config, out="runs/first")           # a whole evaluation in this process
     results.metrics                                           # pandas: AUROC, FPR95, AUPR per detector and OOD set
     oodviz.load_results("runs/first").scores                  # a finished run, read back
@@ -14,7 +14,7 @@ The front door, for Python users (nothing heavy is imported until a name is used
     scores = det.score(oodviz.Batch(features=x))              # higher = more OOD
 
 The library never imports streamlit; the app lives in :mod:`oodviz.ui`. The packages follow the data flow
-(README, Layout): :mod:`oodviz.data`, :mod:`oodviz.models` → :mod:`oodviz.engine`, :mod:`oodviz.detectors` →
+(docs/layout.md): :mod:`oodviz.data`, :mod:`oodviz.models` → :mod:`oodviz.engine`, :mod:`oodviz.detectors` →
 :mod:`oodviz.config` → :mod:`oodviz.results` → :mod:`oodviz.pipeline` → :mod:`oodviz.figures` → :mod:`oodviz.ui`.
 """
 

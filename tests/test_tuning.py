@@ -4,7 +4,6 @@ One tuning run on the bundled digits model, end to end; its choices are checked 
 here with sklearn over each grid (a float64 energy formula, and the public detector API on the run's stores)."""
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -329,23 +328,6 @@ def test_the_app_states_the_family_defaults_and_why(tmp_path, monkeypatch):
     app.run()
     assert not app.exception
     assert any(defaults_reason("digits-cnn") in c.value for c in app.sidebar.caption)
-
-
-def test_the_readme_detector_table_lists_every_detector_with_its_grid_and_paper():
-    readme = (REPO / "README.md").read_text()
-    for name in available():
-        cls = detector_class(name)
-        [row] = [line for line in readme.splitlines() if line.startswith(f"| `{name}` |")]
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        assert cls.paper in cells[-1], name
-        for param in set(cls.param_names()) - {"model"}:  # the model is the run's
-            assert re.search(rf"\b{param}=", cells[1]), (name, param)
-        grid = cells[2]
-        for key, values in cls.default_grid.items():
-            listed = re.search(rf"`{key}`: ([^;]*)", grid)
-            assert listed and listed.group(1).strip() == ", ".join(map(str, values)), (name, key, grid)
-        if not cls.default_grid:
-            assert grid == "—", (name, grid)
 
 
 @pytest.mark.kernels

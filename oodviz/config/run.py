@@ -71,6 +71,17 @@ def default_detectors(backbone) -> list[DetectorChoice]:
 
 @dataclass
 class RunConfig:
+    """What a run asks for: the backbone and its layers, the data, the detectors, and how to run them.
+
+    Every field has a default: ``RunConfig()`` is the bundled offline default (``digits-cnn`` on scikit-learn's
+    digits against held-out and transformed digits, photo patches and noise, the family's default detectors).
+    :meth:`load` reads a ``.json`` or ``.toml`` file with these fields as keys, :meth:`save` writes one, and
+    :meth:`problems` lists everything wrong with a config at once (types, datasets and detector parameters
+    against their signatures, the layer against the architecture, the device against this machine), before any
+    work. :func:`preset` gives the named ready-made configs. The documentation's Configs page describes every
+    field; ``oodviz.run(config)`` runs one in this process (:func:`oodviz.pipeline.worker.run`).
+    """
+
     backbone: str = "digits-cnn"
     weights: str = "default"  # "default" (pretrained / bundled) or "random" (a dry run)
     checkpoint: str | None = None  # a TorchScript file or a state dict for the backbone's architecture

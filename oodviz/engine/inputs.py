@@ -2,7 +2,7 @@
 
 Detectors that run the classifier again (``odin``, ``mcd``) cannot work from the feature store;
 they need the transformed images. :func:`score_inputs` reads the dataset exactly as
-:func:`~oodviz.engine.extraction` does (same DataLoader, same transform, same order, the same
+:func:`~oodviz.engine.extract` does (same DataLoader, same transform, same order, the same
 unreadable items skipped), so its rows line up with the split's store, and hands each batch to
 ``score`` as ``Batch(inputs=x, labels=y)`` on the device::
 
@@ -65,9 +65,11 @@ def score_inputs(
         values, e.g. ``lambda batch: detector.score(batch, device=device)``
     :param backbone: has ``model`` (moved to ``device`` for the pass and restored afterwards),
         ``transform`` and ``name``; the same object the split was extracted with
-    :param dataset: as for :func:`~oodviz.engine.extraction`
-    :param device, batch_size, num_workers, precision: as for :func:`~oodviz.engine.extraction`
-        (``precision`` turns on autocast around ``score``)
+    :param dataset: as for :func:`~oodviz.engine.extract`
+    :param device: as for :func:`~oodviz.engine.extract`
+    :param batch_size: as for :func:`~oodviz.engine.extract`
+    :param num_workers: as for :func:`~oodviz.engine.extract`
+    :param precision: as for :func:`~oodviz.engine.extract` (it turns on autocast around ``score``)
     :param progress: ``progress(done, total, info)`` after every batch, ``info`` as in extraction
         (``stage="score"``)
     :param should_cancel: checked before every batch; True raises :class:`~oodviz.engine.Cancelled`

@@ -13,7 +13,7 @@ single-layer runs and the other way round. The layers whose store is missing (or
 together: :class:`LayerFanout` hooks all of them, one forward gives their features side by side
 ``[B, D_1 + ... + D_L]``, and :class:`LayerWriters` hands each layer its columns, so every store gets
 the rows in the same order, with the same logits, labels, predictions and source indices. The loop
-(batching, OOM back-off, cancel, all-or-nothing) is :func:`~oodviz.engine.extraction`'s.
+(batching, OOM back-off, cancel, all-or-nothing) is :func:`~oodviz.engine.extract`'s.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from oodviz.engine.store import FeatureStore, StoreWriter, key_spec, store_key
 
 class LayerFanout:
     """The views of one model (``views[i].model`` is the same object) as one backbone for
-    :func:`~oodviz.engine.extraction`: ``features_and_logits(x) -> (features [B, D_1 + ... + D_L], logits [B, C])``,
+    :func:`~oodviz.engine.extract`: ``features_and_logits(x) -> (features [B, D_1 + ... + D_L], logits [B, C])``,
     each view's features (pooled its own way) in the order of ``views``, from one forward pass.
     ``name``, ``model``, ``transform``, ``input_shape`` and ``weights_id`` are the first view's; ``layer``
     names every layer (``"a+b"``); ``head`` is ``None`` (each layer's store gets its own, :class:`LayerWriters`)."""
@@ -58,7 +58,7 @@ class LayerFanout:
 
 class LayerWriters:
     """A :class:`~oodviz.engine.store.StoreWriter` per layer behind one writer's interface, for
-    :func:`~oodviz.engine.extraction`'s ``make_writer``: :meth:`append` gives layer ``i`` its columns
+    :func:`~oodviz.engine.extract`'s ``make_writer``: :meth:`append` gives layer ``i`` its columns
     ``[sum(D_<i), sum(D_<=i))`` of the fan-out's features and every layer the same logits, labels,
     predictions and indices; :meth:`commit` writes each store with its own ``key_spec``, layer and head (the
     rest of ``meta.json``, timings and ``counts`` of non-finite rows included, is the pass's, over every layer).
@@ -133,7 +133,7 @@ def extract_layers_or_reuse(
     a trusted one exists (:func:`~oodviz.engine.extraction.trusted_store`), else extracted in one forward
     pass with every other missing layer. Returns layer name -> store, in the order of ``views``; a store
     extracted now has ``reused = False`` and the ``reuse_warning`` of a damaged one it replaced.
-    ``options``: the other keyword arguments of :func:`~oodviz.engine.extraction` (device, batch_size, ...)."""
+    ``options``: the other keyword arguments of :func:`~oodviz.engine.extract` (device, batch_size, ...)."""
     check_verify(verify)
     keys = {
         layer: store_key(view, dataset, key_params, feature_dtype=feature_dtype, precision=precision)

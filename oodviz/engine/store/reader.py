@@ -32,7 +32,7 @@ class FeatureStore:
     ``features`` ``[N, D]``, ``logits`` ``[N, C]``, ``labels``, ``predictions``, ``indices``
     ``[N]`` (read-only ``np.memmap``); ``head`` (``(weight [C, D], bias [C])`` tensors or ``None``).
 
-    Use :func:`open_store` (or the return value of :func:`oodviz.engine.extraction`) to get one.
+    Use :func:`open_store` (or the return value of :func:`oodviz.engine.extract`) to get one.
     """
 
     def __init__(self, path):
@@ -191,7 +191,7 @@ def open_store(root, key: str) -> FeatureStore:
     key = check_key(key)
     path = Path(root) / key
     if not path.is_dir():
-        raise StoreError(f"no feature store {key!r} under {root}; extract it first (oodviz.engine.extraction)")
+        raise StoreError(f"no feature store {key!r} under {root}; extract it first (oodviz.engine.extract)")
     return FeatureStore(path)
 
 
