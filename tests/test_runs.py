@@ -474,3 +474,31 @@ def test_a_subsample_that_leaves_a_class_without_an_image_is_a_run_warning_in_th
     assert table.loc["id_fit", "images"] == "300 of 1,081, stratified by class (8 classes), seed 0"
     assert table.loc["ood:noise-uniform", "images"] == "20 of 40, uniform at random (no classes), seed 0"
     assert table.loc["id_test", "classes without an image"] == "5, 6, 7"
+
+
+def test_the_stages_run_in_the_one_order_the_plan_lists():
+    """One list of steps (:data:`oodviz.config.plan.STEPS`): the single-process stages and a sharded rank's follow
+    it step for step, so the plan the app shows cannot drift from what runs."""
+    from types import SimpleNamespace
+
+    from oodviz.config.plan import STEPS
+    from oodviz.pipeline.sharded import sharded_stages
+    from oodviz.pipeline.stages import STAGES, STEP_FUNCTIONS
+
+    assert [stage.__name__ for stage in STAGES] == [step for step, _ in STEPS]
+    assert set(STEP_FUNCTIONS) == {step for step, _ in STEPS}
+    ranked = sharded_stages(SimpleNamespace(rank=0, size=2))
+    names = [getattr(getattr(s, "func", s), "__name__", "") for s in ranked]
+    assert names == [
+        "load_model",
+        "load_data",
+        "extract_splits",
+        "tune_detectors",
+        "fit_detectors",
+        "score_sharded_splits",
+        "combine_layers",
+        "save_whole_banks",
+        "write_scores",
+        "write_metrics",
+        "write_meta",
+    ]

@@ -13,23 +13,42 @@ from oodviz.config.splits import run_splits
 from oodviz.config.tuning import tuned_columns, validation_splits
 
 
-def planned_stages(config: RunConfig) -> list[str]:
-    """``load model``, ``load data``, ``extract <split>`` per split, ``tune <column>`` per detector with a grid
-    (per detector and layer in a run over several layers) when the run tunes (:mod:`oodviz.pipeline.tuning`), ``fit <column>`` per detector (per detector and layer in a
-    run over several layers), then per scored split (id_test, each OOD set) ``score <split> with <name>`` per
-    model-based detector and ``score <split>``, then (several layers with mahalanobis) ``combine mahalanobis over
-    layers``, ``save detectors`` and ``metrics`` (a sharded run's rank 0 does the last two)."""
-
-    splits = [split for split, _, _ in run_splits(config)]
+def _scoring_stages(config: RunConfig) -> list[str]:
+    """Per scored split (id_test, each OOD set: not the validation splits) ``score <split> with <name>`` per
+    model-based detector, then ``score <split>``."""
     model_based = [c.name for c in config.detectors if detectors.detector_class(c.name).needs_model]
-    stages = ["load model", "load data", *(f"extract {split}" for split in splits)]
-    stages += [f"tune {column}" for column, _, _, _ in tuned_columns(config)]
-    stages += [f"fit {column}" for column, _, _ in detector_columns(config)]
     validation = [split for split, _, _ in validation_splits(config)]
-    for split in [s for s in splits[1:] if s not in validation]:  # id_test and the OOD sets are scored
+    splits = [split for split, _, _ in run_splits(config)][1:]  # id_fit is not scored
+    stages = []
+    for split in [s for s in splits if s not in validation]:
         stages += [f"score {split} with {name}" for name in model_based] + [f"score {split}"]
-    stages += [COMBINE_STAGE] if combines_layers(config) else []
-    return stages + ["save detectors", "metrics"]
+    return stages
+
+
+#: The steps of a run in the order the worker runs them, each with the named stages it reports for a config (what
+#: ``events.jsonl`` says): the one list of steps; :data:`oodviz.pipeline.stages.STAGES` and a sharded run's
+#: :func:`oodviz.pipeline.sharded.sharded_stages` take their order from it.
+STEPS = (
+    ("load_model", lambda config: ["load model"]),
+    ("load_data", lambda config: ["load data"]),
+    ("extract_splits", lambda config: [f"extract {split}" for split, _, _ in run_splits(config)]),
+    ("tune_detectors", lambda config: [f"tune {column}" for column, _, _, _ in tuned_columns(config)]),
+    ("fit_detectors", lambda config: [f"fit {column}" for column, _, _ in detector_columns(config)]),
+    ("score_splits", _scoring_stages),
+    ("combine_layers", lambda config: [COMBINE_STAGE] if combines_layers(config) else []),
+    ("save_detectors", lambda config: ["save detectors"]),
+    ("write_scores", lambda config: []),
+    ("write_metrics", lambda config: ["metrics"]),
+    ("write_meta", lambda config: []),
+)
+
+
+def planned_stages(config: RunConfig) -> list[str]:
+    """The named stages of a run of ``config``, in order (:data:`STEPS`): ``load model``, ``load data``, ``extract
+    <split>`` per split, ``tune <column>`` per tuned column, ``fit <column>`` per detector (per detector and layer
+    in a run over several layers), the scoring stages, ``combine mahalanobis over layers`` (several layers with
+    mahalanobis), ``save detectors`` and ``metrics`` (a sharded run's rank 0 does the last two)."""
+    return [stage for _, stages in STEPS for stage in stages(config)]
 
 
 def run_headline(config: RunConfig, paths: bool = True) -> str:

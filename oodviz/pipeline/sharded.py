@@ -52,6 +52,7 @@ import torch
 
 from oodviz.batch import Batch
 from oodviz.columns import split_column
+from oodviz.config.plan import STEPS
 from oodviz.config.splits import feature_store_root
 from oodviz.config.tuning import VALIDATION_SPLITS
 from oodviz.detectors.knn import KNN
@@ -76,10 +77,9 @@ from oodviz.pipeline.distributed import (
 from oodviz.pipeline.job import SCORE_BATCH, Job, Watched, failed_detectors, finite_scores, fit_on_store, start_job
 from oodviz.pipeline.layers import combine_layers, keep_layer_stores, layer_views
 from oodviz.pipeline.stages import (
+    STEP_FUNCTIONS,
     extract_splits,
     fit_detectors,
-    load_data,
-    load_model,
     save_detectors,
     score_with_models,
     store_key_params,
@@ -388,21 +388,25 @@ def on_root(stage, world: World):
 
 
 def sharded_stages(world: World) -> tuple:
-    """The stages of one rank, in order (:data:`oodviz.pipeline.stages.STAGES`, sharded)."""
+    """The stages of one rank, in the order of :data:`oodviz.config.plan.STEPS`: the single-process ones
+    (:data:`oodviz.pipeline.stages.STEP_FUNCTIONS`) with extraction, tuning, fitting and scoring split over the
+    ranks and the writing steps on rank 0."""
     fit = partial(fit_sharded, world=world)
-    return (
-        load_model,
-        load_data,
-        partial(extract_splits, open_split=partial(sharded_split, world=world)),
-        partial(tune_detectors, fit_features=fit, auroc_of=partial(validation_auroc_across_ranks, world=world)),
-        partial(fit_detectors, fit_features=fit),
-        partial(score_sharded_splits, world=world),
-        on_root(combine_layers, world),
-        on_root(save_whole_banks, world),
-        on_root(write_scores, world),
-        on_root(write_metrics, world),
-        on_root(write_meta, world),
-    )
+    steps = {
+        **STEP_FUNCTIONS,
+        "extract_splits": partial(extract_splits, open_split=partial(sharded_split, world=world)),
+        "tune_detectors": partial(
+            tune_detectors, fit_features=fit, auroc_of=partial(validation_auroc_across_ranks, world=world)
+        ),
+        "fit_detectors": partial(fit_detectors, fit_features=fit),
+        "score_splits": partial(score_sharded_splits, world=world),
+        "combine_layers": on_root(combine_layers, world),
+        "save_detectors": on_root(save_whole_banks, world),
+        "write_scores": on_root(write_scores, world),
+        "write_metrics": on_root(write_metrics, world),
+        "write_meta": on_root(write_meta, world),
+    }
+    return tuple(steps[step] for step, _ in STEPS)
 
 
 def run_rank(world: World):

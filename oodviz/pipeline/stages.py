@@ -35,6 +35,7 @@ import pandas as pd
 
 from oodviz.columns import split_column
 from oodviz.config.layers import detector_columns
+from oodviz.config.plan import STEPS
 from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.config.splits import (
     empty_classes_warning,
@@ -299,19 +300,25 @@ def write_meta(job: Job) -> None:
     write_json(job.run.path / "meta.json", job.meta)
 
 
-STAGES = (
-    load_model,
-    load_data,
-    extract_splits,
-    tune_detectors,
-    fit_detectors,
-    score_splits,
-    combine_layers,
-    save_detectors,
-    write_scores,
-    write_metrics,
-    write_meta,
-)
+#: Each step of :data:`oodviz.config.plan.STEPS` by its name.
+STEP_FUNCTIONS = {
+    step.__name__: step
+    for step in (
+        load_model,
+        load_data,
+        extract_splits,
+        tune_detectors,
+        fit_detectors,
+        score_splits,
+        combine_layers,
+        save_detectors,
+        write_scores,
+        write_metrics,
+        write_meta,
+    )
+}
+#: The stages in the order of :data:`oodviz.config.plan.STEPS`.
+STAGES = tuple(STEP_FUNCTIONS[step] for step, _ in STEPS)
 
 
 def run_pipeline(config: RunConfig, run: RunDir, reporter: Reporter, batch_peaks: list | None = None) -> list[str]:
