@@ -11,10 +11,15 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
-if TYPE_CHECKING:
-    from oodviz.ui.access import AccessPolicy
+from oodviz import engine, models
+from oodviz.config.run import PRESETS, ConfigError, RunConfig, preset
+from oodviz.runs.jobs import list_runs
+from oodviz.runs.launch import launch, torchrun_argv, wait_for_run_dir
+from oodviz.runs.rundir import RunDir
+from oodviz.ui import SERVER_FLAGS, streamlit_has_option
+from oodviz.ui.access import LOOPBACK_HOSTS, AccessPolicy, is_loopback, machine_host_names
 
 DEFAULT_RUNS_ROOT = Path("runs")
 EXIT_DONE_WITH_FAILURES = 3
@@ -32,10 +37,8 @@ RUN_EXIT_CODES = """exit status:
 
 
 def cmd_run(args) -> int:
-    from oodviz.config.run import ConfigError, RunConfig, preset
     from oodviz.pipeline.reporter import TerminalProgress
     from oodviz.pipeline.worker import cancel_on_signals, execute
-    from oodviz.runs.rundir import RunDir
 
     try:
         if args.preset:
@@ -52,8 +55,6 @@ def cmd_run(args) -> int:
     if report is False:
         return 2
     if args.nproc_per_node > 1 or args.nnodes > 1:
-        from oodviz.runs.launch import torchrun_argv
-
         try:
             torchrun_argv(Path("."), args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
         except ValueError as error:
@@ -66,8 +67,6 @@ def cmd_run(args) -> int:
         return 2
     try:
         if args.node_rank > 0:
-            from oodviz.runs.launch import wait_for_run_dir
-
             run = wait_for_run_dir(Path(args.out))
         elif args.out:
             out = Path(args.out)
@@ -83,8 +82,6 @@ def cmd_run(args) -> int:
     )
     started = time.monotonic()
     if args.nproc_per_node > 1 or args.nnodes > 1:
-        from oodviz.runs.launch import launch
-
         state = launch(run, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
     else:
         from functools import partial
@@ -129,7 +126,6 @@ def preflight_report(config, runs_root: Path, force: bool):
     not) for what no run of ``config`` gets past: an unreadable checkpoint, a detector parameter the data's sizes
     rule out. A pre-flight that cannot load the model or the data otherwise refuses nothing (None): the run's own
     stages report that."""
-    from oodviz.config.run import ConfigError
     from oodviz.pipeline.preflight import preflight
 
     try:
@@ -158,7 +154,6 @@ def preflight_report(config, runs_root: Path, force: bool):
 def cmd_runs(args) -> int:
     """List the runs, read-only: a damaged run is listed as ``damaged: <what>``, a dead job as failed."""
     from oodviz.results.summary import summarise
-    from oodviz.runs.jobs import list_runs
 
     runs = list_runs(Path(args.runs_root))
     if not runs:
@@ -180,7 +175,6 @@ def access_policy(args) -> AccessPolicy:
     """The access rules ``oodviz app`` serves with (see :mod:`oodviz.ui.access`): loopback needs nothing; any
     other ``--host`` needs a token (``--token``, ``$OODVIZ_TOKEN``, else a new random one) and confines typed
     paths to the ``--data-dir`` directories (none: only the bundled data)."""
-    from oodviz.ui.access import LOOPBACK_HOSTS, AccessPolicy, is_loopback, machine_host_names
 
     serve_others = not is_loopback(args.host)
     token = args.token or os.environ.get("OODVIZ_TOKEN") or (secrets.token_urlsafe(24) if serve_others else None)
@@ -219,7 +213,6 @@ def cmd_app(args) -> NoReturn:
     Streamlit's ``run`` through :mod:`oodviz.ui.serve` (the pages imported while the server starts), with
     :data:`oodviz.ui.SERVER_FLAGS`.
     """
-    from oodviz.ui import SERVER_FLAGS, streamlit_has_option
 
     policy = access_policy(args)
     command = [sys.executable, "-m", "oodviz.ui.serve", *SERVER_FLAGS]
@@ -249,25 +242,22 @@ def cmd_app(args) -> NoReturn:
 
 
 def _store_root(args) -> Path:
-    from oodviz.engine import STORES_DIRNAME
 
-    return Path(args.store_root) if args.store_root else Path(args.runs_root) / STORES_DIRNAME
+    return Path(args.store_root) if args.store_root else Path(args.runs_root) / engine.STORES_DIRNAME
 
 
 def cmd_store(args) -> int:
     """``store verify``: rehash every store under the root, exit 1 when one is damaged (each named with
     its files and what is wrong); ``--remove`` removes damaged, outdated and stale unfinished ones.
     ``store list``: the stores, their size and the runs that use them."""
-    from oodviz.engine import check_stores, clean_stale_tmp, remove_store, store_users
-    from oodviz.models import format_bytes
 
     root = _store_root(args)
-    checked = check_stores(root, full=args.store_command == "verify")
+    checked = engine.check_stores(root, full=args.store_command == "verify")
     if not checked:
         print(f"no feature stores under {root}")
         return 0
     if args.store_command == "list":
-        users = store_users(args.runs_root)
+        users = engine.store_users(args.runs_root)
         for entry in checked:
             store = entry["store"]
             if store is None:
@@ -278,7 +268,7 @@ def cmd_store(args) -> int:
             print(
                 f"{entry['name']}  {store.meta.get('backbone', {}).get('name', '?')} on "
                 f"{store.meta.get('dataset', {}).get('name', '?')}: {store.n:,} x {store.feature_dim} "
-                f"{store.feature_dtype}, {format_bytes(size)}, used by {len(runs)} run(s)"
+                f"{store.feature_dtype}, {models.format_bytes(size)}, used by {len(runs)} run(s)"
             )
         return 0
     damaged = [entry for entry in checked if entry["state"] == "damaged"]
@@ -293,8 +283,8 @@ def cmd_store(args) -> int:
     if args.remove:
         for entry in checked:
             if entry["state"] in ("damaged", "outdated"):
-                print(f"removed  {remove_store(root, entry['name'])}")
-        for path in clean_stale_tmp(root, min_age_s=0):
+                print(f"removed  {engine.remove_store(root, entry['name'])}")
+        for path in engine.clean_stale_tmp(root, min_age_s=0):
             print(f"removed  {path}")
     elif damaged:
         print(
@@ -346,14 +336,13 @@ def cmd_score(args) -> int:
 def cmd_report(args) -> int:
     """Write a run's self-contained HTML report (:func:`oodviz.figures.report.write_report`); exit 2 when it cannot."""
     from oodviz.figures.report import write_report
-    from oodviz.models import format_bytes
 
     try:
         path = write_report(Path(args.run), args.output, args.detector or None, args.gallery, args.figure_files)
     except (ValueError, OSError, RuntimeError) as error:  # RuntimeError: kaleido could not draw the figures
         print(f"oodviz report: {error}", file=sys.stderr)
         return 2
-    print(f"report: {path} ({format_bytes(path.stat().st_size)}; opens offline in any browser)", file=sys.stderr)
+    print(f"report: {path} ({models.format_bytes(path.stat().st_size)}; opens offline in any browser)", file=sys.stderr)
     return 0
 
 
@@ -498,8 +487,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if getattr(args, "preset", None) is not None:  # checked here: the other commands need no run config
-        from oodviz.config.run import PRESETS
-
         if args.preset not in PRESETS:
             run.error(f"argument --preset: invalid choice: {args.preset!r} (choose from {', '.join(PRESETS)})")
     return args.func(args)
