@@ -299,3 +299,44 @@ def test_features_go_through_the_store_to_mahalanobis_vim_and_energy(vit, hf_dir
         detector = create(name, **params).fit(stores["fit"].batches(), head=head)
         scores = detector.score(stores["test"].batches())
         assert scores.shape == (12,) and torch.isfinite(scores).all(), name
+
+
+def test_a_whole_run_of_a_small_timm_vit_from_python(tmp_path):
+    """``oodviz.run`` of a config naming ``timm:...`` with ``model_args``: the config is checked against the timm
+    model's own layers, the run stores the class token (the features the ViT's head reads: ``pooling="cls"``) and
+    scores every detector on every OOD set."""
+    import oodviz
+    from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+    from oodviz.engine import open_store
+
+    config = RunConfig(
+        backbone="timm:vit_tiny_patch16_224",
+        weights="random",
+        model_args={**TINY_VIT, "num_classes": 8},  # the digits' 8 ID classes
+        pooling="cls",
+        id_fit=DatasetChoice("digits-train", subsample=120),
+        id_test=DatasetChoice("digits-test", subsample=60),
+        ood=[DatasetChoice("noise-gaussian", {"n": 40})],
+        detectors=[DetectorChoice("mahalanobis"), DetectorChoice("energy")],
+        device="cpu",
+    )
+    assert RunConfig(**{**vars(config), "layer": "blocks.9"}).problems()[0].field == "layer"  # 2 blocks only
+    results = oodviz.run(config, out=tmp_path / "runs" / "vit", progress=False)
+    assert results.status["state"] == "done"
+    scored = set(zip(results.metrics.detector, results.metrics.ood_dataset))
+    assert {("energy", "noise-gaussian"), ("mahalanobis", "noise-gaussian")} <= scored
+    meta = json.loads((results.path / "meta.json").read_text())
+    store = open_store(tmp_path / "runs" / ".features", meta["splits"]["id_test"]["store"])
+    assert store.feature_dim == TINY_VIT["embed_dim"]
+    backbone = config.load_backbone()
+    images = [backbone.transform(store_image) for store_image in _split_images(config.id_test, store.indices[:4])]
+    features, _ = backbone.features_and_logits(torch.stack(images))
+    assert _close(torch.as_tensor(np.asarray(store.features[:4])).float(), features, tol=1e-4)
+
+
+def _split_images(choice, indices):
+    """The images of a dataset choice at a store's source ``indices`` (rows of the whole dataset)."""
+    from oodviz.data import load_dataset
+
+    dataset = load_dataset(choice.name)
+    return [dataset[int(i)][0] for i in indices]

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from oodviz import detectors, engine, models
+from oodviz.models.hub_names import hub_family, hub_kind
 from oodviz.params import ParamField, editable_fields
 
 PATH = Path(__file__).with_name("catalog.json")
@@ -74,6 +75,8 @@ def backbone_family(name) -> str:
     """As :func:`oodviz.models.architectures.backbone_family`: ``"transformer"`` or ``"cnn"`` (any other name)."""
     if not isinstance(name, str):
         return "cnn"
+    if hub_kind(name):  # any timm model or Hugging Face directory, listed or not
+        return hub_family(name)
     return catalog()["backbones"].get(name.strip().lower(), {}).get("family", "cnn")
 
 

@@ -30,7 +30,7 @@ def layers_problems(config, model_known: bool) -> list[str]:
         return found
     if config.backbone in models.USER_MODEL_NAMES:
         return [*found, f"layers are not supported for {config.backbone} models (hooks cannot be attached to them)"]
-    names = models.architecture_layer_names(config.backbone)
+    names = models.architecture_layer_names(config.backbone, config.model_args or None)
     for name in config.layers:
         if name != PENULTIMATE and name not in names:
             note = f"{PENULTIMATE!r} names the head's input."

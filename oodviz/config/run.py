@@ -22,6 +22,7 @@ from oodviz.config.layers import layers_problems
 from oodviz.config.tuning import tuning_problems
 from oodviz.config.validation import MAX_BATCH_SIZE, ConfigError, cpu_count, device_problem_here, read_config_file
 from oodviz.files import write_json
+from oodviz.models.hub_names import hub_kind
 from oodviz.params import describe, matches, non_finite, param_problems, shown
 from oodviz.problems import Problem, detector_problem, problems_at
 from oodviz.sampling import SUBSAMPLE_MODES
@@ -108,6 +109,8 @@ class RunConfig:
     #: an extra cap (GiB) on the disk the new feature stores may take, below the free disk; None = the disk's own
     #: free space (the pre-flight check, :mod:`oodviz.pipeline.preflight`, compares with the machine's real limits)
     memory_budget_gb: float | None = None
+    #: a ``timm:`` backbone's constructor arguments (e.g. ``{"img_size": 32}`` for a checkpoint trained at 32 x 32)
+    model_args: dict = field(default_factory=dict)
     #: tuning on validation data (:mod:`oodviz.pipeline.tuning`): held-out ID images and an OOD set that is not a test set
     id_val: DatasetChoice | None = None
     ood_val: DatasetChoice | None = None
@@ -146,7 +149,12 @@ class RunConfig:
         """The run's :class:`oodviz.models.Backbone` (architecture, weights or checkpoint, layer, pooling)."""
 
         return models.load_backbone(
-            self.backbone, weights=self.weights, checkpoint=self.checkpoint, layer=self.layer, pooling=self.pooling
+            self.backbone,
+            weights=self.weights,
+            checkpoint=self.checkpoint,
+            layer=self.layer,
+            pooling=self.pooling,
+            model_args=self.model_args or None,
         )
 
     def save(self, path: Path) -> None:
@@ -243,10 +251,19 @@ class RunConfig:
                     "to them); leave layer unset, or load a state dict of a built-in architecture"
                 )
                 found.append(Problem(message, "layer"))
+        elif hub_kind(self.backbone):  # timm:<model name>, hf:<directory>: the name, the directory, the package
+            try:
+                names = models.architecture_layer_names(self.backbone, self.model_args or None)
+            except (ValueError, FileNotFoundError, ImportError) as error:
+                found.append(Problem(str(error), "backbone"))
+            else:
+                if "layer" not in wrong and self.layer is not None and self.layer not in names:
+                    found.append(Problem(models.unknown_layer_message(self.backbone, self.layer, names), "layer"))
         elif self.backbone not in backbones:
             message = (
                 f"backbone {self.backbone!r} is unknown; choose one of: {', '.join(backbones)} "
-                f"(or {' / '.join(models.USER_MODEL_NAMES)} with a checkpoint file)"
+                f"(or {' / '.join(models.USER_MODEL_NAMES)} with a checkpoint file, timm:<model name> or "
+                "hf:<directory of a saved transformers image classifier>)"
             )
             found.append(Problem(message, "backbone"))
         elif "layer" not in wrong and self.layer is not None:
@@ -281,6 +298,7 @@ _FIELD_TYPES = {
     "download": bool,
     "feature_dtype": str,
     "memory_budget_gb": float | None,
+    "model_args": dict,
 }
 _DATASET_TYPES = {"name": str, "params": dict, "subsample": int | None, "subsample_mode": str, "group": str | None}
 _DETECTOR_TYPES = {"name": str, "params": dict}

@@ -388,10 +388,11 @@ def backbone_classes(name: str, weights: str | None = "default", checkpoint=None
     return list(weights_enum(arch.name, weights).meta["categories"])
 
 
-def architecture_layer_names(name: str) -> list[str]:
+def architecture_layer_names(name: str, model_args: Mapping | None = None) -> list[str]:
     """The names ``layer=`` accepts for registry backbone ``name`` or a ``timm:`` / ``hf:`` backbone
     (``model.named_modules()``, the root excluded), read from the architecture built on the meta device: no
-    weights read, no memory used."""
+    weights read, no memory used. ``model_args``: a ``timm:`` model's constructor arguments (its layers can
+    depend on them)."""
     if hub_kind(name):
-        return hub_layer_names(name)
+        return hub_layer_names(name, model_args)
     return architecture_module_names(name)
