@@ -30,7 +30,10 @@ from oodviz.results.tables import ID_SPLIT, OOD_SPLIT
 from oodviz.runs.rundir import RunDir
 
 if TYPE_CHECKING:
-    pass
+    from oodviz.data.base import ImageDataset
+    from oodviz.detectors import Detector
+    from oodviz.engine import FeatureStore
+    from oodviz.models import Backbone
 
 SCORE_BATCH = 4096
 
@@ -84,18 +87,30 @@ class Job:
     run: RunDir
     reporter: Reporter
     device: torch.device
-    meta: dict
-    backbone: object = None
-    datasets: dict = field(default_factory=dict)
-    stores: dict = field(default_factory=dict)
-    layer_stores: dict = field(default_factory=dict)
-    fitted: dict = field(default_factory=dict)
-    detector_log: dict = field(default_factory=dict)
-    frames: list = field(default_factory=list)
+    #: what becomes ``meta.json``: versions and device (:func:`start_job`), splits, layers, stages
+    meta: dict[str, object]
+    #: the run's model (``load_model``)
+    backbone: Backbone | None = None
+    #: split -> its dataset (``load_data``)
+    datasets: dict[str, ImageDataset] = field(default_factory=dict)
+    #: split -> its main feature store (``extract_splits``)
+    stores: dict[str, FeatureStore] = field(default_factory=dict)
+    #: split -> layer -> store, in a run over several layers (``extract_splits``)
+    layer_stores: dict[str, dict[str, FeatureStore]] = field(default_factory=dict)
+    #: result column -> the fitted detector still in the run, in config order (``fit_detectors``)
+    fitted: dict[str, Detector] = field(default_factory=dict)
+    #: result column -> what becomes its ``detectors.json`` entry (params, times, tuning, errors)
+    detector_log: dict[str, dict] = field(default_factory=dict)
+    #: the scores table of each scored split (``score_splits``)
+    frames: list[pd.DataFrame] = field(default_factory=list)
+    #: every split's scores, as ``scores.parquet`` holds them (``write_scores``)
     scores: pd.DataFrame | None = None
-    tuning: dict = field(default_factory=dict)
+    #: result column -> what tuning tried and chose (``tune_detectors``)
+    tuning: dict[str, dict] = field(default_factory=dict)
+    #: the batch each model-based detector passes through the model (the pre-flight's or ``load_data``'s probe)
     model_batches: ModelBatches = field(default_factory=ModelBatches)
-    layer_views: dict | None = None
+    #: layer -> the model's view with that layer's features, once made (:func:`oodviz.pipeline.layers.layer_views`)
+    layer_views: dict[str, Backbone] | None = None
 
     @property
     def splits(self) -> list[tuple[str, DatasetChoice, bool]]:

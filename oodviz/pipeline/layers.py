@@ -111,7 +111,10 @@ def combine_layers(job) -> None:
     images: the scale the layer's scores have on unseen ID data), else on the ID fit split (in-sample: the
     detectors were fitted on it, so its scores are smaller than on unseen ID data, and a layer that overfits more
     weighs more). The layers, the split (``standardised_on`` and its ``reference``), the means and standard
-    deviations and the formula go into ``detectors.json``. Nothing to do in a single-layer run."""
+    deviations and the formula go into ``detectors.json``. Nothing to do in a single-layer run.
+
+    Reads ``config``, ``fitted``, ``frames``, ``layer_stores``; writes a column into each of ``frames`` and
+    ``detector_log["mahalanobis@combined"]``."""
 
     parts = {
         layer: layer_column(COMBINED_DETECTOR, layer)

@@ -83,7 +83,7 @@ def _logged_params(det, choice: DetectorChoice) -> dict:
 
 # -- the stages -------------------------------------------------------------------------------------
 def load_model(job: Job) -> None:
-
+    """The run's model. Reads ``config``; writes ``backbone``."""
     config = job.config
     with job.reporter.stage("load model") as stage:
         job.backbone = config.load_backbone()
@@ -97,7 +97,9 @@ def load_data(job: Job) -> None:
     refuse a run whose new feature stores would not fit on the disk, measure one batch of each model-based detector
     the pre-flight did not (:func:`oodviz.pipeline.batchprobe.measure_for_run`: their batch sizes come from it), and
     warn when a need is over the machine's limits (:mod:`oodviz.pipeline.preflight`; ``oodviz run`` refuses such a run
-    before it starts, unless ``--force``)."""
+    before it starts, unless ``--force``).
+
+    Reads ``config``, ``backbone``, ``model_batches``; writes ``datasets``, ``model_batches``."""
 
     config, backbone = job.config, job.backbone
     with job.reporter.stage("load data") as stage:
@@ -169,7 +171,10 @@ def extract_splits(job: Job, open_split=None) -> None:
     """One stage per split: its feature store, extracted or reused (by ``open_split(job, split, choice, stage)``;
     a sharded run passes its own, :mod:`oodviz.pipeline.sharded`; by default every layer of a run over several
     layers in one pass, :mod:`oodviz.pipeline.layers`); the splits go into ``meta``, each with how it was sampled
-    (:class:`~oodviz.sampling.Sampling`)."""
+    (:class:`~oodviz.sampling.Sampling`).
+
+    Reads ``config``, ``backbone``, ``datasets``; writes ``stores``, ``layer_stores``, ``meta["splits"]``,
+    ``meta["layers"]``."""
     if open_split is None:
         open_split = extract_layers_split if job.config.layers else extract_or_reuse_split
     for split, choice, _ in job.splits:
@@ -200,7 +205,9 @@ def fit_detectors(job: Job, fit_features=None) -> None:
     """One stage per detector (per detector and layer, :func:`oodviz.pipeline.layers.detector_columns`): fit it
     on the ID fit split (model-based ones only check the model), with the parameters tuning chose for that
     column (at that layer) when it was tuned.
-    ``fit_features(job, detector, stage, layer)`` fits a feature-based one (default :func:`fit_on_store`)."""
+    ``fit_features(job, detector, stage, layer)`` fits a feature-based one (default :func:`fit_on_store`).
+
+    Reads ``config``, ``stores``, ``layer_stores``, ``tuning``; writes ``fitted``, ``detector_log``."""
     for column, choice, layer in detector_columns(job.config):
         choice = tuned_choice(job, choice, column)
         with job.reporter.stage(f"fit {column}") as stage, job.detector_may_fail(column, "fit", stage):
@@ -217,7 +224,10 @@ def fit_detectors(job: Job, fit_features=None) -> None:
 
 def score_splits(job: Job) -> None:
     """Per scored split: a stage per model-based detector, then one that scores the features with
-    the others and collects the split's scores table."""
+    the others and collects the split's scores table.
+
+    Reads ``fitted``, ``stores``, ``layer_stores``, ``datasets`` (model-based detectors); writes ``frames`` and, for a
+    detector that fails, ``detector_log``."""
     for split, kind, dataset in job.scored_splits:
         model_scores = score_with_models(job, split)
         job.frames.append(split_scores(job, split, kind, dataset, model_scores))
@@ -264,7 +274,9 @@ def split_scores(job: Job, split: str, kind: str, dataset: str, model_scores: di
 def save_detectors(job: Job) -> None:
     """``detectors/``: every fitted detector (per layer too, ``<detector>@<layer>``) and the backbone's identity,
     each layer's in a run over several layers (:func:`oodviz.pipeline.scoring.save_run_detectors`), for ``oodviz score``;
-    a detector that cannot be saved keeps its results and says why in ``detectors.json``."""
+    a detector that cannot be saved keeps its results and says why in ``detectors.json``.
+
+    Reads ``fitted``, ``backbone``; writes ``detectors/`` and ``detector_log`` (save errors)."""
 
     with job.reporter.stage("save detectors") as stage:
         views = layer_views(job) if job.config.layers else {}
@@ -276,7 +288,8 @@ def save_detectors(job: Job) -> None:
 
 
 def write_scores(job: Job) -> None:
-    """``scores.parquet`` (only the detectors that scored every split) and ``detectors.json``."""
+    """``scores.parquet`` (only the detectors that scored every split) and ``detectors.json``. Reads ``frames``,
+    ``detector_log``; writes ``scores`` and the two files."""
     require_a_detector(job)
     scores = pd.concat(job.frames, ignore_index=True)
     partial = [name for name in detectors_of(scores) if "error" in job.detector_log.get(name, {})]
@@ -286,7 +299,8 @@ def write_scores(job: Job) -> None:
 
 
 def write_metrics(job: Job) -> None:
-    """``metrics.csv`` and ``per_class.csv`` from the scores (:mod:`oodviz.results.tables`)."""
+    """``metrics.csv`` and ``per_class.csv`` from the scores (:mod:`oodviz.results.tables`). Reads ``scores``,
+    ``backbone`` (class names); writes the two files."""
     with job.reporter.stage("metrics"):
         groups = {choice.name: split_group(choice) for choice in job.config.ood}
         backbone = job.backbone
@@ -296,6 +310,7 @@ def write_metrics(job: Job) -> None:
 
 
 def write_meta(job: Job) -> None:
+    """``meta.json``. Reads ``meta`` and the reporter's stage summary; writes the file."""
     job.meta["stages"] = job.reporter.stage_summary()
     write_json(job.run.path / "meta.json", job.meta)
 

@@ -45,7 +45,9 @@ def tune_detectors(job: Job, fit_features=None, auroc_of=None) -> None:
     """One stage per result column with a grid (``tune <column>``, :func:`tuned_columns`) when the run tunes:
     :func:`tune_detector` at the column's layer, recorded in ``job.tuning[column]``; a warning per
     :func:`validation_warnings`, and when every point of a grid failed. ``fit_features`` and ``auroc_of``: as
-    :func:`tune_detector` takes them (a sharded run passes its own)."""
+    :func:`tune_detector` takes them (a sharded run passes its own).
+
+    Reads ``config``, ``stores``, ``layer_stores``, ``datasets`` (model-based detectors); writes ``tuning``."""
     if not tunes(job.config):
         return
     for warning in validation_warnings(job.config):
