@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from oodviz import engine, models
+from oodviz.config.catalog import catalog_path, ensure_catalog
 from oodviz.config.run import PRESETS, ConfigError, RunConfig, preset
 from oodviz.runs.jobs import list_runs
 from oodviz.runs.launch import launch, torchrun_argv, wait_for_run_dir
@@ -215,6 +216,12 @@ def cmd_app(args) -> NoReturn:
     """
 
     policy = access_policy(args)
+    if not catalog_path().is_file():  # the form's catalog, read from the code once per version of it
+        print(
+            "oodviz app: reading the detectors, backbones and datasets the form offers (once per version)",
+            file=sys.stderr,
+        )
+    ensure_catalog()
     command = [sys.executable, "-m", "oodviz.ui.serve", *SERVER_FLAGS]
     command += ["--server.address", args.host, "--server.enableCORS", "true", "--server.enableXsrfProtection", "true"]
     if streamlit_has_option("server.allowedHosts"):

@@ -1,9 +1,15 @@
-"""The form's catalog (:mod:`oodviz.config.catalog`) is what the code declares: the file equals :func:`build`, and the
-form's readers give what the detector classes, the model registry and the dataset registry give."""
+"""The form's catalog (:mod:`oodviz.config.catalog`) is built from the code that declares it, in a process of its
+own, once per version of the code; the form's readers give what the detector classes, the model registry and the
+dataset registry give."""
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,9 +30,35 @@ from oodviz.ui.form_tuning import layer_options, tuned_grids
 SPLITS = ("train", "test")
 
 
-def test_the_catalog_file_is_what_the_code_declares():
-    # regenerate with `python -m oodviz.config.catalog` when this fails
-    assert catalog.catalog() == json.loads(json.dumps(catalog.build()))
+def test_the_catalog_is_built_from_the_code_in_a_process_of_its_own(tmp_path):
+    """A fresh cache: the first reader builds it in a child process (torch stays out of the reader), a second
+    reader reads the same file without building it again."""
+    env = {**os.environ, catalog.CACHE_DIR_VARIABLE: str(tmp_path)}
+    code = (
+        "import sys, json\nfrom oodviz.config.catalog import catalog, catalog_path\n"
+        "names = catalog()['detectors']\n"
+        "print(json.dumps([str(catalog_path()), names, 'torch' in sys.modules]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    path, names, torch_imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not torch_imported and names == available()
+    assert Path(path).parent == tmp_path and json.loads(Path(path).read_text()) == json.loads(
+        json.dumps(catalog.build())
+    )
+    built = Path(path).stat().st_mtime_ns
+    again = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert json.loads(again.stdout.strip().splitlines()[-1])[0] == path and Path(path).stat().st_mtime_ns == built
+
+
+def test_a_changed_source_file_names_another_catalog(tmp_path):
+    package = tmp_path / "oodviz"
+    shutil.copytree(catalog.PACKAGE_ROOT, package, ignore=shutil.ignore_patterns("__pycache__", "katex", "weights"))
+    key = catalog.source_key(package)
+    assert key == catalog.source_key(catalog.PACKAGE_ROOT)  # the same sources: the same catalog
+    detector = package / "detectors" / "knn.py"
+    detector.write_text(detector.read_text().replace("k: int = 50", "k: int = 51"))
+    assert catalog.source_key(package) != key
 
 
 @pytest.mark.parametrize("name", available())

@@ -1,8 +1,11 @@
-"""What the app's run form offers, without importing torch: a catalog read from ``catalog.json`` beside this file.
+"""What the app's run form offers, without importing torch: a catalog built from the code that declares it.
 
 The form is drawn on every page, and a first page load must not wait for torch, torchvision and every detector
-module (issue 14.5, cold first load). So the facts it shows are written once into ``catalog.json`` by
-:func:`build`, which reads them from the code that declares them, and read back here:
+module (issue 14.5, cold first load). So the facts it shows are read from the code once by :func:`build` (which
+imports torch), in a process of its own, into a cache file named by a hash of the package's sources and the installed
+versions of the libraries it reads (:func:`catalog_path`), and read back here. Nothing is committed: a changed
+detector, backbone or dataset changes the hash, and the next page builds the catalog again. ``oodviz app`` builds it
+before serving (:func:`ensure_catalog`). Its entries:
 
 - ``detectors``: every detector name, in registry order (:func:`oodviz.detectors.available`);
 - ``default_detectors``: those with ``in_defaults`` (the list :mod:`oodviz.config.defaults` starts from);
@@ -17,36 +20,88 @@ module (issue 14.5, cold first load). So the facts it shows are written once int
   (:data:`oodviz.data.FASHION_ID_CLASSES`), ``system_dirs``, ``mnist_folders`` and ``mnist_files``
   (:mod:`oodviz.data.torchvision_sets`' ``SYSTEM_DIRS``, ``MNIST_FOLDERS``, ``MNIST_FILES``), for :func:`known_split_size`.
 
-``tests/test_catalog.py`` checks that the file equals what :func:`build` reads from the code, so it cannot drift:
-after changing a detector's parameters, grid or ``in_defaults``, a backbone or a dataset, regenerate it with
-``python -m oodviz.config.catalog`` (which imports torch).
+``python -m oodviz.config.catalog [PATH]`` writes it (default: :func:`catalog_path`).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import gzip
+import hashlib
+import importlib.metadata
 import json
 import os
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from oodviz import detectors, engine, models
+from oodviz.files import write_atomic
 from oodviz.models.hub_names import hub_family, hub_kind
 from oodviz.params import ParamField, editable_fields
 
-PATH = Path(__file__).with_name("catalog.json")
+#: where the built catalogs are kept (default ``~/.cache/oodviz``)
+CACHE_DIR_VARIABLE = "OODVIZ_CACHE_DIR"
+#: the installed libraries whose versions the catalog depends on (backbones, layers, datasets)
+CATALOG_LIBRARIES = ("torch", "torchvision", "timm", "transformers", "scikit-learn")
+#: how long building the catalog may take (imports torch and every detector, builds every listed backbone's skeleton)
+BUILD_TIMEOUT_S = 600
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 #: The bundled ID splits whose size the catalog holds (they ship with scikit-learn: always there).
 BUNDLED_SPLITS = ("digits-train", "digits-test")
 _MNIST_PREFIXES = ("train", "t10k")  # of the label file per split (train, test)
 
 
+def source_key(package_root: Path = PACKAGE_ROOT) -> str:
+    """A hash of every ``.py`` file under ``package_root`` (names and contents) and of the installed versions of
+    :data:`CATALOG_LIBRARIES`: what :func:`build` reads. 16 hex digits."""
+    digest = hashlib.sha256()
+    for path in sorted(package_root.rglob("*.py")):
+        digest.update(path.relative_to(package_root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    for name in CATALOG_LIBRARIES:
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = "-"
+        digest.update(f"{name}={version}\0".encode())
+    return digest.hexdigest()[:16]
+
+
+def catalog_path() -> Path:
+    """The cache file of this code's catalog: ``<cache dir>/catalog-<source key>.json``."""
+    root = Path(os.environ.get(CACHE_DIR_VARIABLE) or Path.home() / ".cache" / "oodviz")
+    return root / f"catalog-{source_key()}.json"
+
+
+def ensure_catalog() -> Path:
+    """:func:`catalog_path`, built first when missing, by ``python -m oodviz.config.catalog PATH`` (torch stays
+    out of this process); RuntimeError with the builder's last words when it fails."""
+    path = catalog_path()
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:  # one builder; the others wait for its file
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            built = subprocess.run(
+                [sys.executable, "-m", "oodviz.config.catalog", str(path)],
+                capture_output=True,
+                text=True,
+                timeout=BUILD_TIMEOUT_S,
+            )
+            if built.returncode != 0 or not path.is_file():
+                raise RuntimeError(f"building the form's catalog failed: {built.stderr.strip()[-2000:]}")
+    return path
+
+
 @functools.cache
 def catalog() -> dict:
-    """The catalog as written by :func:`build` (read once per process)."""
-    return json.loads(PATH.read_text())
+    """The catalog :func:`build` reads from the code (built once per version of the code, read once per process)."""
+    return json.loads(ensure_catalog().read_text())
 
 
 def detector_names() -> list[str]:
@@ -188,9 +243,9 @@ def build() -> dict:
     }
 
 
-def write() -> None:
-    """Regenerate ``catalog.json`` from the code (:func:`build`)."""
-    PATH.write_text(json.dumps(build(), indent=1) + "\n")
+def write(path: Path) -> None:
+    """:func:`build` into ``path``, atomically (two processes building at once write the same file)."""
+    write_atomic(Path(path), json.dumps(build(), indent=1) + "\n")
 
 
 def param_fields(detector: str) -> list[ParamField]:
@@ -200,4 +255,4 @@ def param_fields(detector: str) -> list[ParamField]:
 
 
 if __name__ == "__main__":
-    write()
+    write(Path(sys.argv[1]) if len(sys.argv) > 1 else catalog_path())

@@ -69,7 +69,7 @@ FIGURE_CLASS = "oodviz-figure"
 #: source, stays where a script cannot run)
 FORMULA_CLASS = "oodviz-formula"
 #: KaTeX 0.16 (MIT), inlined: ``katex.min.js``, ``katex.min.css`` and its WOFF2 fonts (oodviz/katex/README.md)
-KATEX_DIR = Path(__file__).resolve().parent / "katex"
+KATEX_DIR = Path(__file__).resolve().parent.parent / "katex"  # oodviz/katex: the report's and the docs site's
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1200px; color: #222; }
 h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ccc; padding-bottom: .2em; margin-top: 2em; }
