@@ -7,6 +7,7 @@ import argparse
 import ipaddress
 import os
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -496,7 +497,11 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "preset", None) is not None:  # checked here: the other commands need no run config
         if args.preset not in PRESETS:
             run.error(f"argument --preset: invalid choice: {args.preset!r} (choose from {', '.join(PRESETS)})")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handler: the pre-flight, a report, a score, ...
+        print(f"oodviz {args.command}: interrupted (Ctrl-C) before it finished", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -179,3 +179,20 @@ def test_the_command_line_prints_the_message_without_a_traceback_and_exits_2(tmp
         "(UTF-16 and UTF-32 are read when the file starts with a byte-order mark)\n"
     )
     assert not (tmp_path / "runs").exists()
+
+
+def test_ctrl_c_before_the_run_directory_exists_ends_130_with_one_line_and_nothing_created(
+    tmp_path, monkeypatch, capsys
+):
+    """Ctrl-C during the pre-flight (loading the model, the batch probe): no traceback, exit 130, no run directory."""
+    import oodviz.cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(oodviz.cli, "preflight_report", interrupted)
+    code = oodviz.cli.main(["run", "--runs-root", str(tmp_path / "runs")])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.strip().splitlines()[-1] == "oodviz run: interrupted (Ctrl-C) before it finished"
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()
