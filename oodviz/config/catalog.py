@@ -211,7 +211,6 @@ def build() -> dict:
     """The catalog read from the code that declares it (imports torch, torchvision and every detector)."""
     from oodviz.data import FASHION_ID_CLASSES, available_datasets, dataset_info, load_dataset
     from oodviz.data.torchvision_sets import MNIST_FILES, MNIST_FOLDERS, SYSTEM_DIRS
-    from oodviz.models.architectures import backbone_family as family
 
     return {
         "detectors": detectors.available(),
@@ -225,7 +224,7 @@ def build() -> dict:
             for name in detectors.available()
         },
         "backbones": {
-            name: {"family": family(name), "layers": models.architecture_layer_names(name)}
+            name: {"family": models.backbone_family(name), "layers": models.architecture_layer_names(name)}
             for name in models.available_backbones()
         },
         "poolings": list(models.POOLINGS),

@@ -44,6 +44,7 @@ from PIL import Image
 
 from oodviz.data.bundled import ArraySource, all_digits
 from oodviz.data.registry import DatasetInfo, register_dataset
+from oodviz.data.torchvision_sets import load_torchvision
 
 #: Fashion-MNIST's ten classes, index = its label (as torchvision names them).
 FASHION_CLASSES = (
@@ -77,7 +78,6 @@ def fashion_arrays(split: str, root: str = "data", download: bool = False) -> tu
     Read once per (data root, split) and process through torchvision's ``FashionMNIST`` (see
     the module docstring for where the files are looked for); read-only arrays.
     """
-    from oodviz.data.torchvision_sets import load_torchvision
 
     if split not in FASHION_SPLITS:
         raise ValueError(f"Fashion-MNIST split must be one of {', '.join(FASHION_SPLITS)}, got {split!r}")
