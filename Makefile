@@ -54,11 +54,13 @@ test-kernels: $(STAMP) fashion-mnist
 	  env $$variant $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m kernels -q || exit 1; \
 	done
 
-# The import contract too (pyproject's [tool.importlinter]): the layers in data-flow order, no import circle.
+# The import contract too (pyproject's [tool.importlinter]): the layers in data-flow order, no import circle; and the
+# documentation site built strictly (make docs: no broken link, no reference mkdocstrings cannot resolve).
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(MAKE) --no-print-directory docs
 
 # The documentation site, offline (Material without Google fonts, KaTeX from the package), into site/; --strict:
 # a broken link or a reference mkdocstrings cannot resolve fails the build (tests/test_docs.py builds it too).

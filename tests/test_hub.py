@@ -301,35 +301,70 @@ def test_features_go_through_the_store_to_mahalanobis_vim_and_energy(vit, hf_dir
         assert scores.shape == (12,) and torch.isfinite(scores).all(), name
 
 
-def test_a_whole_run_of_a_small_timm_vit_from_python(tmp_path):
-    """``oodviz.run`` of a config naming ``timm:...`` with ``model_args``: the config is checked against the timm
-    model's own layers, the run stores the class token (the features the ViT's head reads: ``pooling="cls"``) and
-    scores every detector on every OOD set."""
+def _saved_hf_vit(directory, num_labels: int):
+    """A 2-layer Hugging Face ViT on 32 x 32 images with ``num_labels`` unnamed classes and its image processor,
+    saved in ``directory``."""
+    config = transformers.ViTConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=16,
+        num_labels=num_labels,
+    )
+    torch.manual_seed(0)
+    transformers.ViTForImageClassification(config).save_pretrained(directory)
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("hub", ["timm", "hf"])
+def test_a_small_vit_runs_end_to_end_with_mahalanobis_vim_and_energy(hub, tmp_path):
+    """A config naming ``timm:...`` (with ``model_args``) or ``hf:<directory>`` (saved here): checked against the
+    model's own layers, run by ``oodviz run`` (hf) and by ``oodviz.run`` from Python (timm); the stores hold the
+    class token, the feature the ViT's head reads (``pooling="cls"``), equal to the model's own features, and every
+    detector scores every OOD set. The random models do not know the digits' classes: the pre-flight refuses them
+    until forced."""
     import oodviz
+    from oodviz.cli import main
     from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
     from oodviz.engine import open_store
 
+    if hub == "timm":
+        model = {
+            "backbone": "timm:vit_tiny_patch16_224",
+            "weights": "random",
+            "model_args": {**TINY_VIT, "num_classes": 8},
+        }
+    else:
+        model = {"backbone": f"hf:{_saved_hf_vit(tmp_path / 'hf-vit', 8)}"}  # the digits' 8 ID classes
     config = RunConfig(
-        backbone="timm:vit_tiny_patch16_224",
-        weights="random",
-        model_args={**TINY_VIT, "num_classes": 8},  # the digits' 8 ID classes
+        **model,
         pooling="cls",
         id_fit=DatasetChoice("digits-train", subsample=120),
         id_test=DatasetChoice("digits-test", subsample=60),
         ood=[DatasetChoice("noise-gaussian", {"n": 40})],
-        detectors=[DetectorChoice("mahalanobis"), DetectorChoice("energy")],
+        detectors=[DetectorChoice("mahalanobis"), DetectorChoice("vim", {"dim": 16}), DetectorChoice("energy")],
         device="cpu",
     )
-    assert RunConfig(**{**vars(config), "layer": "blocks.9"}).problems()[0].field == "layer"  # 2 blocks only
-    results = oodviz.run(config, out=tmp_path / "runs" / "vit", progress=False)
+    assert RunConfig(**{**vars(config), "layer": "no.such.block"}).problems()[0].field == "layer"
+    out = tmp_path / "runs" / "vit"
+    if hub == "timm":
+        results = oodviz.run(config, out=out, progress=False)
+    else:
+        path = tmp_path / "config.json"
+        config.save(path)
+        assert main(["run", str(path), "--out", str(out), "--force"]) == 0
+        results = oodviz.load_results(out)
     assert results.status["state"] == "done"
     scored = set(zip(results.metrics.detector, results.metrics.ood_dataset))
-    assert {("energy", "noise-gaussian"), ("mahalanobis", "noise-gaussian")} <= scored
+    assert {(name, "noise-gaussian") for name in ("mahalanobis", "vim", "energy")} <= scored
     meta = json.loads((results.path / "meta.json").read_text())
     store = open_store(tmp_path / "runs" / ".features", meta["splits"]["id_test"]["store"])
-    assert store.feature_dim == TINY_VIT["embed_dim"]
     backbone = config.load_backbone()
-    images = [backbone.transform(store_image) for store_image in _split_images(config.id_test, store.indices[:4])]
+    assert store.feature_dim == backbone.feature_dim == (48 if hub == "timm" else 32)
+    images = [backbone.transform(image) for image in _split_images(config.id_test, store.indices[:4])]
     features, _ = backbone.features_and_logits(torch.stack(images))
     assert _close(torch.as_tensor(np.asarray(store.features[:4])).float(), features, tol=1e-4)
 
