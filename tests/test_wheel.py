@@ -20,7 +20,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import chromium, free_port, stop_server
+from helpers import chromium, free_port, stop_server
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_INPUTS = ("pyproject.toml", "README.md", "oodviz")  # all that setuptools reads to build the wheel

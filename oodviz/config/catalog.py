@@ -17,7 +17,7 @@ module (issue 14.5, cold first load). So the facts it shows are written once int
   (:data:`oodviz.data.FASHION_ID_CLASSES`), ``system_dirs``, ``mnist_folders`` and ``mnist_files``
   (:mod:`oodviz.data.torchvision_sets`' ``SYSTEM_DIRS``, ``MNIST_FOLDERS``, ``MNIST_FILES``), for :func:`known_split_size`.
 
-``tests/test_catalog.py`` checks that the file equals what :func:`build` reads from the code, so it cannot drift:
+``tests/config/test_catalog.py`` checks that the file equals what :func:`build` reads from the code, so it cannot drift:
 after changing a detector's parameters, grid or ``in_defaults``, a backbone or a dataset, regenerate it with
 ``python -m oodviz.config.catalog`` (which imports torch).
 """
