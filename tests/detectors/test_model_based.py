@@ -2,7 +2,8 @@
 
 Each is compared with pytorch-ood 0.4 on a tiny real CNN and random inputs, and with a float64
 reference written here; the input stream of the engine (OOM back-off, cancel, order) and a run
-with odin in its detector list are tested end to end.
+with odin in its detector list are tested end to end. The model-based detectors that read a feature map (adascale,
+rankfeat, gram; each in its own file) in a run, on a model they must leave as it was, and on the GPU.
 """
 
 import copy
@@ -19,6 +20,7 @@ from pytorch_ood.detector import GradNorm as PoodGradNorm
 from scipy.stats import spearmanr
 from tiny_cnn import TinyCNN, backbone_of, inputs
 from torch import nn
+from wide_cnn import WideCNN, labelled_images, wide_backbone_of
 
 from oodviz import Batch
 from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
@@ -551,3 +553,81 @@ def test_odin_and_mcd_score_in_batches_sized_from_memory(monkeypatch):
     mcd = create("mcd", model=model, samples=2)
     mcd.score(Batch(inputs=x))
     assert sizes[0] == 1 and sorted(set(sizes[1:])) == [15, 20]
+
+
+# ---- adascale, rankfeat and gram: in a run, the model kept, on the GPU ------------------------------
+
+
+def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
+    """adascale and gram fit on the ID fit split's images inside the run (the pipeline's own pass), and
+    give what the library gives on the same images."""
+    import json
+
+    import pandas as pd
+
+    from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+    from oodviz.config.splits import load_split
+    from oodviz.models import load_backbone
+    from oodviz.pipeline.reporter import Reporter
+    from oodviz.pipeline.stages import run_pipeline
+    from oodviz.runs.rundir import RunDir
+
+    names = ["msp", "adascale", "gram"]
+    gram_params = {"layers": ["features.3", "features.6"], "poles": 2}
+    config = RunConfig(
+        id_fit=DatasetChoice("digits-test"),  # 362 images, not 1081: the fit passes stay short
+        ood=[DatasetChoice("noise-uniform", params={"n": 100})],
+        detectors=[DetectorChoice(n, gram_params if n == "gram" else {}) for n in names],
+        batch_size=128,
+    ).validate()
+    run = RunDir.create(tmp_path, config.to_dict())
+    run_pipeline(config, run, Reporter(run))
+    log = json.loads((run.path / "detectors.json").read_text())
+    assert not [n for n in names if "error" in log[n]], log
+    scores = pd.read_parquet(run.path / "scores.parquet")
+    assert list(scores.columns[5:]) == names
+    assert set(pd.read_csv(run.path / "metrics.csv").detector) == set(names)
+    bb = load_backbone("digits-cnn")
+    fit_set, test_set = load_split(config, config.id_fit, False), load_split(config, config.id_test, False)
+    fit_x = torch.stack([bb.transform(fit_set[i][0]) for i in range(len(fit_set))])
+    fit_y = torch.tensor([fit_set[i][1] for i in range(len(fit_set))])
+    test_x = torch.stack([bb.transform(test_set[i][0]) for i in range(len(test_set))])
+    id_rows = scores[scores.split == "id_test"]
+    for name, params in (("adascale", {}), ("gram", gram_params)):
+        det = create(name, model=bb, **params).fit([Batch(inputs=fit_x, labels=fit_y)])
+        expected = det.score(Batch(inputs=test_x)).numpy()
+        np.testing.assert_allclose(id_rows[name].to_numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram"])
+def test_model_based_ones_ask_for_the_model_and_keep_it_as_it_was(name):
+    x, y = labelled_images(20)
+    with pytest.raises(ValueError, match=rf"create\('{name}', model=\.\.\.\)"):
+        create(name).score(Batch(inputs=x))
+    with pytest.raises(ValueError, match=rf"create\('{name}', model=\.\.\.\)"):
+        create(name).fit([Batch(inputs=x, labels=y)])
+    model = WideCNN()
+    model.train()
+    model.body[0].eval()
+    before = [m.training for m in model.modules()]
+    params = {"adascale": {"k1": 10.0, "k2": 5.0}, "gram": {"poles": 2}}.get(name, {})
+    det = create(name, model=wide_backbone_of(model), **params).fit([Batch(inputs=x, labels=y)])
+    scores = det.score(Batch(inputs=x))
+    assert scores.shape == (20,) and torch.isfinite(scores).all()
+    assert [m.training for m in model.modules()] == before
+    assert all(p.grad is None for p in model.parameters())
+    assert not model.body[0]._forward_hooks and not model.body._forward_hooks  # hooks removed
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram"])
+def test_model_based_ones_fit_and_score_on_the_gpu_as_on_the_cpu(name):
+    x, y = labelled_images(40)
+    params = {"adascale": {"k1": 10.0, "k2": 5.0}, "gram": {"poles": 2}}.get(name, {})
+    model = WideCNN()
+    on_cpu = create(name, model=model, **params).fit([Batch(inputs=x, labels=y)], head=model.fc)
+    on_gpu = create(name, model=model, **params).fit([Batch(inputs=x, labels=y)], head=model.fc, device="cuda")
+    assert all(p.device.type == "cpu" for p in model.parameters())  # put back
+    expected = on_cpu.score(Batch(inputs=x))
+    torch.testing.assert_close(on_gpu.score(Batch(inputs=x.cuda())), expected, rtol=1e-3, atol=1e-3)

@@ -1,9 +1,8 @@
-"""Issue 29's CARef and CADRef (Ling et al., CVPR 2025), each against a float64 reference written here from the
-paper's equations (pytorch-ood 0.4 has neither)."""
+"""oodviz.detectors.cadref (Ling et al., CVPR 2025): CADRef, CARef's error split by the sign of the head's weights,
+against a float64 reference written here from the paper's equations (pytorch-ood 0.4 has none)."""
 
 import numpy as np
 import pytest
-import torch
 from scipy.special import logsumexp, softmax
 
 from oodviz import Batch
@@ -26,13 +25,6 @@ def predicted_class_means(fx, w, b):
     return np.stack([fx[predicted == k].mean(0) for k in range(len(w))])
 
 
-def caref_reference(fx, ex, w, b):
-    """CARef: |x - mu_c|_1 / |x|_1 with c the predicted class."""
-    means = predicted_class_means(fx, w, b)
-    c = (ex @ w.T + b).argmax(1)
-    return np.abs(ex - means[c]).sum(1) / np.abs(ex).sum(1)
-
-
 def cadref_reference(fx, ex, w, b, logit_score):
     """CADRef: E+ / S(x) + E- / mean S over the fit rows, the errors split by the sign of w_c."""
     scores = {
@@ -53,13 +45,6 @@ def _assert_formula(ours, expected):
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
 
 
-def test_caref_is_the_relative_l1_error_from_the_predicted_class_mean(problem):
-    det, ours = _fit_score(problem, "caref")
-    fx, ex, w, b = _float64(problem)
-    _assert_formula(ours, caref_reference(fx, ex, w, b))
-    np.testing.assert_allclose(det.class_means_.numpy(), predicted_class_means(fx, w, b), rtol=1e-12)
-
-
 @pytest.mark.parametrize("logit_score", ["energy", "maxlogit", "msp"])
 def test_cadref_is_the_decoupled_error_over_the_logit_scores(problem, logit_score):
     det, ours = _fit_score(problem, "cadref", logit_score=logit_score)
@@ -72,15 +57,6 @@ def test_cadref_is_the_decoupled_error_over_the_logit_scores(problem, logit_scor
     assert det.mean_logit_score_ > 0
 
 
-def test_the_predicted_class_comes_from_the_batch_logits_when_present(problem):
-    """Batch logits that predict class 0 for every row (the head would not): the other classes have no mean."""
-    class_0 = torch.zeros(len(problem.bias))
-    class_0[0] = 1.0
-    only_class_0 = [Batch(b.features, class_0.expand(len(b), -1)) for b in problem.fit_batches()]
-    with pytest.raises(ValueError, match=r"caref cannot fit: class\(es\) 1, 2, 3, 4, 5 have no fit samples predicted"):
-        create("caref").fit(only_class_0, head=problem.head)
-
-
 def test_cadref_parameters_and_a_non_positive_mean_logit_score_are_refused(problem):
     with pytest.raises(ValueError, match="logit_score must be one of energy, maxlogit, msp"):
         create("cadref", logit_score="gen")
@@ -88,9 +64,3 @@ def test_cadref_parameters_and_a_non_positive_mean_logit_score_are_refused(probl
     with pytest.raises(ValueError, match="mean energy logit score .* not positive.*logit_score='msp'"):
         create("cadref").fit(negative, head=problem.head)
     create("cadref", logit_score="msp").fit(negative, head=problem.head)  # the same data, a positive score
-
-
-def test_an_all_zero_feature_scores_finite(problem):
-    det = create("caref").fit(problem.fit_batches(), head=problem.head)
-    zero = Batch(np.zeros((1, problem.fit_x.shape[1]), dtype=np.float32))
-    assert np.isfinite(det.score(zero).numpy()).all()
