@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from filelock import FileLock
-from helpers import CHROMIUM, NEEDS_CUDA, Problem, make_problem, run_in_process
+from helpers import CHROMIUM, NEEDS_CHROMIUM, NEEDS_CUDA, Problem, make_problem, run_in_process
 
 
 @pytest.fixture(scope="session")
@@ -82,14 +82,28 @@ def group_by_shared_fixtures(items) -> dict[str, str]:
     return groups
 
 
+#: Fixtures that start a process (``oodviz run``, the app's server) or drive Chromium: a test that uses one, directly
+#: or through another fixture, is marked ``process`` or ``browser`` (``make test-fast`` leaves both out).
+PROCESS_FIXTURES = frozenset({"default_run", "app_url"})
+BROWSER_FIXTURES = frozenset({"page", "context", "browser"})
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects, and before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Every test that skips without a GPU (a ``skipif`` whose reason is :data:`NEEDS_CUDA`, such as ``cuda``)
-    is also marked ``cuda``, so ``pytest -m cuda`` selects all of them. Tests sharing an expensive fixture get one
-    ``xdist_group`` (:func:`group_by_shared_fixtures`), also written where the controller's scheduler reads it."""
+    """Markers from what a test needs: a ``skipif`` whose reason is :data:`NEEDS_CUDA` (such as ``cuda``) marks it
+    ``cuda``, one whose reason is :data:`NEEDS_CHROMIUM` (``chromium``) or a browser fixture marks it ``browser``, a
+    fixture of :data:`PROCESS_FIXTURES` marks it ``process``; so ``pytest -m cuda`` selects every test that needs a
+    GPU. Tests sharing an expensive fixture get one ``xdist_group`` (:func:`group_by_shared_fixtures`), also written
+    where the controller's scheduler reads it."""
     for item in items:
-        if any(mark.kwargs.get("reason") == NEEDS_CUDA for mark in item.iter_markers("skipif")):
+        reasons = {mark.kwargs.get("reason") for mark in item.iter_markers("skipif")}
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if NEEDS_CUDA in reasons:
             item.add_marker(pytest.mark.cuda)
+        if NEEDS_CHROMIUM in reasons or fixtures & BROWSER_FIXTURES:
+            item.add_marker(pytest.mark.browser)
+        if fixtures & PROCESS_FIXTURES:
+            item.add_marker(pytest.mark.process)
     groups = group_by_shared_fixtures(items)
     if groups_file := os.environ.get(GROUPS_FILE_VARIABLE):
         scratch = Path(f"{groups_file}.{os.getpid()}")  # every worker writes the same map: each replaces it whole

@@ -89,6 +89,7 @@ def make_problem(n_classes=6, dim=12, n_fit=1200, n_test=300, n_ood=300, seed=0,
 
 
 NEEDS_CUDA = "needs a CUDA device"
+#: Skips a test without a GPU; conftest.py also marks it ``cuda``.
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
 
 
@@ -133,7 +134,9 @@ def assert_same_ranking(ours, theirs, n_id: int) -> None:
 
 # Browser tests drive Debian's Chromium through pytest-playwright (it cannot download its own browser here).
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-chromium = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)")
+NEEDS_CHROMIUM = "needs Debian's chromium (apt-get install chromium)"
+#: Skips a test without Chromium; conftest.py also marks it ``browser``.
+chromium = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=NEEDS_CHROMIUM)
 
 
 def free_port() -> int:

@@ -22,6 +22,8 @@ import psutil
 import pytest
 from helpers import chromium, free_port, stop_server
 
+pytestmark = pytest.mark.process  # builds a wheel, installs it in a fresh venv, serves the app
+
 REPO = Path(__file__).resolve().parent.parent
 BUILD_INPUTS = ("pyproject.toml", "README.md", "oodviz")  # all that setuptools reads to build the wheel
 SKIP_IN_COPY = shutil.ignore_patterns("__pycache__", "*.pyc")

@@ -117,6 +117,7 @@ print(status("VmHWM:") - before)
 """
 
 
+@pytest.mark.process
 def test_score_memory_is_the_same_for_one_big_batch_as_for_small_batches():
     """Issue 13.3: the growth of the peak RSS while scoring 20k queries against an 8192-row bank in one Batch is
     within 10% of that in 4096-row batches (it was ~5x: a [20000, 8192] similarity block against [4096, 8192]).

@@ -194,6 +194,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.process
 def test_leftover_tmp_dir_is_never_opened_and_is_cleaned(tmp_path):
     backbone, dataset = TinyBackbone(), ListDataset(n=5)
     good = extract(backbone, dataset, tmp_path, batch_size=8)
@@ -253,6 +254,7 @@ extract(Backbone(), Slow(), root, batch_size=2)
 """
 
 
+@pytest.mark.process
 def test_killed_extraction_leaves_only_an_ignored_tmp_dir(tmp_path):
     root, marker = tmp_path / "stores", tmp_path / "marker"
     script = tmp_path / "writer.py"

@@ -178,6 +178,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.process
 def test_stale_tmp_needs_the_owner_pid_and_its_start_time(tmp_path):
     me = os.getpid()
     started = int(psutil.Process(me).create_time() * 1000)
@@ -233,6 +234,7 @@ def fill(disk: Path, leave: int) -> Path:
     return filler
 
 
+@pytest.mark.process
 def test_free_space_check_against_a_small_disk(small_disk):
     free = shutil.disk_usage(small_disk).free
     assert 900 << 10 <= free <= 1 << 20
@@ -246,6 +248,7 @@ def test_free_space_check_against_a_small_disk(small_disk):
         check_free_space(small_disk, -1)
 
 
+@pytest.mark.process
 def test_writer_refuses_a_store_that_does_not_fit(small_disk):
     needed = 1000 * (1000 * 4 + 2 * 4 + 3 * 8)  # features, logits, labels + predictions + indices
     with pytest.raises(DiskFullError, match=rf"^disk full: needed ~{needed / 2**20:.3g} MiB, 1 MiB free under "):
@@ -253,6 +256,7 @@ def test_writer_refuses_a_store_that_does_not_fit(small_disk):
     assert list((small_disk / "stores").iterdir()) == []
 
 
+@pytest.mark.process
 def test_disk_full_while_writing_removes_the_tmp_dir_and_says_so(small_disk):
     root = small_disk / "stores"
     writer = StoreWriter(root, "k", capacity=100, feature_dim=1000, num_classes=2)  # ~400 KiB: fits for now
@@ -270,6 +274,7 @@ def test_disk_full_while_writing_removes_the_tmp_dir_and_says_so(small_disk):
     filler.unlink()
 
 
+@pytest.mark.process
 def test_extraction_on_a_full_disk_fails_with_the_cause_and_leaves_nothing(small_disk):
     root = small_disk / "stores"
     root.mkdir()

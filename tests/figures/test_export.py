@@ -14,7 +14,10 @@ from oodviz.figures.export import figure_images, kaleido_problem
 from oodviz.figures.plots import roc_figure
 from oodviz.results.analysis import curves
 
-pytestmark = pytest.mark.skipif(kaleido_problem() is not None, reason=f"{kaleido_problem()}")
+pytestmark = [
+    pytest.mark.skipif(kaleido_problem() is not None, reason=f"{kaleido_problem()}"),
+    pytest.mark.browser,
+]  # kaleido drives Chromium
 
 RED = "#d62728"
 

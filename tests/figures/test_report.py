@@ -14,6 +14,8 @@ from oodviz.figures.report import FIGURE_CLASS, FORMULA_CLASS, report_html
 from oodviz.models import format_bytes
 from oodviz.results.tables import best_detector
 
+pytestmark = pytest.mark.process  # `oodviz report` in a subprocess, on the default run
+
 GALLERY = 3
 PER_DETECTOR = ("histogram", "roc", "pr", "per-class")
 EXTERNAL = re.compile(r"<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)\s*=\s*[\"']?(?:https?:)?//", re.IGNORECASE)

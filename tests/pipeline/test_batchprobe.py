@@ -106,6 +106,7 @@ def fashion_odin(tmp_path_factory):
     return str(path)
 
 
+@pytest.mark.process
 def test_the_probe_figure_for_odin_matches_a_direct_peak_rss_measurement(tmp_path):
     from oodviz.pipeline.probe import estimate_in_subprocess
 

@@ -247,6 +247,7 @@ def test_two_nodes_on_localhost_reuse_a_single_process_store_and_give_the_same_s
 LAYERS = ["penultimate", "features.1", "features.4"]  # the first is the run's main layer, which tuning reads
 
 
+@pytest.mark.process
 @pytest.mark.kernels
 def test_two_processes_over_three_layers_give_one_processs_stores_and_per_layer_scores(tmp_path):
     """A run over three layers of the bundled digits CNN (issue 16 with 17.3) on 1 and on 2 processes, each
@@ -356,6 +357,7 @@ def extracting(run: RunDir, rank: int, split: str = "ood:noise-gaussian"):
     return events[-1]["pid"] if events else None
 
 
+@pytest.mark.process
 def test_a_rank_killed_mid_extraction_fails_the_run_naming_it_and_stores_nothing(tmp_path):
     out = tmp_path / "runs" / "killed"
     launcher = oodviz_run(slow_config_file(tmp_path), "--nproc-per-node", 2, "--out", out, cwd=tmp_path, wait=False)
@@ -377,6 +379,7 @@ def test_a_rank_killed_mid_extraction_fails_the_run_naming_it_and_stores_nothing
     assert not (out / "scratch").exists()  # the shards are gone with the run's scratch
 
 
+@pytest.mark.process
 def test_cancel_stops_every_rank(tmp_path):
     out = tmp_path / "runs" / "cancelled"
     launcher = oodviz_run(slow_config_file(tmp_path), "--nproc-per-node", 2, "--out", out, cwd=tmp_path, wait=False)
@@ -438,6 +441,7 @@ np.savez(sys.argv[2], counts=moments.counts.numpy(), means=moments.means.numpy()
 """
 
 
+@pytest.mark.process
 @pytest.mark.kernels
 def test_statistics_and_detector_fits_split_across_ranks_give_the_single_process_answer_on_every_rank(tmp_path):
     rng = np.random.default_rng(0)

@@ -344,6 +344,7 @@ def test_the_readme_detector_table_lists_every_detector_with_its_grid_and_paper(
             assert grid == "—", (name, grid)
 
 
+@pytest.mark.process
 @pytest.mark.kernels
 def test_a_sharded_run_tunes_like_one_process(tuned_run, tmp_path):
     """Two gloo processes on the single-process run's stores: each grid point fitted split over the ranks (knn: bank

@@ -155,6 +155,7 @@ def unreadable_checkpoint(kind: str, folder: Path) -> tuple[str, Path]:
     return ("export" if kind == "export" else "digits-cnn"), path
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(
     "kind, why",
     [
@@ -328,6 +329,7 @@ def test_opening_a_done_run_whose_scores_are_missing_names_the_file(damaged_root
 # ---- processes: liveness, kills, delete ---------------------------------------------------------
 
 
+@pytest.mark.process
 def test_a_reused_pid_is_not_taken_for_the_job(tmp_path):
     """A process with the recorded pid and even the run's path on its command line, started at another
     time than the one recorded, is not the job: the run reads failed and does not block the queue."""
@@ -347,6 +349,7 @@ def test_a_reused_pid_is_not_taken_for_the_job(tmp_path):
     assert not process_alive(stranger.pid, started)
 
 
+@pytest.mark.process
 def test_kill_9_of_the_supervisor_stops_its_worker_and_fails_the_run(tmp_path):
     run = submit(slow_config(), tmp_path)
     wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
@@ -358,6 +361,7 @@ def test_kill_9_of_the_supervisor_stops_its_worker_and_fails_the_run(tmp_path):
     assert not run.scratch_path.exists()
 
 
+@pytest.mark.process
 def test_sigterm_of_the_supervisor_kills_the_worker_and_records_why(tmp_path):
     run = submit(slow_config(), tmp_path)
     wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
@@ -368,6 +372,7 @@ def test_sigterm_of_the_supervisor_kills_the_worker_and_records_why(tmp_path):
     assert recorded["error"] == "the supervisor was stopped (SIGTERM); its worker was killed"
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("signum, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_ctrl_c_or_sigterm_of_a_foreground_run_cancels_it_at_the_next_batch(tmp_path, signum, code):
     """``oodviz run`` in the foreground, signalled as a terminal's Ctrl-C signals it (its whole process group) while
@@ -395,6 +400,7 @@ def test_ctrl_c_or_sigterm_of_a_foreground_run_cancels_it_at_the_next_batch(tmp_
     assert {entry["store"].meta["dataset"]["name"] for entry in stores} == {"digits-train", "digits-test"}
 
 
+@pytest.mark.process
 def test_deleting_a_running_run_stops_its_processes_and_it_never_reappears(tmp_path):
     run = submit(slow_config(), tmp_path)
     wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
@@ -416,6 +422,7 @@ def test_a_write_into_a_deleted_run_fails_instead_of_recreating_it(tmp_path):
     assert not run.path.exists()
 
 
+@pytest.mark.process
 def test_concurrent_status_changes_are_not_lost(tmp_path):
     """Two processes each record 40 keys in status.json: the run's lock keeps all 80."""
     run = RunDir.create(tmp_path, small_config().to_dict())
@@ -430,6 +437,7 @@ def test_concurrent_status_changes_are_not_lost(tmp_path):
     assert {f"{tag}{i}" for tag in "ab" for i in range(40)} <= set(status) and status["state"] == "queued"
 
 
+@pytest.mark.process
 def test_the_supervisor_does_not_import_torch():
     code = (
         "import sys, oodviz.runs.supervise; print(sorted(m for m in ('torch', 'numpy', 'pandas') if m in sys.modules))"
@@ -474,6 +482,7 @@ def ten_mib_disk(tmp_path):
     yield from mounted_tmpfs(tmp_path, "10m")
 
 
+@pytest.mark.process
 def test_the_pre_flight_refuses_what_the_runs_own_disk_check_would(ten_mib_disk):
     """About 6.5 MiB of new stores on a disk with 10 MiB free: the pre-flight asks for the stores and the head room,
     as the run's own check does, so it refuses (exit 2, nothing written) instead of accepting a run that then
@@ -496,6 +505,7 @@ def test_the_pre_flight_refuses_what_the_runs_own_disk_check_would(ten_mib_disk)
     assert run.read_status()["error"].startswith(f"disk full during load data: needed ~{format_bytes(disk.needed)}, ")
 
 
+@pytest.mark.process
 def test_a_full_disk_fails_the_run_with_the_cause_and_leaves_no_temporary_file(small_disk):
     config = small_config(ood=[DatasetChoice("noise-uniform", params={"n": 200})], detectors=[MSP])
     config.save(small_disk.parent / "run.json")

@@ -205,6 +205,7 @@ def two_jobs(tmp_path_factory) -> tuple[RunDir, RunDir]:
     return first, second
 
 
+@pytest.mark.process
 def test_a_second_identical_run_reuses_the_stored_features(two_jobs):
     first, second = two_jobs
     assert refresh(second)["started"] >= refresh(first)["finished"] - 0.5  # it extracted nothing while first ran
@@ -298,6 +299,7 @@ def test_a_cancel_request_raises_the_engines_cancelled_at_the_next_stage(tmp_pat
 # ---- background jobs: kill, cancel, queue, restart -------------------------------------------
 
 
+@pytest.mark.process
 def test_kill_9_of_the_worker_mid_extraction_fails_the_run_readably_and_stores_nothing(tmp_path):
     run = submit(slow_config(), tmp_path)
     wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
@@ -319,6 +321,7 @@ def test_kill_9_of_the_worker_mid_extraction_fails_the_run_readably_and_stores_n
     assert sorted(store.meta["dataset"]["name"] for store in trusted) == ["digits-test", "digits-train"]
 
 
+@pytest.mark.process
 def test_cancel_stops_within_a_batch_and_keeps_the_run_readable(tmp_path):
     run = submit(slow_config(), tmp_path)
     wait_for(lambda: extraction_started(run, "ood:noise-gaussian"))
@@ -332,6 +335,7 @@ def test_cancel_stops_within_a_batch_and_keeps_the_run_readable(tmp_path):
     assert RunConfig.from_dict(run.read_config()) == slow_config()
 
 
+@pytest.mark.process
 def test_two_jobs_submitted_together_both_complete_in_order(two_jobs):
     a, b = two_jobs
     assert a.path != b.path
@@ -340,6 +344,7 @@ def test_two_jobs_submitted_together_both_complete_in_order(two_jobs):
     assert any(e.get("stage") == "queued" for e in b.read_events())
 
 
+@pytest.mark.process
 def test_a_restarted_reader_relists_every_run_and_detects_a_dead_supervisor(two_jobs, tmp_path):
     done = RunDir(tmp_path / two_jobs[0].run_id)  # a finished run, as ``submit`` left it
     shutil.copytree(two_jobs[0].path, done.path)

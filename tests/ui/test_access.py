@@ -296,6 +296,7 @@ def test_the_run_details_config_shows_no_server_path_to_others(runs_root, defaul
 # --- the memory estimate runs elsewhere ------------------------------------------------------------------
 
 
+@pytest.mark.process
 def test_the_estimate_runs_no_model_code_in_the_app_process(runs_root, monkeypatch):
     """A tripwire: loading a model in this (the app's) process raises; the estimate still appears, from
     the probe process, equal to computing it here (the measured batch peaks vary run to run: the same batches
@@ -337,6 +338,7 @@ def without_batch_peaks(estimate: dict) -> dict:
     return {**estimate, "batch_peaks": peaks}
 
 
+@pytest.mark.process
 def test_the_probe_process_gives_the_in_process_estimate_or_a_clear_error(tmp_path):
     config = RunConfig(ood=RunConfig().ood[:2])
     answer = estimate_in_subprocess(json.dumps(config.to_dict()))
@@ -353,6 +355,7 @@ def test_the_probe_process_gives_the_in_process_estimate_or_a_clear_error(tmp_pa
         estimate_in_subprocess(json.dumps(config.to_dict()), timeout_s=0.2)
 
 
+@pytest.mark.process
 def test_the_probe_reports_a_crash(tmp_path, monkeypatch):
     """A child that dies without answering (here: killed by its own code) is an error, not a hang."""
     sitecustomize = tmp_path / "sitecustomize.py"

@@ -16,6 +16,8 @@ import pytest
 
 from oodviz.config.run import RunConfig, preset
 
+pytestmark = pytest.mark.process  # each check runs in a fresh interpreter
+
 HEAVY = ("torch", "torchvision", "sklearn", "scipy")
 #: What the run page imports and reads before it draws the results.
 PAGE_MODULES = ("oodviz.ui.results", "oodviz.ui.history", "oodviz.ui.watch", "oodviz.config.run", "oodviz.config.plan")

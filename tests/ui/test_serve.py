@@ -19,6 +19,8 @@ import psutil
 import pytest
 from helpers import chromium, free_port, stop_server
 
+pytestmark = pytest.mark.process  # each test starts `oodviz app`
+
 
 def non_loopback_ipv4() -> str | None:
     for addresses in psutil.net_if_addrs().values():
