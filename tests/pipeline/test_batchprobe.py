@@ -160,6 +160,7 @@ def test_the_probe_measures_in_the_runs_precision(precision):
     assert odin.count(run_autocast) >= 5
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_on_a_gpu_the_probe_figure_for_odin_matches_the_allocator_peak_of_one_batch(tmp_path):
     from oodviz.pipeline.probe import estimate_for_config
