@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup app test test-kernels lint docs browser fashion-mnist bench bench-app clean
+.PHONY: setup app test test-fast test-kernels lint docs browser fashion-mnist bench bench-app clean
 
 setup: $(STAMP) fashion-mnist
 
@@ -40,6 +40,13 @@ TEST_WORKERS ?= 2
 test: $(STAMP) browser fashion-mnist
 	$(BIN)/python -m compileall -q oodviz
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=15
+
+# Everything but the tests marked browser (Chromium), process (a real process: an oodviz command, a server, a fresh
+# interpreter, torchrun; or the default run that `oodviz run` makes) and cuda: under 2 minutes on 2 cores, for the
+# edit-test loop. `make test` stays the whole suite (CI's).
+FAST := not browser and not process and not cuda
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "$(FAST)" --durations=10
 
 # The tests marked `kernels` (float results that other kernels could change) again, with other kernels: one thread,
 # AVX2 (ATen's, oneDNN's and MKL's own variables) and another batch size; then oneDNN off (tests/kernel_variant) and

@@ -1,91 +1,25 @@
 """Shared fixtures: a small, seeded classification problem with a linear head; the default run; commands and the
-app's child processes run in this process where their process is not under test."""
+app's child processes run in this process where their process is not under test. Plain helpers: helpers.py."""
 
-import importlib
-import io
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-from contextlib import redirect_stderr, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-import numpy as np
-import pandas as pd
 import pytest
 import torch
 from filelock import FileLock
-
-from oodviz import Batch
-
-
-@dataclass
-class Problem:
-    """ID fit/test data and an OOD set from one synthetic model: features [N, D], head (W, b)."""
-
-    fit_x: torch.Tensor
-    fit_y: torch.Tensor
-    test_x: torch.Tensor
-    ood_x: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor
-
-    @property
-    def head(self):
-        return self.weight, self.bias
-
-    def logits(self, x):
-        return x @ self.weight.T + self.bias
-
-    def batches(self, x, y=None, size=97):
-        """``x`` as a list of Batch of (mostly) ``size`` rows, logits from the head."""
-        logits = self.logits(x)
-        return [
-            Batch(x[i : i + size], logits[i : i + size], None if y is None else y[i : i + size])
-            for i in range(0, len(x), size)
-        ]
-
-    def fit_batches(self, size=97):
-        return self.batches(self.fit_x, self.fit_y, size)
-
-    @property
-    def eval_x(self):
-        """ID test followed by OOD features."""
-        return torch.cat([self.test_x, self.ood_x])
-
-
-def make_problem(n_classes=6, dim=12, n_fit=1200, n_test=300, n_ood=300, seed=0, offset=0.0) -> Problem:
-    g = torch.Generator().manual_seed(seed)
-    centres = 1.5 * torch.randn(n_classes, dim, generator=g)  # overlapping classes: some errors
-    mixing = torch.eye(dim) + 0.3 * torch.randn(dim, dim, generator=g)  # correlated features
-
-    def sample(n, shift=0.0):
-        y = torch.arange(n) % n_classes
-        x = (torch.randn(n, dim, generator=g) @ mixing) + centres[y] + shift + offset
-        return x, y
-
-    fit_x, fit_y = sample(n_fit)
-    test_x, _ = sample(n_test)
-    ood_x = 1.5 * torch.randn(n_ood, dim, generator=g) @ mixing + offset  # between the classes
-    # A head that classifies well: nearest-centre scores as a linear layer, scaled down so the
-    # softmax is not saturated.
-    weight = 0.05 * centres
-    bias = 0.05 * (-0.5 * (centres**2).sum(dim=1) - centres @ torch.full((dim,), offset))
-    return Problem(fit_x, fit_y, test_x, ood_x, weight, bias)
+from helpers import CHROMIUM, NEEDS_CHROMIUM, NEEDS_CUDA, Problem, make_problem, run_in_process
 
 
 @pytest.fixture(scope="session")
 def problem() -> Problem:
     return make_problem()
-
-
-NEEDS_CUDA = "needs a CUDA device"
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=NEEDS_CUDA)
 
 
 #: Session- or module-scoped fixtures of these tests that do not tie their tests to one xdist worker (every other
@@ -148,14 +82,28 @@ def group_by_shared_fixtures(items) -> dict[str, str]:
     return groups
 
 
+#: Fixtures that start a process (``oodviz run``, the app's server) or drive Chromium: a test that uses one, directly
+#: or through another fixture, is marked ``process`` or ``browser`` (``make test-fast`` leaves both out).
+PROCESS_FIXTURES = frozenset({"default_run", "app_url"})
+BROWSER_FIXTURES = frozenset({"page", "context", "browser"})
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects, and before xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """Every test that skips without a GPU (a ``skipif`` whose reason is :data:`NEEDS_CUDA`, such as ``cuda``)
-    is also marked ``cuda``, so ``pytest -m cuda`` selects all of them. Tests sharing an expensive fixture get one
-    ``xdist_group`` (:func:`group_by_shared_fixtures`), also written where the controller's scheduler reads it."""
+    """Markers from what a test needs: a ``skipif`` whose reason is :data:`NEEDS_CUDA` (such as ``cuda``) marks it
+    ``cuda``, one whose reason is :data:`NEEDS_CHROMIUM` (``chromium``) or a browser fixture marks it ``browser``, a
+    fixture of :data:`PROCESS_FIXTURES` marks it ``process``; so ``pytest -m cuda`` selects every test that needs a
+    GPU. Tests sharing an expensive fixture get one ``xdist_group`` (:func:`group_by_shared_fixtures`), also written
+    where the controller's scheduler reads it."""
     for item in items:
-        if any(mark.kwargs.get("reason") == NEEDS_CUDA for mark in item.iter_markers("skipif")):
+        reasons = {mark.kwargs.get("reason") for mark in item.iter_markers("skipif")}
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if NEEDS_CUDA in reasons:
             item.add_marker(pytest.mark.cuda)
+        if NEEDS_CHROMIUM in reasons or fixtures & BROWSER_FIXTURES:
+            item.add_marker(pytest.mark.browser)
+        if fixtures & PROCESS_FIXTURES:
+            item.add_marker(pytest.mark.process)
     groups = group_by_shared_fixtures(items)
     if groups_file := os.environ.get(GROUPS_FILE_VARIABLE):
         scratch = Path(f"{groups_file}.{os.getpid()}")  # every worker writes the same map: each replaces it whole
@@ -195,7 +143,13 @@ except ImportError:  # no xdist: nothing to schedule
 class SharedFixtureScheduling(LoadGroupScheduling):
     """xdist's ``loadgroup`` scheduler reading each test's group from the workers' map, not from a suffix of its node
     id: pytest 9.2 makes node ids structured, and xdist 3.8's ``@group`` suffix no longer takes (pytest-xdist issue
-    #1386), which silently spread every group over the workers."""
+    #1386), which silently spread every group over the workers.
+
+    Kept rather than plain ``--dist loadgroup`` with ``xdist_group`` marks because those marks do nothing here, as
+    measured with pytest 9.2.0 and pytest-xdist 3.8.0: six tests marked ``xdist_group("g")`` under
+    ``pytest -n 2 --dist loadgroup`` ran three on gw0 and three on gw1 (xdist's worker appends ``@g`` to
+    ``item._nodeid``, which pytest 9.2's ``Node.nodeid``, ``str(self._id)``, no longer reads). Drop this class, and
+    mark the groups with ``xdist_group``, once pytest-xdist reads the mark again."""
 
     groups: dict[str, str] | None = None
 
@@ -213,100 +167,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def synthetic_scores(seed=0) -> pd.DataFrame:
-    """200 ID rows (classes 0..3) and two OOD sets (150 "far-set", 100 "near-set"); two detectors:
-    ``det`` (continuous, float32 like a real run) and ``tied`` (rounded: many ties)."""
-    rng = np.random.default_rng(seed)
-    n_id, n_a, n_b = 200, 150, 100
-    label = np.concatenate([np.arange(n_id) % 4, np.full(n_a + n_b, -1)])
-    prediction = label.copy()
-    wrong = np.flatnonzero(rng.random(n_id) < 0.15)
-    prediction[wrong] = (label[wrong] + 1) % 4
-    prediction[n_id:] = rng.integers(0, 4, size=n_a + n_b)
-    id_det = rng.normal(0, 1, n_id) + 0.3 * (label[:n_id] == 2)
-    det = np.concatenate([id_det, rng.normal(2, 1, n_a), rng.normal(1, 1, n_b)])
-    return pd.DataFrame(
-        {
-            "split": ["id_test"] * n_id + ["ood"] * (n_a + n_b),
-            "dataset": ["id-set"] * n_id + ["far-set"] * n_a + ["near-set"] * n_b,
-            "index": np.concatenate([np.arange(n_id) * 3, np.arange(n_a), np.arange(n_b) + 1000]),
-            "label": label,
-            "prediction": prediction,
-            "det": det.astype(np.float32),
-            "tied": np.round(det).astype(np.float32),
-        }
-    )
-
-
-def assert_same_ranking(ours, theirs, n_id: int) -> None:
-    """Parity with a reference library: scores of ID (first ``n_id``) then OOD samples rank alike
-    (Spearman > 0.9999) and give the same AUROC (to 1e-5), on an OOD set that is detectable."""
-    from scipy.stats import spearmanr
-
-    from oodviz.results.metrics import ood_metrics
-
-    assert spearmanr(ours, theirs).statistic > 0.9999
-    ours_auroc = ood_metrics(ours[:n_id], ours[n_id:])["auroc"]
-    theirs_auroc = ood_metrics(theirs[:n_id], theirs[n_id:])["auroc"]
-    assert abs(ours_auroc - theirs_auroc) < 1e-5
-    assert 0.5 < ours_auroc <= 1.0  # the synthetic OOD set is detectable: the comparison is not vacuous
-
-
-# Browser tests drive Debian's Chromium through pytest-playwright (it cannot download its own browser here).
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-chromium = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="needs Debian's chromium (apt-get install chromium)")
-
-
-def free_port() -> int:
-    """A TCP port free on this machine now, for a test's server."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def stop_server(server: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """Stop a test's server process: SIGTERM, then SIGKILL when it has not exited ``grace_s`` seconds later
-    (Streamlit's graceful shutdown can take 20 s and more on a loaded machine; no test checks what it does)."""
-    server.terminate()
-    try:
-        server.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait(timeout=20)
-
-
-def run_in_process(command: list[str], input: str | None = None, cwd=None, **_) -> subprocess.CompletedProcess:
-    """``[python, -m, MODULE, *ARGS]`` (as :func:`subprocess.run` takes it, its other options ignored) run by
-    ``MODULE.main()`` in this process, with those ``sys.argv``, ``input`` on stdin and ``cwd``: its exit code and what it
-    printed on stdout and stderr, as the finished process would give them. For tests whose subject is what the
-    command does, not its process (kills, signals, a fresh interpreter): each saves a new interpreter's imports
-    (torch, pandas: ~3 s of CPU)."""
-    assert command[:2] == [sys.executable, "-m"], command
-    module = importlib.import_module(command[2])
-    stdout, stderr = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as patch, redirect_stdout(stdout), redirect_stderr(stderr):
-        patch.setattr(sys, "argv", [module.__file__, *command[3:]])
-        patch.setattr(sys, "stdin", io.StringIO(input or ""))
-        if cwd is not None:
-            patch.chdir(cwd)
-        try:
-            code = module.main()
-        except SystemExit as stopped:  # argparse's usage errors
-            code = stopped.code if isinstance(stopped.code, int) else 1
-    return subprocess.CompletedProcess(command, code, stdout.getvalue(), stderr.getvalue())
-
-
-def oodviz_in_process(*args, cwd=None) -> subprocess.CompletedProcess:
-    """``oodviz ARGS`` run by the command's own code in this process (:func:`run_in_process`)."""
-    return run_in_process([sys.executable, "-m", "oodviz.cli", *map(str, args)], cwd=cwd)
-
-
 @pytest.fixture
 def app_subprocesses_in_process(monkeypatch):
     """The app's child processes run in this process (:func:`run_in_process`): the memory estimate's probe
     (``python -m oodviz.pipeline.probe``, :mod:`oodviz.pipeline.probe`) and the explore tabs' ``oodviz project`` and
     ``oodviz score`` (:mod:`oodviz.ui.explore`). For AppTest tests of what the page does with their answers, not of
-    the processes: tests/test_security.py and tests/test_batchprobe.py start the probe process, test_browser's
+    the processes: tests/ui/test_access.py and tests/pipeline/test_batchprobe.py start the probe process, test_browser's
     probe and feature-map views the explore ones. Streamlit's cached estimates are dropped before and after."""
     from oodviz.pipeline import probe
     from oodviz.ui import explore
@@ -407,12 +273,3 @@ def default_results(default_run):
     from oodviz.results.tables import load_results
 
     return load_results(default_run.path)
-
-
-def brute_force_threshold(ood_scores, recall=0.95) -> float:
-    """The highest OOD score ``t`` with ``mean(ood_scores >= t) >= recall``, found by trying every one
-    (float64; an independent reference for ``threshold_at_recall`` and FPR95)."""
-    ood = np.asarray(ood_scores, dtype=np.float64)
-    candidates = np.unique(ood)[::-1]  # highest first
-    recall_at = (ood[None, :] >= candidates[:, None]).mean(axis=1)
-    return float(candidates[np.flatnonzero(recall_at >= recall)[0]])

@@ -165,6 +165,7 @@ def test_a_toml_config_with_inf_and_deep_dotted_keys_is_refused(tmp_path, capsys
     assert "more than 32 levels deep" in refused(tmp_path, capsys, write(tmp_path, "deep.toml", deep))
 
 
+@pytest.mark.process
 def test_the_command_line_prints_the_message_without_a_traceback_and_exits_2(tmp_path):
     config = write(tmp_path, "bad.json", b'{"batch_size": true, "device": "cuda:9"}' + b"\xff")
     result = subprocess.run(

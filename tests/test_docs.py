@@ -148,7 +148,7 @@ def test_the_readme_library_example_runs(tmp_path, monkeypatch):
 def test_the_library_page_examples_run(tmp_path, monkeypatch):
     """The library page's Python blocks on stand-in data (random features of a random linear head, on the CPU);
     the blocks that need a finished run or a process group are run elsewhere (the README example above,
-    tests/test_distributed.py)."""
+    tests/pipeline/test_distributed.py)."""
     import torch
 
     page = (REPO / "docs" / "library.md").read_text()

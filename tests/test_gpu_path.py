@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import cuda, make_problem
+from helpers import cuda, make_problem
 from torch import nn
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode

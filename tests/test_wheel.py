@@ -20,7 +20,9 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import chromium, free_port, stop_server
+from helpers import chromium, free_port, stop_server
+
+pytestmark = pytest.mark.process  # builds a wheel, installs it in a fresh venv, serves the app
 
 REPO = Path(__file__).resolve().parent.parent
 BUILD_INPUTS = ("pyproject.toml", "README.md", "oodviz")  # all that setuptools reads to build the wheel

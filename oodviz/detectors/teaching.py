@@ -11,7 +11,7 @@ app's "what it does" panel, the report and the docs read the same words as the c
 
 :func:`describe` returns them with the class's other facts; :func:`formula_clauses` splits a formula into the
 clauses a narrow panel shows one per line. A subclass declares its own (an inherited
-``teaching`` would describe its parent), and ``tests/test_teaching.py`` checks every registered detector.
+``teaching`` would describe its parent), and ``tests/detectors/test_teaching.py`` checks every registered detector.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def figure_layout(fig: go.Figure, title: str | None, height: int = HEIGHT, **lay
 
     Set property by property without plotly's checks, as plotly sets its own default template: the check (of the
     template above all) took 0.1-0.2 s a figure in ``update_layout``, most of a slider step's work;
-    ``tests/test_plots.py`` checks that every figure comes out as ``update_layout`` makes it."""
+    ``tests/figures/test_plots.py`` checks that every figure comes out as ``update_layout`` makes it."""
     settings = {
         "template": TEMPLATE,
         "title": {"text": title, "x": 0.01, "xanchor": "left", "font": {"size": 15}} if title else None,
@@ -219,7 +219,7 @@ def histogram_figure(
 def threshold_line(fig: go.Figure, x: float, text: str) -> go.Figure:
     """A vertical dashed line at ``x`` over the whole plot height, annotated ``text`` at its top right: what
     ``fig.add_vline(x, annotation_position="top right")`` draws, set unchecked (add_vline's checks were a third
-    of the histogram's build, redone at every slider step); ``tests/test_plots.py`` checks both agree."""
+    of the histogram's build, redone at every slider step); ``tests/figures/test_plots.py`` checks both agree."""
     validate, fig.layout._validate = fig.layout._validate, False
     try:
         fig.layout["shapes"] = [

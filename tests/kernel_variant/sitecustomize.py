@@ -4,7 +4,7 @@ pytest process and every child it starts: xdist workers, ``oodviz`` commands, to
 ``OODVIZ_TEST_ONEDNN=off`` turns oneDNN (mkldnn) off in that process as soon as it imports torch, so convolutions
 run ATen's own kernels (im2col and a BLAS product) instead of oneDNN's: ``torch.backends.mkldnn.flags(enabled=False)``
 for the whole process, which no environment variable of PyTorch sets. Torch is not imported here: processes that
-must not import it (the result pages, the supervisor; tests/test_page_imports.py) still do not. The other variations
+must not import it (the result pages, the supervisor; tests/ui/test_page_imports.py) still do not. The other variations
 of ``make test-kernels`` (threads, instruction sets) are PyTorch's, oneDNN's and MKL's own environment variables.
 """
 

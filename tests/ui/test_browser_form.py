@@ -1,0 +1,117 @@
+"""The sidebar form in a real browser (Debian's Chromium): a small tuned run over two layers of the bundled
+digits-cnn, set up and started from the form alone, shows the tuning choice and the "Which layer?" tab."""
+
+import json
+import re
+import time
+
+from browser_app import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
+from helpers import chromium
+
+from oodviz.detectors import available, describe
+from oodviz.detectors.teaching import formula_clauses
+from oodviz.ui.form_tuning import HELD_OUT
+
+pytestmark = chromium
+
+
+def choose(page, sidebar, label: str, option: str) -> None:
+    """Pick ``option`` in the sidebar's selectbox or multiselect labelled ``label``."""
+    box = sidebar.locator('[data-testid="stSelectbox"], [data-testid="stMultiSelect"]').filter(has_text=label).first
+    box.click(timeout=60_000)
+    page.keyboard.type(option)  # filters the options
+    page.get_by_role("option", name=option, exact=True).click(timeout=30_000)
+    page.keyboard.press("Escape")
+    page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
+
+
+def test_a_tuned_two_layer_run_from_the_form(page, app_url, runs_root, tmp_path):  # noqa: F811
+    page.goto(app_url)
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    detectors = sidebar.locator('[data-testid="stMultiSelect"]').filter(has_text="Detectors").first
+    detectors.wait_for(timeout=120_000)  # a cold server: slow first load
+    detectors.get_by_role("button", name="Clear all").click()  # few detectors: a cheap run
+    for name in ("energy", "mahalanobis"):
+        choose(page, sidebar, "Detectors", name)
+    choose(page, sidebar, "Layers", "features.3")  # besides the preselected penultimate layer
+    sidebar.get_by_text("Tune parameters on validation data").click()
+    choose(page, sidebar, "ID validation", HELD_OUT)
+    choose(page, sidebar, "OOD validation set", "noise-uniform")  # also a test set: warned, allowed
+    sidebar.get_by_role("button", name="Start run").click()
+    page.wait_for_url(re.compile(r"\?run="), timeout=120_000)
+    run_id = page.url.split("run=")[1]
+    config = json.loads((runs_root / run_id / "config.json").read_text())
+    assert config["layers"] == ["penultimate", "features.3"]
+    assert config["id_val"]["subsample_mode"] == "last" and config["ood_val"]["name"] == "noise-uniform"
+    assert [d["name"] for d in config["detectors"]] == ["energy", "mahalanobis"]
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not page.get_by_role("tab", name="Which layer?").count():
+        time.sleep(1)
+    page.get_by_text("the OOD validation set noise-uniform is also the OOD test set noise-uniform").first.wait_for(
+        timeout=60_000
+    )
+    page.get_by_role("tab", name="Which layer?").click()
+    page.get_by_text("Each detector that reads features was fitted and scored at every layer").wait_for(timeout=60_000)
+    ranking = page.locator(".js-plotly-plot").filter(has_text="features.3").filter(has_text="combined")
+    ranking.first.wait_for(timeout=60_000)  # each layer and the combined mahalanobis, ranked
+    shoot(page, tmp_path, "form-which-layer")
+    page.get_by_role("tab", name="Run details").click()
+    page.get_by_text("Tuned on validation data").wait_for(timeout=60_000)
+    tuning = json.loads((runs_root / run_id / "detectors.json").read_text())["energy"]["tuning"]
+    chosen = ", ".join(f"{key}={value}" for key, value in tuning["chosen"].items())
+    page.get_by_text(f"energy: {chosen} (every grid point)").wait_for(timeout=30_000)  # the choice tuning made
+    shoot(page, tmp_path, "form-tuning")
+
+
+#: Elements of the sidebar whose text is clipped (an ellipsis or cut off: wider than their box, overflow hidden),
+#: formulas aside (KaTeX scrolls), and text fields whose value is wider than the field.
+CLIPPED = """() => [
+  ...[...document.querySelectorAll('[data-testid=stSidebar] *')]
+    .filter(e => e.textContent.trim() && e.scrollWidth > e.clientWidth + 1 && !e.closest('.katex')
+                 && ['hidden', 'clip'].includes(getComputedStyle(e).overflowX))
+    .map(e => e.textContent.trim()),
+  ...[...document.querySelectorAll('[data-testid=stSidebar] input[type=text], [data-testid=stSidebar] textarea')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.value)]"""
+
+
+#: Formulas of the sidebar wider than the text around them (they would scroll sideways): [width, container width].
+WIDE_FORMULAS = """() => [...document.querySelectorAll('[data-testid=stSidebar] .katex')]
+  .map(k => [Math.max(k.scrollWidth, k.getBoundingClientRect().width),
+              k.closest('[data-testid=stMarkdownContainer]').clientWidth])
+  .filter(([width, room]) => width > room + 1)"""
+
+
+def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  # noqa: F811
+    """The whole form at 1000 px, detector parameters and tuning grids open: no label, switch or grid cut; the
+    longest formulas of "What each detector does" wrap within the panel, and so does a ViT layer's long name in
+    its Layers chip."""
+    page.set_viewport_size({"width": 1000, "height": 1000})
+    page.goto(app_url)
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    sidebar.get_by_role("button", name="Start run").wait_for(timeout=120_000)
+    sidebar.get_by_text("Tune parameters on validation data").click()
+    for expander in ("Detector parameters", "Grids tried"):
+        sidebar.locator("summary").filter(has_text=expander).click()
+    sidebar.get_by_text("mahalanobis: normalize").wait_for(timeout=30_000)
+    sidebar.get_by_text("odin grid").wait_for(timeout=30_000)
+    clipped = page.evaluate(CLIPPED)
+    if clipped:
+        shoot(page, tmp_path, "form-clipped")
+    assert clipped == []
+    sidebar.get_by_text("What each detector does").click()
+    longest = sorted(available(), key=lambda name: max(map(len, formula_clauses(describe(name)["formula"]))))
+    for name in longest[-4:]:  # the longest clauses: each wrapped within the panel, no sideways scrollbar
+        choose(page, sidebar, "Explain", name)
+        sidebar.locator("strong").filter(has_text=re.compile(f"^{name}$")).wait_for(timeout=30_000)
+        wide = page.evaluate(WIDE_FORMULAS)
+        if wide:
+            shoot(page, tmp_path, f"formula-{name}")
+        assert wide == [], name
+    choose(page, sidebar, "Backbone", "vit_b_16")
+    sidebar.locator('[class*="st-key-layers-vit_b_16-"]').wait_for(timeout=60_000)  # the form redrawn for ViT
+    choose(page, sidebar, "Layers", "encoder.layers.encoder_layer_11")  # a long name: its chip wraps, uncut
+    sidebar.locator('[data-tag] [title="encoder.layers.encoder_layer_11"]').wait_for(timeout=30_000)
+    clipped = page.evaluate(CLIPPED)
+    if clipped:
+        shoot(page, tmp_path, "layers-clipped")
+    assert clipped == []

@@ -1,0 +1,317 @@
+"""The sidebar form's validation data, tuning switch and layers (issue 17) and its checks (issue 14 point 1), with
+Streamlit's AppTest on an empty runs root: what reaches the submitted config, errors under their fields, the
+default detector list that follows the backbone's family."""
+
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from streamlit.testing.v1 import AppTest
+
+import oodviz.ui.main
+from oodviz.config.defaults import default_detector_params
+from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.data import load_dataset
+from oodviz.results.tables import ood_datasets_of
+from oodviz.runs.jobs import QueueFull
+from oodviz.ui.form import FormValues, config_from_form, form_problems, form_values_from_config
+from oodviz.ui.form_tuning import HELD_OUT, VALIDATION_FOLDER
+
+APP = str(Path(__file__).resolve().parents[2] / "app.py")
+#: the bundled ID fit set of the default form (digits 0-7 of scikit-learn's training part)
+DIGITS_FIT = len(load_dataset("digits-train"))
+
+
+@pytest.fixture
+def submitted(tmp_path, monkeypatch, app_subprocesses_in_process):
+    """The configs Start submits (recorded, not queued); the app's runs root is empty; the estimate before a start
+    in this process (``app_subprocesses_in_process``)."""
+    configs = []
+
+    def submit(config, root, nproc_per_node=1):
+        configs.append(config)
+        raise QueueFull("test: recorded, not queued")
+
+    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
+    return configs
+
+
+@pytest.fixture
+def app(submitted):
+    app = AppTest.from_file(APP, default_timeout=120)
+    app.run()
+    assert not app.exception
+    return app
+
+
+def widget(app, kind: str, label: str):
+    (found,) = [w for w in getattr(app.sidebar, kind) if w.label.startswith(label)]
+    return found
+
+
+def click(app, label: str) -> None:
+    widget(app, "button", label).click().run()
+    assert not app.exception
+
+
+def test_validation_data_grids_and_layers_reach_the_submitted_config(app, submitted):
+    widget(app, "checkbox", "Tune parameters on validation data").check()
+    widget(app, "selectbox", "ID validation").select(HELD_OUT)
+    widget(app, "number_input", "Held-out ID images").set_value(200)
+    widget(app, "multiselect", "OOD datasets").set_value(["digits-heldout", "noise-uniform"])
+    widget(app, "selectbox", "OOD validation set").select("digits-rotated")
+    widget(app, "multiselect", "Layers").set_value(["features.3", "penultimate"])
+    widget(app, "multiselect", "Detectors").set_value(["energy", "mahalanobis", "msp"])
+    # each default grid, editable: energy's
+    assert widget(app, "text_input", "mahalanobis grid").value == "normalize: false, true"
+    energy = widget(app, "text_input", "energy grid")
+    assert energy.value == "temperature: 0.5, 1, 2, 5, 10"
+    energy.input("temperature: 1, 2")
+    click(app, "Start run")
+    (config,) = submitted
+    assert config.id_val == DatasetChoice("digits-train", subsample=200, subsample_mode="last")
+    # the fit takes the images before the held-out ones: disjoint
+    assert (config.id_fit.subsample, config.id_fit.subsample_mode) == (DIGITS_FIT - 200, "first")
+    assert config.ood_val == DatasetChoice("digits-rotated")
+    assert (config.layer, config.layers) == (None, ["features.3", "penultimate"])
+    # energy's grid as edited, mahalanobis' default grid (None); msp has nothing to tune
+    assert config.detectors == [
+        DetectorChoice("energy", grid={"temperature": [1.0, 2.0]}),
+        DetectorChoice("mahalanobis"),
+        DetectorChoice("msp"),
+    ]
+    assert config.problems() == [] and not [w for w in app.sidebar.warning if "validation" in w.value]
+    # the run's page fills the form with its choices: the form gives the same config back
+    again = form_values_from_config(config)
+    assert (again.tune, again.id_val, again.id_val_images, again.ood_val) == (True, HELD_OUT, 200, "digits-rotated")
+    assert config_from_form(again) == config
+
+
+def test_bad_validation_fields_show_every_error_under_its_field_and_submit_nothing(app, submitted):
+    """Errors under their fields, all at once, no run; an OOD validation set that is also a test set is warned
+    under its field (a warning: such a run may start)."""
+    widget(app, "checkbox", "Tune parameters on validation data").check()
+    widget(app, "selectbox", "ID validation").select(HELD_OUT)
+    widget(app, "number_input", "Held-out ID images").set_value(DIGITS_FIT)  # nothing left to fit on
+    widget(app, "selectbox", "OOD validation set").select("noise-uniform")  # one of the default test sets
+    widget(app, "text_input", "energy grid").input("temperature: 1, hot")
+    widget(app, "multiselect", "Detectors").set_value(["energy"])
+    click(app, "Start run")
+    assert submitted == []
+    errors = [e.value for e in app.sidebar.error]
+    assert errors == [
+        f"hold out fewer than the {DIGITS_FIT:,} images of the ID fit set (the detectors are fitted on the rest)",
+        "energy grid: temperature takes float values, got 'hot'",
+        "Fix first: 2 problem(s), shown under their fields above.",
+    ]
+    (warning,) = [w.value for w in app.sidebar.warning if "validation" in w.value]
+    assert warning.startswith("the OOD validation set noise-uniform is also the OOD test set noise-uniform (same")
+    # each message right under its field: nothing but captions drawn between them
+    shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.sidebar]
+    for field, message in (
+        ("Held-out ID images", errors[0]),
+        ("OOD validation set", warning),
+        ("energy grid", errors[1]),
+    ):
+        at = next(i for i, (kind, text) in enumerate(shown) if text.startswith(field) and kind != "subheader")
+        following = [text for kind, text in shown[at + 1 :] if kind not in ("caption", "empty")]
+        assert following[0] == message
+
+
+def test_the_default_detector_list_follows_the_backbone_family_until_edited(app):
+    detectors = widget(app, "multiselect", "Detectors")
+    assert detectors.value == list(default_detector_params("digits-cnn"))
+    widget(app, "selectbox", "Backbone").select("vit_b_16").run()
+    assert not app.exception
+    transformer = list(default_detector_params("vit_b_16"))
+    assert widget(app, "multiselect", "Detectors").value == transformer
+    assert "ash" not in transformer and "gradnorm" not in transformer
+    assert widget(app, "checkbox", "mahalanobis: normalize").value is True  # MDS++ on a transformer
+    assert any("ViT-B RMDS++ 81.71" in c.value for c in app.sidebar.caption)
+    assert "encoder.layers.encoder_layer_11" in widget(app, "multiselect", "Layers").options
+    widget(app, "selectbox", "Backbone").select("resnet18").run()
+    assert widget(app, "multiselect", "Detectors").value == list(default_detector_params("resnet18"))
+    assert widget(app, "checkbox", "mahalanobis: normalize").value is False
+    assert any("SCALE 81.36/96.53" in c.value for c in app.sidebar.caption)
+    # a list the user chose stays when the backbone changes
+    widget(app, "multiselect", "Detectors").set_value(["msp", "energy"])
+    widget(app, "checkbox", "Tune parameters on validation data").check()  # a problem: checked, not estimated
+    click(app, "Estimate memory")
+    widget(app, "selectbox", "Backbone").select("swin_t").run()
+    assert widget(app, "multiselect", "Detectors").value == ["msp", "energy"]
+
+
+def test_form_problems_of_the_validation_fields(tmp_path):
+    """Checked without a browser: each problem keyed by its field."""
+    (tmp_path / "empty").mkdir()
+    tuned = FormValues(tune=True, fit_size=DIGITS_FIT)
+    assert form_problems(tuned)["id_val"] == [
+        "tuning needs validation data: set 'ID validation' above to 'part of the ID fit set' (how many: the number "
+        "above) or 'an image folder', and choose an 'OOD validation set' below"
+    ]
+    problems = form_problems(FormValues(tune=True, id_val=VALIDATION_FOLDER, id_val_folder=str(tmp_path / "empty")))
+    assert problems["id_val_folder"][0].startswith(f"No images found under {tmp_path / 'empty'}")
+    assert problems["ood_val"][0].endswith("set ood_val too, or neither")
+    assert form_problems(FormValues(tune=True, id_val=HELD_OUT, id_val_images=0, ood_val="digits-rotated"))[
+        "id_val"
+    ] == ["hold out at least one image of the ID fit set to validate on"]
+    bad_layer = form_problems(FormValues(layers=["features.3", "no-such-layer"]))
+    assert list(bad_layer) == ["layers"] and "no-such-layer" in bad_layer["layers"][0]
+    assert (
+        form_problems(
+            FormValues(tune=True, id_val=HELD_OUT, id_val_images=50, ood_val="digits-rotated", fit_size=DIGITS_FIT)
+        )
+        == {}
+    )
+
+
+def test_edited_grids_are_read_as_their_parameters_kinds_and_checked_like_a_configs():
+    tuned = FormValues(
+        tune=True,
+        id_val=HELD_OUT,
+        id_val_images=50,
+        ood_val="digits-rotated",
+        fit_size=DIGITS_FIT,
+        detectors=["knn", "mahalanobis", "energy"],
+        detector_grids={"knn": "k: 1, 5", "mahalanobis": "normalize: true", "energy": ""},
+    )
+    grids = {d.name: d.grid for d in config_from_form(tuned).detectors}
+    assert grids == {"knn": {"k": [1, 5]}, "mahalanobis": {"normalize": [True]}, "energy": {}}  # blank: no tuning
+    assert all(type(k) is int for k in grids["knn"]["k"]) and form_problems(tuned) == {}
+    assert form_values_from_config(config_from_form(tuned)).detector_grids == {
+        "knn": "k: 1, 5",
+        "mahalanobis": "normalize: true",
+        "energy": "",
+    }
+    bad = FormValues(**{**tuned.__dict__, "detector_grids": {"knn": "k: 1, 5; nope: 3", "mahalanobis": "true"}})
+    problems = form_problems(bad)
+    assert list(problems) == ["grids"]
+    unknown, unread = problems["grids"]  # the config's check, then what could not be read
+    assert unknown.startswith("knn: grid names 'nope', which is not a parameter to tune")  # not the config's index
+    assert unread == "mahalanobis grid: write parameter: value, value (got 'true')"
+    untuned = FormValues(**{**tuned.__dict__, "tune": False})  # an edited grid without tuning is not used
+    assert [d.grid for d in config_from_form(untuned).detectors] == [None, None, None]
+
+
+def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(app, submitted, monkeypatch):
+    """Three digits-cnn layers over a disk that holds two of them: the pre-flight's "fewer layers" fix is a button
+    that takes exactly the widest layer out of Layers and estimates again, which then fits. The estimate runs
+    in this process (the app runs it in a subprocess) against that disk; the stores written out from the formula,
+    N x (D x 4 + C x 4 + 24) bytes per split (D: avg-pooled, one per channel), plus the head room the pre-flight
+    asks for (margin_for)."""
+    import json
+
+    import oodviz.pipeline.preflight
+    from oodviz.config.run import RunConfig
+    from oodviz.engine.store.space import margin_for
+    from oodviz.models.digits import DigitsCNN
+    from oodviz.pipeline.probe import estimate_for_config
+
+    model = DigitsCNN()
+    dims = {"features.0": model.features[0].out_channels, "features.3": model.features[2].out_channels}
+    dims["penultimate"] = model.fc.in_features
+    assert max(dims, key=dims.get) == "penultimate"
+    n = sum(len(load_dataset(name)) for name in ("digits-train", "digits-test", "digits-heldout"))
+    store = {layer: n * (d * 4 + model.fc.out_features * 4 + 24) for layer, d in dims.items()}
+    two = store["features.0"] + store["features.3"]
+    disk = two + margin_for(two) + store["penultimate"] // 2  # the two narrow layers with head room, half the widest
+    limits = oodviz.pipeline.preflight.machine_limits
+
+    def with_small_disk(root, device, cap=None):
+        return {**limits(root, device, cap), "disk": disk}
+
+    monkeypatch.setattr(oodviz.pipeline.preflight, "machine_limits", with_small_disk)
+    monkeypatch.setattr(
+        oodviz.ui.main,
+        "memory_estimate",
+        lambda config, root: estimate_for_config(RunConfig.from_dict(json.loads(config)), root),
+    )
+    widget(app, "multiselect", "Layers").set_value(list(dims))
+    widget(app, "multiselect", "OOD datasets").set_value(["digits-heldout"])
+    widget(app, "multiselect", "Detectors").set_value(["msp", "mahalanobis"])
+    click(app, "Estimate memory")
+    (refusal,) = [w.value for w in app.sidebar.warning]  # the fixes; the needs table beside the estimate
+    assert f"- fewer layers: the widest is penultimate (D={dims['penultimate']})" in refusal.splitlines()
+    ((needs,),) = [[c.value for c in app.sidebar.code]]
+    assert "feature stores, 3 layers" in needs and needs.count("OVER") == 1
+    assert widget(app, "button", "Start run").disabled
+    click(app, "Fix: Leave out layer penultimate (the widest)")
+    assert widget(app, "multiselect", "Layers").value == ["features.0", "features.3"]
+    assert any(s.value.startswith("Applied: Leave out layer penultimate") for s in app.sidebar.success)
+    assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
+    assert not widget(app, "button", "Start run").disabled and not app.sidebar.warning
+    click(app, "Start run")
+    assert [config.layers for config in submitted] == [["features.0", "features.3"]]
+
+
+def test_a_runs_page_says_once_that_its_ood_validation_set_is_a_test_set(default_run_copy, monkeypatch):
+    """The worker's warning event and the results page say the same: the page shows it once, above the results
+    (with "Tuning:"), not again in the run's warnings."""
+    from oodviz.config.run import RunConfig
+    from oodviz.config.tuning import validation_warnings
+    from oodviz.pipeline.reporter import Reporter
+    from oodviz.runs.rundir import RunDir
+
+    config = RunConfig.load(default_run_copy / "config.json")
+    config.id_fit.subsample_mode = "first"  # the fit's first images, validation its last: only the OOD set overlaps
+    config.id_val = DatasetChoice("digits-train", subsample=50, subsample_mode="last")
+    config.ood_val = config.ood[0]
+    config.save(default_run_copy / "config.json")
+    (warning,) = validation_warnings(config)
+    Reporter(RunDir(default_run_copy)).warn(warning)  # as the worker's tuning stage does
+    Reporter(RunDir(default_run_copy)).warn("another warning")
+    monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(default_run_copy.parent))
+    page = AppTest.from_file(APP, default_timeout=120)
+    page.query_params["run"] = default_run_copy.name
+    page.run()
+    assert not page.exception
+    shown = [w.value for w in page.main.warning]
+    ood_name = config.ood[0].name  # as the results name the set, not its place in the config
+    assert [w for w in shown if f"is also the OOD test set {ood_name} " in w] == [f"Tuning: {warning}."]
+    assert ood_name == ood_datasets_of(pd.read_parquet(default_run_copy / "scores.parquet"))[0]  # the results' name
+    assert "ood[" not in warning
+    assert "another warning" in shown
+
+
+def test_the_fewer_layers_fix_is_offered_only_for_a_layer_the_form_has_beside_others():
+    """From a refusal or a failed run's warning (a run started anyway): the widest layer out, the others kept in
+    order; nothing for a form with that layer alone, or without it."""
+    from oodviz.problems import Fix
+    from oodviz.ui.form import form_fixes
+
+    said = [Fix("drop_layer", "fewer layers: the widest is features.3 (D=32)", "features.3")]
+    three = FormValues(layers=["features.0", "features.3", "penultimate"])
+    ((label, fixed),) = [(fix.label, fix.values) for fix in form_fixes(said, three)]
+    assert (label, fixed.layers) == ("Leave out layer features.3 (the widest)", ["features.0", "penultimate"])
+    assert fixed == FormValues(layers=["features.0", "penultimate"])  # nothing else changed
+    assert form_fixes(said, FormValues(layers=["features.3"])) == []
+    assert form_fixes(said, FormValues(layers=["features.0", "penultimate"])) == []
+
+
+def test_rewording_every_config_problem_keeps_each_under_its_field(monkeypatch):
+    """A translation hook: every problem of the config rewritten; the form still places each under the same field,
+    as it reads the problem's field, never its words."""
+    from oodviz.problems import Problem
+    from oodviz.ui.form import form_problems
+
+    values = FormValues(
+        detectors=["react", "knn"],
+        detector_params={"react": {"percentile": 150}},
+        batch_size=0,
+        pooling="nope",
+        device="cuda:7",
+    )
+    original = form_problems(values)
+    assert {"detector_params", "batch_size", "pooling", "device"} <= set(original)
+    problems = RunConfig.problems
+
+    def reworded(config):
+        return [Problem(f"«{i}»", p.field, f"«{i}»") for i, p in enumerate(problems(config))]
+
+    monkeypatch.setattr(RunConfig, "problems", reworded)
+    translated = form_problems(values)
+    assert {field: len(said) for field, said in translated.items()} == {
+        field: len(said) for field, said in original.items()
+    }
+    assert all(message.startswith("«") for said in translated.values() for message in said)
