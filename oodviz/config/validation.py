@@ -38,12 +38,18 @@ _BYTE_ORDER_MARKS = (
 )
 
 
-class ConfigError(ValueError):
-    """An invalid RunConfig; ``problems`` lists every one found."""
+#: what a refusal says first: the config is wrong, or it is right but the run cannot start from it
+INVALID_CONFIG = "Invalid run config:"
+CANNOT_START = "This run cannot start:"
 
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("Invalid run config:\n" + "\n".join(f"- {p}" for p in problems))
+
+class ConfigError(ValueError):
+    """A run that cannot start: ``problems`` lists every one found, under ``heading`` (:data:`INVALID_CONFIG` for a
+    config that is wrong in itself, :data:`CANNOT_START` for one the checkpoint file or the data's sizes refuse)."""
+
+    def __init__(self, problems: list[str], heading: str = INVALID_CONFIG):
+        self.problems, self.heading = problems, heading
+        super().__init__(heading + "\n" + "\n".join(f"- {p}" for p in problems))
 
 
 def _decode(raw: bytes, path: Path) -> str:

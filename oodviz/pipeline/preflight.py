@@ -42,7 +42,7 @@ import psutil
 from oodviz.columns import split_column
 from oodviz.config.layers import detector_columns
 from oodviz.config.splits import load_split, run_splits, store_key_params
-from oodviz.config.validation import ConfigError, check_sizes
+from oodviz.config.validation import CANNOT_START, ConfigError, check_sizes
 from oodviz.detectors import detector_class
 from oodviz.engine import STORES_DIRNAME
 from oodviz.engine.store import find_store, space, store_key
@@ -53,7 +53,7 @@ from oodviz.pipeline.batchprobe import EXTRACTION, BatchProbeError, sized
 from oodviz.pipeline.classifier_check import ClassifierCheck, check_classifier
 from oodviz.pipeline.job import resolve_device
 from oodviz.pipeline.layers import backbone_views
-from oodviz.problems import Fix
+from oodviz.problems import Fix, Problem
 
 #: Features wider than this get the detectors with a ``D x D`` state named even when they fit.
 WIDE_FEATURES = 16_384
@@ -387,14 +387,14 @@ def preflight(config, runs_root) -> Preflight:
     try:
         backbone = config.load_backbone()
     except CheckpointError as error:  # no run can start from this file
-        raise ConfigError([str(error)]) from None
+        raise ConfigError([Problem(str(error), "checkpoint")], CANNOT_START) from None
     chosen = run_splits(config)
     datasets = {split: load_split(config, choice, as_ood, backbone.classes) for split, choice, as_ood in chosen}
     store_root = Path(runs_root) / STORES_DIRNAME
     sizes = {s: len(ds) for s, ds in datasets.items()}
     problems = check_sizes(config, sizes["id_fit"], backbone.feature_dim, backbone.num_classes)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, CANNOT_START)
     classifier = check_classifier(backbone, datasets["id_fit"], config.seed, [datasets["id_test"].classes])
     layers = layer_estimates(
         config, backbone, sizes, lambda view: splits_to_extract(config, view, datasets, chosen, store_root)

@@ -18,7 +18,7 @@ import sys
 from typing import NamedTuple
 
 from oodviz.config.run import RunConfig
-from oodviz.config.validation import ConfigError
+from oodviz.config.validation import INVALID_CONFIG, ConfigError
 from oodviz.problems import Fix, fixes_from
 
 TIMEOUT_S = 120.0
@@ -89,7 +89,7 @@ def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S, runs_
     if not isinstance(answer, dict):
         raise ProbeError(f"the estimate's process ended without an answer (exit code {done.returncode}; crashed?)")
     if "refused" in answer:
-        raise ConfigError(answer["refused"])
+        raise ConfigError(answer["refused"], answer.get("heading", INVALID_CONFIG))
     if "error" in answer:
         raise ProbeError(answer["error"])
     return ProbeAnswer(**{**answer, "fixes": fixes_from(answer.get("fixes"))})
@@ -100,7 +100,7 @@ def main() -> int:
         config = RunConfig.from_dict(json.loads(sys.stdin.read()))
         answer = estimate_for_config(config, *sys.argv[1:2])
     except ConfigError as error:
-        print(json.dumps({"refused": error.problems}))
+        print(json.dumps({"refused": error.problems, "heading": error.heading}))
         return 1
     except Exception as error:  # the caller shows it: one line, no traceback
         print(json.dumps({"error": f"{type(error).__name__}: {error}"}))

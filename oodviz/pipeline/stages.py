@@ -44,7 +44,7 @@ from oodviz.config.splits import (
     split_group,
     store_key_params,
 )
-from oodviz.config.validation import ConfigError, check_sizes
+from oodviz.config.validation import CANNOT_START, ConfigError, check_sizes
 from oodviz.engine import extract_or_reuse
 from oodviz.engine.store import DiskFullError, check_free_space
 from oodviz.files import write_json
@@ -111,7 +111,7 @@ def load_data(job: Job) -> None:
                 job.reporter.warn(warning)
         problems = check_sizes(config, len(job.datasets["id_fit"]), backbone.feature_dim, backbone.num_classes)
         if problems:
-            raise ConfigError(problems)
+            raise ConfigError(problems, CANNOT_START)
         # the pre-flight refused a model whose classes are not the ID labels: started with --force or "Run anyway"
         fit, test = job.datasets["id_fit"], job.datasets["id_test"]
         problem = check_classifier(backbone, fit, config.seed, [test.classes]).problem()

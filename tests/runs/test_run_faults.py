@@ -101,7 +101,7 @@ def test_data_dependent_limits_are_refused_by_the_pre_flight_before_a_run_direct
     assert result.returncode == 2, result.stderr[-2000:]
     assert not run.path.exists() and "pre-flight skipped" not in result.stderr
     assert result.stderr.splitlines() == [
-        "Invalid run config:",
+        "This run cannot start:",
         "- detectors[0] (knn): k=1000000 is more than the 1081 rows of the ID fit set; choose k <= 1081 or fit on "
         "more data",
         "- detectors[1] (vim): dim=64 must be between 1 and D-1 = 63 for the D=64 features of this model and layer; "
@@ -189,7 +189,7 @@ def test_an_unusable_checkpoint_is_refused_before_a_run_directory_exists(tmp_pat
     assert result.returncode == 2, result.stderr[-3000:]
     assert not (tmp_path / "runs").exists() and not (tmp_path / "code-ran").exists()
     lines = result.stderr.splitlines()
-    assert lines[0] == "Invalid run config:" and lines[2:] == ["nothing was started"], result.stderr
+    assert lines[0] == "This run cannot start:" and lines[2:] == ["nothing was started"], result.stderr
     assert lines[1].startswith(f"- {checkpoint} ") and why in lines[1], lines[1]
 
 
