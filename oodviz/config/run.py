@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from oodviz import detectors, engine, models
+from oodviz.columns import PENULTIMATE
 from oodviz.config.defaults import default_detector_params
 from oodviz.config.layers import layers_problems
 from oodviz.config.tuning import tuning_problems
@@ -90,7 +91,9 @@ class RunConfig:
     #: several layers in one forward pass (module names, or "penultimate"); [] = one layer, ``layer``
     #: (:mod:`oodviz.pipeline.layers`)
     layers: list = field(default_factory=list)
-    pooling: str = "avg"
+    #: how a layer's output becomes a [B, D] feature (models.POOLINGS), or a table layer -> pooling ("avg" for a
+    #: layer it does not name): e.g. {"blocks.5": "mean", "penultimate": "cls"} for a ViT
+    pooling: str | dict = "avg"
     id_fit: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-train"))
     id_test: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-test"))
     ood: list[DatasetChoice] = field(default_factory=lambda: [DatasetChoice(name) for name in DEFAULT_OOD])
@@ -153,7 +156,7 @@ class RunConfig:
             weights=self.weights,
             checkpoint=self.checkpoint,
             layer=self.layer,
-            pooling=self.pooling,
+            pooling=self.pooling_at(None),
             model_args=self.model_args or None,
         )
 
@@ -219,10 +222,11 @@ class RunConfig:
             elif high is not None and value > high:
                 why = "the largest batch oodviz takes" if key == "batch_size" else "the CPU cores this process may use"
                 found.append(Problem(f"{key} must be at most {high} ({why}), got {value!r}", key))
+        if "pooling" not in wrong:
+            found += self._pooling_problems()
         for key, allowed in (
             ("precision", tuple(engine.PRECISIONS)),
             ("feature_dtype", engine.FEATURE_DTYPES),
-            ("pooling", models.POOLINGS),
         ):
             if key not in wrong and getattr(self, key) not in allowed:
                 found.append(Problem(f"{key} must be one of {allowed}, got {getattr(self, key)!r}", key))
@@ -230,6 +234,36 @@ class RunConfig:
             message = f"memory_budget_gb must be a positive number, got {self.memory_budget_gb!r}"
             found.append(Problem(message, "memory_budget_gb"))
         return found + tuning_problems(self, detectors_checked="detectors" not in wrong)
+
+    def _pooling_problems(self) -> list[Problem]:
+        """``pooling``: one of the poolings, or a table naming the run's layers, each with one of them."""
+        allowed = tuple(models.POOLINGS)
+        if isinstance(self.pooling, str):
+            return (
+                []
+                if self.pooling in allowed
+                else [Problem(f"pooling must be one of {allowed}, got {self.pooling!r}", "pooling")]
+            )
+        found = []
+        for layer, pooling in self.pooling.items():
+            if layer not in self.layer_names:
+                message = f"pooling names layer {layer!r}, which the run does not extract; its layers: {', '.join(self.layer_names)}"
+                found.append(Problem(message, "pooling"))
+            elif pooling not in allowed:
+                found.append(Problem(f"pooling of {layer} must be one of {allowed}, got {pooling!r}", "pooling"))
+        return found
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The layers the run extracts: ``layers``, else ``[layer]``, else ``["penultimate"]``."""
+        return list(self.layers) if self.layers else [self.layer or PENULTIMATE]
+
+    def pooling_at(self, layer: str | None) -> str:
+        """The pooling of ``layer`` (None: the run's main layer, the first it extracts): ``pooling``, or its entry
+        in the table (``"avg"`` where the table does not name it)."""
+        if isinstance(self.pooling, str):
+            return self.pooling
+        return self.pooling.get(self.layer_names[0] if layer is None else layer, "avg")
 
     def _model_problems(self, wrong: dict[str, str]) -> list[Problem]:
         """The backbone, its weights, checkpoint file and layer."""
@@ -287,7 +321,7 @@ _FIELD_TYPES = {
     "checkpoint": str | None,
     "layer": str | None,
     "layers": list,
-    "pooling": str,
+    "pooling": str | dict,
     "ood": list,
     "detectors": list,
     "batch_size": int,

@@ -45,13 +45,17 @@ def layer_views(job) -> dict:
     every layer of the run (:func:`backbone_views`); made once per run and kept in ``job.layer_views`` (each view
     finds its feature size with a probe forward)."""
     if job.layer_views is None:
-        job.layer_views = backbone_views(job.backbone, job.config.layers, job.config.pooling)
+        job.layer_views = backbone_views(job.backbone, job.config.layers, job.config.pooling_at)
     return job.layer_views
 
 
-def backbone_views(backbone, layers: list[str], pooling: str) -> dict:
-    """Layer name -> a view of ``backbone``'s model with that layer's features, pooled by ``pooling``."""
-    return {layer: backbone.with_layer(None if layer == PENULTIMATE else layer, pooling=pooling) for layer in layers}
+def backbone_views(backbone, layers: list[str], pooling_at) -> dict:
+    """Layer name -> a view of ``backbone``'s model with that layer's features, pooled by ``pooling_at(layer)``
+    (:meth:`oodviz.config.run.RunConfig.pooling_at`)."""
+    return {
+        layer: backbone.with_layer(None if layer == PENULTIMATE else layer, pooling=pooling_at(layer))
+        for layer in layers
+    }
 
 
 def extract_layers_split(job, split: str, choice, stage):

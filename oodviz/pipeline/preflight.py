@@ -239,7 +239,7 @@ def layer_estimates(config, backbone, sizes: dict[str, int], new_splits) -> dict
         return None
     return {
         layer: (estimate_memory(view, sizes, feature_dtype=config.feature_dtype), new_splits(view))
-        for layer, view in backbone_views(backbone, config.layers, config.pooling).items()
+        for layer, view in backbone_views(backbone, config.layers, config.pooling_at).items()
     }
 
 

@@ -255,7 +255,7 @@ def _extract_images(run_dir, config, backbone, detectors: dict, dataset, root, o
     saved, problem = read_json_object(detectors_dir(run_dir) / LAYERS_FILE)
     if problem:
         raise RunNotScorableError(f"{detectors_dir(run_dir) / LAYERS_FILE}: {problem}")
-    views = backbone_views(backbone, [layer for layer in config.layers if layer in layers], config.pooling)
+    views = backbone_views(backbone, [layer for layer in config.layers if layer in layers], config.pooling_at)
     for layer, view in views.items():
         if not isinstance(saved.get(layer), dict):
             raise RunNotScorableError(f"{detectors_dir(run_dir) / LAYERS_FILE} lacks layer {layer!r}: run again")

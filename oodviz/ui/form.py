@@ -128,7 +128,7 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         weights=config.weights,
         checkpoint=config.checkpoint or "",
         layers=form_layers(config),
-        pooling=config.pooling,
+        pooling=config.pooling_at(None),  # the form has one pooling: a table's main layer's
         id_preset=id_preset,
         fit_folder=fit_folder,
         test_folder=test_folder,

@@ -375,3 +375,35 @@ def _split_images(choice, indices):
 
     dataset = load_dataset(choice.name)
     return [dataset[int(i)][0] for i in indices]
+
+
+def test_a_run_over_two_vit_layers_pools_each_as_its_table_says(tmp_path):
+    """``pooling = {"blocks.0": "mean", "penultimate": "cls"}``: the first block's store holds the mean of its patch
+    tokens, the penultimate store the class token the head reads, each equal to the model's view pooled so."""
+    import oodviz
+    from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+    from oodviz.engine import open_store
+
+    pooling = {"blocks.0": "mean", "penultimate": "cls"}
+    config = RunConfig(
+        backbone="timm:vit_tiny_patch16_224",
+        weights="random",
+        model_args={**TINY_VIT, "num_classes": 8},
+        layers=["blocks.0", "penultimate"],
+        pooling=pooling,
+        id_fit=DatasetChoice("digits-train", subsample=80),
+        id_test=DatasetChoice("digits-test", subsample=40),
+        ood=[DatasetChoice("noise-gaussian", {"n": 20})],
+        detectors=[DetectorChoice("mahalanobis"), DetectorChoice("energy")],
+        device="cpu",
+    )
+    results = oodviz.run(config, out=tmp_path / "runs" / "two", progress=False)
+    assert {"mahalanobis@blocks.0", "mahalanobis@penultimate"} <= set(results.metrics.detector)
+    layers = json.loads((results.path / "meta.json").read_text())["layers"]
+    backbone = config.load_backbone()
+    for layer, how in pooling.items():
+        store = open_store(tmp_path / "runs" / ".features", layers["stores"][layer]["id_test"])
+        view = backbone.with_layer(None if layer == "penultimate" else layer, pooling=how)
+        images = [backbone.transform(image) for image in _split_images(config.id_test, store.indices[:3])]
+        features, _ = view.features_and_logits(torch.stack(images))
+        assert _close(torch.as_tensor(np.asarray(store.features[:3])).float(), features, tol=1e-4), layer
