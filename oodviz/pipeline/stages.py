@@ -49,7 +49,6 @@ from oodviz.engine import extract_or_reuse
 from oodviz.engine.store import DiskFullError, check_free_space
 from oodviz.files import write_json
 from oodviz.models import estimate_memory
-from oodviz.models.memory import format_bytes
 from oodviz.pipeline import preflight
 from oodviz.pipeline.batchprobe import ModelBatches, measure_for_run, sized
 from oodviz.pipeline.classifier_check import check_classifier
@@ -142,24 +141,16 @@ def check_disk_space(job: Job, estimate, layers: dict | None = None) -> list[str
     :class:`~oodviz.engine.DiskFullError` when the free space under the feature store root is less than the
     pre-flight's disk need (:func:`oodviz.pipeline.preflight.store_disk_need`) of the new stores: ``estimate``'s
     (:func:`oodviz.models.estimate_memory`), or, for a run over several layers, every layer's (``layers``: layer ->
-    ``(estimate, new splits)``, :func:`oodviz.pipeline.preflight.layer_estimates`), or than ``memory_budget_gb``
-    (the pre-flight's disk limit is the free space, at most that cap: a run forced past the pre-flight keeps it)."""
+    ``(estimate, new splits)``, :func:`oodviz.pipeline.preflight.layer_estimates`)."""
 
     root = feature_store_root(job.run)
     if not layers:
         layers = {
             None: (estimate, preflight.splits_to_extract(job.config, job.backbone, job.datasets, job.splits, root))
         }
-    need = preflight.store_disk_need(layers)
-    message = check_free_space(root, need, margin_bytes=0)  # the pre-flight's number
+    message = check_free_space(root, preflight.store_disk_need(layers), margin_bytes=0)  # the pre-flight's number
     if message:
         raise DiskFullError(message)
-    cap = preflight.disk_cap_bytes(job.config)
-    if cap is not None and need > cap:  # the pre-flight's disk limit is the free space at most this cap
-        raise DiskFullError(
-            f"the new feature stores need {format_bytes(need)}, over memory_budget_gb={job.config.memory_budget_gb} "
-            f"({format_bytes(cap)}); raise memory_budget_gb, subsample or store float16 features"
-        )
     return next(iter(layers.values()))[1]
 
 

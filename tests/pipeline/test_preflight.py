@@ -419,16 +419,6 @@ def test_the_pre_flight_and_the_run_ask_for_the_same_free_disk(tmp_path, monkeyp
                 pipeline.load_data(job)
         else:
             pipeline.load_data(job)
-    # memory_budget_gb caps the pre-flight's disk limit; the run's own check keeps the cap (a forced run too)
-    budget = (disk.needed - 1) / 2**30
-    capped = RunConfig.from_dict({**config.to_dict(), "memory_budget_gb": budget})
-    (need,) = [need for need in preflight(capped, tmp_path / "runs").needs if need.resource == "disk"]
-    assert need.over and need.available == int(budget * 2**30)
-    run = RunDir.create(tmp_path / "capped", capped.to_dict())
-    job = pipeline.start_job(capped, run, Reporter(run))
-    pipeline.load_model(job)
-    with pytest.raises(DiskFullError, match=rf"over memory_budget_gb={budget}"):
-        pipeline.load_data(job)
 
 
 def test_the_apps_start_refuses_a_knn_k_above_the_fit_rows_and_starts_nothing(
