@@ -19,7 +19,15 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+_NAMES = {
+    bool: "true or false",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    dict: "a table",
+    list: "a list",
+    type(None): "null",
+}
 
 
 def shown(value) -> str:
@@ -68,6 +76,8 @@ def matches(value, annotation) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if annotation is str:
         return isinstance(value, str)
+    if annotation in (dict, list):
+        return isinstance(value, annotation)
     return True
 
 

@@ -110,7 +110,7 @@ def test_a_config_built_in_code_is_type_checked_like_a_file():
     config = small_config(batch_size=2.0, seed=False, memory_budget_gb=float("inf"), checkpoint="a\0b", pooling=None)
     config.ood.append(DatasetChoice("noise-uniform", {"n": 10.5, "noise_seed": -1}, subsample=True))
     assert config.problems() == [
-        "pooling needs a value (a string), got null",
+        "pooling needs a value (a string or a table), got null",
         "batch_size must be an integer, got 2.0",
         "seed must be an integer, got false",
         "memory_budget_gb must be a finite number, got Infinity",
