@@ -28,10 +28,6 @@ Kinds (:data:`FIX_KINDS`) and their values:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from oodviz.config.run import RunConfig
 
 
 class Problem(str):
@@ -110,9 +106,10 @@ class Fix:
         """The fix :meth:`to_dict` wrote."""
         return cls(entry["kind"], entry["text"], entry.get("value"))
 
-    def apply(self, config: RunConfig) -> RunConfig | None:
-        """``config`` with this change made (a new config; ``config`` is left as it is), or None for ``"advice"``,
-        which names no change that can be made for the user."""
+    def apply(self, config):
+        """``config`` (a :class:`~oodviz.config.run.RunConfig`, a layer above this module: not imported here) with
+        this change made (a new config; ``config`` is left as it is), or None for ``"advice"``, which names no change
+        that can be made for the user."""
         if self.kind == "advice":
             return None
         if self.kind == "pooling":
