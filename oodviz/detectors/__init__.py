@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from oodviz.lazy import lazy_attributes
+
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
     from oodviz.detectors.adascale import AdaSCALE
     from oodviz.detectors.ash import ASH
@@ -110,17 +112,7 @@ _SOURCES = {
     "weightedebo": ("WeightedEBO",),
     "weiper": ("WeiPer",),
 }
-_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'oodviz.detectors' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"oodviz.detectors.{_MODULE_OF[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _SOURCES, globals())
 
 
 __all__ = [

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from oodviz.lazy import lazy_attributes
+
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
     from oodviz.engine.batched import PRECISIONS, BatchedPass, Cancelled, CudaContextLost, is_out_of_memory
     from oodviz.engine.extraction import extract, extract_or_reuse
@@ -81,17 +83,7 @@ _SOURCES = {
         "stores_used_only_by",
     ),
 }
-_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'oodviz.engine' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"oodviz.engine.{_MODULE_OF[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _SOURCES, globals())
 
 
 __all__ = [

@@ -21,6 +21,8 @@ See :mod:`oodviz.models.registry` (the loaders: names, weights, checkpoints, mod
 :mod:`oodviz.models.placement` (device names, a model held on a device for a block).
 """
 
+from oodviz.lazy import lazy_attributes
+
 #: Each public name and the submodule that defines it. The package imports a submodule when one of its names is
 #: first used, so that ``oodviz.models.memory`` (``format_bytes``) and the other torch-free parts can be imported
 #: without torch (the app's results page); the architectures, loaders and modules import torch.
@@ -51,17 +53,7 @@ _SOURCES = {
         "wrap_model",
     ),
 }
-_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'oodviz.models' has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"oodviz.models.{_MODULE_OF[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _SOURCES, globals())
 
 
 def feature_shape(backbone, sample_input=None):
@@ -70,4 +62,4 @@ def feature_shape(backbone, sample_input=None):
     return backbone.feature_shape(sample_input)
 
 
-__all__ = sorted([*_MODULE_OF, "feature_shape"])
+__all__ = sorted([*(name for names in _SOURCES.values() for name in names), "feature_shape"])
