@@ -5,16 +5,12 @@ import copy
 import numpy as np
 import pytest
 import torch
+from detector_checks import spearman
 from scipy.special import logsumexp
-from scipy.stats import spearmanr
 from wide_cnn import WideCNN, images, wide_backbone_of
 
 from oodviz import Batch
 from oodviz.detectors import NotFittedError, create
-
-
-def spearman(a, b) -> float:
-    return spearmanr(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)).statistic
 
 
 def openood_adascale(model, fit_x, x, variant, p_min, p_max, k1, k2, lmbda, o):

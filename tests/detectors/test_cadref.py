@@ -3,6 +3,7 @@ against a float64 reference written here from the paper's equations (pytorch-ood
 
 import numpy as np
 import pytest
+from detector_checks import assert_formula, float64_arrays
 from scipy.special import logsumexp, softmax
 
 from oodviz import Batch
@@ -12,11 +13,6 @@ from oodviz.detectors import create
 def _fit_score(problem, name, **params):
     det = create(name, **params).fit(problem.fit_batches(97), head=problem.head)
     return det, det.score(problem.batches(problem.eval_x)).double().numpy()
-
-
-def _float64(problem):
-    as64 = lambda t: t.double().numpy()  # noqa: E731
-    return as64(problem.fit_x), as64(problem.eval_x), as64(problem.weight), as64(problem.bias)
 
 
 def predicted_class_means(fx, w, b):
@@ -41,19 +37,15 @@ def cadref_reference(fx, ex, w, b, logit_score):
     return e_plus / scores(z) + e_minus / scores(fx @ w.T + b).mean()
 
 
-def _assert_formula(ours, expected):
-    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
-
-
 @pytest.mark.parametrize("logit_score", ["energy", "maxlogit", "msp"])
 def test_cadref_is_the_decoupled_error_over_the_logit_scores(problem, logit_score):
     det, ours = _fit_score(problem, "cadref", logit_score=logit_score)
-    fx, ex, w, b = _float64(problem)
+    fx, ex, w, b = float64_arrays(problem)
     expected = cadref_reference(fx, ex, w, b, logit_score)
     # E+ / S(x) amplifies the float32 rounding of the batch's logits where S(x) nears 0 (max logits here cross it)
     conditioned = np.abs((ex @ w.T + b).max(1)) > 1e-2 if logit_score == "maxlogit" else np.ones(len(ex), bool)
     assert conditioned.mean() > 0.95
-    _assert_formula(ours[conditioned], expected[conditioned])
+    assert_formula(ours[conditioned], expected[conditioned], rtol=1e-5)
     assert det.mean_logit_score_ > 0
 
 

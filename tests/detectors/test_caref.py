@@ -4,6 +4,7 @@ equations (pytorch-ood 0.4 has none)."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import assert_formula, float64_arrays
 
 from oodviz import Batch
 from oodviz.detectors import create
@@ -12,11 +13,6 @@ from oodviz.detectors import create
 def _fit_score(problem, name, **params):
     det = create(name, **params).fit(problem.fit_batches(97), head=problem.head)
     return det, det.score(problem.batches(problem.eval_x)).double().numpy()
-
-
-def _float64(problem):
-    as64 = lambda t: t.double().numpy()  # noqa: E731
-    return as64(problem.fit_x), as64(problem.eval_x), as64(problem.weight), as64(problem.bias)
 
 
 def predicted_class_means(fx, w, b):
@@ -32,14 +28,10 @@ def caref_reference(fx, ex, w, b):
     return np.abs(ex - means[c]).sum(1) / np.abs(ex).sum(1)
 
 
-def _assert_formula(ours, expected):
-    np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
-
-
 def test_caref_is_the_relative_l1_error_from_the_predicted_class_mean(problem):
     det, ours = _fit_score(problem, "caref")
-    fx, ex, w, b = _float64(problem)
-    _assert_formula(ours, caref_reference(fx, ex, w, b))
+    fx, ex, w, b = float64_arrays(problem)
+    assert_formula(ours, caref_reference(fx, ex, w, b), rtol=1e-5)
     np.testing.assert_allclose(det.class_means_.numpy(), predicted_class_means(fx, w, b), rtol=1e-12)
 
 

@@ -4,16 +4,12 @@ and bad input."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import fitted_scores
 from helpers import assert_same_ranking, make_problem
 from pytorch_ood import detector as pood
 from scipy.special import logsumexp
 
 from oodviz.detectors import create
-
-
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
 
 
 def _gmm_reference(fx, fy, ex, reg):
@@ -31,7 +27,7 @@ def _gmm_reference(fx, fy, ex, reg):
 
 @pytest.mark.parametrize("reg", [1e-6, 0.5])
 def test_gmm_matches_pytorch_ood_and_scipy(problem, reg):
-    det, ours = _ours(problem, "gmm", reg=reg)
+    det, ours = fitted_scores(problem, "gmm", reg=reg)
     theirs = pood.GMM(None, reg=reg).fit_features(problem.fit_x, problem.fit_y).predict_features(problem.eval_x)
     assert_same_ranking(ours, theirs.double().numpy(), n_id=len(problem.test_x))
     np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=1e-5)  # the same number, not just the ranking
@@ -42,7 +38,7 @@ def test_gmm_matches_pytorch_ood_and_scipy(problem, reg):
 def test_gmm_is_exact_under_a_large_feature_offset():
     """Per-class shifts: features ~1e4 from the origin with unit spread give the same covariances."""
     p = make_problem(offset=1e4)
-    det, ours = _ours(p, "gmm", size=13)
+    det, ours = fitted_scores(p, "gmm", size=13)
     fx, fy, ex = p.fit_x.double().numpy(), p.fit_y.numpy(), p.eval_x.double().numpy()
     for c in range(6):
         np.testing.assert_allclose(det.class_means_[c].numpy(), fx[fy == c].mean(0), rtol=1e-12)

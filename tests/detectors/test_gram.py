@@ -4,22 +4,12 @@ float64, its layers and two streamed passes."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import auroc, spearman
 from pytorch_ood.detector import Gram as PoodGram
-from scipy.stats import spearmanr
 from wide_cnn import WideCNN, images, labelled_images
 
 from oodviz import Batch
 from oodviz.detectors import create
-from oodviz.results.metrics import ood_metrics
-
-
-def spearman(a, b) -> float:
-    return spearmanr(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)).statistic
-
-
-def auroc(scores, n_id) -> float:
-    scores = torch.as_tensor(np.asarray(scores, dtype=np.float64))
-    return ood_metrics(scores[:n_id], scores[n_id:])["auroc"]
 
 
 def held_out_first_randperm(holdout):

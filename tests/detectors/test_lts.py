@@ -4,26 +4,12 @@ against pytorch-ood 0.4 on the same inputs."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import assert_formula, fitted_scores, float64_arrays
 from helpers import assert_same_ranking
 from pytorch_ood import detector as pood
 from scipy.special import logsumexp
 
 from oodviz.detectors import create
-
-
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
-
-
-def _float64(problem):
-    """Fit features, eval features (ID test then OOD), head weight and bias, in numpy float64."""
-    as64 = lambda t: t.double().numpy()  # noqa: E731
-    return as64(problem.fit_x), as64(problem.eval_x), as64(problem.weight), as64(problem.bias)
-
-
-def _assert_formula(ours, expected):
-    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
 def lts_reference(ex, w, b, percentile):
@@ -36,15 +22,15 @@ def lts_reference(ex, w, b, percentile):
 
 @pytest.mark.parametrize("percentile", [95.0, 70.0])
 def test_lts_matches_pytorch_ood_and_the_float64_formula(problem, percentile):
-    _, ours = _ours(problem, "lts", percentile=percentile)
+    _, ours = fitted_scores(problem, "lts", percentile=percentile)
     linear = torch.nn.Linear(problem.weight.shape[1], len(problem.bias))
     with torch.no_grad():
         linear.weight.copy_(problem.weight)
         linear.bias.copy_(problem.bias)
         theirs = pood.LTS(None, linear, p=1 - percentile / 100).predict_features(problem.eval_x).double().numpy()
     assert_same_ranking(ours, theirs, n_id=len(problem.test_x))
-    _, ex, w, b = _float64(problem)
-    _assert_formula(ours, lts_reference(ex, w, b, percentile))
+    _, ex, w, b = float64_arrays(problem)
+    assert_formula(ours, lts_reference(ex, w, b, percentile))
 
 
 def test_lts_scale_factor_is_one_without_positive_activations_and_percentile_is_checked(problem):

@@ -12,12 +12,12 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from detector_checks import spearman
 from helpers import cuda
 from kernels import assert_kernel_close
 from pytorch_ood.detector import MCD as PoodMCD
 from pytorch_ood.detector import ODIN as PoodODIN
 from pytorch_ood.detector import GradNorm as PoodGradNorm
-from scipy.stats import spearmanr
 from tiny_cnn import TinyCNN, backbone_of, inputs
 from torch import nn
 from wide_cnn import WideCNN, labelled_images, wide_backbone_of
@@ -27,10 +27,6 @@ from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.detectors import create, detector_class
 from oodviz.engine import Cancelled, score_inputs
 from oodviz.models import wrap_model
-
-
-def spearman(a, b) -> float:
-    return spearmanr(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)).statistic
 
 
 def modes(model):

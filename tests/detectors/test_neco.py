@@ -4,26 +4,12 @@ from its paper's equations."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import assert_formula, fitted_scores, float64_arrays
 from sklearn.decomposition import PCA
 from sklearn.preprocessing import StandardScaler
 
 from oodviz import Batch
 from oodviz.detectors import create
-
-
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
-
-
-def _float64(problem):
-    """Fit features, eval features (ID test then OOD), head weight and bias, in numpy float64."""
-    as64 = lambda t: t.double().numpy()  # noqa: E731
-    return as64(problem.fit_x), as64(problem.eval_x), as64(problem.weight), as64(problem.bias)
-
-
-def _assert_formula(ours, expected):
-    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
 def neco_reference(fx, ex, dim):
@@ -38,23 +24,23 @@ def neco_reference(fx, ex, dim):
 
 @pytest.mark.parametrize("dim", [None, 2, 8])
 def test_neco_is_the_principal_share_of_the_standardised_feature(problem, dim):
-    det, ours = _ours(problem, "neco", dim=dim)
-    fx, ex, _, _ = _float64(problem)
+    det, ours = fitted_scores(problem, "neco", dim=dim)
+    fx, ex, _, _ = float64_arrays(problem)
     kept = fx.shape[1] // 2 if dim is None else dim
     expected = neco_reference(fx, ex, kept)
-    _assert_formula(ours, expected)
+    assert_formula(ours, expected)
     assert det.components_.shape == (fx.shape[1], kept)
     # the authors' pipeline (scikit-learn's StandardScaler, then PCA.transform, which centres on the PCA mean)
     scaler = StandardScaler().fit(fx)
     reduced = PCA(fx.shape[1]).fit(scaler.transform(fx)).transform(scaler.transform(ex))[:, :kept]
     authors = -np.linalg.norm(reduced, axis=1) / np.linalg.norm(scaler.transform(ex), axis=1)
-    _assert_formula(ours, authors)
+    assert_formula(ours, authors)
 
 
 def test_neco_times_the_max_logit_reads_the_batch_logits_or_the_head(problem):
-    _, ours = _ours(problem, "neco", dim=4, max_logit=True)
-    fx, ex, w, b = _float64(problem)
-    _assert_formula(ours, neco_reference(fx, ex, 4) * (ex @ w.T + b).max(1))
+    _, ours = fitted_scores(problem, "neco", dim=4, max_logit=True)
+    fx, ex, w, b = float64_arrays(problem)
+    assert_formula(ours, neco_reference(fx, ex, 4) * (ex @ w.T + b).max(1))
     det = create("neco", dim=4, max_logit=True).fit(problem.fit_batches(), head=problem.head)
     features_only = [Batch(features=batch.features) for batch in problem.batches(problem.eval_x)]
     np.testing.assert_allclose(det.score(features_only).numpy(), ours, rtol=1e-5, atol=1e-6)
@@ -75,7 +61,7 @@ def test_neco_survives_a_large_offset_and_a_constant_feature():
     fx, ex = fit.float().double().numpy(), ev.float().double().numpy()
     scaler = StandardScaler().fit(fx)
     reduced = PCA(10).fit(scaler.transform(fx)).transform(scaler.transform(ex))[:, :3]
-    _assert_formula(ours, -np.linalg.norm(reduced, axis=1) / np.linalg.norm(scaler.transform(ex), axis=1))
+    assert_formula(ours, -np.linalg.norm(reduced, axis=1) / np.linalg.norm(scaler.transform(ex), axis=1))
     assert det.deviations_[3] == 1.0
 
 

@@ -4,16 +4,12 @@ its bank on disk, and bad input."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import fitted_scores
 from helpers import assert_same_ranking
 from pytorch_ood import detector as pood
 from scipy.special import logsumexp
 
 from oodviz.detectors import create
-
-
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
 
 
 def _nnguide_reference(problem, k):
@@ -28,7 +24,7 @@ def _nnguide_reference(problem, k):
 
 @pytest.mark.parametrize("k", [1, 10, 37])
 def test_nnguide_matches_pytorch_ood_and_the_float64_formula(problem, k):
-    det, ours = _ours(problem, "nnguide", k=k)
+    det, ours = fitted_scores(problem, "nnguide", k=k)
     with torch.no_grad():
         theirs = pood.NNGuide(None, problem.logits, k=k).fit_features(problem.fit_x, problem.fit_y)
         theirs = theirs.predict_features(problem.eval_x).double().numpy()

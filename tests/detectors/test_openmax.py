@@ -4,17 +4,13 @@ its bounded state, and bad input."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import fitted_scores
 from helpers import assert_same_ranking, make_problem
 from pytorch_ood import detector as pood
 from scipy.special import logsumexp
 
 from oodviz import Batch
 from oodviz.detectors import create
-
-
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
 
 
 def _openmax_reference(logits, labels, query, tailsize, alpha, euclid_weight, fitted):
@@ -63,7 +59,7 @@ OPENMAX_CASES = [
 
 @pytest.mark.parametrize("params", OPENMAX_CASES, ids=lambda p: "-".join(map(str, p.values())))
 def test_openmax_matches_pytorch_ood_and_the_float64_formula(problem, params):
-    det, ours = _ours(problem, "openmax", **params)
+    det, ours = fitted_scores(problem, "openmax", **params)
     fit_logits, query = problem.logits(problem.fit_x), problem.logits(problem.eval_x)
     # pytorch-ood translates the tail in the logits' dtype: on float32 logits, d + 10000 - min is rounded
     # to float32's step of ~0.001 at 10000, which moves its Weibull shapes by ~0.1% (and AUROC by ~4e-5

@@ -4,26 +4,12 @@ against pytorch-ood 0.4 on the same inputs."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import assert_formula, fitted_scores, float64_arrays
 from helpers import assert_same_ranking
 from pytorch_ood import detector as pood
 from scipy.special import softmax
 
 from oodviz.detectors import create
-
-
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
-
-
-def _float64(problem):
-    """Fit features, eval features (ID test then OOD), head weight and bias, in numpy float64."""
-    as64 = lambda t: t.double().numpy()  # noqa: E731
-    return as64(problem.fit_x), as64(problem.eval_x), as64(problem.weight), as64(problem.bias)
-
-
-def _assert_formula(ours, expected):
-    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
 def pnml_reference(fx, ex, w, b):
@@ -47,9 +33,9 @@ def pood_pnml(problem, fit_x):
 
 
 def test_pnml_matches_pytorch_ood_and_the_float64_formula(problem):
-    _, ours = _ours(problem, "pnml")
+    _, ours = fitted_scores(problem, "pnml")
     assert_same_ranking(ours, pood_pnml(problem, problem.fit_x), n_id=len(problem.test_x))
-    _assert_formula(ours, pnml_reference(*_float64(problem)))
+    assert_formula(ours, pnml_reference(*float64_arrays(problem)))
 
 
 def test_pnml_with_fewer_samples_than_features_uses_the_pseudo_inverse(problem):
@@ -58,8 +44,8 @@ def test_pnml_with_fewer_samples_than_features_uses_the_pseudo_inverse(problem):
     det = create("pnml").fit(problem.batches(fit_x, problem.fit_y[:8]), head=problem.head)
     ours = det.score(problem.batches(problem.eval_x)).double().numpy()
     assert det.gram_inverse_sqrt_.shape == (12, 8)
-    fx, ex, w, b = _float64(problem)
-    _assert_formula(ours, pnml_reference(fx[:8], ex, w, b))
+    fx, ex, w, b = float64_arrays(problem)
+    assert_formula(ours, pnml_reference(fx[:8], ex, w, b))
 
 
 def test_pnml_saturated_probabilities_give_finite_scores(problem):

@@ -5,23 +5,13 @@ import copy
 import numpy as np
 import pytest
 import torch
+from detector_checks import auroc, spearman
 from pytorch_ood.detector import RankFeat as PoodRankFeat
-from scipy.stats import spearmanr
 from torch import nn
 from wide_cnn import WideCNN, images
 
 from oodviz import Batch
 from oodviz.detectors import create
-from oodviz.results.metrics import ood_metrics
-
-
-def spearman(a, b) -> float:
-    return spearmanr(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)).statistic
-
-
-def auroc(scores, n_id) -> float:
-    scores = torch.as_tensor(np.asarray(scores, dtype=np.float64))
-    return ood_metrics(scores[:n_id], scores[n_id:])["auroc"]
 
 
 @pytest.mark.parametrize("layer", [None, "body", "body.2"])

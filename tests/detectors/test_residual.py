@@ -4,40 +4,26 @@ from its paper's equations."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import assert_formula, fitted_scores, float64_arrays
 
 from oodviz.detectors import create
 
 
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
-
-
-def _float64(problem):
-    """Fit features, eval features (ID test then OOD), head weight and bias, in numpy float64."""
-    as64 = lambda t: t.double().numpy()  # noqa: E731
-    return as64(problem.fit_x), as64(problem.eval_x), as64(problem.weight), as64(problem.bias)
-
-
-def _assert_formula(ours, expected):
-    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
-
-
 @pytest.mark.parametrize("dim", [None, 3, 9])
 def test_residual_is_the_norm_outside_the_principal_subspace_about_the_head_origin(problem, dim):
-    det, ours = _ours(problem, "residual", dim=dim)
-    fx, ex, w, b = _float64(problem)
+    det, ours = fitted_scores(problem, "residual", dim=dim)
+    fx, ex, w, b = float64_arrays(problem)
     u = -np.linalg.pinv(w) @ b  # ViM's origin, where every logit is 0
     eigenvalues, eigenvectors = np.linalg.eigh((fx - u).T @ (fx - u) / len(fx))
     kept = fx.shape[1] // 2 if dim is None else dim
     residual_space = eigenvectors[:, np.argsort(eigenvalues)[: fx.shape[1] - kept]]
-    _assert_formula(ours, np.linalg.norm((ex - u) @ residual_space, axis=1))
+    assert_formula(ours, np.linalg.norm((ex - u) @ residual_space, axis=1))
     assert det.residual_space_.shape == (fx.shape[1], fx.shape[1] - kept)
 
 
 def test_residual_is_vims_virtual_logit_over_alpha(problem):
     """The same fit as vim's first pass: vim's score plus its energy, divided by its alpha, is residual's score."""
-    _, ours = _ours(problem, "residual", dim=4)
+    _, ours = fitted_scores(problem, "residual", dim=4)
     vim = create("vim", dim=4).fit(problem.fit_batches(97), head=problem.head)
     logits = problem.logits(problem.eval_x)
     virtual_logit = (vim.score(problem.batches(problem.eval_x)) + torch.logsumexp(logits, dim=1)) / vim.alpha_

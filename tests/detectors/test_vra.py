@@ -4,6 +4,7 @@ its streaming statistics, and bad input."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import fitted_scores
 from helpers import Problem, assert_same_ranking, make_problem
 from pytorch_ood import detector as pood
 from scipy.special import logsumexp
@@ -23,11 +24,6 @@ def relu_problem(problem):
     return _relu(problem)
 
 
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
-
-
 def _energy(x, w, b):
     return -logsumexp(x @ w.T + b, axis=1)
 
@@ -39,7 +35,7 @@ VRA_CASES = [((1, 99), "raw"), ((10, 90), "raw"), ((25, 75), "relu"), ((5, 95), 
 def test_vra_matches_pytorch_ood_and_the_float64_formula(problem, relu_problem, percentiles, kind):
     p = relu_problem if kind == "relu" else problem
     lower, upper = percentiles
-    det, ours = _ours(p, "vra", lower_percentile=lower, upper_percentile=upper)
+    det, ours = fitted_scores(p, "vra", lower_percentile=lower, upper_percentile=upper)
     with torch.no_grad():
         theirs = pood.VRA(None, p.logits, lower_percentile=lower / 100, upper_percentile=upper / 100)
         theirs = theirs.fit_feature_maps(p.fit_x, p.fit_y).predict_feature_maps(p.eval_x).double().numpy()

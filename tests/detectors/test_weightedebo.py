@@ -4,20 +4,12 @@ against pytorch-ood 0.4 on the same inputs."""
 import numpy as np
 import pytest
 import torch
+from detector_checks import assert_formula, fitted_scores
 from helpers import assert_same_ranking
 from pytorch_ood import detector as pood
 
 from oodviz import Batch
 from oodviz.detectors import create
-
-
-def _ours(problem, name, size=97, **params):
-    det = create(name, **params).fit(problem.fit_batches(size), head=problem.head)
-    return det, det.score(problem.batches(problem.eval_x)).double().numpy()
-
-
-def _assert_formula(ours, expected):
-    np.testing.assert_allclose(ours, expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
 def class_weights(n_classes, seed=2):
@@ -29,12 +21,12 @@ def class_weights(n_classes, seed=2):
 
 def test_weightedebo_matches_pytorch_ood_and_the_float64_formula(problem):
     weights = class_weights(len(problem.bias))
-    _, ours = _ours(problem, "weightedebo", weights=weights.tolist())
+    _, ours = fitted_scores(problem, "weightedebo", weights=weights.tolist())
     logits = problem.logits(problem.eval_x)
     theirs = pood.WeightedEBO(None, weights.view(1, -1)).predict_logits(logits).double().numpy()
     assert_same_ranking(ours, theirs, n_id=len(problem.test_x))
     z = logits.double().numpy()
-    _assert_formula(ours, -np.log((np.maximum(weights.double().numpy(), 0) * np.exp(z)).sum(1)))
+    assert_formula(ours, -np.log((np.maximum(weights.double().numpy(), 0) * np.exp(z)).sum(1)))
 
 
 def test_weightedebo_without_weights_is_the_energy_and_large_logits_do_not_overflow(problem):

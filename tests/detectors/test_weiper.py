@@ -3,20 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from detector_checks import auroc, spearman
 from scipy.special import softmax
-from scipy.stats import spearmanr
 
 from oodviz.detectors import create
-from oodviz.results.metrics import ood_metrics
-
-
-def spearman(a, b) -> float:
-    return spearmanr(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)).statistic
-
-
-def auroc(scores, n_id) -> float:
-    scores = torch.as_tensor(np.asarray(scores, dtype=np.float64))
-    return ood_metrics(scores[:n_id], scores[n_id:])["auroc"]
 
 
 def openood_weiper_kld(problem, n_repeats, delta, n_bins, s1, s2, lambda_1, lambda_2, seed):
