@@ -18,50 +18,57 @@ from typing import TYPE_CHECKING
 from oodviz.lazy import lazy_attributes
 
 if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is imported on first use
-    from oodviz.detectors.adascale import AdaSCALE
-    from oodviz.detectors.ash import ASH
-    from oodviz.detectors.base import Detector, FitData, ModelDetector, NotFittedError
-    from oodviz.detectors.cadref import CADRef
-    from oodviz.detectors.caref import CARef
-    from oodviz.detectors.cfood import CFOOD
-    from oodviz.detectors.combood import CombOOD
-    from oodviz.detectors.dice import DICE
-    from oodviz.detectors.energy import Energy
-    from oodviz.detectors.entropy import Entropy
-    from oodviz.detectors.fdbd import FDBD
-    from oodviz.detectors.gen import GEN
-    from oodviz.detectors.gmm import GMM
-    from oodviz.detectors.gradnorm import GradNorm
-    from oodviz.detectors.gram import Gram
-    from oodviz.detectors.grood import GROOD
-    from oodviz.detectors.klm import KLMatching
-    from oodviz.detectors.knn import KNN
-    from oodviz.detectors.lts import LTS
-    from oodviz.detectors.mahalanobis import Mahalanobis
-    from oodviz.detectors.maxlogit import MaxLogit
-    from oodviz.detectors.mcd import MCD
-    from oodviz.detectors.msp import MaxSoftmax
-    from oodviz.detectors.nci import NCI
-    from oodviz.detectors.neco import NECO
-    from oodviz.detectors.nnguide import NNGuide
-    from oodviz.detectors.odin import ODIN
-    from oodviz.detectors.openmax import OpenMax
-    from oodviz.detectors.persist import DetectorFileError
-    from oodviz.detectors.pnml import PNML
-    from oodviz.detectors.rankfeat import RankFeat
-    from oodviz.detectors.react import ReAct
-    from oodviz.detectors.registry import available, create, describe, detector_class, load
-    from oodviz.detectors.relation import Relation
-    from oodviz.detectors.residual import Residual
-    from oodviz.detectors.rmd import RelativeMahalanobis
-    from oodviz.detectors.scale import SCALE
-    from oodviz.detectors.she import SHE
-    from oodviz.detectors.teaching import Teaching
-    from oodviz.detectors.tempscale import TemperatureScaling
-    from oodviz.detectors.vim import ViM
-    from oodviz.detectors.vra import VRA
-    from oodviz.detectors.weightedebo import WeightedEBO
-    from oodviz.detectors.weiper import WeiPer
+    from oodviz.detectors.adascale import AdaSCALE as AdaSCALE
+    from oodviz.detectors.ash import ASH as ASH
+    from oodviz.detectors.base import Detector as Detector
+    from oodviz.detectors.base import FitData as FitData
+    from oodviz.detectors.base import ModelDetector as ModelDetector
+    from oodviz.detectors.base import NotFittedError as NotFittedError
+    from oodviz.detectors.cadref import CADRef as CADRef
+    from oodviz.detectors.caref import CARef as CARef
+    from oodviz.detectors.cfood import CFOOD as CFOOD
+    from oodviz.detectors.combood import CombOOD as CombOOD
+    from oodviz.detectors.dice import DICE as DICE
+    from oodviz.detectors.energy import Energy as Energy
+    from oodviz.detectors.entropy import Entropy as Entropy
+    from oodviz.detectors.fdbd import FDBD as FDBD
+    from oodviz.detectors.gen import GEN as GEN
+    from oodviz.detectors.gmm import GMM as GMM
+    from oodviz.detectors.gradnorm import GradNorm as GradNorm
+    from oodviz.detectors.gram import Gram as Gram
+    from oodviz.detectors.grood import GROOD as GROOD
+    from oodviz.detectors.klm import KLMatching as KLMatching
+    from oodviz.detectors.knn import KNN as KNN
+    from oodviz.detectors.lts import LTS as LTS
+    from oodviz.detectors.mahalanobis import Mahalanobis as Mahalanobis
+    from oodviz.detectors.maxlogit import MaxLogit as MaxLogit
+    from oodviz.detectors.mcd import MCD as MCD
+    from oodviz.detectors.msp import MaxSoftmax as MaxSoftmax
+    from oodviz.detectors.nci import NCI as NCI
+    from oodviz.detectors.neco import NECO as NECO
+    from oodviz.detectors.nnguide import NNGuide as NNGuide
+    from oodviz.detectors.odin import ODIN as ODIN
+    from oodviz.detectors.openmax import OpenMax as OpenMax
+    from oodviz.detectors.persist import DetectorFileError as DetectorFileError
+    from oodviz.detectors.pnml import PNML as PNML
+    from oodviz.detectors.rankfeat import RankFeat as RankFeat
+    from oodviz.detectors.react import ReAct as ReAct
+    from oodviz.detectors.registry import available as available
+    from oodviz.detectors.registry import create as create
+    from oodviz.detectors.registry import describe as describe
+    from oodviz.detectors.registry import detector_class as detector_class
+    from oodviz.detectors.registry import load as load
+    from oodviz.detectors.relation import Relation as Relation
+    from oodviz.detectors.residual import Residual as Residual
+    from oodviz.detectors.rmd import RelativeMahalanobis as RelativeMahalanobis
+    from oodviz.detectors.scale import SCALE as SCALE
+    from oodviz.detectors.she import SHE as SHE
+    from oodviz.detectors.teaching import Teaching as Teaching
+    from oodviz.detectors.tempscale import TemperatureScaling as TemperatureScaling
+    from oodviz.detectors.vim import ViM as ViM
+    from oodviz.detectors.vra import VRA as VRA
+    from oodviz.detectors.weightedebo import WeightedEBO as WeightedEBO
+    from oodviz.detectors.weiper import WeiPer as WeiPer
 
 #: Each public name and the submodule that defines it. The package imports a submodule when one of its names is
 #: first used, so that torch-free layers (the run config, the app's pages) can import this package and ask it for
@@ -115,56 +122,4 @@ _SOURCES = {
 __getattr__ = lazy_attributes(__name__, _SOURCES, globals())
 
 
-__all__ = [
-    "ASH",
-    "AdaSCALE",
-    "CADRef",
-    "CARef",
-    "CFOOD",
-    "CombOOD",
-    "DICE",
-    "Detector",
-    "DetectorFileError",
-    "Energy",
-    "Entropy",
-    "FDBD",
-    "FitData",
-    "GEN",
-    "GMM",
-    "GROOD",
-    "GradNorm",
-    "Gram",
-    "KLMatching",
-    "KNN",
-    "LTS",
-    "MCD",
-    "Mahalanobis",
-    "MaxLogit",
-    "MaxSoftmax",
-    "ModelDetector",
-    "NCI",
-    "NECO",
-    "NNGuide",
-    "NotFittedError",
-    "ODIN",
-    "OpenMax",
-    "PNML",
-    "RankFeat",
-    "ReAct",
-    "Relation",
-    "RelativeMahalanobis",
-    "Residual",
-    "SCALE",
-    "SHE",
-    "Teaching",
-    "TemperatureScaling",
-    "VRA",
-    "ViM",
-    "WeiPer",
-    "WeightedEBO",
-    "available",
-    "create",
-    "describe",
-    "detector_class",
-    "load",
-]
+__all__ = sorted(name for names in _SOURCES.values() for name in names)
