@@ -52,17 +52,9 @@ class Problem(str):
 
 
 def problems_at(field: str, messages) -> list[Problem]:
-    """``messages`` (each already saying where, e.g. a parameter check's ``"ood[0]: n must be ..."``) about ``field``:
-    a message that is a :class:`Problem` keeps the field it has when that is more precise (``field`` a prefix of it)."""
-    found = []
-    for message in messages:
-        inner = getattr(message, "field", "")
-        found.append(
-            Problem(
-                str(message), inner if inner.startswith(field) and inner else field, getattr(message, "detail", None)
-            )
-        )
-    return found
+    """``messages`` (each already saying where, e.g. a parameter check's ``"ood[0]: n must be ..."``) as problems
+    about ``field``."""
+    return [Problem(message, field) for message in messages]
 
 
 def detector_problem(message: str, named: str, where: str, name: str) -> Problem:
