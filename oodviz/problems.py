@@ -47,9 +47,6 @@ class Problem(str):
         """``"<where>: <detail>"`` about field ``where`` (``where`` empty: ``detail`` alone, about the config)."""
         return cls(f"{where}: {detail}" if where else detail, where, detail)
 
-    def __reduce__(self):  # pickled (Streamlit's cache) with its field
-        return (Problem, (str(self), self.field, self.detail))
-
 
 def problems_at(field: str, messages) -> list[Problem]:
     """``messages`` (each already saying where, e.g. a parameter check's ``"ood[0]: n must be ..."``) as problems
