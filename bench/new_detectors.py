@@ -1,7 +1,8 @@
 """Fit memory, fit time and scoring rate of the issue-17 detectors: oodviz against pytorch-ood 0.4.
 
 The feature/logit-based detectors added by issue 17: vra, gmm, openmax, nnguide, weiper (variant
-kld), and mahalanobis and rmd with ``normalize=True`` (MDS++). Same data and measurement as
+kld), and mahalanobis and rmd with ``normalize=True`` (MDS++); and issue 29's detectors over an ID bank on disk
+(relation, cfood, grood, combood: oodviz only). Same data and measurement as
 ``bench/detectors.py`` (bench/harness.py: seeded class-structured features written once, each
 measurement in a fresh Python process that loads them into RAM; peak RSS growth and wall time of
 construct + fit), then the scoring rate (samples/s) of the fitted detector in the same process.
@@ -41,8 +42,13 @@ DETECTORS = {
     "weiper (kld)": ("weiper", {"variant": "kld"}),
     "mahalanobis normalize": ("mahalanobis", {"normalize": True}),
     "rmd normalize": ("rmd", {"normalize": True}),
+    # issue 29's bank detectors (OpenOOD postprocessors; pytorch-ood 0.4 has none of them)
+    "relation": ("relation", {}),
+    "cfood": ("cfood", {}),
+    "grood": ("grood", {}),
+    "combood": ("combood", {}),
 }
-NOT_IN_PYTORCH_OOD = ("weiper (kld)",)
+NOT_IN_PYTORCH_OOD = ("weiper (kld)", "relation", "cfood", "grood", "combood")
 PYTORCH_OOD_SCORED = {"openmax": 500}  # samples pytorch-ood scores; others: --n-score-pytorch-ood
 TIMEOUT_S = 900
 
