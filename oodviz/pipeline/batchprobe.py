@@ -34,6 +34,11 @@ the pass's fixed part once per ``n`` rows, again on the safe side). A model whos
 over a quarter of :data:`PROBE_SECONDS` (ViT-B on a CPU) is measured by that pass alone: ``per_row = first``,
 ``fixed = 0``, an upper bound (its fixed part counted once per row) at the cost of one row.
 
+The figure is the batch's peak over this process's heap, and a heap with another history measures differently:
+a fresh process scoring the same ODIN batch after a one-row forward took 1.1-1.2 times the probe's figure on one
+machine and 1.45 times on another (``tests/pipeline/test_batchprobe.py``). Batches are sized to
+``MEMORY_FRACTION`` (a half) of the available memory, which covers that.
+
 Every pass runs under the autocast of the run's ``precision`` (:func:`oodviz.engine.batched.autocast_for`), as
 the run's passes do: a bf16 run is measured in bf16.
 

@@ -127,7 +127,11 @@ def test_the_probe_figure_for_odin_matches_a_direct_peak_rss_measurement(tmp_pat
     assert direct["peak"] > direct["peak_before"]  # the batch set the process's peak: the difference is its own
     measured = direct["peak"] - direct["rss_before"]
     assert measured > 50 * MiB  # autograd over 256 inputs: far above the allocator's noise
-    assert odin.bytes_at(BATCH) == pytest.approx(measured, rel=0.3)  # the direct figure varies by ~15% run to run
+    # Two heaps with different histories: the probe's process has run the extraction's and ODIN's smaller passes,
+    # the direct one only a one-row forward. Probe / direct seen: 0.83-0.93 on the development machine (direct
+    # 123-138 MiB over seven runs), 0.68-0.69 in CI (113 vs 163, 111 vs 163 MiB), the same code and packages. A
+    # probe that measured a forward without autograd (the extraction's 64 MiB) or missed the per-row scale would not.
+    assert 0.6 * measured <= odin.bytes_at(BATCH) <= 1.3 * measured
     assert odin.per_row_bytes > peaks["extraction"].per_row_bytes  # activations and gradients kept vs streamed
 
 
