@@ -39,9 +39,6 @@ RUN_EXIT_CODES = """exit status:
 
 
 def cmd_run(args) -> int:
-    from oodviz.pipeline.reporter import TerminalProgress
-    from oodviz.pipeline.worker import cancel_on_signals, execute
-
     try:
         if args.preset:
             config = preset(args.preset)
@@ -53,31 +50,60 @@ def cmd_run(args) -> int:
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
-    report = preflight_report(config, Path(args.out).parent if args.out else Path(args.runs_root), args.force)
+    code, run = run_in_foreground(config, args)
+    if run is None or code != 0:
+        return code
+    from oodviz.results.tables import group_means, read_result_table
+
+    table = group_means(read_result_table(run.path, "metrics.csv"), values=("auroc", "fpr95"))
+    print("\nMean AUROC / FPR95 per near/far group (OOD is positive; FPR95 = ID flagged at 95% OOD recall):")
+    print(table.round(3).to_string())
+    print(f"\nFull table: {run.path / 'metrics.csv'}")
+    return failed_detectors_code(run)
+
+
+def failed_detectors_code(run: RunDir) -> int:
+    """0, or :data:`EXIT_DONE_WITH_FAILURES` (the failed detectors printed) for a done run where some failed."""
+    failed = run.read_status().get("failed_detectors") or []
+    if not failed:
+        return 0
+    print(f"\n{len(failed)} detector(s) failed: {', '.join(failed)} (errors in {run.path / 'detectors.json'})")
+    return EXIT_DONE_WITH_FAILURES
+
+
+def run_in_foreground(config: RunConfig, args, out: str | None = None) -> tuple[int, RunDir | None]:
+    """Run the valid ``config`` in this process, or over torchrun (``args``: ``runs_root``, ``force``, the
+    distributed options; ``out``, else ``args.out``: the run directory to create): its pre-flight, then its run
+    directory, then the run. ``(exit status, run directory)``: ``(0, run)`` when it is done (failed detectors or
+    not), else the status of :data:`RUN_EXIT_CODES` and the run directory, ``None`` when nothing was started."""
+    from oodviz.pipeline.reporter import TerminalProgress
+    from oodviz.pipeline.worker import cancel_on_signals, execute
+
+    out = out if out is not None else args.out
+    report = preflight_report(config, Path(out).parent if out else Path(args.runs_root), args.force)
     if report is False:
-        return 2
+        return 2, None
     if args.nproc_per_node > 1 or args.nnodes > 1:
         try:
             torchrun_argv(Path("."), args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
         except ValueError as error:
             print(error, file=sys.stderr)
-            return 2
-    if args.node_rank > 0 and not args.out:
+            return 2, None
+    if args.node_rank > 0 and not out:
         print(
             "a node other than 0 needs --out: the run directory node 0 creates, on a shared filesystem", file=sys.stderr
         )
-        return 2
+        return 2, None
     try:
         if args.node_rank > 0:
-            run = wait_for_run_dir(Path(args.out))
-        elif args.out:
-            out = Path(args.out)
-            run = RunDir.create(out.parent, config.to_dict(), name=out.name)
+            run = wait_for_run_dir(Path(out))
+        elif out:
+            run = RunDir.create(Path(out).parent, config.to_dict(), name=Path(out).name)
         else:
             run = RunDir.create(Path(args.runs_root), config.to_dict())
     except (FileExistsError, TimeoutError) as error:
         print(error, file=sys.stderr)
-        return 2
+        return 2, None
     print(
         f"run {run.path} (in the foreground, alongside queued app runs: it does not wait in their queue)",
         file=sys.stderr,
@@ -100,24 +126,12 @@ def cmd_run(args) -> int:
                 "(the feature stores finished so far are kept: running it again reuses them)",
                 file=sys.stderr,
             )
-            return 128 + received[0]
+            return 128 + received[0], run
     status = run.read_status()
     print(f"{state} in {time.monotonic() - started:.1f}s: {run.path}", file=sys.stderr)
     if state == "failed":
         print(f"error: {status.get('error')}", file=sys.stderr)
-    if state != "done":
-        return EXIT_CODES.get(state, 1)
-    from oodviz.results.tables import group_means, read_result_table
-
-    table = group_means(read_result_table(run.path, "metrics.csv"), values=("auroc", "fpr95"))
-    print("\nMean AUROC / FPR95 per near/far group (OOD is positive; FPR95 = ID flagged at 95% OOD recall):")
-    print(table.round(3).to_string())
-    print(f"\nFull table: {run.path / 'metrics.csv'}")
-    failed = status.get("failed_detectors") or []
-    if failed:
-        print(f"\n{len(failed)} detector(s) failed: {', '.join(failed)} (errors in {run.path / 'detectors.json'})")
-        return EXIT_DONE_WITH_FAILURES
-    return 0
+    return (0 if state == "done" else EXIT_CODES.get(state, 1)), run
 
 
 def preflight_report(config, runs_root: Path, force: bool):
