@@ -55,10 +55,13 @@ def run_headline(config: RunConfig, paths: bool = True) -> str:
     """One line saying what a run runs: backbone (and layer), ID set, OOD sets (an image folder by its path, or
     without ``paths`` by its last name only: the app shows no server path to others), detector count."""
     layer = f" ({config.layer or ', '.join(config.layers)})" if config.layer or config.layers else ""
-    ood = ", ".join(_folder_shown(choice, paths) if choice.name == "folder" else choice.name for choice in config.ood)
+    ood = ", ".join(
+        _folder_shown(choice, paths) if choice.name == "folder" and not choice.title else choice.result_name
+        for choice in config.ood
+    )
     detectors = len(config.detectors)
     return (
-        f"{config.backbone}{layer} · ID {config.id_test.name} · OOD {ood} · "
+        f"{config.backbone}{layer} · ID {config.id_test.result_name} · OOD {ood} · "
         f"{detectors} detector{'s' if detectors != 1 else ''}"
     )
 

@@ -40,7 +40,7 @@ DEFAULT_OOD = (
 
 @dataclass
 class DatasetChoice:
-    """A dataset from ``oodviz.data`` with its parameters, optional subsample and (OOD) near/far group.
+    """A dataset from ``oodviz.data`` with its parameters, optional subsample, (OOD) near/far group and title.
 
     ``subsample``: at most this many images (``None`` = all), taken by ``subsample_mode`` with the run's seed
     (:func:`oodviz.sampling.subsample_indices`): ``"stratified"`` (the default: each class its share, drawn
@@ -52,6 +52,15 @@ class DatasetChoice:
     subsample: int | None = None
     subsample_mode: str = "stratified"
     group: str | None = None  # None = the group the dataset registers
+    #: the name the run's results give an OOD set (None: the dataset's ``name``); two OOD sets of one dataset (two
+    #: image folders, two OpenOOD lists) each need one
+    title: str | None = None
+
+    @property
+    def result_name(self) -> str:
+        """The name the run's results (``scores.parquet``'s ``dataset``, ``metrics.csv``'s ``ood_dataset``, the
+        ``ood:<name>`` split) give this set: ``title``, else the dataset's ``name``."""
+        return self.title or self.name
 
 
 @dataclass
@@ -192,9 +201,10 @@ class RunConfig:
         if "ood" not in wrong:
             if not self.ood:
                 found.append(Problem("choose at least one OOD dataset", "ood"))
-            ood_names = [d.name for d in self.ood if isinstance(d, DatasetChoice) and isinstance(d.name, str)]
-            for name in sorted({n for n in ood_names if ood_names.count(n) > 1}):
-                found.append(Problem(f"OOD dataset {name!r} is listed twice", "ood"))
+            ood_names = [d.result_name for d in self.ood if isinstance(d, DatasetChoice) and isinstance(d.name, str)]
+            for name in sorted({n for n in ood_names if isinstance(n, str) and ood_names.count(n) > 1}, key=str):
+                message = f"OOD dataset {name!r} is listed twice: give each of its entries its own title (the name its results take)"
+                found.append(Problem(message, "ood"))
         if "detectors" not in wrong:
             if not self.detectors:
                 found.append(Problem("choose at least one detector", "detectors"))
@@ -334,7 +344,14 @@ _FIELD_TYPES = {
     "memory_budget_gb": float | None,
     "model_args": dict,
 }
-_DATASET_TYPES = {"name": str, "params": dict, "subsample": int | None, "subsample_mode": str, "group": str | None}
+_DATASET_TYPES = {
+    "name": str,
+    "params": dict,
+    "subsample": int | None,
+    "subsample_mode": str,
+    "group": str | None,
+    "title": str | None,
+}
 _DETECTOR_TYPES = {"name": str, "params": dict}
 
 

@@ -57,7 +57,7 @@ def empty_classes_warning(split: str, sampling: Sampling) -> str | None:
 def run_splits(config: RunConfig) -> list[tuple[str, DatasetChoice, bool]]:
     """``(split, dataset choice, loaded as OOD)`` of every split ``config`` extracts: id_fit, id_test, ood:NAME,
     and id_val, ood_val when it tunes (:mod:`oodviz.pipeline.tuning`)."""
-    ood = [(f"ood:{choice.name}", choice, True) for choice in config.ood]
+    ood = [(f"ood:{choice.result_name}", choice, True) for choice in config.ood]
     return [("id_fit", config.id_fit, False), ("id_test", config.id_test, False), *ood, *validation_splits(config)]
 
 

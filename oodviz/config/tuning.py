@@ -65,7 +65,7 @@ def validation_warnings(config: RunConfig) -> list[str]:
     for choice in config.ood:  # named as the results name an OOD set (OOD names are unique in a config)
         if _same_data(choice, config.ood_val):
             found.append(
-                f"the OOD validation set {choice.name} is also the OOD test set {choice.name} (same dataset and "
+                f"the OOD validation set {config.ood_val.result_name} is also the OOD test set {choice.result_name} (same dataset and "
                 "parameters): its parameters were chosen on the data they are tested on, so its test metrics are "
                 "optimistic; choose an OOD validation set that is not a test set (another dataset, or other params "
                 "such as a seed)"

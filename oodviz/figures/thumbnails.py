@@ -34,11 +34,15 @@ def _config_dict(results_or_config) -> dict:
 
 def _choice_for(config: dict, split: str, dataset: str) -> tuple[dict | None, bool]:
     """The dataset entry of the run config for a scores row and whether it was loaded as OOD."""
+
+    def result_name(choice: dict) -> str | None:  # as DatasetChoice.result_name
+        return choice.get("title") or choice.get("name")
+
     if split == ID_SPLIT:
         choice = config.get("id_test")
-        return (choice if choice and choice.get("name") == dataset else None), False
+        return (choice if choice and result_name(choice) == dataset else None), False
     for choice in config.get("ood", []) or []:
-        if choice.get("name") == dataset:
+        if result_name(choice) == dataset:
             return choice, True
     return None, True
 

@@ -129,8 +129,8 @@ class Job:
     @property
     def scored_splits(self) -> list[tuple[str, str, str]]:
         """``(split, scores.parquet split, dataset name)`` of every split the run scores."""
-        ood = [(f"ood:{choice.name}", OOD_SPLIT, choice.name) for choice in self.config.ood]
-        return [("id_test", ID_SPLIT, self.config.id_test.name), *ood]
+        ood = [(f"ood:{choice.result_name}", OOD_SPLIT, choice.result_name) for choice in self.config.ood]
+        return [("id_test", ID_SPLIT, self.config.id_test.result_name), *ood]
 
     def model_pass_options(self, stage: Stage) -> dict:
         """Keyword arguments of a batched pass through the model (extraction, model-based scoring):

@@ -188,7 +188,7 @@ def extract_splits(job: Job, open_split=None) -> None:
                 job.reporter.warn(f"{split}: {store.meta['skipped']} unreadable image(s) skipped")
     job.meta["splits"] = {
         split: {
-            "dataset": choice.name,
+            "dataset": choice.result_name,
             "group": split_group(choice) if as_ood else None,
             "n": job.stores[split].n,
             "store": job.stores[split].key,
@@ -302,7 +302,7 @@ def write_metrics(job: Job) -> None:
     """``metrics.csv`` and ``per_class.csv`` from the scores (:mod:`oodviz.results.tables`). Reads ``scores``,
     ``backbone`` (class names); writes the two files."""
     with job.reporter.stage("metrics"):
-        groups = {choice.name: split_group(choice) for choice in job.config.ood}
+        groups = {choice.result_name: split_group(choice) for choice in job.config.ood}
         backbone = job.backbone
         class_names = backbone.classes or [str(k) for k in range(backbone.num_classes)]
         write_table(job.run.path / "metrics.csv", metrics_table(job.scores, groups))

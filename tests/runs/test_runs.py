@@ -205,6 +205,41 @@ def two_jobs(tmp_path_factory) -> tuple[RunDir, RunDir]:
     return first, second
 
 
+def test_two_ood_sets_of_one_dataset_run_under_their_titles_each_with_its_group_and_images(tmp_path):
+    from oodviz.figures.thumbnails import thumbnails
+    from oodviz.results.tables import load_results
+
+    near_set = DatasetChoice("noise-uniform", {"n": 60, "noise_seed": 1}, group="near", title="uniform A")
+    other = DatasetChoice("noise-uniform", {"n": 40, "noise_seed": 2}, title="uniform B")
+    untitled = [DatasetChoice("noise-uniform", {"n": 60, "noise_seed": 1}), DatasetChoice("noise-uniform", {"n": 40})]
+    config = small_config(device="cpu", ood=untitled)
+    assert config.problems() == [
+        "OOD dataset 'noise-uniform' is listed twice: give each of its entries its own title (the name its results take)"
+    ]
+    config.ood = [near_set, other]
+    run = run_here(config, tmp_path)
+    assert run.read_status()["state"] == "done"
+    results = load_results(run.path)
+    metrics = results.metrics
+    rows = metrics[metrics.detector == "msp"].set_index("ood_dataset")
+    assert rows.loc["uniform A", "group"] == "near" and rows.loc["uniform B", "group"] == "far"
+    scores = results.scores
+    counts = scores[scores.split == "ood"].groupby("dataset").size().to_dict()
+    assert counts == {"uniform A": 60, "uniform B": 40}
+    ood_a = scores[(scores.split == "ood") & (scores.dataset == "uniform A")]
+    ood_b = scores[(scores.split == "ood") & (scores.dataset == "uniform B")]
+    id_rows = scores[scores.split == "id_test"]
+    assert rows.loc["uniform A", "auroc"] == pytest.approx(roc_auc_score(
+        np.r_[np.zeros(len(id_rows)), np.ones(len(ood_a))], np.r_[id_rows.msp, ood_a.msp]))  # fmt: skip
+    assert rows.loc["uniform B", "auroc"] == pytest.approx(roc_auc_score(
+        np.r_[np.zeros(len(id_rows)), np.ones(len(ood_b))], np.r_[id_rows.msp, ood_b.msp]))  # fmt: skip
+    # the images behind a row are its own set's: the two seeds give different noise
+    first_a, first_b = (thumbnails(results, rows.head(1), size=16)[0] for rows in (ood_a, ood_b))
+    assert np.asarray(first_a).tobytes() != np.asarray(first_b).tobytes()
+    meta = json.loads((run.path / "meta.json").read_text())
+    assert {meta["splits"][f"ood:uniform {x}"]["dataset"] for x in "AB"} == {"uniform A", "uniform B"}
+
+
 @pytest.mark.process
 def test_a_second_identical_run_reuses_the_stored_features(two_jobs):
     first, second = two_jobs
