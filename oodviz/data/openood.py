@@ -86,6 +86,7 @@ ROLES = ("id_train", "id_val", "id_test", "ood_val", "near", "far", "csid")
 LABELLED_ROLES = ("id_train", "id_val", "id_test", "csid")
 #: The folder of list files under the data root; also the name of the download script's archive of them.
 LIST_DIR = "benchmark_imglist"
+#: The image folders under the data root: 32x32 sets, ImageNet-scale sets.
 CLASSIC = "images_classic"
 LARGESCALE = "images_largescale"
 #: OpenOOD's download script, in OpenOOD's repository (github.com/Jingkang50/OpenOOD).
@@ -156,12 +157,12 @@ class OpenOODSet:
 
     def advice(self, root: str) -> str:
         """How to get this set's images into data root ``root`` (a sentence)."""
+        if self.fetch:
+            return self.fetch
         command = (
             f"python {DOWNLOAD_SCRIPT} --contents datasets --dataset_mode dataset --datasets {self.archive} "
             f"--save_dir {root}"
         )
-        if self.fetch:
-            return self.fetch
         return (
             f"fetch archive {self.archive!r} into {self.image_dir}/{self.archive}/ with OpenOOD's download script, "
             f"in a checkout of OpenOOD: {command}"
@@ -319,11 +320,13 @@ class OpenOODSource(Source):
         self.set = openood_set
         path = openood_set.list_path(self.root)
         if not os.path.isfile(path):
-            refused = "oodviz does not download OpenOOD's data (it is on Google Drive); " if download else ""
+            advice = list_advice(openood_set.benchmark, self.root)
+            advice = (
+                f"oodviz does not download OpenOOD's data (it is on Google Drive): {advice}" if download else advice
+            )
             raise DatasetNotFoundError(
-                f"OpenOOD list file {path} of {openood_set.describe()} does not exist under data root {self.root}. "
-                f"{refused}Get it with OpenOOD's download script: {list_advice(openood_set.benchmark, self.root)}; "
-                f"for the images, {openood_set.advice(self.root)}"
+                f"OpenOOD list file {path} of {openood_set.describe()} does not exist under data root {self.root}; "
+                f"{advice}; for the images, {openood_set.advice(self.root)}"
             )
         try:
             listing = _read_listing(path, openood_set)
@@ -502,7 +505,7 @@ def layout_problems(root: str, benchmark: str, splits: list[str] | None = None) 
         fix = Fix("advice", list_advice(sets[0].benchmark, root))
         message = (
             f"OpenOOD benchmark {sets[0].benchmark}: no list folder {LIST_DIR}/{sets[0].benchmark}/ under data root "
-            f"{root}; {fix.text}, then its images"
+            f"{root}; {fix.text}"
         )
         return [LayoutProblem(message, "lists_missing", None, folder, fix=fix)]
     return [problem for s in sets for problem in _set_problems(root, s)]
