@@ -7,8 +7,9 @@ dataset before subsampling), or ``None`` for an unreadable image file (counted i
 
 Sources (one module each): bundled scikit-learn digits and photo patches (:mod:`.bundled`, offline),
 seeded noise (:mod:`.noise`), torchvision datasets under ``root`` (:mod:`.torchvision_sets`), the
-Fashion-MNIST preset's ID / held-out / shifted sets and 28x28 digits (:mod:`.fashion`) and the
-user's image folders (:mod:`.folders`). Add one with :func:`register_dataset`.
+Fashion-MNIST preset's ID / held-out / shifted sets and 28x28 digits (:mod:`.fashion`), the
+user's image folders (:mod:`.folders`) and OpenOOD v1.5's benchmarks from a data root in OpenOOD's
+layout (:mod:`.openood`). Add one with :func:`register_dataset`.
 """
 
 from oodviz.data.base import ImageDataset, Source, UnreadableImageError
@@ -24,7 +25,7 @@ from oodviz.data.registry import (
 from oodviz.sampling import Sampling, subsample_indices
 
 # Importing a source module registers its datasets (in this order in available_datasets()).
-from oodviz.data import bundled, noise, torchvision_sets, fashion, folders  # noqa: F401  isort: skip
+from oodviz.data import bundled, noise, torchvision_sets, fashion, folders, openood  # noqa: F401  isort: skip
 from oodviz.data.bundled import DIGITS_HELD_OUT, DIGITS_ID_CLASSES, digits_split
 from oodviz.data.class_map import CLASS_MAPS, class_mismatch
 from oodviz.data.fashion import FASHION_HELD_OUT, FASHION_ID_CLASSES, FASHION_ID_NAMES, fashion_split

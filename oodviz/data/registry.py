@@ -37,7 +37,8 @@ class DatasetInfo:
     - ``group``: OpenOOD's grouping of an OOD set, ``"near"`` (close to the bundled ID data:
       held-out classes or a covariate shift of it) or ``"far"`` (another domain); ``None`` for ID sets.
     - ``source``: where the data comes from: ``"bundled"`` (ships with scikit-learn, offline),
-      ``"generated"`` (synthesised), ``"torchvision"`` (files under ``root``, downloadable) or
+      ``"generated"`` (synthesised), ``"torchvision"`` (files under ``root``, downloadable),
+      ``"openood"`` (OpenOOD's list files and images under ``root``, fetched by OpenOOD's own script) or
       ``"folder"`` (the user's own images).
     - ``image``: image size and PIL mode, e.g. ``"8x8 L"`` (``"varies"`` when it does).
     """

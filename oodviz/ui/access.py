@@ -32,7 +32,7 @@ ENV_SERVE_OTHERS = "OODVIZ_SERVE_OTHERS"
 ENV_DATA_DIRS = "OODVIZ_DATA_DIRS"  # os.pathsep-separated; unset = no confinement
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 #: Dataset sources that read (or download into) the data root; the others ignore it.
-DATA_ROOT_SOURCES = ("torchvision",)
+DATA_ROOT_SOURCES = ("torchvision", "openood")
 NOT_ALLOWED = "folder not under an allowed data directory"
 
 

@@ -54,6 +54,7 @@ EXPECTED_NAMES = [
     "fashion-mnist-rotated",
     "digits-28",
     "folder",
+    "openood",
 ]
 
 

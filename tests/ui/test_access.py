@@ -116,7 +116,7 @@ def test_typed_paths_inside_the_data_dirs_are_resolved(tmp_path):
     assert config.id_test.params["path"] == "cats"  # the form's config is not changed in place
 
 
-@pytest.mark.parametrize("where", ["fit folder", "ood folder", "checkpoint", "data root", "download"])
+@pytest.mark.parametrize("where", ["fit folder", "ood folder", "checkpoint", "data root", "openood root", "download"])
 def test_typed_paths_outside_the_data_dirs_are_refused_without_naming_them(tmp_path, where):
     allowed = (tmp_path / "allowed").resolve()
     (allowed / "ok").mkdir(parents=True)
@@ -136,6 +136,9 @@ def test_typed_paths_outside_the_data_dirs_are_refused_without_naming_them(tmp_p
         config.checkpoint = "/etc/passwd"
     elif where == "data root":
         config = preset("fashion-mnist")  # reads the data root
+        config.data_root = str(outside)
+    elif where == "openood root":  # OpenOOD's list files and images are read from the data root
+        config.ood = [DatasetChoice("openood", {"benchmark": "cifar10", "split": "far/svhn"}, group="far")]
         config.data_root = str(outside)
     else:  # downloads write into the data root, whatever the datasets
         config.download, config.data_root = True, "/tmp"
