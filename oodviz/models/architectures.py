@@ -4,7 +4,9 @@
 the builder (``num_classes -> nn.Module`` with random weights), the module path of its final
 ``nn.Linear``, the feature size ``D``, the class count of its default weights, which layers
 output channels-last maps and, for ViT, where its class token is. :data:`BUNDLED` says where the bundled models' weights are
-(``oodviz/weights/``); torchvision models take torchvision's weight enums (:func:`weights_enum`).
+(``oodviz/weights/``); torchvision models take torchvision's weight enums (:func:`weights_enum`); OpenOOD v1.5's
+networks (:data:`OPENOOD`, :mod:`oodviz.models.openood`) have no weights of their own: they take OpenOOD's
+checkpoints, preprocessed as the checkpoint's benchmark (:func:`openood_transform`).
 ``build_random`` makes the seeded random model of ``weights="random"``.
 """
 
@@ -26,6 +28,15 @@ from torch import Tensor, nn
 from oodviz.models.digits import DIGITS_CLASSES, DIGITS_WEIGHTS, DigitsTransform, build_digits_cnn
 from oodviz.models.fashion import FASHION_CLASSES, FASHION_WEIGHTS, FashionTransform, build_fashion_cnn
 from oodviz.models.hub_names import TIMM_LISTED, hub_family, hub_kind
+from oodviz.models.openood import (
+    OPENOOD_DOWNLOAD,
+    OPENOOD_NETWORKS,
+    OPENOOD_PREPROCESSING,
+    build_openood_resnet18_32x32,
+    build_openood_resnet18_224x224,
+    check_benchmark,
+    network_benchmark,
+)
 
 #: Seed of ``weights="random"``; part of its ``weights_id``.
 RANDOM_SEED = 0
@@ -60,6 +71,31 @@ def imagenet_transform(crop_size: int = 224, resize_size: int = 256) -> RGBTrans
     from torchvision.models import ResNet18_Weights
 
     return RGBTransform(ResNet18_Weights.IMAGENET1K_V1.transforms(crop_size=crop_size, resize_size=resize_size))
+
+
+def openood_transform(benchmark: str) -> tuple[RGBTransform, tuple[int, int, int]]:
+    """OpenOOD v1.5's test preprocessing of ID benchmark ``benchmark`` (``"cifar10"``, ``"cifar100"``,
+    ``"imagenet200"``, ``"imagenet"``: :data:`oodviz.models.openood.OPENOOD_PREPROCESSING`) and the ``(C, H, W)``
+    it produces.
+
+    As OpenOOD's ``TestStandardPreProcessor``: any PIL mode converted to RGB, the shorter side resized to
+    ``pre_size`` with PIL's bilinear filter (torchvision's ``Resize`` on a PIL image), centre crop ``img_size``,
+    ``ToTensor`` (``p / 255``), ``Normalize(mean, std)``. Picklable; ODIN's ``norm_std="auto"`` finds its ``std``.
+    (For torchvision-pretrained ImageNet-1k models OpenOOD's ``eval_ood_imagenet.py`` uses the weights' own
+    transform instead, which is oodviz's default for ``resnet50`` / ``swin_t`` / ``vit_b_16``.)
+    """
+    from torchvision import transforms
+
+    steps = OPENOOD_PREPROCESSING[check_benchmark(benchmark)]
+    inner = transforms.Compose(
+        [
+            transforms.Resize(steps.pre_size, interpolation=transforms.InterpolationMode.BILINEAR),
+            transforms.CenterCrop(steps.img_size),
+            transforms.ToTensor(),
+            transforms.Normalize(list(steps.mean), list(steps.std)),
+        ]
+    )
+    return RGBTransform(inner), (3, steps.img_size, steps.img_size)
 
 
 @dataclass(frozen=True)
@@ -132,7 +168,17 @@ ARCHITECTURES: dict[str, Architecture] = {
         )
         for name, (head, dim) in _TORCHVISION.items()
     },
+    # OpenOOD v1.5's networks: CIFAR-10/100 (default 10 classes) and ImageNet-200 (default 200)
+    "openood-resnet18-32x32": Architecture(
+        "openood-resnet18-32x32", "fc", 512, build_openood_resnet18_32x32, 10, None, torchvision=False
+    ),
+    "openood-resnet18-224x224": Architecture(
+        "openood-resnet18-224x224", "fc", 512, build_openood_resnet18_224x224, 200, None, torchvision=False
+    ),
 }
+#: The architectures that are OpenOOD v1.5's networks: no weights of their own (``weights="default"`` is refused
+#: with the way to get OpenOOD's checkpoints), each checkpoint preprocessed as its benchmark.
+OPENOOD = ("openood-resnet18-32x32", "openood-resnet18-224x224")
 
 
 @dataclass(frozen=True)
@@ -236,11 +282,25 @@ def default_weights_dir() -> Path:
 def backbone_info(name: str, weights_dir: str | os.PathLike | None = None) -> dict:
     """What a registry backbone is, without building it (cheap; for menus and dry-run checks).
 
-    Keys: ``name``, ``source`` (``"bundled"`` or ``"torchvision"``), ``feature_dim``,
+    Keys: ``name``, ``source`` (``"bundled"``, ``"torchvision"`` or ``"openood"``), ``feature_dim``,
     ``num_classes``, ``head`` (module path), ``input_shape``, ``weights_file`` (file name),
-    ``weights_path`` (where it is looked for), ``weights_available`` (the file is there).
+    ``weights_path`` (where it is looked for), ``weights_available`` (the file is there). OpenOOD's networks
+    have no weights file of their own (``None``, ``None``, ``False``: they take a checkpoint); their
+    ``num_classes`` and ``input_shape`` are their first benchmark's (CIFAR-10, ImageNet-200).
     """
     arch = architecture(name)
+    if arch.name in OPENOOD:
+        return {
+            "name": arch.name,
+            "source": "openood",
+            "feature_dim": arch.feature_dim,
+            "num_classes": arch.default_classes,
+            "head": arch.head,
+            "input_shape": default_transform(arch)[1],
+            "weights_file": None,
+            "weights_path": None,
+            "weights_available": False,
+        }
     if not arch.torchvision:
         bundled = BUNDLED[arch.name]
         return {
@@ -272,20 +332,41 @@ def backbone_info(name: str, weights_dir: str | os.PathLike | None = None) -> di
 
 
 def architecture_classes(arch: Architecture) -> list[str] | None:
-    """Class names of the architecture's default weights (bundled classes, or torchvision's categories)."""
+    """Class names of the architecture's default weights (bundled classes, or torchvision's categories); ``None``
+    for OpenOOD's networks (no weights of their own; a checkpoint's classes are not in the file)."""
+    if arch.name in OPENOOD:
+        return None
     if not arch.torchvision:
         return list(BUNDLED[arch.name].classes)
     return list(weights_enum(arch.name, "default").meta["categories"])
 
 
-def default_transform(arch: Architecture) -> tuple[Callable, tuple[int, ...]]:
-    """The preprocessing of the architecture's default weights and the ``(C, H, W)`` it produces."""
+def default_transform(arch: Architecture, num_classes: int | None = None) -> tuple[Callable, tuple[int, ...]]:
+    """The preprocessing of the architecture's default weights and the ``(C, H, W)`` it produces.
+
+    For OpenOOD's networks, the preprocessing of the benchmark trained with ``num_classes`` classes
+    (:func:`oodviz.models.openood.network_benchmark`: a 100-class ``openood-resnet18-32x32`` is CIFAR-100's,
+    with CIFAR-100's mean and std), by default the first one's (CIFAR-10, ImageNet-200)."""
+    if arch.name in OPENOOD:
+        return openood_transform(network_benchmark(arch.name, num_classes))
     if not arch.torchvision:
         bundled = BUNDLED[arch.name]
         return bundled.transform(), bundled.input_shape
     preset = weights_enum(arch.name, "default").transforms()
     crop = preset.crop_size[0]
     return RGBTransform(preset), (3, crop, crop)
+
+
+def openood_weights_message(arch: Architecture, weights) -> str:
+    """Why OpenOOD network ``arch`` cannot load ``weights`` (it has none of its own) and how to load OpenOOD's."""
+    benchmark = network_benchmark(arch.name)
+    example = OPENOOD_NETWORKS[benchmark].checkpoint
+    return (
+        f"{arch.name} has {'no default weights' if weights == 'default' else f'no weights {weights!r}'}: it is OpenOOD v1.5's "
+        f"network, whose trained weights are OpenOOD's checkpoints (none offline). Download them with OpenOOD's "
+        f"`{OPENOOD_DOWNLOAD}` (in a clone of github.com/Jingkang50/OpenOOD; they land in ./results) and load one "
+        f"with load_backbone({arch.name!r}, checkpoint='{example}'), or use weights='random' for a dry run"
+    )
 
 
 def build_random(arch: Architecture, num_classes: int, calibrate: bool = True) -> nn.Module:

@@ -1,7 +1,9 @@
 """The backbone registry: names -> :class:`~oodviz.models.backbone.Backbone`.
 
 ``available_backbones()`` lists the built-in names: the bundled ``digits-cnn`` and ``fashion-cnn``
-(offline, weights in ``oodviz/weights/``) and seven torchvision ImageNet classifiers. ``load_backbone`` also loads a
+(offline, weights in ``oodviz/weights/``), seven torchvision ImageNet classifiers and OpenOOD v1.5's
+``openood-resnet18-32x32`` (CIFAR-10/100) and ``openood-resnet18-224x224`` (ImageNet-200), which take OpenOOD's
+checkpoints (:mod:`oodviz.models.openood`). ``load_backbone`` also loads a
 user's own model: a state-dict checkpoint of a registry architecture
 (``load_backbone("resnet18", checkpoint="my.pt")``), a TorchScript file
 (``load_backbone("torchscript", checkpoint="model.pt")``) or a ``torch.export`` program
@@ -14,7 +16,8 @@ Weights (``weights=``):
 - ``"default"``: the bundled weights (digits, Fashion-MNIST), or the torchvision weights of the architecture's
   ``DEFAULT`` enum member, read from the torchvision cache (``$TORCH_HOME/hub/checkpoints`` or
   ``weights_dir``). Nothing is downloaded unless ``allow_download=True``; a missing file is a
-  ``FileNotFoundError`` naming the file and the folder to put it in.
+  ``FileNotFoundError`` naming the file and the folder to put it in. OpenOOD's networks have no default weights:
+  a ``ValueError`` names OpenOOD's download script and ``checkpoint=``.
 - a torchvision weights name such as ``"IMAGENET1K_V2"``: that enum member, same rules.
 - ``"random"`` or ``None``: random initialisation with a fixed seed (reproducible dry runs and
   tests; the global RNG is left untouched).
@@ -42,6 +45,7 @@ from torch import Tensor, nn
 
 from oodviz.models.architectures import (
     BUNDLED,
+    OPENOOD,
     RANDOM_SEED,
     USER_MODEL_NAMES,
     architecture,
@@ -51,6 +55,7 @@ from oodviz.models.architectures import (
     build_random,
     default_transform,
     imagenet_transform,
+    openood_weights_message,
     weights_enum,
 )
 from oodviz.models.backbone import Backbone, check_pooling, probe_token_layout
@@ -102,7 +107,10 @@ def load_backbone(
     - ``weights_dir``: folder holding torchvision weight files (default
       :func:`default_weights_dir`); ``allow_download``: let torchvision fetch a missing file.
     - ``classes``: class names for a checkpoint; ``transform`` / ``input_shape``: override the
-      preprocessing (a checkpoint trained on other images than ImageNet needs its own).
+      preprocessing (a checkpoint trained on other images than ImageNet needs its own). OpenOOD's networks
+      default to their benchmark's preprocessing, chosen by the class count (a 100-class
+      ``openood-resnet18-32x32`` checkpoint gets CIFAR-100's); ``transform=openood_transform(benchmark)[0]``
+      names it.
     - ``model_args``: for ``timm:`` names, what ``timm.create_model`` builds the model with
       (``{"img_size": 32}``), as the checkpoint was trained.
 
@@ -139,6 +147,8 @@ def load_backbone(
         model = build_random(arch, arch.default_classes)
         weights_id = f"random:{arch.name}:seed={RANDOM_SEED}"
         default_classes = architecture_classes(arch)
+    elif arch.name in OPENOOD:
+        raise ValueError(openood_weights_message(arch, weights))
     elif not arch.torchvision:
         if weights != "default":
             raise ValueError(f"{arch.name} has weights 'default' (bundled) or 'random', got {weights!r}")
@@ -161,7 +171,7 @@ def load_backbone(
 
     model.eval()
     if transform is None:
-        transform, default_shape = default_transform(arch)
+        transform, default_shape = default_transform(arch, dict(model.named_modules())[arch.head].out_features)
     else:
         default_shape = None
     shape = tuple(input_shape) if input_shape is not None else (default_shape or _infer_input_shape(transform))

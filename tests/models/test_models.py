@@ -74,7 +74,8 @@ def _digit_image(values: np.ndarray) -> Image.Image:
 
 def test_registry_names():
     listed_timm = list(TIMM_LISTED) if importlib.util.find_spec("timm") else []
-    assert available_backbones() == ["digits-cnn", "fashion-cnn", *TORCHVISION, *listed_timm]
+    openood = ["openood-resnet18-32x32", "openood-resnet18-224x224"]
+    assert available_backbones() == ["digits-cnn", "fashion-cnn", *TORCHVISION, *openood, *listed_timm]
     for name in TORCHVISION:
         info = backbone_info(name)
         assert info["feature_dim"] == EXPECTED_D[name] and info["num_classes"] == 1000
