@@ -152,6 +152,7 @@ def test_the_wheel_ships_every_file_of_the_package(source, wheel):
         # The non-Python files the app needs: its entry script, the bundled backbones of the offline presets, KaTeX.
         assert {"oodviz/ui/app.py", "oodviz/weights/digits-cnn.pt", "oodviz/weights/fashion-cnn.json"} <= expected
         assert {"oodviz/katex/katex.min.js", "oodviz/katex/fonts/KaTeX_Main-Regular.woff2"} <= expected  # the report
+        assert {f"oodviz/results/data/openood_v1_5.{kind}" for kind in ("csv", "json")} <= expected  # the leaderboard
         assert shipped == expected
         assert all(archive.read(name) == (source / name).read_bytes() for name in shipped)
         (entry_points,) = [name for name in archive.namelist() if name.endswith(".dist-info/entry_points.txt")]

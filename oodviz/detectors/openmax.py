@@ -8,9 +8,17 @@ Fit (logits ``z`` ``[N, C]``, labels ``y`` in ``0..K-1``), two passes:
 2. the distance of each training sample to its class mean,
    ``d(z, mu) = w_e |z - mu| + (1 - w_e) (1 - <z, mu> / (|z| |mu|))`` (``w_e = euclid_weight``), keeping
    the ``tailsize`` largest per class (``[K, tailsize]``, whatever the number of samples), to which a
-   Weibull distribution is fitted by maximum likelihood (:func:`fit_weibull`). As libMR (the paper's
-   library) and pytorch-ood 0.4 do, the tail is translated first, ``t = d + 10000 - min(tail)``, and the
-   Weibull has location 0: ``W_k(d) = 1 - exp(-((d + 10000 - m_k) / lambda_k)^c_k)``.
+   Weibull distribution is fitted by maximum likelihood (:func:`fit_weibull`). As pytorch-ood 0.4 does, the
+   tail is translated first, ``t = d + 10000 - min(tail)``, and the Weibull has location 0:
+   ``W_k(d) = 1 - exp(-((d + 10000 - m_k) / lambda_k)^c_k)``.
+
+   The shift of 10000 is pytorch-ood's (its libMR port, ``libnotmr``, hard-codes it) and was the default of
+   the Python binding of libMR, the paper's library, in its first public release (v1.1, June 2016:
+   ``MR(translate_amount=10000)``). libMR's default has been 1 since March 2017 (Vastlab/libMR, setup version
+   0.1.3 on, including 0.1.9, the release on PyPI: ``translate_amount=1``, which ``FitHigh`` adds to the tail
+   after subtracting its smallest value), and OpenOOD v1.5's OpenMax postprocessor calls ``libmr.MR()`` and
+   ``fit_high`` with the defaults, so OpenOOD shifts by 1. oodviz keeps 10000 to reproduce pytorch-ood 0.4, its
+   reference implementation in the tests; its Weibull fits, hence its scores, are therefore not OpenOOD's.
 
 Score, with logits ``z`` ``[B, C]``: the ``alpha`` classes of largest logits, in decreasing order
 ``s_1, ..., s_alpha``, get weights ``r_i = (alpha + 1 - i) / alpha`` and ``w_i = r_i W_{s_i}(d(z, mu_{s_i}))``
@@ -48,7 +56,8 @@ from oodviz.detectors.protocol import FitState
 from oodviz.detectors.stats import ACCUMULATE, ClassMeans
 from oodviz.detectors.teaching import Teaching
 
-#: libMR's translation of the tail before the Weibull fit
+#: the translation of the tail before the Weibull fit: pytorch-ood 0.4's, and libMR's first default (libMR's
+#: default, which OpenOOD uses, has been 1 since 2017; see the module docstring)
 TRANSLATION = 10000.0
 
 
@@ -57,8 +66,8 @@ def fit_weibull(samples: np.ndarray) -> tuple[float, float]:
 
     The shape solves ``sum x^c ln x / sum x^c - 1/c - mean(ln x) = 0`` (increasing in ``c``; bracketed by
     doubling, then Brent's method); then ``lambda = (mean x^c)^(1/c)``. Powers are taken relative to the
-    largest sample, ``x^c = max^c exp(c (ln x - ln max))``, so a shape in the tens of thousands (libMR's
-    translated tails) does not overflow. This is what ``scipy.stats.weibull_min.fit(x, floc=0)`` returns.
+    largest sample, ``x^c = max^c exp(c (ln x - ln max))``, so a shape in the tens of thousands (of tails
+    translated by 10000) does not overflow. This is what ``scipy.stats.weibull_min.fit(x, floc=0)`` returns.
     """
     # here, not at import: the app lists the detectors without fitting one (a tenth of its import time)
     import scipy.optimize

@@ -4,6 +4,8 @@ layer), chart selections, and the one-line summary of a run.
 
 - :mod:`oodviz.results.tables`: :class:`~oodviz.results.tables.Results`, the run's files as tables.
 - :mod:`oodviz.results.metrics`: AUROC, FPR at 95% TPR, AUPR, AURC: float64 formulas.
+- :mod:`oodviz.results.leaderboard`: the published OpenOOD v1.5 leaderboard (shipped with oodviz) and a run's
+  figures beside it.
 - :mod:`oodviz.results.analysis`, :mod:`oodviz.results.layers`, :mod:`oodviz.results.selection`,
   :mod:`oodviz.results.summary`.
 """

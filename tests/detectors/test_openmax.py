@@ -108,7 +108,7 @@ def test_weibull_fit_is_the_maximum_likelihood_of_scipy():
         loglik = lambda c, lam, x=x: weibull_min.logpdf(x, c, scale=lam).sum()  # noqa: E731
         assert loglik(c, lam) >= loglik(c_ref, lam_ref) - 1e-12  # at least as likely as scipy's
         assert loglik(c, lam) >= max(loglik(c * 1.001, lam), loglik(c / 1.001, lam), loglik(c, lam * 1.001))
-    # libMR's translated tails: a shape in the tens of thousands, no overflow
+    # tails translated by 10000 (pytorch-ood's shift): a shape in the tens of thousands, no overflow
     tail = 10000 + np.sort(rng.random(25))
     c, lam = fit_weibull(tail)
     c_ref, _, lam_ref = weibull_min.fit(tail, floc=0)
