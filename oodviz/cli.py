@@ -1,5 +1,6 @@
-"""The ``oodviz`` command: ``run`` a job in the foreground, list ``runs``, start the ``app``, check the feature ``store``,
-``score`` new images with a run, write its ``report``, ``project`` its features to 2-D."""
+"""The ``oodviz`` command: ``run`` a job in the foreground, ``bench`` a published benchmark, list ``runs``, start the
+``app``, check the feature ``store``, ``score`` new images with a run, write its ``report``, ``project`` its features
+to 2-D."""
 
 from __future__ import annotations
 
@@ -355,6 +356,68 @@ def cmd_score(args) -> int:
     return 1 if scored.unreadable or scored.not_loaded else 0
 
 
+def cmd_bench(args) -> int:
+    """``oodviz bench openood-v1.5 BENCHMARK``: one run per checkpoint (:mod:`oodviz.pipeline.openood`), then the
+    figures beside the leaderboard's."""
+    from oodviz.pipeline.openood import bench_summary, bench_table, benchmark_config, benchmark_problems
+
+    checkpoints = args.checkpoint or [None]
+    if args.weights != "random" and not args.checkpoint:
+        print(
+            "oodviz bench needs --checkpoint: the network's weights the figures are of (OpenOOD's checkpoints: "
+            "python scripts/download/download.py --contents checkpoints --checkpoints ood_v1.5 in a checkout of "
+            "OpenOOD; ImageNet-1k: torchvision's resnet50 IMAGENET1K_V1 file), or --weights random for a dry run",
+            file=sys.stderr,
+        )
+        return 2
+    detectors = [name.strip() for name in args.detectors.split(",") if name.strip()] if args.detectors else None
+    settings = {"device": args.device, "batch_size": args.batch_size}
+    try:
+        configs = [
+            benchmark_config(
+                args.benchmark,
+                args.data_root,
+                checkpoint,
+                weights=args.weights,
+                detectors=detectors,
+                tune=args.tune,
+                **settings,
+            ).validate()
+            for checkpoint in checkpoints
+        ]
+    except (ConfigError, ValueError) as error:
+        print(error, file=sys.stderr)
+        return 2
+    problems = benchmark_problems(configs[0])
+    if problems:
+        for problem in problems:
+            print(f"- {problem}", file=sys.stderr)
+        print(
+            f"the data root {args.data_root} is not complete for {args.benchmark}: nothing was started", file=sys.stderr
+        )
+        return 2
+    runs = []
+    for index, config in enumerate(configs):
+        if len(configs) > 1:
+            print(f"checkpoint {index + 1} of {len(configs)}: {config.checkpoint}", file=sys.stderr)
+        code, run = run_in_foreground(config, args)
+        if code != 0:
+            return code
+        runs.append(run.path)
+    table = bench_table(runs, args.benchmark, args.arch)
+    print(
+        f"\nOpenOOD v1.5 {args.benchmark}: oodviz's figures (mean ± std over {len(runs)} run(s)) beside the "
+        "leaderboard's (mean ± std over its seeds), in percent; the leaderboard publishes no FPR@95 (oodviz's is in "
+        "--csv, with the leaderboard's other methods):"
+    )
+    print(bench_summary(table).to_string(index=False))
+    if args.csv:
+        table.to_csv(args.csv, index=False)
+        print(f"\nthe whole table: {args.csv}")
+    print("\nruns: " + ", ".join(str(path) for path in runs))
+    return 0
+
+
 def cmd_report(args) -> int:
     """Write a run's self-contained HTML report (:func:`oodviz.figures.report.write_report`); exit 2 when it cannot."""
     from oodviz.figures.report import write_report
@@ -465,6 +528,34 @@ def main(argv: list[str] | None = None) -> int:
     score.add_argument("--out", help="write the table as CSV here instead of printing it")
     score.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:N, auto")
     score.set_defaults(func=cmd_score)
+    bench = commands.add_parser(
+        "bench",
+        help="run a published benchmark's protocol and set the figures beside its leaderboard (OpenOOD v1.5)",
+        description="OpenOOD v1.5's benchmark BENCHMARK (cifar10, cifar100, imagenet200, imagenet) over a data root "
+        "in OpenOOD's layout: one run per checkpoint (the detectors fitted on the ID training list, scored on the ID "
+        "test list and every near- and far-OOD list), then each detector's mean figures beside the leaderboard's.",
+        epilog=RUN_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("protocol", choices=["openood-v1.5"], help="the benchmark suite")
+    bench.add_argument("benchmark", help="cifar10, cifar100, imagenet200 or imagenet")
+    bench.add_argument(
+        "--data-root", required=True, help="the folder holding benchmark_imglist/, images_classic/, images_largescale/"
+    )
+    bench.add_argument(
+        "--checkpoint", nargs="+", metavar="CKPT", help="the network's checkpoint, one per training seed (one run each)"
+    )
+    bench.add_argument("--weights", choices=["default", "random"], default="default", help="random: a dry run")
+    bench.add_argument("--detectors", help="comma-separated detector names (default: the backbone family's)")
+    bench.add_argument("--tune", action="store_true", help="tune each detector's grid on OpenOOD's validation lists")
+    bench.add_argument("--arch", help="the leaderboard's model to compare with (default: the benchmark's network)")
+    bench.add_argument("--csv", help="write the whole comparison table (every metric and status) as CSV here")
+    bench.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    bench.add_argument("--batch-size", type=int, default=256)
+    bench.add_argument("--runs-root", default=str(DEFAULT_RUNS_ROOT), help="where runs live (default: ./runs)")
+    bench.add_argument("--force", action="store_true", help="start even over this machine's limits")
+    bench.add_argument("--nproc-per-node", type=int, default=1, help="processes on this machine (one per GPU)")
+    bench.set_defaults(func=cmd_bench, out=None, nnodes=1, node_rank=0, rdzv_endpoint=None)
     report = commands.add_parser(
         "report", help="write a run's report: one self-contained HTML file (plots, tables, galleries; no network)"
     )

@@ -28,6 +28,8 @@ from oodviz.params import describe, matches, non_finite, param_problems, shown
 from oodviz.problems import Problem, detector_problem, problems_at
 from oodviz.sampling import SUBSAMPLE_MODES
 
+#: ``RunConfig.preprocessing``'s prefix for OpenOOD v1.5's test transform of a benchmark (``"openood:cifar10"``)
+OPENOOD_PREPROCESSING = "openood:"
 DEFAULT_OOD = (
     "digits-heldout",
     "digits-inverted",
@@ -123,6 +125,9 @@ class RunConfig:
     memory_budget_gb: float | None = None
     #: a ``timm:`` backbone's constructor arguments (e.g. ``{"img_size": 32}`` for a checkpoint trained at 32 x 32)
     model_args: dict = field(default_factory=dict)
+    #: the images' preprocessing: None = the backbone's own; ``"openood:<benchmark>"`` = OpenOOD v1.5's test
+    #: transform of that benchmark (:func:`oodviz.models.openood_transform`), as its leaderboard's figures were made
+    preprocessing: str | None = None
     #: tuning on validation data (:mod:`oodviz.pipeline.tuning`): held-out ID images and an OOD set that is not a test set
     id_val: DatasetChoice | None = None
     ood_val: DatasetChoice | None = None
@@ -160,6 +165,9 @@ class RunConfig:
     def load_backbone(self):
         """The run's :class:`oodviz.models.Backbone` (architecture, weights or checkpoint, layer, pooling)."""
 
+        transform, input_shape = None, None
+        if self.preprocessing is not None:
+            transform, input_shape = models.openood_transform(self.preprocessing.removeprefix(OPENOOD_PREPROCESSING))
         return models.load_backbone(
             self.backbone,
             weights=self.weights,
@@ -167,6 +175,8 @@ class RunConfig:
             layer=self.layer,
             pooling=self.pooling_at(None),
             model_args=self.model_args or None,
+            transform=transform,
+            input_shape=input_shape,
         )
 
     def save(self, path: Path) -> None:
@@ -282,8 +292,20 @@ class RunConfig:
             found.append(Problem(f"weights must be 'default' or 'random', got {self.weights!r}", "weights"))
         if "checkpoint" not in wrong and self.checkpoint is not None and not _is_file(self.checkpoint):
             found.append(Problem(f"checkpoint file {self.checkpoint} does not exist", "checkpoint"))
+        if "preprocessing" not in wrong and self.preprocessing is not None:
+            choices = [OPENOOD_PREPROCESSING + name for name in models.OPENOOD_BENCHMARKS]
+            if self.preprocessing not in choices:
+                message = f"preprocessing must be unset (the backbone's own) or one of {', '.join(choices)}, got {self.preprocessing!r}"
+                found.append(Problem(message, "preprocessing"))
         if "backbone" in wrong:
             return found
+        if self.backbone in models.OPENOOD_ARCHITECTURES and self.checkpoint is None and self.weights != "random":
+            message = (
+                f"backbone {self.backbone!r} has no weights of its own: give checkpoint, one of OpenOOD's checkpoints "
+                "(its download script: python scripts/download/download.py --contents checkpoints --checkpoints "
+                "ood_v1.5), or weights 'random' for a dry run"
+            )
+            found.append(Problem(message, "checkpoint"))
         backbones = models.available_backbones()
         if self.backbone in models.USER_MODEL_NAMES:
             if self.checkpoint is None:
@@ -343,6 +365,7 @@ _FIELD_TYPES = {
     "feature_dtype": str,
     "memory_budget_gb": float | None,
     "model_args": dict,
+    "preprocessing": str | None,
 }
 _DATASET_TYPES = {
     "name": str,

@@ -38,6 +38,7 @@ _SOURCES = {
         "default_weights_dir",
         "imagenet_transform",
         "openood_transform",
+        "OPENOOD_ARCHITECTURES",
         "unknown_layer_message",
     ),
     "backbone": ("POOLINGS", "TOKEN_POOLINGS", "Backbone", "FeatureShape", "TokenLayout", "pool_features"),

@@ -5,7 +5,7 @@ the builder (``num_classes -> nn.Module`` with random weights), the module path 
 ``nn.Linear``, the feature size ``D``, the class count of its default weights, which layers
 output channels-last maps and, for ViT, where its class token is. :data:`BUNDLED` says where the bundled models' weights are
 (``oodviz/weights/``); torchvision models take torchvision's weight enums (:func:`weights_enum`); OpenOOD v1.5's
-networks (:data:`OPENOOD`, :mod:`oodviz.models.openood`) have no weights of their own: they take OpenOOD's
+networks (:data:`OPENOOD_ARCHITECTURES`, :mod:`oodviz.models.openood`) have no weights of their own: they take OpenOOD's
 checkpoints, preprocessed as the checkpoint's benchmark (:func:`openood_transform`).
 ``build_random`` makes the seeded random model of ``weights="random"``.
 """
@@ -178,7 +178,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 #: The architectures that are OpenOOD v1.5's networks: no weights of their own (``weights="default"`` is refused
 #: with the way to get OpenOOD's checkpoints), each checkpoint preprocessed as its benchmark.
-OPENOOD = ("openood-resnet18-32x32", "openood-resnet18-224x224")
+OPENOOD_ARCHITECTURES = ("openood-resnet18-32x32", "openood-resnet18-224x224")
 
 
 @dataclass(frozen=True)
@@ -289,7 +289,7 @@ def backbone_info(name: str, weights_dir: str | os.PathLike | None = None) -> di
     ``num_classes`` and ``input_shape`` are their first benchmark's (CIFAR-10, ImageNet-200).
     """
     arch = architecture(name)
-    if arch.name in OPENOOD:
+    if arch.name in OPENOOD_ARCHITECTURES:
         return {
             "name": arch.name,
             "source": "openood",
@@ -334,7 +334,7 @@ def backbone_info(name: str, weights_dir: str | os.PathLike | None = None) -> di
 def architecture_classes(arch: Architecture) -> list[str] | None:
     """Class names of the architecture's default weights (bundled classes, or torchvision's categories); ``None``
     for OpenOOD's networks (no weights of their own; a checkpoint's classes are not in the file)."""
-    if arch.name in OPENOOD:
+    if arch.name in OPENOOD_ARCHITECTURES:
         return None
     if not arch.torchvision:
         return list(BUNDLED[arch.name].classes)
@@ -347,7 +347,7 @@ def default_transform(arch: Architecture, num_classes: int | None = None) -> tup
     For OpenOOD's networks, the preprocessing of the benchmark trained with ``num_classes`` classes
     (:func:`oodviz.models.openood.network_benchmark`: a 100-class ``openood-resnet18-32x32`` is CIFAR-100's,
     with CIFAR-100's mean and std), by default the first one's (CIFAR-10, ImageNet-200)."""
-    if arch.name in OPENOOD:
+    if arch.name in OPENOOD_ARCHITECTURES:
         return openood_transform(network_benchmark(arch.name, num_classes))
     if not arch.torchvision:
         bundled = BUNDLED[arch.name]

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from oodviz.models.architectures import (
     BUNDLED,
-    OPENOOD,
+    OPENOOD_ARCHITECTURES,
     RANDOM_SEED,
     USER_MODEL_NAMES,
     architecture,
@@ -147,7 +147,7 @@ def load_backbone(
         model = build_random(arch, arch.default_classes)
         weights_id = f"random:{arch.name}:seed={RANDOM_SEED}"
         default_classes = architecture_classes(arch)
-    elif arch.name in OPENOOD:
+    elif arch.name in OPENOOD_ARCHITECTURES:
         raise ValueError(openood_weights_message(arch, weights))
     elif not arch.torchvision:
         if weights != "default":
