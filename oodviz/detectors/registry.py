@@ -27,6 +27,7 @@ from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.lts import LTS
 from oodviz.detectors.mahalanobis import Mahalanobis
+from oodviz.detectors.mahalanobis_odin import MahalanobisODIN
 from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
 from oodviz.detectors.msp import MaxSoftmax
@@ -89,6 +90,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         GROOD,
         CombOOD,
         ODIN,
+        MahalanobisODIN,
         MCD,
         WeiPer,
         AdaSCALE,
