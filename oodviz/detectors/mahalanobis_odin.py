@@ -142,7 +142,7 @@ class MahalanobisODIN(FittedModelDetector):
         for key in GAUSSIAN_STATE:
             if hasattr(fitted, key):
                 setattr(detector, key, getattr(fitted, key))
-        detector.n_features_in_, detector.n_classes_ = detector.class_means_.shape[1], len(detector.class_means_)
+        detector._set_widths()
         return detector
 
     def channel_std(self) -> list[float] | None:
@@ -205,12 +205,21 @@ class MahalanobisODIN(FittedModelDetector):
 
     def end_pass(self, pass_index: int, values: Tensor) -> None:
         super().end_pass(pass_index, values)
+        self._set_widths()
+
+    def fit(self, batches, head=None, device=None):
+        super().fit(batches, head=head, device=device)
+        self._set_widths()  # the Gaussians' classes (the labels'), not the head's
+        return self
+
+    def _set_widths(self) -> None:
         self.n_features_in_, self.n_classes_ = self.class_means_.shape[1], len(self.class_means_)
 
     # -- score -------------------------------------------------------------------------------------
     def distance(self, features: Tensor) -> Tensor:
         """``min_k M_k`` ``[B]`` of features ``[B, D]``: the squared Mahalanobis distance to the closest class mean,
-        differentiable in the features (the closest class held fixed; :func:`~oodviz.detectors.mahalanobis.nearest_distance`)."""
+        differentiable in the features (the closest class held fixed;
+        :func:`~oodviz.detectors.mahalanobis.nearest_distance`)."""
         if features.shape[1] != self.center_.shape[0]:
             raise ValueError(
                 f"{self.name}: the model gives {features.shape[1]} features but the detector was fitted on "
