@@ -30,6 +30,7 @@ from oodviz.detectors.mahalanobis import Mahalanobis
 from oodviz.detectors.mahalanobis_odin import MahalanobisODIN
 from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
+from oodviz.detectors.mds_ensemble import MDSEnsemble
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
 from oodviz.detectors.neco import NECO
@@ -91,6 +92,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         CombOOD,
         ODIN,
         MahalanobisODIN,
+        MDSEnsemble,
         MCD,
         WeiPer,
         AdaSCALE,

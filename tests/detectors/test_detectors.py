@@ -44,6 +44,7 @@ def test_registry_lists_the_issue_detectors():
         "gradnorm",
         "odin",
         "mahalanobis_odin",
+        "mds_ensemble",
         "mcd",
         "weiper",
         "adascale",
