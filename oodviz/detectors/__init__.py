@@ -6,9 +6,10 @@ Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 ``detector.save(directory)`` and ``load(directory)`` keep a fitted detector as files
 (:mod:`oodviz.detectors.persist`); ``describe(name)`` gives the formula, paper, inputs and failure note each
 detector class declares (``teaching = Teaching(...)``, :mod:`oodviz.detectors.teaching`).
-Detectors with ``needs_model`` (``odin``, ``mcd``, ``rankfeat``, ``adascale``, ``gram``) run the classifier
-again: they take it as ``create(name, model=...)`` and score ``Batch(inputs=...)``; ``adascale`` and ``gram``
-also fit on in-distribution ``Batch(inputs=..., labels=...)`` (:mod:`oodviz.detectors.model_fit`).
+Detectors with ``needs_model`` (``odin``, ``mahalanobis_odin``, ``mds_ensemble``, ``mcd``, ``rankfeat``, ``adascale``,
+``gram``) run the classifier again: they take it as ``create(name, model=...)`` and score ``Batch(inputs=...)``;
+``mahalanobis_odin``, ``mds_ensemble``, ``adascale`` and ``gram`` also fit on in-distribution
+``Batch(inputs=..., labels=...)`` (:mod:`oodviz.detectors.model_fit`).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is i
     from oodviz.detectors.knn import KNN as KNN
     from oodviz.detectors.lts import LTS as LTS
     from oodviz.detectors.mahalanobis import Mahalanobis as Mahalanobis
+    from oodviz.detectors.mahalanobis_odin import MahalanobisODIN as MahalanobisODIN
     from oodviz.detectors.maxlogit import MaxLogit as MaxLogit
     from oodviz.detectors.mcd import MCD as MCD
+    from oodviz.detectors.mds_ensemble import MDSEnsemble as MDSEnsemble
     from oodviz.detectors.msp import MaxSoftmax as MaxSoftmax
     from oodviz.detectors.nci import NCI as NCI
     from oodviz.detectors.neco import NECO as NECO
@@ -94,8 +97,10 @@ _SOURCES = {
     "knn": ("KNN",),
     "lts": ("LTS",),
     "mahalanobis": ("Mahalanobis",),
+    "mahalanobis_odin": ("MahalanobisODIN",),
     "maxlogit": ("MaxLogit",),
     "mcd": ("MCD",),
+    "mds_ensemble": ("MDSEnsemble",),
     "msp": ("MaxSoftmax",),
     "nci": ("NCI",),
     "neco": ("NECO",),

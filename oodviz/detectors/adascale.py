@@ -49,25 +49,11 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.ash import log_scale, top_k
-from oodviz.detectors.model_fit import FittedModelDetector
+from oodviz.detectors.model_fit import FittedModelDetector, features_and_logits
 from oodviz.detectors.react import check_percentile
 from oodviz.detectors.teaching import Teaching
 
 VARIANTS = ("a", "l")
-
-
-def features_and_logits(model, x: Tensor, grad: bool = False) -> tuple[Tensor, Tensor]:
-    """``(features [B, D], logits [B, C])`` of ``model`` for ``x``: a Backbone's ``features_and_logits``,
-    or a module/callable that returns that pair."""
-    if hasattr(model, "features_and_logits"):
-        return model.features_and_logits(x, grad=True) if grad else model.features_and_logits(x)
-    out = model(x)
-    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
-        raise ValueError(
-            "the model must be an oodviz Backbone or return (features [B, D], logits [B, C]); it returned "
-            f"{type(out).__name__}. Wrap it with oodviz.models.wrap_model(model, transform, head=...)."
-        )
-    return out[0], out[1]
 
 
 class AdaSCALE(FittedModelDetector):

@@ -76,6 +76,60 @@ def squared_distances(x: Tensor, points: Tensor, point_norms: Tensor) -> Tensor:
     return d.clamp(min=0)
 
 
+#: the fitted attributes :func:`tied_gaussian` gives (``covariance_`` only when the covariance was streamed)
+GAUSSIAN_STATE = (
+    "class_counts_",
+    "class_means_",
+    "covariance_",
+    "center_",
+    "whitening_",
+    "whitened_means_",
+    "whitened_norms_",
+)
+
+
+def tied_gaussian(moments: ClassMoments | FewRows) -> dict[str, Tensor]:
+    """The fitted state of Gaussians with class means and one tied covariance, from a fit stream's statistics
+    (:meth:`ClassGaussianStream.release <oodviz.detectors.widefit.ClassGaussianStream.release>`), by attribute name:
+
+    - ``class_counts_`` ``[C]`` (int64) and ``class_means_`` ``[C, D]`` (float64);
+    - ``covariance_`` ``[D, D]`` float64, ``Sigma = W / N`` (the within-class scatter divided in place: no copy),
+      when it was streamed (``N > D / 2``); the Gram path (``N <= D / 2``) whitens from the ``N x N`` Gram matrix
+      and never forms it (``Sigma = S (S^T S)^-2 S^T`` from the whitening ``S`` if one needs it);
+    - ``center_`` ``[D]`` (the grand mean), ``whitening_`` ``S`` ``[D, k]`` with ``S S^T = Sigma^+``
+      (:func:`inverse_sqrt`), ``whitened_means_`` ``(mu_c - center) S`` ``[C, k]`` and ``whitened_norms_`` ``[C]``
+      (float32).
+
+    What mahalanobis fits, and every detector that reads its Gaussians (mahalanobis_odin, mds_ensemble)."""
+    state = {"class_counts_": moments.counts.long(), "class_means_": moments.means}  # [C], [C, D] float64
+    center = moments.grand_mean
+    if isinstance(moments, FewRows):
+        whitening = moments.inverse_sqrt_within()
+    else:
+        state["covariance_"] = moments.within.div_(moments.total)  # [D, D] float64, in place: no copy
+        whitening = inverse_sqrt(state["covariance_"]).float()  # the float64 result freed at once
+    state["center_"] = center.float()
+    state["whitening_"] = whitening = whitening.float()  # [D, k]
+    means = state["class_means_"]
+    # (mu_c - mu) S, the difference in float64 (no cancellation), a block of classes at a time
+    whitened_means = torch.empty(len(means), whitening.shape[1], device=center.device)
+    for block in row_blocks(len(means), whitening.shape[1]):
+        torch.mm((means[block] - center).float(), whitening, out=whitened_means[block])
+    state["whitened_means_"] = whitened_means  # [C, k]
+    state["whitened_norms_"] = whitened_means.pow(2).sum(dim=1)  # [C]
+    return state
+
+
+def nearest_distance(whitened: Tensor, whitened_means: Tensor, whitened_norms: Tensor) -> Tensor:
+    """``min_k |x' - mu_k'|^2`` ``[B]`` of whitened features ``x'`` ``[B, k]`` and whitened class means ``[C, k]``.
+
+    The expanded form of :func:`squared_distances` picks the closest class; its distance is then recomputed as
+    ``|x' - mu_k'|^2`` directly, which does not cancel when ``x'`` lies far from the grand mean but close to its
+    class (float32 would lose digits there), and is differentiable in ``x'`` (the closest class held fixed)."""
+    nearest = squared_distances(whitened, whitened_means, whitened_norms).argmin(dim=1)
+    return (whitened - whitened_means[nearest]).pow(2).sum(dim=1)
+
+
 def l2_normalised(features: Tensor) -> Tensor:
     """``x / |x|`` row by row, float32 ``[B, D]`` (an all-zero row stays zero)."""
     return F.normalize(features.float(), dim=1)
@@ -139,28 +193,9 @@ class Mahalanobis(Detector):
         return True
 
     def _fit_gaussians(self, moments: ClassMoments | FewRows) -> None:
-        """Class means, and the whitening of the tied covariance: ``covariance_`` ``[D, D]`` float64 when it was
-        streamed (``N > D / 2``); the Gram path (``N <= D / 2``) whitens from the ``N x N`` Gram matrix and never
-        forms the ``D x D`` covariance (``Sigma = S (S^T S)^-2 S^T`` from the whitening ``S`` if one needs it)."""
-        self.class_counts_ = moments.counts.long()
-        self.class_means_ = moments.means  # [C, D] float64
-        if isinstance(moments, FewRows):
-            self._set_whitening(moments.grand_mean, moments.inverse_sqrt_within())
-            return
-        self.covariance_ = moments.within.div_(moments.total)  # [D, D] float64, in place: no copy
-        self._set_whitening(moments.grand_mean)
-
-    def _set_whitening(self, center: Tensor, whitening: Tensor | None = None) -> None:
-        """Centre, whitening ``S`` (``inverse_sqrt(covariance_)`` unless given) and the whitened class means."""
-        self.center_ = center.float()
-        self.whitening_ = (inverse_sqrt(self.covariance_) if whitening is None else whitening).float()  # [D, k]
-        del whitening
-        # (mu_c - mu) S, the difference in float64 (no cancellation), a block of classes at a time
-        whitened_means = torch.empty(len(self.class_means_), self.whitening_.shape[1], device=center.device)
-        for block in row_blocks(len(self.class_means_), self.whitening_.shape[1]):
-            torch.mm((self.class_means_[block] - center).float(), self.whitening_, out=whitened_means[block])
-        self.whitened_means_ = whitened_means  # [C, k]
-        self.whitened_norms_ = whitened_means.pow(2).sum(dim=1)  # [C]
+        """Class means, and the whitening of the tied covariance (:func:`tied_gaussian`), set as fitted attributes."""
+        for key, value in tied_gaussian(moments).items():
+            setattr(self, key, value)
 
     def prepared(self, features: Tensor) -> Tensor:
         """The features the Gaussians describe: float32, L2-normalised with ``normalize``."""
@@ -174,15 +209,8 @@ class Mahalanobis(Detector):
         return squared_distances(self._whiten(features), self.whitened_means_, self.whitened_norms_)
 
     def min_distance(self, features: Tensor) -> Tensor:
-        """``min_k`` squared Mahalanobis distance, ``[B]``.
-
-        The expanded form of :meth:`class_distances` picks the closest class; its distance is then
-        recomputed as ``|x' - mu_k'|^2`` directly, which does not cancel when ``x'`` lies far from
-        the grand mean but close to its class (float32 would lose digits there).
-        """
-        x = self._whiten(features)
-        nearest = squared_distances(x, self.whitened_means_, self.whitened_norms_).argmin(dim=1)
-        return (x - self.whitened_means_[nearest]).pow(2).sum(dim=1)
+        """``min_k`` squared Mahalanobis distance, ``[B]`` (:func:`nearest_distance`)."""
+        return nearest_distance(self._whiten(features), self.whitened_means_, self.whitened_norms_)
 
     def _score(self, batch: Batch) -> Tensor:
         return self.min_distance(batch.features)

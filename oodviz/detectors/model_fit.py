@@ -92,6 +92,20 @@ class FittedModelDetector(ModelDetector):
             self.end_pass(pass_index, torch.cat([self.fit_step(batch).float().cpu() for batch in data]))
 
 
+def features_and_logits(model, x: Tensor, grad: bool = False) -> tuple[Tensor, Tensor]:
+    """``(features [B, D], logits [B, C])`` of ``model`` for ``x``: a Backbone's ``features_and_logits``,
+    or a module/callable that returns that pair."""
+    if hasattr(model, "features_and_logits"):
+        return model.features_and_logits(x, grad=True) if grad else model.features_and_logits(x)
+    out = model(x)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+        raise ValueError(
+            "the model must be an oodviz Backbone or return (features [B, D], logits [B, C]); it returned "
+            f"{type(out).__name__}. Wrap it with oodviz.models.wrap_model(model, transform, head=...)."
+        )
+    return out[0], out[1]
+
+
 def check_layers(detector_name: str, module: nn.Module, names: list[str]) -> None:
     """ValueError listing the model's top-level layers when some of ``names`` are not modules of ``module``."""
     modules = dict(module.named_modules())

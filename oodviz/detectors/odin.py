@@ -80,7 +80,9 @@ def transform_std(transform) -> list[float] | None:
     return None
 
 
-def _check_norm_std(norm_std):
+def check_norm_std(name: str, norm_std):
+    """``norm_std`` checked (``"auto"``, None, a positive number or a list of them), a one-number list as its number;
+    ValueError naming detector ``name`` and the fix otherwise."""
     if norm_std is None or norm_std == "auto":
         return norm_std
     values = [norm_std] if isinstance(norm_std, (int, float)) and not isinstance(norm_std, bool) else norm_std
@@ -90,14 +92,40 @@ def _check_norm_std(norm_std):
         values = None
     if not values or not all(v > 0 for v in values):
         raise ValueError(
-            f"odin: norm_std must be 'auto', None, a positive number or a list of positive per-channel standard "
+            f"{name}: norm_std must be 'auto', None, a positive number or a list of positive per-channel standard "
             f"deviations (e.g. [0.229, 0.224, 0.225] for ImageNet), got {norm_std!r}"
         )
     return values[0] if isinstance(norm_std, (int, float)) else values
 
 
+def channel_std(norm_std, model) -> list[float] | None:
+    """The per-channel divisor of an input step for the (checked) ``norm_std`` of a detector running ``model``, or
+    None for none: ``"auto"`` reads the model's transform (:func:`transform_std`; see the module docstring)."""
+    if norm_std == "auto":
+        return transform_std(getattr(model, "transform", None))
+    if norm_std is None:
+        return None
+    return norm_std if isinstance(norm_std, list) else [norm_std]
+
+
+def signed_step(name: str, gradient: Tensor, std: list[float] | None) -> Tensor:
+    """``sign(gradient) / std`` (``std`` per channel, axis 1 of the inputs; None: ``sign(gradient)``), the step of
+    an input perturbation; ValueError naming detector ``name`` when ``std`` does not fit the channels."""
+    step = gradient.sign()
+    if std is None:
+        return step
+    if gradient.ndim < 2 or len(std) not in (1, gradient.shape[1]):
+        channels = gradient.shape[1] if gradient.ndim > 1 else 0
+        raise ValueError(
+            f"{name}: norm_std has {len(std)} values but the inputs have {channels} channels (axis 1 of shape "
+            f"{tuple(gradient.shape)}); give one std per channel, or norm_std=None"
+        )
+    std = torch.tensor(std, dtype=step.dtype, device=step.device)
+    return step / std.view(1, -1, *([1] * (gradient.ndim - 2)))
+
+
 @contextlib.contextmanager
-def _frozen(module):
+def frozen(module):
     """Parameters without ``requires_grad`` for the block (no weight gradients to compute), then as before."""
     params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
     try:
@@ -109,7 +137,7 @@ def _frozen(module):
             p.requires_grad_(True)
 
 
-def _without_autocast(device: torch.device):
+def without_autocast(device: torch.device):
     """Autocast off on ``device`` for the block: under fp16 autocast the input gradient, of order ``W / T``, underflows
     to 0 and its sign with it; the gradient step runs in the model's own precision (float32 for most models)."""
     if torch.amp.is_autocast_available(device.type):
@@ -139,38 +167,24 @@ class ODIN(ModelDetector):
             raise ValueError(f"odin: epsilon is a step size and must be >= 0 (the paper uses 0.0014), got {epsilon!r}")
         self.temperature = float(temperature)
         self.epsilon = float(epsilon)
-        self.norm_std = _check_norm_std(norm_std)
+        self.norm_std = check_norm_std(self.name, norm_std)
         super().__init__(model)
 
     def channel_std(self) -> list[float] | None:
         """The per-channel divisor of the gradient step, or None for none (see the module docstring)."""
-        if self.norm_std == "auto":
-            return transform_std(getattr(self.model, "transform", None))
-        if self.norm_std is None:
-            return None
-        return self.norm_std if isinstance(self.norm_std, list) else [self.norm_std]
+        return channel_std(self.norm_std, self.model)
 
     def perturb(self, x: Tensor) -> Tensor:
         """``x' = x - epsilon * sign(-grad_x log S_y_hat(x; T)) / std``, same shape as ``x``, no graph."""
         with torch.inference_mode(False):
             x = x.clone() if torch.is_inference(x) else x
             x = x.detach().requires_grad_(True)
-            with torch.enable_grad(), _frozen(self.module), _without_autocast(x.device):
+            with torch.enable_grad(), frozen(self.module), without_autocast(x.device):
                 logits = self.logits(x, grad=True) / self.temperature
                 # times T: the same sign, gradients of order 1 rather than 1/T for a half-precision model
                 loss = self.temperature * F.cross_entropy(logits, logits.argmax(dim=1), reduction="sum")
                 (gradient,) = torch.autograd.grad(loss, x)
-            step = gradient.sign()
-            std = self.channel_std()
-            if std is not None:
-                if x.ndim < 2 or len(std) not in (1, x.shape[1]):
-                    raise ValueError(
-                        f"odin: norm_std has {len(std)} values but the inputs have {x.shape[1] if x.ndim > 1 else 0} "
-                        f"channels (axis 1 of shape {tuple(x.shape)}); give one std per channel, or norm_std=None"
-                    )
-                std = torch.tensor(std, dtype=step.dtype, device=step.device)
-                step = step / std.view(1, -1, *([1] * (x.ndim - 2)))
-            return (x - self.epsilon * step).detach()
+            return (x - self.epsilon * signed_step(self.name, gradient, self.channel_std())).detach()
 
     def _score(self, batch: Batch) -> Tensor:
         x = batch.inputs

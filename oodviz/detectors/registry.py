@@ -27,8 +27,10 @@ from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.lts import LTS
 from oodviz.detectors.mahalanobis import Mahalanobis
+from oodviz.detectors.mahalanobis_odin import MahalanobisODIN
 from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
+from oodviz.detectors.mds_ensemble import MDSEnsemble
 from oodviz.detectors.msp import MaxSoftmax
 from oodviz.detectors.nci import NCI
 from oodviz.detectors.neco import NECO
@@ -89,6 +91,8 @@ _REGISTRY: dict[str, type[Detector]] = {
         GROOD,
         CombOOD,
         ODIN,
+        MahalanobisODIN,
+        MDSEnsemble,
         MCD,
         WeiPer,
         AdaSCALE,

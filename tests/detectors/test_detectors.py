@@ -14,7 +14,7 @@ from oodviz import Batch
 from oodviz.detectors import NotFittedError, available, create, detector_class
 
 NAMES = available()
-# Detectors fed with features and logits; the model-based ones (needs_model: odin, mcd) score model
+# Detectors fed with features and logits; the model-based ones (needs_model: odin, mahalanobis_odin, mcd, ...) score model
 # inputs with the model and are tested in test_model_based.py.
 ALL = [n for n in NAMES if not detector_class(n).needs_model]
 FITTED = [n for n in ALL if detector_class(n).needs_fit]
@@ -43,6 +43,8 @@ def test_registry_lists_the_issue_detectors():
         "nci",
         "gradnorm",
         "odin",
+        "mahalanobis_odin",
+        "mds_ensemble",
         "mcd",
         "weiper",
         "adascale",

@@ -3,7 +3,8 @@
 Each is compared with pytorch-ood 0.4 on a tiny real CNN and random inputs, and with a float64
 reference written here; the input stream of the engine (OOM back-off, cancel, order) and a run
 with odin in its detector list are tested end to end. The model-based detectors that read a feature map (adascale,
-rankfeat, gram; each in its own file) in a run, on a model they must leave as it was, and on the GPU.
+rankfeat, gram), mahalanobis_odin and mds_ensemble (each in its own file) in a run, on a model they must leave as it
+was, and on the GPU.
 """
 
 import copy
@@ -551,12 +552,12 @@ def test_odin_and_mcd_score_in_batches_sized_from_memory(monkeypatch):
     assert sizes[0] == 1 and sorted(set(sizes[1:])) == [15, 20]
 
 
-# ---- adascale, rankfeat and gram: in a run, the model kept, on the GPU ------------------------------
+# ---- adascale, rankfeat, gram, mahalanobis_odin, mds_ensemble: in a run, the model kept, on the GPU -----------
 
 
 def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
-    """adascale and gram fit on the ID fit split's images inside the run (the pipeline's own pass), and
-    give what the library gives on the same images."""
+    """adascale, gram, mahalanobis_odin and mds_ensemble fit on the ID fit split's images inside the run (the
+    pipeline's own pass), and give what the library gives on the same images."""
     import json
 
     import pandas as pd
@@ -568,12 +569,13 @@ def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
     from oodviz.pipeline.stages import run_pipeline
     from oodviz.runs.rundir import RunDir
 
-    names = ["msp", "adascale", "gram"]
+    names = ["msp", "adascale", "gram", "mahalanobis_odin", "mds_ensemble"]
     gram_params = {"layers": ["features.3", "features.6"], "poles": 2}
+    ensemble_params = {"layers": ["features.1", "features.3", "features.6"]}
     config = RunConfig(
         id_fit=DatasetChoice("digits-test"),  # 362 images, not 1081: the fit passes stay short
         ood=[DatasetChoice("noise-uniform", params={"n": 100})],
-        detectors=[DetectorChoice(n, gram_params if n == "gram" else {}) for n in names],
+        detectors=[DetectorChoice(n, {"gram": gram_params, "mds_ensemble": ensemble_params}.get(n, {})) for n in names],
         batch_size=128,
     ).validate()
     run = RunDir.create(tmp_path, config.to_dict())
@@ -589,13 +591,18 @@ def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
     fit_y = torch.tensor([fit_set[i][1] for i in range(len(fit_set))])
     test_x = torch.stack([bb.transform(test_set[i][0]) for i in range(len(test_set))])
     id_rows = scores[scores.split == "id_test"]
-    for name, params in (("adascale", {}), ("gram", gram_params)):
+    for name, params in (
+        ("adascale", {}),
+        ("gram", gram_params),
+        ("mahalanobis_odin", {}),
+        ("mds_ensemble", ensemble_params),
+    ):
         det = create(name, model=bb, **params).fit([Batch(inputs=fit_x, labels=fit_y)])
         expected = det.score(Batch(inputs=test_x)).numpy()
         np.testing.assert_allclose(id_rows[name].to_numpy(), expected, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram"])
+@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram", "mahalanobis_odin", "mds_ensemble"])
 def test_model_based_ones_ask_for_the_model_and_keep_it_as_it_was(name):
     x, y = labelled_images(20)
     with pytest.raises(ValueError, match=rf"create\('{name}', model=\.\.\.\)"):
@@ -606,7 +613,12 @@ def test_model_based_ones_ask_for_the_model_and_keep_it_as_it_was(name):
     model.train()
     model.body[0].eval()
     before = [m.training for m in model.modules()]
-    params = {"adascale": {"k1": 10.0, "k2": 5.0}, "gram": {"poles": 2}}.get(name, {})
+    params = {
+        "adascale": {"k1": 10.0, "k2": 5.0},
+        "gram": {"poles": 2},
+        "mds_ensemble": {"layers": ["body.1", "body.3"]},
+    }
+    params = params.get(name, {})
     det = create(name, model=wide_backbone_of(model), **params).fit([Batch(inputs=x, labels=y)])
     scores = det.score(Batch(inputs=x))
     assert scores.shape == (20,) and torch.isfinite(scores).all()
@@ -617,10 +629,15 @@ def test_model_based_ones_ask_for_the_model_and_keep_it_as_it_was(name):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram"])
+@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram", "mahalanobis_odin", "mds_ensemble"])
 def test_model_based_ones_fit_and_score_on_the_gpu_as_on_the_cpu(name):
     x, y = labelled_images(40)
-    params = {"adascale": {"k1": 10.0, "k2": 5.0}, "gram": {"poles": 2}}.get(name, {})
+    params = {
+        "adascale": {"k1": 10.0, "k2": 5.0},
+        "gram": {"poles": 2},
+        "mds_ensemble": {"layers": ["body.1", "body.3"]},
+    }
+    params = params.get(name, {})
     model = WideCNN()
     on_cpu = create(name, model=model, **params).fit([Batch(inputs=x, labels=y)], head=model.fc)
     on_gpu = create(name, model=model, **params).fit([Batch(inputs=x, labels=y)], head=model.fc, device="cuda")
