@@ -30,7 +30,7 @@ agree.
 
 **Matching.** Each OpenOOD postprocessor maps to an oodviz detector and, where one oodviz detector covers several
 of them, the parameters that make it that one (:data:`OPENOOD_DETECTORS`: ``MDS++`` is ``mahalanobis`` with
-``normalize=True``); ``None`` where oodviz has no such detector (``MDSEns``, ``OpenGAN``, ``NAC``, the training
+``normalize=True``); ``None`` where oodviz has no such detector (``OpenGAN``, ``NAC``, the training
 methods' own postprocessors; OpenOOD's ``MCD`` is a training method with outlier data, not oodviz's Monte-Carlo
 dropout). Other hyper-parameters (``k`` of KNN, ReAct's percentile, ...) are not compared: the same detector may
 run with other values than OpenOOD's tuned ones. The leaderboard's figures are of OpenOOD's checkpoints
@@ -92,7 +92,7 @@ OPENOOD_DETECTORS: dict[str, tuple[str, dict] | None] = {
     "i-ODIN": None,
     "MDS": ("mahalanobis", {"normalize": False}),
     "MDS++": ("mahalanobis", {"normalize": True}),
-    "MDSEns": None,
+    "MDSEns": ("mds_ensemble", {}),  # its layer weights: OpenOOD fits them on OOD validation data, oodviz 1/rank
     "RMDS": ("rmd", {"normalize": False}),
     "RMDS++": ("rmd", {"normalize": True}),
     "Gram": ("gram", {}),

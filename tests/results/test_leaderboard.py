@@ -130,7 +130,7 @@ def test_each_openood_method_maps_to_an_oodviz_detector_that_exists_with_its_par
     assert L.OPENOOD_DETECTORS["VIM"] == ("vim", {})
     assert L.OPENOOD_DETECTORS["AdaSCALE-L"] == ("adascale", {"variant": "l"})
     assert L.OPENOOD_DETECTORS["MCD"] is None  # Maximum Classifier Discrepancy, not oodviz's Monte-Carlo dropout
-    assert L.OPENOOD_DETECTORS["MDSEns"] is None and L.OPENOOD_DETECTORS["OpenGAN"] is None
+    assert L.OPENOOD_DETECTORS["MDSEns"] == ("mds_ensemble", {}) and L.OPENOOD_DETECTORS["OpenGAN"] is None
     # a detector shared by two methods says which of them each is
     for name in {v[0] for v in L.OPENOOD_DETECTORS.values() if v is not None}:
         variants = [v[1] for v in L.OPENOOD_DETECTORS.values() if v is not None and v[0] == name]
@@ -178,7 +178,7 @@ def test_compare_gives_ours_published_and_the_difference_and_keeps_unpublished_d
     # leaderboard rows: of oodviz detectors this frame lacks, and of methods oodviz does not have
     assert by.loc["KNN", "status"] == L.NOT_RUN and math.isnan(by.loc["KNN", "near_auroc_ours"])
     assert by.loc["KNN", "near_auroc_published"] == row("imagenet", "KNN").near_auroc
-    assert by.loc["MDSEns", "status"] == L.NO_DETECTOR and by.loc["MDSEns", "detector"] is None
+    assert by.loc["NAC", "status"] == L.NO_DETECTOR and by.loc["NAC", "detector"] is None
     # every post-hoc ResNet-50 row of the leaderboard, in its order, then ours
     expected = L.published("imagenet").query("training == 'CrossEntropy' and arch == 'ResNet50'").postprocessor
     assert list(table.postprocessor.iloc[:-1]) == list(expected)
