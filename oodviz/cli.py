@@ -371,7 +371,7 @@ def cmd_bench(args) -> int:
         )
         return 2
     detectors = [name.strip() for name in args.detectors.split(",") if name.strip()] if args.detectors else None
-    settings = {"device": args.device, "batch_size": args.batch_size}
+    settings = {"device": args.device, "batch_size": args.batch_size, "protocol": args.protocol}
     try:
         configs = [
             benchmark_config(
@@ -548,6 +548,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--weights", choices=["default", "random"], default="default", help="random: a dry run")
     bench.add_argument("--detectors", help="comma-separated detector names (default: the backbone family's)")
     bench.add_argument("--tune", action="store_true", help="tune each detector's grid on OpenOOD's validation lists")
+    bench.add_argument(
+        "--protocol",
+        choices=["paper", "openood"],
+        default="paper",
+        help="paper (default): each detector's paper's formula and oodviz's defaults; openood: OpenOOD's variants and "
+        "defaults where they differ (each detector's openood_params)",
+    )
     bench.add_argument("--arch", help="the leaderboard's model to compare with (default: the benchmark's network)")
     bench.add_argument("--csv", help="write the whole comparison table (every metric and status) as CSV here")
     bench.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")

@@ -30,6 +30,8 @@ from oodviz.sampling import SUBSAMPLE_MODES
 
 #: ``RunConfig.preprocessing``'s prefix for OpenOOD v1.5's test transform of a benchmark (``"openood:cifar10"``)
 OPENOOD_PREPROCESSING = "openood:"
+#: ``RunConfig.protocol``'s values: each detector's paper, or OpenOOD v1.5's variants (:meth:`RunConfig.apply_protocol`)
+PROTOCOLS = ("paper", "openood")
 DEFAULT_OOD = (
     "digits-heldout",
     "digits-inverted",
@@ -128,6 +130,9 @@ class RunConfig:
     #: the images' preprocessing: None = the backbone's own; ``"openood:<benchmark>"`` = OpenOOD v1.5's test
     #: transform of that benchmark (:func:`oodviz.models.openood_transform`), as its leaderboard's figures were made
     preprocessing: str | None = None
+    #: ``"paper"``: each detector computes its paper's formula with oodviz's defaults; ``"openood"``: OpenOOD v1.5's
+    #: variant and defaults wherever they differ (each detector's ``openood_params``, under the parameters given)
+    protocol: str = "paper"
     #: tuning on validation data (:mod:`oodviz.pipeline.tuning`): held-out ID images and an OOD set that is not a test set
     id_val: DatasetChoice | None = None
     ood_val: DatasetChoice | None = None
@@ -135,6 +140,19 @@ class RunConfig:
     def __post_init__(self):
         if self.detectors is None:
             self.detectors = default_detectors(self.backbone)
+        self.apply_protocol()
+
+    def apply_protocol(self) -> RunConfig:
+        """Under ``protocol = "openood"``, give each known detector its ``openood_params`` (OpenOOD v1.5's variant and
+        defaults) where its own ``params`` do not set them, so that the run config records them; nothing otherwise.
+        Done when a config is made; call it again after changing ``protocol`` or ``detectors``. Returns self."""
+        if self.protocol != "openood" or not isinstance(self.detectors, list):
+            return self
+        known = set(detectors.available())
+        for choice in self.detectors:
+            if isinstance(choice, DetectorChoice) and choice.name in known and isinstance(choice.params, dict):
+                choice.params = {**detectors.detector_class(choice.name).openood_params, **choice.params}
+        return self
 
     # -- serialisation ----------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -292,6 +310,8 @@ class RunConfig:
             found.append(Problem(f"weights must be 'default' or 'random', got {self.weights!r}", "weights"))
         if "checkpoint" not in wrong and self.checkpoint is not None and not _is_file(self.checkpoint):
             found.append(Problem(f"checkpoint file {self.checkpoint} does not exist", "checkpoint"))
+        if "protocol" not in wrong and self.protocol not in PROTOCOLS:
+            found.append(Problem(f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}", "protocol"))
         if "preprocessing" not in wrong and self.preprocessing is not None:
             choices = [OPENOOD_PREPROCESSING + name for name in models.OPENOOD_BENCHMARKS]
             if self.preprocessing not in choices:
@@ -366,6 +386,7 @@ _FIELD_TYPES = {
     "memory_budget_gb": float | None,
     "model_args": dict,
     "preprocessing": str | None,
+    "protocol": str,
 }
 _DATASET_TYPES = {
     "name": str,

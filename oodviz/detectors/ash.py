@@ -26,6 +26,10 @@ shapes the feature map before the final pooling of a ResNet (``[B, D, H, W]``); 
 features as ``B x D x 1 x 1`` (as here), the paper's code and pytorch-ood compute what oodviz
 computes.
 
+OpenOOD v1.5's ``ash`` postprocessor is always ASH-B (``openood/networks/ash_net.py``'s ``forward_threshold``
+calls ``ash_b`` on the pooled features, as ``B x D x 1 x 1``), at ``percentile`` 90 tuned over 65..95:
+``openood_params = {"variant": "b"}`` (``protocol = "openood"``); oodviz's default is ASH-S, the paper's best.
+
 Deviations from the paper's code and pytorch-ood:
 
 - Ties at the pruning boundary are broken by unit index (the lower index is kept), the same on
@@ -151,6 +155,8 @@ class ASH(Detector):
     )
     inputs = ("features",)
     needs_head = True
+
+    openood_params = {"variant": "b"}
 
     def __init__(self, variant: str = "s", percentile: float = 90.0):
         if variant not in VARIANTS:

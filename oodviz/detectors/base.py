@@ -110,6 +110,11 @@ class Detector:
     #: implements the state protocol (:mod:`oodviz.detectors.protocol`): ``update`` / ``merge`` / ``finalize`` /
     #: ``state_dict``, so its fit can be split over shards and processes; the others fit on all the data at once
     mergeable: ClassVar[bool] = False
+    #: the parameters that make it compute OpenOOD v1.5's postprocessor of the same method where that differs from
+    #: the paper's formula or oodviz's defaults (``{"variant": "b"}``: OpenOOD's ASH is always ASH-B); ``{}`` where
+    #: the two agree. A run with ``protocol = "openood"`` takes them under its own parameters
+    #: (:meth:`oodviz.config.run.RunConfig.apply_protocol`); the class docstring says what they change.
+    openood_params: ClassVar[dict[str, object]] = {}
     #: the values a string parameter takes, ``{"variant": ("b", "p", "s")}`` (an editor offers them as a choice)
     param_choices: ClassVar[dict[str, tuple[str, ...]]] = {}
     #: each fitted array's axes, a letter an axis (``"CD"``: classes x features): arrays that share a letter share its

@@ -61,7 +61,7 @@ def benchmark_config(
     data root ``data_root`` with the network's ``checkpoint`` (None with ``weights="random"``: a dry run), as the
     module's docstring describes. ``detectors``: their names (None: the backbone family's defaults); ``tune``: tune
     each on OpenOOD's validation lists; ``settings``: other :class:`RunConfig` fields (``device``,
-    ``batch_size``, ...). Not validated: call ``validate()``."""
+    ``batch_size``, ``protocol``: ``"openood"`` for OpenOOD's variants, ...). Not validated: call ``validate()``."""
 
     sets = benchmark_splits(benchmark)
     role = {s.role: s for s in sets if s.role in ("id_train", "id_val", "id_test", "ood_val")}
@@ -81,7 +81,7 @@ def benchmark_config(
     )
     if detectors is not None:
         config.detectors = [DetectorChoice(name) for name in detectors]
-    return config
+    return config.apply_protocol()
 
 
 def benchmark_problems(config: RunConfig) -> list:

@@ -279,3 +279,21 @@ def test_a_config_asks_for_class_map_model_only_with_a_model_that_has_class_name
         'id_test: class_map="model" needs a model with class names; resnet18 with a checkpoint has none, so leave '
         "class_map unset",
     ]
+
+
+def test_the_openood_protocol_gives_each_detector_openoods_parameters_under_its_own():
+    from oodviz import detectors
+
+    config = RunConfig(
+        protocol="openood", detectors=[DetectorChoice("ash"), DetectorChoice("msp"), DetectorChoice("react")]
+    )
+    assert [c.params for c in config.detectors] == [{"variant": "b"}, {}, {}]  # OpenOOD's ASH is ASH-B
+    assert detectors.create("ash", **config.detectors[0].params).variant == "b"
+    mine = RunConfig(protocol="openood", detectors=[DetectorChoice("ash", {"variant": "p", "percentile": 80.0})])
+    assert mine.detectors[0].params == {"variant": "p", "percentile": 80.0}  # what the config says wins
+    # recorded in the config, and loading it again changes nothing
+    again = RunConfig.from_dict(mine.to_dict())
+    assert again == mine and again.protocol == "openood"
+    paper = RunConfig(detectors=[DetectorChoice("ash")])
+    assert paper.protocol == "paper" and paper.detectors[0].params == {}
+    assert RunConfig(protocol="OpenOOD").problems() == ["protocol must be one of paper, openood, got 'OpenOOD'"]
