@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         epilog=RUN_EXIT_CODES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    bench.add_argument("protocol", choices=["openood-v1.5"], help="the benchmark suite")
+    bench.add_argument("suite", choices=["openood-v1.5"], help="the benchmark suite")
     bench.add_argument("benchmark", help="cifar10, cifar100, imagenet200 or imagenet")
     bench.add_argument(
         "--data-root", required=True, help="the folder holding benchmark_imglist/, images_classic/, images_largescale/"

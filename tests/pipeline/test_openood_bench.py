@@ -58,7 +58,16 @@ def bench(tmp_path_factory):
     sizes = write_cifar10_root(root)
     checkpoints = [checkpoint(tmp / f"s{seed}.ckpt", seed) for seed in (0, 1)]
     argv = ["bench", "openood-v1.5", "cifar10", "--data-root", str(root), "--checkpoint", *checkpoints]
-    argv += ["--detectors", "msp,energy,mahalanobis", "--device", "cpu", "--batch-size", "64"]
+    argv += [
+        "--detectors",
+        "msp,energy,mahalanobis,ash",
+        "--device",
+        "cpu",
+        "--batch-size",
+        "64",
+        "--protocol",
+        "openood",
+    ]
     argv += ["--runs-root", str(tmp / "runs"), "--csv", str(tmp / "bench.csv")]
     argv.append("--force")  # random weights on random images: the classifier check refuses them, rightly
     code = main(argv)
@@ -82,6 +91,13 @@ def test_every_set_is_read_in_its_role_with_openoods_preprocessing(bench):
         assert set(splits) == {"id_fit", "id_test", *(f"ood:{name}" for name in NEAR + FAR)}  # no validation lists
         config = results.config
         assert config["backbone"] == "openood-resnet18-32x32" and config["preprocessing"] == "openood:cifar10"
+        # --protocol openood: recorded, and each detector ran with OpenOOD's parameters (its ASH is ASH-B)
+        assert config["protocol"] == "openood" and config["detectors"][3] == {
+            "name": "ash",
+            "params": {"variant": "b"},
+            "grid": None,
+        }
+        assert results.detectors["ash"]["params"]["variant"] == "b"
 
 
 @pytest.mark.process
@@ -109,7 +125,12 @@ def test_the_table_is_the_mean_and_std_over_seeds_of_near_and_far_means_beside_t
     assert msp.near_auroc_diff == pytest.approx(msp.near_auroc_ours - row.near_auroc.iloc[0])
     assert msp.status == "compared" and msp.runs == 2
     summary = bench_summary(table).set_index("detector")
-    assert list(summary.index) == ["msp", "mahalanobis", "energy"]  # the detectors that ran, in leaderboard order
+    assert list(summary.index) == [
+        "msp",
+        "mahalanobis",
+        "energy",
+        "ash",
+    ]  # the detectors that ran, in leaderboard order
     near = f"{msp.near_auroc_ours:.2f} ± {msp.near_auroc_ours_std:.2f} | {row.near_auroc.iloc[0]:.2f} ± "
     assert summary.loc["msp", "near AUROC: ours | published | diff"].startswith(near)
     energy = table[table.postprocessor == "EBO"].iloc[0]
