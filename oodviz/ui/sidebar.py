@@ -271,17 +271,23 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
     st.sidebar.subheader("Model")
     # outside the form: a new backbone reruns the page, so its layers and default detectors are offered
     backbones = backbone_names() + [USER_MODEL]
+    if defaults.backbone not in backbones:  # a run's timm:/hf: backbone that the list does not name, as it was typed
+        backbones.append(defaults.backbone)
     backbone = st.sidebar.selectbox(
         "Backbone",
         backbones,
-        index=backbones.index(defaults.backbone) if defaults.backbone in backbones else 0,
+        index=backbones.index(defaults.backbone),
         format_func=lambda b: "your own TorchScript file" if b == USER_MODEL else b,
         help="digits-cnn ships with oodviz and works offline. torchvision models need their weight file "
-        "(or 'random' weights for a dry run).",
+        "(or 'random' weights for a dry run). Type any timm model as timm:<model name> (pip install "
+        "'oodviz[timm]'; a checkpoint file, or random weights) or a saved Hugging Face image classifier as "
+        "hf:<directory> (pip install 'oodviz[hf]'), then press Enter.",
         key=keys["backbone"],
         on_change=_switch_default_detectors,
         args=(generation, defaults.detectors),
+        accept_new_options=True,
     )
+    backbone = backbone.strip()
     slots["backbone"] = st.sidebar.empty()
     with st.sidebar.form(f"choose-{generation}", enter_to_submit=False, border=False):
         weights = st.radio(

@@ -115,3 +115,23 @@ def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  #
     if clipped:
         shoot(page, tmp_path, "layers-clipped")
     assert clipped == []
+
+
+def test_a_timm_model_typed_as_the_backbone_is_loaded_and_estimated(page, app_url, tmp_path):  # noqa: F811
+    """A timm model the list does not name, typed into the Backbone box: the form takes it, and the estimate is of
+    that model (its 512 features: resnet10t's, not the bundled digits-cnn's 64)."""
+    page.goto(app_url)
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    sidebar.get_by_role("button", name="Start run").wait_for(timeout=120_000)
+    box = sidebar.locator('[data-testid="stSelectbox"]').filter(has_text="Backbone").first
+    box.click(timeout=60_000)
+    page.keyboard.type("timm:resnet10t")
+    page.get_by_role("option", name="Add: timm:resnet10t").click(timeout=30_000)  # a name the list does not hold
+    page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
+    sidebar.locator('[class*="st-key-layers-timm"]').wait_for(timeout=60_000)  # the form redrawn for the model
+    sidebar.locator('[data-testid="stRadio"]').filter(has_text="Weights").get_by_text("random").click()
+    sidebar.get_by_role("button", name="Estimate memory").click()
+    # the bundled digits' 1,081 ID fit images by resnet10t's 512 features (digits-cnn has 64)
+    estimate = sidebar.locator('[data-testid="stCode"]').filter(has_text="id_fit: 1,081 x 512")
+    estimate.first.wait_for(timeout=180_000)
+    shoot(page, tmp_path, "form-typed-timm-backbone")
