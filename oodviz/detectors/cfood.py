@@ -38,6 +38,9 @@ of reference rows whose ``[rows, n]`` distance block stays within 64 MiB, readin
 ``score`` call in chunks, folding each ``(query block, chunk)`` pair into per-query histograms ``[N_queries, M + 1]``
 (int32) of the first ``m`` at which each reference point's neighbourhood holds the query (the counts ``c_m`` are their
 cumulative sums). Not mergeable across ranks: the self-distances need the whole reference set.
+
+OpenOOD's defaults are oodviz's (``alpha`` 0.1, ``k`` 0.01, with ``APS_mode: false``: no tuning in its evaluator;
+its ``avg_topk`` is read but not used), so ``openood_params = {}`` (``protocol = "openood"`` changes nothing).
 """
 
 import os

@@ -44,6 +44,9 @@ normalised bank written to disk with the first moments of ``z``; the lambda pass
 ``v`` (float64). State: ``O(D^2)`` (the precision matrix) plus the bank on disk, searched as knn's
 (:mod:`oodviz.detectors.bank`: read once per ``score`` call in chunks, a running top-``k`` per query). Not mergeable:
 the bank is every row and each pass needs the previous one's result.
+
+OpenOOD's repository (v1.5, main) has no CombOOD postprocessor: the leaderboard's ``CombOOD`` row links the
+authors' code (rmagesh148/combood), whose settings are those above, so ``openood_params = {}``.
 """
 
 import math

@@ -32,6 +32,12 @@ checks on its first batch that ``features @ W^T + b`` reproduces the logits, the
 Shapes: ``features`` ``[B, D]``, ``logits`` ``[B, C]`` -> scores ``[B]``.
 
 Its fit checks the head on the first batch: nothing to split over ranks (every rank does it).
+
+OpenOOD v1.5's ``gradnorm`` postprocessor (``openood/postprocessors/gradnorm_postprocessor.py``; its configuration
+has no arguments) computes the same norm per sample with autograd at temperature 1, with the paper code's loss: the
+cross-entropy to an all-ones target summed over the classes, ``-sum_k log softmax_k(z)``, ``C`` times ``L``. Its
+norm is therefore ``C`` times oodviz's at the default ``temperature = 1``: the same ranking, the same AUROC and
+FPR@95, so ``openood_params = {}`` (``protocol = "openood"`` changes nothing).
 """
 
 import torch

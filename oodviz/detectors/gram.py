@@ -30,9 +30,32 @@ when ``int((j + 1) h) > int(j h)``, ``int(n_c h)`` of them), where pytorch-ood d
 deviations) with a state of ``2 K P sum_l C_l`` numbers (``K`` classes, ``P`` poles). ``holdout=0``
 is one pass and no normalisation.
 
-``layers``: module names (``model.named_modules()``) whose outputs are used, or None for every leaf
-module whose output is a feature map ``[B, C, H, W]``, found on the first fit batch. ``poles``: the
-largest ``p`` (the paper uses 1..10). Shapes: ``inputs`` ``[B, ...]`` -> scores ``[B]``.
+``layers``: module names (``model.named_modules()``) whose outputs are used (a module that runs more than once
+in a forward: its last output), or None for the layers ``auto_layers`` finds on the first fit batch:
+
+- ``"maps"`` (default): every leaf module whose output is a feature map ``[B, C, H, W]``, each once;
+- ``"conv_relu"``: every call of every ``nn.Conv2d`` and ``nn.ReLU`` module, in the order the forward makes them,
+  whatever the shape of its output (``[B, C, ...]``, axis 1 the channels); a module called twice (the ``relu`` of
+  a torchvision ResNet block) gives two layers. ReLUs written as ``F.relu`` inside ``forward`` are not modules and
+  give none.
+
+``poles``: the largest ``p`` (the paper uses 1..10). ``divide_by_msp=True`` divides the score by the maximum
+softmax probability of the logits, ``score(x) / max_k softmax_k(f(x))``. Shapes: ``inputs`` ``[B, ...]`` -> scores
+``[B]``.
+
+OpenOOD v1.5's ``gram`` postprocessor (``openood/postprocessors/gram_postprocessor.py``) computes the same row sums
+(``G_p``), deviations (``delta``, the same ``1e-6``) and per-layer normalisation by the mean deviation of held-out
+samples, with: the output of every call of every ``nn.Conv2d`` and ``nn.ReLU`` module as its layers (its
+``FeatureExtractor``'s forward hooks; on its ResNet18_32x32, whose ReLUs are functional, the convolutions), the
+powers 1..5 (``powers: [1,2,3,4,5]``, the only value of its sweep), and the total deviation divided by the maximum
+softmax probability (its confidence is ``-deviations / msp``): ``openood_params = {"poles": 5, "divide_by_msp":
+True, "auto_layers": "conv_relu"}`` (``protocol = "openood"``). Its held-out part is ``int(0.1 n_c)`` samples of
+each class, as here, but drawn with Python's ``random.sample``, unseeded in its evaluator, after all the
+statistics of the fit split are held in memory. A random draw of exactly ``int(h n_c)`` rows per class needs each
+``n_c`` before the first pass, and so a third pass over the fit images (or memory that grows with ``N``); since
+OpenOOD's own draw cannot be reproduced anyway (no seed), the normalisation here keeps its every-10th rows: the same
+count, another choice of rows, a difference of the order of OpenOOD's own from one evaluation to the next. Where a
+layer's mean held-out deviation is 0, OpenOOD divides by it (an infinite or NaN score) and this uses 1.
 
 Not mergeable (the state protocol, :mod:`oodviz.detectors.protocol`): it runs the model on the fit images;
 in a run split over ranks every rank fits it on all the ID fit images (the same answer, without the speed-up).
@@ -49,6 +72,32 @@ from oodviz.batch import Batch
 from oodviz.detectors.base import check_all_classes_seen
 from oodviz.detectors.model_fit import FittedModelDetector, check_layers, layers_whose_output
 from oodviz.detectors.teaching import Teaching
+
+#: how ``layers=None`` finds the layers: every leaf module with a feature-map output, or every call of an
+#: ``nn.Conv2d`` or ``nn.ReLU`` (OpenOOD's)
+AUTO_LAYERS = ("maps", "conv_relu")
+
+
+def conv_relu_calls(detector: FittedModelDetector, x: Tensor) -> list[str]:
+    """The names of the ``nn.Conv2d`` and ``nn.ReLU`` modules of ``detector.module``, once per call, in the order one
+    forward of ``x[:1]`` makes the calls (OpenOOD's ``FeatureExtractor``'s layers), of the calls with an output
+    ``[B, C, ...]``."""
+    names = {m: name for name, m in detector.module.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.ReLU))}
+    found: list[str] = []
+    hooks = [
+        m.register_forward_hook(lambda mod, _, out: found.append(names[mod]) if _is_layer_output(out) else None)
+        for m in names
+    ]
+    try:
+        detector.logits(x[:1])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return found
+
+
+def _is_layer_output(out) -> bool:
+    return isinstance(out, Tensor) and out.ndim >= 2
 
 
 def gram_rows(maps: Tensor, poles: int) -> Tensor:
@@ -82,7 +131,18 @@ class Gram(FittedModelDetector):
     #: the default detector list by backbone family is issue 17.4's; until then a run lists it explicitly
     in_defaults = False
 
-    def __init__(self, layers: list[str] | None = None, poles: int = 10, holdout: float = 0.1, model=None):
+    param_choices = {"auto_layers": AUTO_LAYERS}
+    openood_params = {"poles": 5, "divide_by_msp": True, "auto_layers": "conv_relu"}
+
+    def __init__(
+        self,
+        layers: list[str] | None = None,
+        poles: int = 10,
+        holdout: float = 0.1,
+        divide_by_msp: bool = False,
+        auto_layers: str = "maps",
+        model=None,
+    ):
         if layers is not None and (
             isinstance(layers, str) or not layers or not all(isinstance(n, str) and n for n in layers)
         ):
@@ -95,9 +155,19 @@ class Gram(FittedModelDetector):
             )
         if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
             raise ValueError(f"gram: holdout is the fraction of each class held out, 0 <= holdout < 1, got {holdout!r}")
+        if not isinstance(divide_by_msp, bool):
+            raise ValueError(f"gram: divide_by_msp must be true or false, got {divide_by_msp!r}")
+        if auto_layers not in AUTO_LAYERS:
+            raise ValueError(
+                f"gram: auto_layers must be one of {AUTO_LAYERS} (how layers=None finds the layers: 'maps' every leaf "
+                f"module with a [B, C, H, W] output, 'conv_relu' every call of an nn.Conv2d or nn.ReLU), "
+                f"got {auto_layers!r}"
+            )
         self.layers = None if layers is None else list(layers)
         self.poles = poles
         self.holdout = float(holdout)
+        self.divide_by_msp = divide_by_msp
+        self.auto_layers = auto_layers
         super().__init__(model)
 
     @property
@@ -120,6 +190,14 @@ class Gram(FittedModelDetector):
         check_layers(self.name, self.module, self.layers or [])
 
     def _auto_layers(self, x: Tensor) -> list[str]:
+        if self.auto_layers == "conv_relu":
+            found = conv_relu_calls(self, x)
+            if not found:
+                raise ValueError(
+                    "gram found no nn.Conv2d or nn.ReLU module that runs in the forward (auto_layers='conv_relu'); "
+                    "name the layers: create('gram', layers=[...])"
+                )
+            return found
         found = layers_whose_output(self, x, lambda out: isinstance(out, Tensor) and out.ndim == 4, leaves=True)
         if not found:
             raise ValueError(
@@ -131,22 +209,37 @@ class Gram(FittedModelDetector):
         """``g`` of every layer and pole, ``[B, P, sum_l C_l]`` (float64), and the logits ``[B, C]`` of one forward."""
         modules = dict(self.module.named_modules())
         outputs: dict[str, Tensor] = {}
+        calls: list[tuple[str, Tensor]] = []  # every call, in order (auto_layers="conv_relu")
+        per_call = self.layers is None and self.auto_layers == "conv_relu"
 
         def keep(name):  # the statistic at once: a later in-place op (ReLU(inplace=True)) may change the output
+            if per_call:
+                return lambda mod, _, out: (
+                    calls.append((name, gram_rows(out, self.poles))) if _is_layer_output(out) else None
+                )
             return lambda mod, _, out: outputs.__setitem__(name, gram_rows(out, self.poles))
 
-        hooks = [modules[name].register_forward_hook(keep(name)) for name in self.layers_]
+        hooks = [modules[name].register_forward_hook(keep(name)) for name in dict.fromkeys(self.layers_)]
         try:
             logits = self.logits(x)
         finally:
             for hook in hooks:
                 hook.remove()
-        missing = [name for name in self.layers_ if name not in outputs]
-        if missing:
-            raise ValueError(f"gram: layer(s) {missing} did not run during forward; choose layers the model uses")
+        if per_call:
+            if [name for name, _ in calls] != self.layers_:
+                raise ValueError(
+                    f"gram: the model's nn.Conv2d / nn.ReLU calls changed since the layers were found ({len(calls)} "
+                    f"calls, {len(self.layers_)} layers); its forward must make the same calls for every batch"
+                )
+            found = [g for _, g in calls]
+        else:
+            missing = [name for name in self.layers_ if name not in outputs]
+            if missing:
+                raise ValueError(f"gram: layer(s) {missing} did not run during forward; choose layers the model uses")
+            found = [outputs[name] for name in self.layers_]
         if self.layer_widths_ is None:
-            self.layer_widths_ = [outputs[name].shape[2] for name in self.layers_]
-        return torch.cat([outputs[name] for name in self.layers_], dim=2), logits
+            self.layer_widths_ = [g.shape[2] for g in found]
+        return torch.cat(found, dim=2), logits
 
     # -- fit ---------------------------------------------------------------------------------------
     def fit_begin(self, head=None) -> None:
@@ -207,4 +300,7 @@ class Gram(FittedModelDetector):
         g, logits = self.statistics(batch.inputs)
         predicted = logits.argmax(dim=1)
         per_layer = self._per_layer(deviations(g, self.minimum_[predicted], self.maximum_[predicted]))
-        return (per_layer / self.layer_norm_).sum(dim=1)
+        total = (per_layer / self.layer_norm_).sum(dim=1)
+        if self.divide_by_msp:  # OpenOOD's: the deviation over the maximum softmax probability
+            return total / logits.double().softmax(dim=1).amax(dim=1)
+        return total

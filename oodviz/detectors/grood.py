@@ -36,6 +36,12 @@ The bank is kept and read as knn's (:mod:`oodviz.detectors.bank`): written to di
 running minimum per query. Memory: ``O(C x D)`` for the prototypes, one bank chunk and one ``[q, chunk]`` block.
 Not mergeable in the state protocol's sense: the bank is every correctly classified row (the prototypes alone
 would merge by addition).
+
+OpenOOD v1.5's ``grood`` configuration (``configs/postprocessors/grood.yaml``: its ``evaluation_api`` looks for
+``grood.yml``) tunes on the benchmark's validation data (``APS_mode: True``) and takes as the OOD prototype the
+mean feature of the first batches of the benchmark's OOD validation set (``use_val_ood: True``, at least
+``n_noise_samples`` = 100 rows): benchmark data rather than a parameter value, so ``openood_params = {}``; give that
+mean as ``noise_prototype`` to follow it.
 """
 
 import torch

@@ -61,6 +61,11 @@ this detector has no state protocol (:mod:`oodviz.detectors.protocol`): in a run
 it on all the ID fit images, as gram and adascale. A fit split over processes, or one from a feature store without
 a pass over the images, is a ``mahalanobis`` (``normalize=False``) fitted on the same features, merged across ranks
 with its protocol, handed over by :meth:`MahalanobisODIN.from_mahalanobis`.
+
+OpenOOD v1.5 has no postprocessor of this method at one layer: its ``mds`` is Mahalanobis without the input step
+(oodviz's ``mahalanobis``), and its ``mds_ensemble`` takes the step at the layers of its network's feature list
+(:mod:`~oodviz.detectors.mds_ensemble`, whose ``openood_params`` set OpenOOD's ``norm_std``); so
+``openood_params = {}`` here.
 """
 
 from __future__ import annotations

@@ -13,6 +13,19 @@ dropout masks; ``p_n = softmax(f_n(x))`` ``[B, C]`` is the ``n``-th pass. As pyt
   with Bessel's correction (``N - 1``), averaged over the classes (as in Bayesian SegNet). This is
   pytorch-ood's default mode; oodviz defaults to ``"mean"``.
 
+``average="logits"`` (with ``mode="mean"``) averages the passes' logits before the softmax instead:
+``score(x) = -max_k softmax((1/N) sum_n f_n(x))_k``, the maximum softmax of the mean logits, negated.
+
+OpenOOD v1.5's ``dropout`` postprocessor (``openood/postprocessors/dropout_postprocessor.py``; its ``mcd`` is
+another method, Maximum Classifier Discrepancy, trained with outliers) computes that: ``dropout_times`` (5) forwards
+of its ``DropoutNet``, the logits averaged, then the maximum softmax as the confidence:
+``openood_params = {"average": "logits", "samples": 5}`` (``protocol = "openood"``). Its dropout is part of its
+network, not of the postprocessor (whose ``dropout_p`` is not read): ``DropoutNet`` applies
+``F.dropout2d(features, p, training=True)`` (``p = 0.5``, the network config's ``dropout_p``) to the pooled
+penultimate features ``[B, D]`` before ``fc``, which on a 2-D input drops single activations as ``nn.Dropout(p)``
+does (the same masks from the same random state). oodviz switches on the model's own dropout modules with their own
+``p``: a model with ``nn.Dropout(0.5)`` just before its head runs OpenOOD's passes.
+
 Higher = more OOD in both modes. The passes run one after another on the whole batch (``N``
 batched forwards, never one sample at a time); sums are accumulated in float64.
 
@@ -42,6 +55,8 @@ from oodviz.detectors.base import ModelDetector
 from oodviz.detectors.teaching import Teaching
 
 MODES = ("mean", "var")
+#: what the passes average before the maximum (``mode="mean"``): the softmax (the paper's) or the logits (OpenOOD's)
+AVERAGES = ("probabilities", "logits")
 DROPOUT_TYPES = (nn.modules.dropout._DropoutNd,)
 #: TorchScript keeps the Python class name of scripted submodules in ``original_name``
 DROPOUT_NAMES = {"Dropout", "Dropout1d", "Dropout2d", "Dropout3d", "AlphaDropout", "FeatureAlphaDropout"}
@@ -105,7 +120,8 @@ class _DropoutOn:
 
 class MCD(ModelDetector):
     name = "mcd"
-    param_choices = {"mode": MODES}
+    param_choices = {"mode": MODES, "average": AVERAGES}
+    openood_params = {"average": "logits", "samples": 5}
     summary = (
         "Negative max of the mean softmax over forward passes with dropout on (runs the model; needs dropout layers)."
     )
@@ -119,7 +135,9 @@ class MCD(ModelDetector):
     #: most classifiers (ResNets, the bundled digits-cnn) have no dropout: not in a run's default list
     in_defaults = False
 
-    def __init__(self, samples: int = 30, mode: str = "mean", seed: int | None = 0, model=None):
+    def __init__(
+        self, samples: int = 30, mode: str = "mean", seed: int | None = 0, average: str = "probabilities", model=None
+    ):
         minimum = 2 if mode == "var" else 1
         if isinstance(samples, bool) or not isinstance(samples, int) or samples < minimum:
             raise ValueError(
@@ -132,9 +150,20 @@ class MCD(ModelDetector):
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"mcd: seed must be an integer or None (the global random state), got {seed!r}")
+        if average not in AVERAGES:
+            raise ValueError(
+                f"mcd: average must be one of {AVERAGES} (what the passes average before the softmax's maximum: "
+                f"'probabilities' the paper's, 'logits' OpenOOD's), got {average!r}"
+            )
+        if average == "logits" and mode != "mean":
+            raise ValueError(
+                "mcd: average='logits' (OpenOOD's dropout score, the maximum softmax of the mean logits) is a score of "
+                "mode='mean'; mode='var' is the variance of the passes' softmax"
+            )
         self.samples = samples
         self.mode = mode
         self.seed = seed
+        self.average = average
         super().__init__(model)
 
     def _check_fit_model(self, model) -> None:
@@ -150,6 +179,11 @@ class MCD(ModelDetector):
 
     def _score(self, batch: Batch) -> Tensor:
         total = total_sq = None
+        if self.average == "logits":  # OpenOOD's: the softmax of the mean logits
+            for _ in range(self.samples):
+                logits = self.logits(batch.inputs).double()
+                total = logits if total is None else total + logits
+            return -(total / self.samples).softmax(dim=1).amax(dim=1)
         for _ in range(self.samples):
             p = self.logits(batch.inputs).softmax(dim=1).double()
             total = p if total is None else total + p

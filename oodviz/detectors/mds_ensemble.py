@@ -66,6 +66,13 @@ number of inputs, and one batch's forward pass (no graph); the fitted state keep
 
 **Merging.** As mahalanobis_odin: the statistics merge exactly, but the fit runs the model on the fit images, so
 there is no state protocol; a sharded run fits it on every rank over all the ID fit images.
+
+**OpenOOD's variant.** Under ``protocol = "openood"``: ``openood_params = {"norm_std": 0.5}``, OpenOOD's fixed
+divisor whatever the benchmark (``epsilon`` is already its 0.0014, the only value of its sweep). Its layer, the
+first of its network's ``feature_list`` (the stem's output after the ReLU and, on the 224 x 224 ResNets, the
+max-pool: ``"maxpool"`` of a torchvision ResNet; OpenOOD's ResNet18_32x32 applies its stem's ReLU as ``F.relu``, an
+output that no module gives), depends on the network, so it stays with ``layers``; with one layer the weight is one
+positive factor, which does not change the ranking.
 """
 
 from __future__ import annotations
@@ -111,6 +118,7 @@ class MDSEnsemble(FittedModelDetector):
     )
     paper = "https://arxiv.org/abs/1807.03888"
     default_grid = {"epsilon": EPSILON_GRID}
+    openood_params = {"norm_std": 0.5}
     score_params = ("epsilon", "norm_std", "weights")
     teaching = Teaching(
         formula=(

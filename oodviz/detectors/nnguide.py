@@ -26,6 +26,14 @@ top-k, whatever the size of the bank.
 
 Split over ranks, the bank is sharded as knn's (each rank keeps the scaled rows of its shard and searches it;
 rank 0 merges the top-``k`` lists exactly: :mod:`~oodviz.detectors.knn`).
+
+OpenOOD v1.5's ``nnguide`` postprocessor computes this score with ``K = 100`` neighbours (``K: 100``, the only value
+of its sweep; oodviz's default is 10): ``openood_params = {"k": 100}`` (``protocol = "openood"``). Its bank is not
+the whole training split: with ``alpha: 0.01`` it keeps the first batches of its (unshuffled) training loader until
+they hold more than ``int(0.01 N)`` rows, the first rows of the training list rather than a random subset. oodviz's
+bank is every fit row it is given (a share of a stream would need the stream's length before the first row), so
+that part is not a parameter: fit on those rows to follow it. Its normalisation adds ``1e-10`` to every coordinate
+of ``x / |x|``, a change of that order.
 """
 
 import torch
@@ -48,6 +56,7 @@ class NNGuide(KNN):
     paper = "https://arxiv.org/abs/2309.14888"
     default_grid = {"k": (1, 10, 50, 100)}
     score_params = ("k",)
+    openood_params = {"k": 100}
     teaching = Teaching(
         formula=r"s(x) = -E(x) \cdot \frac{1}{k} \sum_{i \in \mathrm{top}_k} \langle z, g_i \rangle,\quad E(x) = \log \sum_c e^{(x W^\top + b)_c},\quad g_i = E(x_i)\, x_i / \|x_i\|",
         citation="Park, Jung & Teoh, *Nearest Neighbor Guidance for Out-of-Distribution Detection*, ICCV 2023",

@@ -41,6 +41,15 @@ steps in the units of the model input. oodviz's ``norm_std``:
 
 Defaults ``T = 1000`` and ``epsilon = 0.0014`` are the paper's (and pytorch-ood's). Shapes:
 ``inputs`` ``[B, C_in, ...]`` -> scores ``[B]``.
+
+OpenOOD v1.5's ``odin`` postprocessor computes this score (its ``torch.ge(grad, 0)`` maps a zero gradient to +1 where
+``sign`` gives 0 here; its loss is the batch mean, the same sign) with ``temperature`` 1000 and ``noise``
+(``epsilon``) 0.0014 by default, tuned on the benchmark's validation sets over ``T`` in 1, 10, 100, 1000 and
+``epsilon`` in 0.0014, 0.0028 (``APS_mode: True``; ``default_grid`` here is the same grid): the values behind its
+figures depend on the benchmark. It divides the gradient's sign by the per-channel std of the benchmark's
+normalisation (its ``normalization_dict``; 0.5 for a dataset it does not list), which is the std
+``norm_std="auto"`` reads from the transform under OpenOOD's preprocessing (``preprocessing = "openood:<benchmark>"``,
+the same numbers) or torchvision's ImageNet weights. So ``openood_params = {}``.
 """
 
 import contextlib

@@ -8,17 +8,16 @@ Fit (logits ``z`` ``[N, C]``, labels ``y`` in ``0..K-1``), two passes:
 2. the distance of each training sample to its class mean,
    ``d(z, mu) = w_e |z - mu| + (1 - w_e) (1 - <z, mu> / (|z| |mu|))`` (``w_e = euclid_weight``), keeping
    the ``tailsize`` largest per class (``[K, tailsize]``, whatever the number of samples), to which a
-   Weibull distribution is fitted by maximum likelihood (:func:`fit_weibull`). As pytorch-ood 0.4 does, the
-   tail is translated first, ``t = d + 10000 - min(tail)``, and the Weibull has location 0:
-   ``W_k(d) = 1 - exp(-((d + 10000 - m_k) / lambda_k)^c_k)``.
+   Weibull distribution is fitted by maximum likelihood (:func:`fit_weibull`). As libMR's ``FitHigh`` does, the
+   tail is translated first, ``t = d + s - min(tail)`` (``s = tail_shift``), and the Weibull has location 0:
+   ``W_k(d) = 1 - exp(-((d + s - m_k) / lambda_k)^c_k)`` (0 where ``d + s - m_k < 0``).
 
-   The shift of 10000 is pytorch-ood's (its libMR port, ``libnotmr``, hard-codes it) and was the default of
-   the Python binding of libMR, the paper's library, in its first public release (v1.1, June 2016:
-   ``MR(translate_amount=10000)``). libMR's default has been 1 since March 2017 (Vastlab/libMR, setup version
-   0.1.3 on, including 0.1.9, the release on PyPI: ``translate_amount=1``, which ``FitHigh`` adds to the tail
-   after subtracting its smallest value), and OpenOOD v1.5's OpenMax postprocessor calls ``libmr.MR()`` and
-   ``fit_high`` with the defaults, so OpenOOD shifts by 1. oodviz keeps 10000 to reproduce pytorch-ood 0.4, its
-   reference implementation in the tests; its Weibull fits, hence its scores, are therefore not OpenOOD's.
+   ``tail_shift`` defaults to 10000, pytorch-ood 0.4's (its libMR port, ``libnotmr``, hard-codes it), which was
+   also the default of the Python binding of libMR, the paper's library, in its first public release (v1.1, June
+   2016: ``MR(translate_amount=10000)``). libMR's default has been 1 since March 2017 (Vastlab/libMR, setup
+   version 0.1.3 on, including 0.1.9, the release on PyPI: ``translate_amount=1``, which ``FitHigh`` adds to the
+   tail after subtracting its smallest value). The shift changes the Weibull fitted to the same tail, hence the
+   scores.
 
 Score, with logits ``z`` ``[B, C]``: the ``alpha`` classes of largest logits, in decreasing order
 ``s_1, ..., s_alpha``, get weights ``r_i = (alpha + 1 - i) / alpha`` and ``w_i = r_i W_{s_i}(d(z, mu_{s_i}))``
@@ -27,15 +26,27 @@ Score, with logits ``z`` ``[B, C]``: the ``alpha`` classes of largest logits, in
     v_j = z_j (1 - w_j)   (w_j = 0 outside the top alpha),     v_0 = sum_j z_j w_j
     score(z) = exp(v_0) / (exp(v_0) + sum_j exp(v_j))
 
-the probability of the "unknown" class in the recalibrated softmax (higher = more OOD), as pytorch-ood
-0.4's ``OpenMax`` scores it. Two differences from pytorch-ood, neither of which changes the scores of
-the tests' data: pytorch-ood clips the revised activations at 709 before ``exp`` (oodviz's softmax is
-computed stably instead), and it measures distances only to classes that some sample of the same
-``predict`` call has as its top class (the others count as distance 0); oodviz measures them all.
-Also as pytorch-ood (the paper uses correctly classified samples only), the means and tails are
-those of all training samples of each class. pytorch-ood rounds the translated tail to float32 (a
-step of ~0.001 at 10000); oodviz keeps it in float64, so the Weibull shapes differ by ~0.1% and the
-scores by a little (the tests hold the ranking and AUROC to the usual bounds).
+the probability of the "unknown" class in the recalibrated softmax (higher = more OOD), as pytorch-ood 0.4's
+``OpenMax`` scores it. Two differences from pytorch-ood, neither of which changes the scores of the tests' data:
+pytorch-ood clips the revised activations at 709 before ``exp`` (oodviz's softmax is computed stably instead), and
+it measures distances only to classes that some sample of the same ``predict`` call has as its top class (the others
+count as distance 0); oodviz measures them all. Also as pytorch-ood (the paper uses correctly classified samples
+only), the means and tails are those of all training samples of each class by default (``correct_only=False``).
+pytorch-ood rounds the translated tail to float32 (a step of ~0.001 at 10000); oodviz keeps it in float64, so the
+Weibull shapes differ by ~0.1% and the scores by a little (the tests hold the ranking and AUROC to the usual
+bounds).
+
+``correct_only=True`` fits the means and the tails on the training samples the model classifies correctly
+(``argmax_k z_k = y``, ties to the lower index), as the paper does; every class of the logits then needs at least
+one (one Weibull per class, ``K = C``).
+
+OpenOOD v1.5's ``openmax`` postprocessor (``openood/postprocessors/openmax_postprocessor.py``) computes the same
+score (its confidence is minus the unknown class's probability) with fixed settings of its own: Euclidean
+distances (``distance_type='euclidean'``, ``euclid_weight=1`` here, the default), tails of 20, ``alpha`` 3, the
+means and tails of the correctly classified training samples only, and ``libmr.MR()`` with ``fit_high`` at libMR's
+default shift of 1: ``openood_params = {"tailsize": 20, "alpha": 3, "tail_shift": 1.0, "correct_only": True}``
+(``protocol = "openood"``). Its ``weibull_threshold`` (0.9) only decides its class prediction, not the score. It
+forms ``exp`` of the revised logits without the stable softmax used here (it overflows for logits above ~709).
 
 Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): pass 1's class sums merge by
 addition, and pass 2 (distances to the merged means) keeps per shard its ``tailsize`` largest per class,
@@ -56,8 +67,8 @@ from oodviz.detectors.protocol import FitState
 from oodviz.detectors.stats import ACCUMULATE, ClassMeans
 from oodviz.detectors.teaching import Teaching
 
-#: the translation of the tail before the Weibull fit: pytorch-ood 0.4's, and libMR's first default (libMR's
-#: default, which OpenOOD uses, has been 1 since 2017; see the module docstring)
+#: the default translation of the tail before the Weibull fit (``tail_shift``): pytorch-ood 0.4's, and libMR's first
+#: default (libMR's default, which OpenOOD uses, has been 1 since 2017; see the module docstring)
 TRANSLATION = 10000.0
 
 
@@ -141,7 +152,16 @@ class OpenMax(Detector):
     fit_passes = 2
     in_defaults = False  # the default list is issue 17's per-backbone choice
 
-    def __init__(self, tailsize: int = 25, alpha: int = 10, euclid_weight: float = 1.0):
+    openood_params = {"tailsize": 20, "alpha": 3, "tail_shift": 1.0, "correct_only": True}
+
+    def __init__(
+        self,
+        tailsize: int = 25,
+        alpha: int = 10,
+        euclid_weight: float = 1.0,
+        tail_shift: float = TRANSLATION,
+        correct_only: bool = False,
+    ):
         for label, value in (("tailsize", tailsize), ("alpha", alpha)):
             if isinstance(value, bool) or int(value) != value or value < 1:
                 raise ValueError(f"openmax: {label} must be a positive integer, got {value!r}")
@@ -151,9 +171,19 @@ class OpenMax(Detector):
             )
         if tailsize < 2:
             raise ValueError("openmax: tailsize must be at least 2 (a Weibull fit needs two distances)")
+        if isinstance(tail_shift, bool) or not isinstance(tail_shift, (int, float)) or not 0 < tail_shift < math.inf:
+            raise ValueError(
+                f"openmax: tail_shift (added to each class's tail after subtracting its smallest distance, so that "
+                f"the Weibull sees positive values) must be a number > 0 (libMR's 1, pytorch-ood's 10000), got "
+                f"{tail_shift!r}"
+            )
+        if not isinstance(correct_only, bool):
+            raise ValueError(f"openmax: correct_only must be true or false, got {correct_only!r}")
         self.tailsize = int(tailsize)
         self.alpha = int(alpha)
         self.euclid_weight = float(euclid_weight)
+        self.tail_shift = float(tail_shift)
+        self.correct_only = correct_only
 
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
@@ -181,17 +211,27 @@ class OpenMax(Detector):
         return {"means": ClassMeans()} if pass_index == 0 else {"tails": ClassTails(self.tailsize)}
 
     def _update_state(self, state: FitState, batch: Batch) -> None:
+        logits, labels = batch.logits, batch.labels
+        if self.correct_only:  # every class of the logits gets a mean (K = C): a class never right is an error
+            correct = logits.argmax(dim=1) == labels
+            logits, labels = logits[correct], labels[correct]
         if state.pass_index == 0:
-            state.parts["means"].update(batch.logits, batch.labels)
+            means = state.parts["means"]
+            if self.correct_only:
+                means.n_classes = batch.logits.shape[1]
+            means.update(logits, labels)
             return
         tails = state.parts["tails"]
-        for label in torch.unique(batch.labels).tolist():
-            own = self.distances(batch.logits[batch.labels == label], self.class_means_[label : label + 1])[:, 0]
+        for label in torch.unique(labels).tolist():
+            own = self.distances(logits[labels == label], self.class_means_[label : label + 1])[:, 0]
             tails.add(label, own, len(self.class_means_))
 
     def _finish_pass(self, state: FitState) -> bool:
         if state.pass_index == 0:
             sums = state.parts["means"]
+            if self.correct_only:  # every class of the logits, K = C
+                empty = list(range(state.n_classes)) if sums.sums is None else sums.empty_classes(state.n_classes)
+                check_all_classes_seen(self.name, empty, "correctly classified samples")
             check_all_classes_seen(self.name, sums.empty_classes())
             self.class_means_ = sums.means  # [K, C] float64
             return False
@@ -204,7 +244,7 @@ class OpenMax(Detector):
                     f"openmax: class {label} has {len(tail)} training sample(s) whose distances to the class mean "
                     "are all equal; a Weibull fit needs at least two different ones: give the class more samples."
                 )
-            shape, scale = fit_weibull(tail + TRANSLATION - tail.min())
+            shape, scale = fit_weibull(tail + self.tail_shift - tail.min())
             shapes.append(shape)
             scales.append(scale)
         self.tail_minima_ = tails.nan_to_num(neginf=math.inf).amin(dim=1)  # [K]
@@ -214,7 +254,7 @@ class OpenMax(Detector):
 
     def weibull_cdf(self, distances: Tensor) -> Tensor:
         """``W_k(d)`` for distances ``[B, K]`` to each class mean."""
-        translated = (distances + TRANSLATION - self.tail_minima_).clamp(min=0)
+        translated = (distances + self.tail_shift - self.tail_minima_).clamp(min=0)
         return -torch.expm1(-((translated / self.weibull_scales_) ** self.weibull_shapes_))
 
     def _score(self, batch: Batch) -> Tensor:

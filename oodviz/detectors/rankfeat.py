@@ -26,6 +26,21 @@ them) whose output is a map ``[B, C, H, W]`` with ``H W > 1`` (``layer4`` of a R
 convolutional block), found on the first batch of each ``score`` call. A model with no such output
 (pooled features only, a ViT's token sequence, a plain callable) is a ValueError naming the fix.
 The SVD runs in float32 (also under autocast). Shapes: ``inputs`` ``[B, ...]`` -> scores ``[B]``.
+
+``fuse_layer`` names a second, earlier layer (``"layer3"`` of a ResNet, with ``layer`` its ``"layer4"``): the model
+then runs twice per batch, once with ``layer``'s output losing its rank-1 part and once with ``fuse_layer``'s (the
+rest of the network unchanged, so the later block sees the earlier block's map with its rank-1 part removed), and
+the two forwards' logits are averaged before the energy:
+
+    score(x) = -logsumexp_k (g_k(X'_layer) + g_k(X'_fuse)) / 2
+
+the paper's "Block 3 + Block 4" fusion (its Table 1 and code). OpenOOD v1.5's ``rankfeat`` postprocessor
+(``openood/postprocessors/rankfeat_postprocessor.py``) computes exactly that, with ``torch.linalg.svd``
+(``accelerate: False``) and temperature 1: the rank-1 part removed from ``intermediate_forward(x, 4)`` (the output
+of ``layer4``) then ``avgpool`` and ``fc``, and from ``intermediate_forward(x, 3)`` (``layer3``) then ``layer4``,
+``avgpool`` and ``fc``, the two logits averaged: ``openood_params = {"fuse_layer": "layer3"}`` (``protocol =
+"openood"``), ``layer`` left to find ``layer4`` (the last feature map of a ResNet). OpenOOD runs it on its ResNets
+only (their ``intermediate_forward``); a model without a ``layer3`` is a ValueError naming its layers.
 """
 
 from __future__ import annotations
@@ -67,12 +82,20 @@ class RankFeat(ModelDetector):
     #: the default detector list by backbone family is issue 17.4's; until then a run lists it explicitly
     in_defaults = False
 
-    def __init__(self, layer: str | None = None, model=None):
+    openood_params = {"fuse_layer": "layer3"}
+
+    def __init__(self, layer: str | None = None, fuse_layer: str | None = None, model=None):
         if layer is not None and (not isinstance(layer, str) or not layer):
             raise ValueError(f"rankfeat: layer must be a module name such as 'layer4', or None, got {layer!r}")
+        if fuse_layer is not None and (not isinstance(fuse_layer, str) or not fuse_layer):
+            raise ValueError(
+                f"rankfeat: fuse_layer must be a module name such as 'layer3' (an earlier block, whose removal's "
+                f"logits are averaged with layer's), or None, got {fuse_layer!r}"
+            )
         self.layer = layer
+        self.fuse_layer = fuse_layer
         super().__init__(model)
-        self._hooked: tuple[str, nn.Module] | None = None
+        self._hooked: list[tuple[str, nn.Module]] | None = None
 
     def _check_fit_model(self, model) -> None:
         if self.module is None:
@@ -81,12 +104,24 @@ class RankFeat(ModelDetector):
                 f"around one); got a {type(model).__name__}"
             )
         layer = self.layer or getattr(model, "layer", None)
-        if layer is not None:
-            check_layers(self.name, self.module, [layer])
+        check_layers(self.name, self.module, [name for name in (layer, self.fuse_layer) if name is not None])
 
     def _scoring(self, device: torch.device):
         self._hooked = None
         return contextlib.nullcontext()
+
+    def _find_layers(self, x: Tensor) -> list[tuple[str, nn.Module]]:
+        """The names and modules whose outputs are replaced, one forward each: ``layer``'s (see the module docstring;
+        one extra forward for ``layer=None``), then ``fuse_layer``'s when given."""
+        layer, module = self._find_layer(x)
+        if self.fuse_layer is None:
+            return [(layer, module)]
+        if self.fuse_layer == layer:
+            raise ValueError(
+                f"rankfeat: fuse_layer {self.fuse_layer!r} is the layer itself; name an earlier block (e.g. 'layer3' "
+                "with layer 'layer4'), or leave fuse_layer None"
+            )
+        return [(layer, module), (self.fuse_layer, self.module.get_submodule(self.fuse_layer))]
 
     def _find_layer(self, x: Tensor) -> tuple[str, nn.Module]:
         """The name and module whose output is replaced (see the module docstring); one extra forward for ``layer=None``."""
@@ -102,26 +137,30 @@ class RankFeat(ModelDetector):
             layer = finished[-1]
         return layer, self.module.get_submodule(layer)
 
-    def _replace(self, module, args, out):
+    def _replace(self, name: str, out):
         if not is_feature_map(out):
             shape = tuple(out.shape) if isinstance(out, Tensor) else type(out).__name__
             raise ValueError(
-                f"rankfeat: layer {self._hooked[0]!r} gave {shape}, not an unpooled feature map [B, C, H, W] with H*W > 1; "
+                f"rankfeat: layer {name!r} gave {shape}, not an unpooled feature map [B, C, H, W] with H*W > 1; "
                 "choose a convolutional layer before the final pooling (e.g. 'layer4' of a ResNet)"
             )
         return without_rank1(out)
 
-    def _score(self, batch: Batch) -> Tensor:
-        if self._hooked is None:
-            self._hooked = self._find_layer(batch.inputs)
+    def _logits_without_rank1(self, x: Tensor, name: str, module: nn.Module) -> Tensor:
+        """The logits ``[B, C]`` of one forward with ``module``'s output losing its rank-1 part."""
         replaced = []
-        hook = self._hooked[1].register_forward_hook(lambda *args: replaced.append(1) or self._replace(*args))
+        hook = module.register_forward_hook(lambda _, args, out: replaced.append(1) or self._replace(name, out))
         try:
-            logits = self.logits(batch.inputs)
+            logits = self.logits(x)
         finally:
             hook.remove()
         if not replaced:
-            raise ValueError(
-                f"rankfeat: layer {self._hooked[0]!r} did not run during forward; choose a layer the model uses"
-            )
-        return -torch.logsumexp(logits.double(), dim=1)
+            raise ValueError(f"rankfeat: layer {name!r} did not run during forward; choose a layer the model uses")
+        return logits.double()
+
+    def _score(self, batch: Batch) -> Tensor:
+        if self._hooked is None:
+            self._hooked = self._find_layers(batch.inputs)
+        logits = [self._logits_without_rank1(batch.inputs, name, module) for name, module in self._hooked]
+        fused = logits[0] if len(logits) == 1 else (logits[0] + logits[1]) / 2
+        return -torch.logsumexp(fused, dim=1)

@@ -26,6 +26,11 @@ The bank is kept and read as knn's (:mod:`oodviz.detectors.bank`): written to di
 per query. Memory: one bank chunk, one ``[q, chunk]`` block (64 MiB) and the ``[N_queries]`` totals. The fit is not
 mergeable across ranks in the state protocol's sense (the bank is every row); a sharded bank would add its shards'
 partial sums exactly, but no run shards it yet.
+
+OpenOOD v1.5's ``relation`` postprocessor computes this score (its ``normalize`` divides by ``sqrt(|x|^2 + 1e-10)``)
+with ``thres`` 0.03 and ``pow`` 1 by default, as here, and tunes ``pow`` on the benchmark's validation sets over the
+same 1, 2, 4, 6, 8 (``APS_mode: True``): the value behind its figures depends on the benchmark (``--tune`` tries the
+same grid), so ``openood_params = {}``.
 """
 
 import torch

@@ -45,6 +45,10 @@ scores ``[B]``.
 Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): pass 1's ranges merge by minimum and
 maximum (exact), pass 2's histogram sums, over the bin edges of the merged ranges, by addition (float64), and
 ``W~`` is drawn from ``seed`` on every shard alike; so the fit of the shards merged is that of all the rows.
+
+OpenOOD's repository (v1.5, main) has no WeiPer postprocessor: the leaderboard's ``WeiPer+KLD`` row links the
+authors' code (mgranz/weiper, built on OpenOOD), whose ``WeiPerKLDivPostprocessor`` and defaults are those above,
+so ``openood_params = {}``.
 """
 
 from __future__ import annotations
