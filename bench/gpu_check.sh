@@ -13,6 +13,8 @@
 #              budget; knn's time is also scaled to 1,281,167 rows; it exits 1 when a target is missed: see
 #              extract_gpu.md for which). The acceptance test at full ImageNet scale is the script alone,
 #              `python bench/extract_gpu.py --out DIR/extract_gpu.md` (6-9 minutes on one H200).
+#   openood    bench/openood_imagenet.py --device cuda --scale $OPENOOD_SCALE (default 3000): OpenOOD v1.5's
+#              ImageNet-1k protocol projected by the pre-flight at full size, and a reduced run measured twice
 # Everything goes to RESULTS_DIR: one log per step, summary.md (a table for bench/RESULTS.md),
 # extract_gpu.md/.json (the benchmark's figures), the run directory of the pipeline step.
 # Exit status: 0 when every step passed, 1 when one failed, 2 when there is no GPU (nothing else runs).
@@ -186,6 +188,13 @@ bench() {
 }
 export -f bench
 step bench 330 bench
+
+openood() {
+    # OpenOOD v1.5's ImageNet-1k protocol: the pre-flight's projection at full size, and a reduced run on the GPU
+    "$PY" bench/openood_imagenet.py --device cuda --scale "${OPENOOD_SCALE:-3000}"
+}
+export -f openood
+step openood 150 openood
 
 {
     echo

@@ -16,7 +16,7 @@ leaderboard's network; weights change no byte count):
 
 Run (about 10 minutes on 2 CPU cores)::
 
-    .venv/bin/python bench/openood_imagenet.py [--scale 300] [--detectors msp,energy,mahalanobis,vim,knn]
+    .venv/bin/python bench/openood_imagenet.py [--scale 300] [--device cpu] [--detectors msp,energy,mahalanobis,vim,knn]
 """
 
 from __future__ import annotations
@@ -83,8 +83,8 @@ def list_sizes(data_root: Path) -> dict[str, int]:
     }
 
 
-def projection(root: Path, detectors: list[str]) -> None:
-    config = benchmark_config("imagenet", root, None, weights="random", detectors=detectors, device="cpu")
+def projection(root: Path, detectors: list[str], device: str) -> None:
+    config = benchmark_config("imagenet", root, None, weights="random", detectors=detectors, device=device)
     config.validate()
     started = time.perf_counter()
     report = preflight(config, root / "runs")
@@ -103,10 +103,10 @@ def projection(root: Path, detectors: list[str]) -> None:
     )
 
 
-def measured_run(root: Path, detectors: str) -> dict:
+def measured_run(root: Path, detectors: str, device: str) -> dict:
     runs = root / "runs"
     argv = [sys.executable, "-m", "oodviz.cli", "bench", "openood-v1.5", "imagenet", "--data-root", str(root)]
-    argv += ["--weights", "random", "--detectors", detectors, "--device", "cpu", "--batch-size", "64"]
+    argv += ["--weights", "random", "--detectors", detectors, "--device", device, "--batch-size", "64"]
     argv += ["--runs-root", str(runs), "--force"]
     started = time.perf_counter()
     done = subprocess.run(argv, capture_output=True, text=True)
@@ -117,14 +117,19 @@ def measured_run(root: Path, detectors: str) -> dict:
     meta = json.loads((run / "meta.json").read_text())
     stages = meta["stages"]
     peak = max(stage.get("peak_cpu_rss", 0) for stage in stages.values())
+    gpu = {
+        key: max(stage.get(key, 0) for stage in stages.values())
+        for key in {key for stage in stages.values() for key in stage if key.startswith("peak_gpu")}
+    }
     images = sum(split["n"] for split in meta["splits"].values())
-    return {"images": images, "wall_s": wall, "peak_rss": peak, "stages": stages}
+    return {"images": images, "wall_s": wall, "peak_rss": peak, "peak_gpu": gpu, "stages": stages}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--scale", type=int, default=300, help="ID training images of the smaller measured run")
     parser.add_argument("--detectors", default=DETECTORS)
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N")
     parser.add_argument("--data-root", help="a real OpenOOD data root: take the projection's sizes from its lists")
     args = parser.parse_args()
     print("\n".join(environment()))
@@ -134,7 +139,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "full"
         write_root(root, sizes, distinct=8)
-        projection(root, detectors)
+        projection(root, detectors, args.device)
     results = []
     for factor in (1, 2):
         reduced = {
@@ -145,11 +150,12 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp) / "reduced"
             write_root(root, reduced)
-            result = measured_run(root, args.detectors)
+            result = measured_run(root, args.detectors, args.device)
         results.append(result)
         print(
             f"measured run x{factor}: {result['images']:,} images, {result['wall_s']:.0f} s wall, "
             f"peak RSS {format_bytes(result['peak_rss'])}"
+            + "".join(f", {key} {format_bytes(value)}" for key, value in sorted(result["peak_gpu"].items()))
         )
     first, second = results
     print(
