@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from detector_checks import fitted_scores
-from helpers import Problem
+from helpers import Problem, cuda
 from scipy.special import log_softmax, logsumexp, softmax
 
 from oodviz import Batch
@@ -268,6 +268,18 @@ def test_tempscale_openood_shards_merged_give_the_fit_on_the_whole():
             load_merged(detector, copy.deepcopy(states)).finalize()
     for detector in detectors:
         assert detector.temperature_ == pytest.approx(whole.temperature_, rel=1e-6)
+
+
+@cuda
+@pytest.mark.parametrize("name", ["tempscale", "vra"])
+def test_the_openood_variants_fit_on_a_gpu_as_on_the_cpu(problem, name):
+    on_cpu = create(name, **OPENOOD[name]).fit(problem.fit_batches(), head=problem.head)
+    on_gpu = create(name, **OPENOOD[name]).fit(
+        [b.to("cuda") for b in problem.fit_batches()], head=tuple(t.cuda() for t in problem.head)
+    )
+    query = problem.batches(problem.eval_x)
+    expected = on_cpu.score(query).numpy()
+    np.testing.assert_allclose(on_gpu.score(query).numpy(), expected, rtol=1e-4, atol=1e-5 * np.abs(expected).max())
 
 
 def test_tempscale_optimizer_is_checked():
