@@ -30,12 +30,13 @@ OpenOOD v1.5's ``temp_scaling`` postprocessor fits ``T`` itself (not ``beta``) w
 ``torch.optim.LBFGS([T], lr=0.01, max_iter=50)`` (torch's other defaults: no line search, history 100,
 ``tolerance_grad = 1e-7``, ``tolerance_change = 1e-9``) from ``T = 1.5``, on the mean cross-entropy of all the
 logits at once, in float32. Without a line search every L-BFGS move is ``lr = 0.01`` times its step (for one
-parameter: a secant step, ``-g s / y``), so after 50 moves ``T`` has gone a fraction of the way from 1.5 (at most
-about 40% of a Newton step's length on a quadratic NLL) and stops short of the optimum unless it is near 1.5. ``optimizer="openood"`` takes those steps: each evaluation of the loss and
-its derivative ``dNLL/dT = -NLL'(beta) / T^2`` is one streaming pass (float64 sums, rounded to float32 as
-OpenOOD's float32 loss and gradient are), the L-BFGS update between passes is torch's, in float32, and one more
-pass gives ``nll_`` at the final ``T`` (which L-BFGS moves to without evaluating it): at most 51 passes;
-``max_steps`` and ``tol`` are then not used. ``optimizer="newton"`` (the default) is the exact optimum above.
+parameter: a secant step, ``-g s / y``): on an NLL quadratic in ``T`` each move after the first covers 1% of the
+distance left, about 40% in all, so ``T`` stops short of the optimum unless it starts near it.
+``optimizer="openood"`` takes those steps: each evaluation of the loss and its derivative
+``dNLL/dT = -NLL'(beta) / T^2`` is one streaming pass (float64 sums, rounded to float32 as OpenOOD's float32 loss
+and gradient are), the L-BFGS update between passes is torch's, in float32, and one more pass gives ``nll_`` at
+the final ``T`` (which L-BFGS moves to without evaluating it): at most 51 passes; ``max_steps`` and ``tol`` are
+then not used. ``optimizer="newton"`` (the default) is the exact optimum above.
 ``openood_params = {"optimizer": "openood"}`` (``protocol = "openood"``).
 
 OpenOOD fits ``T`` on the ID validation split (``id_loader_dict['val']``); oodviz fits on the fit data it is
