@@ -24,6 +24,9 @@ so an entry within a float32 rounding of ``t`` may fall on the other side of it.
 
 ``sparsity`` is a fraction in ``[0, 1)``; the default 0.9 is OpenOOD v1.5's ``p = 90``. DICE
 assumes non-negative (post-ReLU) features, as the paper's networks produce.
+
+OpenOOD v1.5's ``dice`` postprocessor computes this score (negated) at ``p = 90``, oodviz's default, with the
+mean feature of the training split and no automatic search: ``openood_params`` is empty.
 """
 
 import torch

@@ -7,6 +7,9 @@ https://arxiv.org/abs/2010.03759
 
 ``z`` are the logits ``[B, C]``, ``T > 0`` the temperature (1 in the paper). The free energy is
 high for OOD inputs, so it is the OOD score as is. Needs no fit.
+
+OpenOOD v1.5's ``ebo`` postprocessor computes ``T logsumexp(z / T)`` (the negated score) at ``temperature = 1``
+(its automatic search tries only 1), oodviz's default: ``openood_params`` is empty.
 """
 
 import torch

@@ -27,6 +27,11 @@ same weight vector have no boundary: fit raises a ValueError rather than dividin
 in pytorch-ood, ``||x - mu||`` is floored at 1e-8 (a sample exactly at the mean would otherwise
 score ``-inf``). Logits are computed from the features through the head, not read from the
 batch.
+
+OpenOOD v1.5's ``fdbd`` postprocessor (the authors' code: the sum over classes, not the mean, the same ranking)
+defaults to ``distance_as_normalizer: True``, the ``||x - mu||`` above, so ``openood_params`` is empty; its
+automatic search also tries the feature norm ``||x||`` as the normaliser, which oodviz does not offer, so a figure
+tuned to that normaliser is not reproduced here.
 """
 
 import torch

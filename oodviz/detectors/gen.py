@@ -10,6 +10,20 @@ over the ``M = min(m, C)`` largest softmax probabilities ``p_(1) >= p_(2) >= ...
 inputs, so it is the OOD score. Defaults are the paper's (``gamma = 0.1``, ``M = 100``).
 pytorch-ood averages instead of summing over the ``M`` terms (same ranking); oodviz follows
 the paper. Needs no fit.
+
+oodviz computes each term in log space, ``p_(j)^gamma (1 - p_(j))^gamma = exp(gamma (log p_(j) + log(1 - p_(j))))``,
+with ``log(1 - p_(1))`` of the top class taken as ``logsumexp`` of the other logits minus ``logsumexp`` of all: no
+term is lost to rounding (``precision="exact"``, the default).
+
+OpenOOD v1.5's ``gen`` postprocessor computes the softmax probabilities in float32 and the sum of
+``p^gamma (1 - p)^gamma`` over the ``M`` largest of them on those probabilities (``torch.sort`` then the last
+``M``). Where the top probability rounds to 1 in float32 (a margin of about 17 between the top logit and the
+next ones, common for a confident network), ``1 - p`` is 0 and the top term, the largest of the sum for a
+confident input, is lost; where it rounds close to 1, the term is that of the rounded ``1 - p``. ``precision="float32"``
+computes that: the float32 softmax, ``(1 - p)`` in float32, the powers and the sum in float32:
+``openood_params = {"precision": "float32"}`` (``protocol = "openood"``). Its defaults are oodviz's
+(``gamma = 0.1``, ``M = 100``); its automatic search tries ``gamma`` in 0.01..10 and ``M`` in 10..1000 on the
+validation sets (``gamma >= 1`` is outside the paper's range, which oodviz keeps: ``0 < gamma < 1``).
 """
 
 import torch
@@ -18,6 +32,9 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector
 from oodviz.detectors.teaching import Teaching
+
+#: ``GEN.precision``'s values: the terms in log space (exact) or on float32 probabilities (OpenOOD v1.5)
+PRECISIONS = ("exact", "float32")
 
 
 class GEN(Detector):
@@ -33,17 +50,28 @@ class GEN(Detector):
     )
     inputs = ("logits",)
     needs_fit = False
+    param_choices = {"precision": PRECISIONS}
+    openood_params = {"precision": "float32"}
 
-    def __init__(self, gamma: float = 0.1, m: int = 100):
+    def __init__(self, gamma: float = 0.1, m: int = 100, precision: str = "exact"):
+        if precision not in PRECISIONS:
+            raise ValueError(
+                f"gen: precision must be 'exact' (terms in log space) or 'float32' (OpenOOD v1.5's float32 "
+                f"probabilities), got {precision!r}"
+            )
         if not 0 < gamma < 1:
             raise ValueError(f"gen: gamma must be in (0, 1), got {gamma}")
         if int(m) != m or m < 1:
             raise ValueError(f"gen: m (number of top classes) must be a positive integer, got {m}")
         self.gamma = float(gamma)
         self.m = int(m)
+        self.precision = precision
 
     def _score(self, batch: Batch) -> Tensor:
         z = batch.logits.float()
+        if self.precision == "float32":  # OpenOOD v1.5: float32 probabilities, the M largest, 1 - p rounded
+            top = torch.sort(torch.softmax(z, dim=1), dim=1).values[:, -self.m :]  # [B, M], ascending
+            return (top.pow(self.gamma) * (1 - top).pow(self.gamma)).sum(dim=1)
         log_norm = torch.logsumexp(z, dim=1, keepdim=True)
         top_z, top_index = torch.topk(z, k=min(self.m, z.shape[1]), dim=1)
         log_p = top_z - log_norm  # [B, M], descending

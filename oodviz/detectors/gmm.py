@@ -23,6 +23,19 @@ as pytorch-ood 0.4 (which inverts the covariances; oodviz keeps ``L_k^-1``, the 
 rounding). Memory: ``C`` float64 ``D x D`` matrices (``8 C D^2`` bytes: 34 GB for ImageNet-1k with
 D = 2048; the pre-flight check refuses what does not fit), however many samples there are. Shards merge
 exactly (:meth:`ClassScatters.merge`; the state protocol, :mod:`oodviz.detectors.protocol`).
+
+OpenOOD v1.5's ``gmm`` postprocessor is another method, which oodviz does not reproduce (``openood_params`` is
+empty: ``protocol = "openood"`` runs this one). Its defaults (``configs/postprocessors/gmm.yml``) score one
+layer only (``alpha_list: [0, 0, 1]``): the third entry of the network's ``return_feature_list``, which for its
+CIFAR ResNet-18 is the **output of ``layer2``** (128 x 16 x 16), flattened (``flat``: 32,768 values), not the
+pooled penultimate features; projected on its 50 first principal components (``pca_50``, sklearn's ``PCA`` on
+all the training features); and fitted, **without labels**, by sklearn's
+``GaussianMixture(n_components=50, covariance_type="tied", random_state=0)``: 50 components found by EM from a
+k-means initialisation, sharing one covariance. Its score is ``log(sum_k w_k exp(-1/2 (f - m_k)^T P (f - m_k)) +
+1e-45)`` in float32, ``P`` the shared precision (no normalising constant, the same for every component), so that
+inputs far from every component all get ``log(1e-45)``, tied. Streaming that would take a PCA of a 32,768-wide
+layer (a 32,768-square covariance, 8.6 GB in float64) and an EM of many passes, and its result would still not
+be OpenOOD's, which hangs on sklearn's k-means++ initialisation over all the rows held in memory: not done here.
 """
 
 from __future__ import annotations

@@ -17,6 +17,11 @@ The minimum runs over the classes predicted at least once in the fit data (as in
 pytorch-ood); classes never predicted are listed in ``unmatched_classes_`` and reported by a
 warning. Fit keeps per-class sums ``[C, C]`` in float64, whatever the number of samples; they merge
 exactly across shards (the state protocol, :mod:`oodviz.detectors.protocol`).
+
+OpenOOD v1.5's ``klm`` postprocessor computes this score (negated), with no parameter: ``openood_params`` is
+empty. Its templates come from the ID validation split (``id_loader_dict['val']``), oodviz's from the fit data it
+is given (``id_fit``); a class never predicted gets a one-hot template there, whose KL divergence is infinite
+for any softmax with another non-zero entry, so it is left out of the minimum in effect, as here.
 """
 
 import warnings

@@ -54,6 +54,12 @@ with its rows, ``-inf`` where the shard has fewer than ``k``), and rank 0 merges
 every row of the bank is in exactly one shard), then applies :meth:`KNN.scores_from_top`. ``k`` is checked
 against the union's rows. A detector holding a shard refuses ``score`` (its own scores would be those of a
 smaller bank).
+
+OpenOOD v1.5's ``knn`` postprocessor computes this score on the training split, as the negated *squared* distance
+(FAISS ``IndexFlatL2``; its normaliser adds 1e-10 to every component of ``x / |x|``): the same ranking. Its
+default ``K = 50`` is oodviz's; its automatic search tries ``K`` in 50, 100, 200, 500, 1000 on the validation
+sets, so the ``K`` behind a figure depends on the benchmark: ``openood_params`` is
+empty, tune ``k`` (:mod:`oodviz.pipeline.tuning`) for the searched value.
 """
 
 import math

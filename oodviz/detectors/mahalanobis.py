@@ -30,6 +30,11 @@ is L2-normalised, ``x <- x / |x|``, before the fit and before the score; the for
 the normalised features. Feature norms vary a lot between samples of a pre-trained backbone, which
 breaks the Gaussian assumption; on the unit sphere it holds much better (the paper's figures: most
 gains on transformers).
+
+OpenOOD v1.5's ``mds`` postprocessor computes the plain method (``normalize=False``) with no parameter: class means
+and the tied covariance of the training split (sklearn's ``EmpiricalCovariance`` on the class-centred features,
+its ``precision_`` a pseudo-inverse), confidence ``max_k -(x - mu_k)^T P (x - mu_k)``, the negated score:
+``openood_params`` is empty.
 """
 
 import torch

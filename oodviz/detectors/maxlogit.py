@@ -6,6 +6,9 @@ https://arxiv.org/abs/1911.11132
     score(x) = -max_k z_k(x)
 
 ``z`` are the logits ``[B, C]``; higher = more OOD. Needs no fit.
+
+OpenOOD v1.5's ``mls`` postprocessor computes this score (negated), with no parameter: ``openood_params`` is
+empty.
 """
 
 from torch import Tensor

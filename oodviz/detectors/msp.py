@@ -7,6 +7,9 @@ in Neural Networks*, ICLR 2017, https://arxiv.org/abs/1610.02136
 
 ``z`` are the logits ``[B, C]``; the paper's confidence is negated so that higher = more OOD.
 Scores lie in ``[-1, -1/C]``. Needs no fit.
+
+OpenOOD v1.5's ``msp`` postprocessor (its ``BasePostprocessor``) computes this score (negated), with no
+parameter: ``openood_params`` is empty.
 """
 
 from torch import Tensor

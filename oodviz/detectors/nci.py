@@ -22,6 +22,10 @@ out of the proximity. ``alpha >= 0`` is tuned on held-out ID and OOD data in the
 the default ``1e-4`` is the authors' OpenOOD default (pytorch-ood's default is 0, the pure
 proximity). As for fDBD, ``||x - mu_G||`` is floored at 1e-8 so a sample exactly at the mean
 does not divide by zero (pytorch-ood returns NaN there).
+
+OpenOOD v1.5's ``nci`` postprocessor computes this score (negated) at ``alpha = 1e-4``, oodviz's default:
+``openood_params`` is empty. Its automatic search tries ``alpha`` in 1e-4, 1e-3, 0.01, 0.1 on the validation
+sets (the value behind a figure depends on the benchmark).
 """
 
 import math

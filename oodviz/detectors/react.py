@@ -37,6 +37,12 @@ Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`), each p
 is the same exact percentile of all the shards' activations.
 
 ``percentile`` is in percent, 0 to 100 (90 in the paper), not a fraction as in pytorch-ood.
+
+OpenOOD v1.5's ``react`` postprocessor computes this score (negated) at ``percentile = 90``, oodviz's default,
+with ``np.percentile`` of all the activations flattened: ``openood_params`` is empty. Its automatic search tries
+85, 90, 95 and 99 on the validation sets (the value behind a figure depends on the benchmark), and it takes the
+threshold from the ID validation split (``id_loader_dict['val']``) where oodviz takes it from the fit data it is
+given (``id_fit``).
 """
 
 from __future__ import annotations

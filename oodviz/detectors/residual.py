@@ -27,6 +27,13 @@ when the rows come in another order or from other shards, enough to move ``R`` b
 
 Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): the mean and the scatter merge exactly
 (Chan's shifted sums).
+
+OpenOOD v1.5's ``residual`` postprocessor computes this score (negated) with ``dim = 512`` whatever ``D``
+(``configs/postprocessors/residual.yml``, no automatic search): ``openood_params = {"dim": 512}``
+(``protocol = "openood"``); the paper's rule gives 1000 for a ResNet-50 (``D = 2048``). For ``D <= 512``
+(OpenOOD's CIFAR ResNet-18 has ``D = 512``) that leaves no residual space: every OpenOOD score is 0 (an AUROC of
+50%), and oodviz's fit refuses the ``dim`` with a ValueError. OpenOOD fits it on the ID validation split
+(``id_loader_dict['val']``), oodviz on the fit data it is given (``id_fit``).
 """
 
 import torch
@@ -50,6 +57,7 @@ class Residual(ResidualSpaceDetector):
         fails_when="Blind to OOD inputs that stay inside the ID principal subspace, and needs D well above dim.",
     )
     in_defaults = False  # issue 29: not in the default run
+    openood_params = {"dim": 512}
     residual_dtype = torch.float64
 
     def _new_parts(self, pass_index: int) -> dict:

@@ -20,6 +20,9 @@ ranking); oodviz follows the paper.
 ``normalize=True`` is RMDS++ (OpenOOD v1.5; Mueller & Hein 2025, https://arxiv.org/abs/2505.18032):
 the features are L2-normalised before the fit and the score, both Gaussians included (see
 :mod:`~oodviz.detectors.mahalanobis`).
+
+OpenOOD v1.5's ``rmds`` postprocessor computes the plain method (``normalize=False``) with no parameter, both
+covariances from the training split: ``openood_params`` is empty.
 """
 
 from torch import Tensor

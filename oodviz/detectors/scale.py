@@ -26,6 +26,10 @@ float64 (``exp(r) (x W^T) + b``), a score beyond the float32 range raising a Val
 check its width and settle the device.
 
 Its fit keeps the head only: nothing to split over ranks (every rank fits it on the whole store at no cost).
+
+OpenOOD v1.5's ``scale`` postprocessor computes this score (negated) at ``percentile = 85``, oodviz's default:
+``openood_params`` is empty. Its automatic search tries 65 to 95 in steps of 5 on the validation sets (the
+value behind a figure depends on the benchmark).
 """
 
 import torch

@@ -14,6 +14,9 @@ The paper's energy ``<x, m_k_hat>`` is high for in-distribution inputs, so it is
 higher = more OOD. Predictions come from the batch's logits when present, otherwise from
 the head ``(W, b)`` given to ``fit``, as ``argmax(x W^T + b)``. Fit keeps per-class sums
 ``[C, D]`` (float64), which merge exactly across shards (:mod:`oodviz.detectors.protocol`).
+
+OpenOOD v1.5's ``she`` postprocessor computes this score (negated) with ``metric: inner_product``, the paper's,
+from the correctly classified samples of the training split: ``openood_params`` is empty.
 """
 
 from torch import Tensor

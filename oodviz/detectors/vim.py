@@ -27,6 +27,13 @@ otherwise ``D // 2``. Labels are not needed.
 Split over shards (the state protocol, :mod:`oodviz.detectors.protocol`): pass 1's ``S`` and pass 2's two
 sums are float64 sums that merge by addition; pass 2 runs after pass 1's merged state is finalized (every
 shard then projects on the same ``R``).
+
+OpenOOD v1.5's ``vim`` postprocessor computes this score (its confidence is the negation), fitted on the ID
+training split, with ``dim = 256`` whatever ``D`` (``configs/postprocessors/vim.yml``; its automatic search tries
+256 and 1000 on the validation sets): ``openood_params = {"dim": 256}`` (``protocol = "openood"``). For
+OpenOOD's CIFAR ResNet-18 (``D = 512``) that is the paper's rule too; for a ResNet-50 (``D = 2048``) the paper's
+rule takes 1000. For ``D <= 256`` it leaves no residual space: OpenOOD's scores are then NaN (``alpha`` divides
+by a zero mean norm), oodviz's fit refuses the ``dim`` with a ValueError.
 """
 
 from typing import ClassVar
@@ -151,6 +158,7 @@ class ViM(ResidualSpaceDetector):
     )
     optional_inputs = ("logits",)
     fit_passes = 2
+    openood_params = {"dim": 256}
 
     def _new_parts(self, pass_index: int) -> dict:
         """Pass 0: the uncentred second moment (lower triangle); pass 1: [sum of max logits, sum of residual norms]."""

@@ -34,6 +34,16 @@ percentiles of all the shards' rows, as react's.
 
 ``lower_percentile`` and ``upper_percentile`` are in percent, 0 to 100 (pytorch-ood's fractions times
 100).
+
+OpenOOD v1.5's ``vra`` postprocessor clips the same way (``feature.clip(min=lo, max=hi)``, then the energy) but
+with two **global** thresholds, ``np.percentile`` of all ``N x D`` activations flattened (as react's
+threshold), at ``percentile_low = 10`` and ``percentile_high = 90``: every unit is clipped to the same range.
+``thresholds="global"`` computes them (the radix selection over one column, all the activations, as react's;
+the thresholds are kept as ``[D]`` vectors of one value); ``thresholds="per_unit"`` (the default) is the per-unit
+form above. ``openood_params = {"thresholds": "global", "lower_percentile": 10.0, "upper_percentile": 90.0}``
+(``protocol = "openood"``). OpenOOD's automatic search tries ``percentile_high`` in 85, 90, 95, 99 and
+``percentile_low`` in 1, 5, 10, 15 on the validation sets, and it fits on the ID validation split
+(``id_loader_dict['val']``) where oodviz fits on the fit data it is given (``id_fit``).
 """
 
 import torch
@@ -45,6 +55,9 @@ from oodviz.detectors.protocol import FitState
 from oodviz.detectors.quantiles import COLLECT_LIMIT, FIRST_COUNTS, ColumnQuantiles
 from oodviz.detectors.react import check_percentile, energy
 from oodviz.detectors.teaching import Teaching
+
+#: ``VRA.thresholds``'s values: a lower and upper percentile per unit, or one pair over all activations (OpenOOD v1.5)
+THRESHOLDS = ("per_unit", "global")
 
 
 class VRA(Detector):
@@ -63,8 +76,16 @@ class VRA(Detector):
     fit_passes = 2  # more only when many values crowd a bin (oodviz.detectors.quantiles)
     mergeable = True
     in_defaults = False  # the default list is issue 17's per-backbone choice
+    param_choices = {"thresholds": THRESHOLDS}
+    openood_params = {"thresholds": "global", "lower_percentile": 10.0, "upper_percentile": 90.0}
 
-    def __init__(self, lower_percentile: float = 1.0, upper_percentile: float = 99.0):
+    def __init__(self, lower_percentile: float = 1.0, upper_percentile: float = 99.0, thresholds: str = "per_unit"):
+        if thresholds not in THRESHOLDS:
+            raise ValueError(
+                f"vra: thresholds must be 'per_unit' (percentiles of each unit) or 'global' (of all activations, "
+                f"OpenOOD v1.5's), got {thresholds!r}"
+            )
+        self.thresholds = thresholds
         self.lower_percentile = check_percentile(self.name, lower_percentile, "lower_percentile")
         self.upper_percentile = check_percentile(self.name, upper_percentile, "upper_percentile")
         if self.lower_percentile > self.upper_percentile:
@@ -87,14 +108,17 @@ class VRA(Detector):
         return {"thresholds": ColumnQuantiles(quantiles, self._plan if pass_index else None)}
 
     def _update_state(self, state: FitState, batch: Batch) -> None:
-        state.parts["thresholds"].update(batch.features)
+        features = batch.features
+        state.parts["thresholds"].update(features.reshape(-1, 1) if self.thresholds == "global" else features)
 
     def _finish_pass(self, state: FitState) -> bool:
         following = state.parts["thresholds"].next_pass()
         self._plan = following.plan
         if not following.complete:
             return False
-        lower, upper = following.result().float()
+        lower, upper = following.result().float()  # [D] each, or [1] for global thresholds
+        if self.thresholds == "global":
+            lower, upper = (t.expand(state.n_features).contiguous() for t in (lower, upper))
         self.lower_threshold_, self.upper_threshold_ = lower.to(state.device), upper.to(state.device)  # [D] each
         self.head_weight_, self.head_bias_ = state.head
         self._plan = None
