@@ -19,7 +19,7 @@ from oodviz import engine, models
 from oodviz.config.catalog import catalog_path, ensure_catalog
 from oodviz.config.run import PRESETS, ConfigError, RunConfig, preset
 from oodviz.runs.jobs import list_runs
-from oodviz.runs.launch import launch, torchrun_argv, wait_for_run_dir
+from oodviz.runs.launch import Interrupted, launch, torchrun_argv, wait_for_run_dir
 from oodviz.runs.rundir import RunDir
 from oodviz.ui import SERVER_FLAGS, streamlit_has_option
 from oodviz.ui.access import LOOPBACK_HOSTS, AccessPolicy, is_loopback, machine_host_names
@@ -111,7 +111,15 @@ def run_in_foreground(config: RunConfig, args, out: str | None = None) -> tuple[
     )
     started = time.monotonic()
     if args.nproc_per_node > 1 or args.nnodes > 1:
-        state = launch(run, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
+        try:
+            state = launch(run, args.nproc_per_node, args.nnodes, args.node_rank, args.rdzv_endpoint)
+        except Interrupted as stop:
+            print(
+                f"cancelled ({signal.Signals(stop.signum).name}) after {time.monotonic() - started:.1f}s: {run.path} "
+                "(every rank stopped; the feature stores finished so far are kept)",
+                file=sys.stderr,
+            )
+            return 128 + stop.signum, run
     else:
         from functools import partial
 

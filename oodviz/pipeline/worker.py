@@ -124,8 +124,8 @@ CANCEL_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextmanager
-def cancel_on_signals(run: RunDir) -> Iterator[list[signal.Signals]]:
-    """While inside, each of :data:`CANCEL_SIGNALS` asks ``run`` to stop (:meth:`RunDir.request_cancel`, the
+def cancel_on_signals(run: RunDir, signals=CANCEL_SIGNALS) -> Iterator[list[signal.Signals]]:
+    """While inside, each of ``signals`` (:data:`CANCEL_SIGNALS`) asks ``run`` to stop (:meth:`RunDir.request_cancel`, the
     cancel request of a background run: the pipeline stops at its next batch or stage and :func:`execute` records
     the run ``cancelled``) instead of ending the process. Yields the signals received so far, in order; the
     previous handlers are back on exit. For the process that runs :func:`execute` itself: ``oodviz run``."""
@@ -138,7 +138,7 @@ def cancel_on_signals(run: RunDir) -> Iterator[list[signal.Signals]]:
         except OSError:  # the run directory was deleted: the pipeline's next write fails the run
             pass
 
-    previous = {number: signal.signal(number, cancel) for number in CANCEL_SIGNALS}
+    previous = {number: signal.signal(number, cancel) for number in signals}
     try:
         yield received
     finally:
@@ -176,7 +176,10 @@ def main(argv: list[str]) -> int:
     if world.is_root:
         stop_on_sigterm(run)
     echo = TerminalProgress() if world.is_root and "--echo" in argv[1:] else None
-    return 0 if execute(run, echo=echo, pipeline=run_rank(world)) in ("done", "cancelled") else 1
+    # Ctrl-C reaches every rank (and the launcher, which passes it on): a cancel request, as in one process
+    with cancel_on_signals(run, (signal.SIGINT,)):
+        state = execute(run, echo=echo, pipeline=run_rank(world))
+    return 0 if state in ("done", "cancelled") else 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,11 @@ app's supervisor starts it instead of the one-process worker for a run on "all N
 When a rank fails, torch's agent stops the others and raises :class:`ChildFailedError`; :func:`launch`
 then records the run ``failed`` with the rank that failed first, its exit code or signal, and what it
 said (its ``rank`` event, :func:`rank_failure`).
+
+Ctrl-C in the terminal reaches the launcher and every rank (one process group). Each rank takes SIGINT as a
+cancel request (:func:`oodviz.pipeline.worker.main`): it stops at its next batch and rank 0 records the run
+``cancelled``. The launcher's agent, told the same, passes SIGINT on to the ranks and waits for them; :func:`launch`
+then raises :class:`Interrupted`, the run ``cancelled`` (recorded so by :func:`launch` too when no rank could).
 """
 
 from __future__ import annotations
@@ -24,6 +29,15 @@ from pathlib import Path
 from oodviz.runs.rundir import FINAL_STATES, RunDir
 
 RUN_DIR_WAIT_S = 120.0  # how long a node other than 0 waits for node 0 to create the run directory
+
+
+class Interrupted(Exception):
+    """The launcher was told to stop (Ctrl-C: SIGINT; SIGTERM) while the ranks ran: ``signum``, and the run
+    ``cancelled``."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.signum = signum
 
 
 def torchrun_argv(
@@ -79,7 +93,9 @@ def wait_for_run_dir(path: Path, timeout_s: float = RUN_DIR_WAIT_S) -> RunDir:
 
 
 def launch(run: RunDir, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0, rdzv_endpoint=None) -> str:
-    """Run ``run`` on this node's ``nproc_per_node`` processes (with the other nodes') and return its final state."""
+    """Run ``run`` on this node's ``nproc_per_node`` processes (with the other nodes') and return its final state;
+    :class:`Interrupted` when the launcher is told to stop (the run then ``cancelled``)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser
     from torch.distributed.run import run as torchrun
@@ -87,6 +103,16 @@ def launch(run: RunDir, nproc_per_node: int, nnodes: int = 1, node_rank: int = 0
     args = get_args_parser().parse_args(torchrun_argv(run.path, nproc_per_node, nnodes, node_rank, rdzv_endpoint))
     try:
         torchrun(args)
+    except (SignalException, KeyboardInterrupt) as error:  # the agent has stopped the ranks (SIGINT: they cancelled)
+        signum = error.sigval if isinstance(error, SignalException) else signal.SIGINT
+        # SIGTERM reaches rank 0 as the agent's stop, which it records failed: the user asked for it, so cancelled
+        run.write_status(
+            only_if=lambda status: status.get("state") not in ("done", "cancelled"),
+            state="cancelled",
+            error=f"cancelled by {signal.Signals(signum).name} to the launcher; finished parts are kept",
+            finished=time.time(),
+        )
+        raise Interrupted(signum) from None
     except ChildFailedError as error:
         first_rank = error.get_first_failure()[0]
 
@@ -106,7 +132,10 @@ def main(argv: list[str]) -> int:
     if len(argv) != 2 or not argv[1].isdigit() or int(argv[1]) < 1:
         print("usage: python -m oodviz.runs.launch RUN_DIR NPROC_PER_NODE", file=sys.stderr)
         return 2
-    return 0 if launch(RunDir(Path(argv[0])), int(argv[1])) in ("done", "cancelled") else 1
+    try:
+        return 0 if launch(RunDir(Path(argv[0])), int(argv[1])) in ("done", "cancelled") else 1
+    except Interrupted:  # recorded cancelled
+        return 0
 
 
 if __name__ == "__main__":

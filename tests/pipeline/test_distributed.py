@@ -27,12 +27,20 @@ KERNEL_ARRAYS = ("features", "logits")
 ARRAY_COLUMNS = ("split", "dataset", "index", "label", "prediction")  # scores.parquet's columns before the scores
 
 
-def oodviz_run(*args, cwd, timeout=600, wait=True):
+def oodviz_run(*args, cwd, timeout=600, wait=True, session=False):
+    """``oodviz run ARGS`` in ``cwd``; not ``wait``: started (``session``: in a process group of its own, as a
+    terminal starts a command, so that a signal to the group reaches the launcher and every rank)."""
     command = [sys.executable, "-m", "oodviz.cli", "run", *map(str, args)]
     env = dict(os.environ, OODVIZ_DIST_TIMEOUT_S="120")
     if not wait:
         return subprocess.Popen(
-            command, cwd=str(cwd), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            command,
+            cwd=str(cwd),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=session,
         )
     return subprocess.run(command, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -390,6 +398,25 @@ def test_cancel_stops_every_rank(tmp_path):
     assert launcher.returncode == 130, stderr[-3000:]
     assert run.read_status()["state"] == "cancelled"
     assert any(e.get("kind") == "cancelled" for e in rank_events(run, 1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.process
+def test_ctrl_c_in_the_terminal_cancels_every_rank_with_one_line(tmp_path):
+    """Ctrl-C: SIGINT to the command's whole process group (the launcher and each rank), as a terminal sends it."""
+    out = tmp_path / "runs" / "interrupted"
+    launcher = oodviz_run(
+        slow_config_file(tmp_path), "--nproc-per-node", 2, "--out", out, cwd=tmp_path, wait=False, session=True
+    )
+    run = RunDir(wait_for(lambda: (out / "events.jsonl").exists() and out))
+    pid = wait_for(lambda: extracting(run, 1))
+    os.killpg(launcher.pid, signal.SIGINT)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    assert run.read_status()["state"] == "cancelled"
+    assert "cancelled (SIGINT) after" in stderr and "Traceback" not in stderr
+    assert any(e.get("kind") == "cancelled" for e in rank_events(run, 1))  # rank 1 stopped by itself, not killed
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
 
