@@ -44,7 +44,7 @@ from torch import Tensor
 from oodviz.batch import Batch
 from oodviz.detectors.base import Detector, check_all_classes_seen
 from oodviz.detectors.protocol import FitState
-from oodviz.detectors.stats import ClassMoments, inverse_cholesky_factor, row_blocks, symmetric_eigh
+from oodviz.detectors.stats import BLOCK_BYTES, ClassMoments, inverse_cholesky_factor, row_blocks, symmetric_eigh
 from oodviz.detectors.teaching import Teaching
 from oodviz.detectors.widefit import ClassGaussianStream, FewRows
 
@@ -173,11 +173,29 @@ class Mahalanobis(Detector):
             raise ValueError(f"{self.name}: normalize must be True or False, got {normalize!r}")
         self.normalize = normalize
 
+    #: whitenings ``[D, <= N]`` (float32) of the Gram path alive at once: rmd holds its first during the second
+    gram_whitenings = 1
+    #: measured peak over the Gram path's own count (``bench/wide_fit.py``: 50.7 MiB where the count gives 31 MiB at
+    #: N = 1,000, D = 2,048: BLAS/LAPACK workspaces and the heap's slack), rounded up: the pre-flight's bound
+    GRAM_SLACK = 2.0
+
     @classmethod
     def fit_memory_bytes(cls, n_features: int, n_classes: int, n_samples: int) -> int:
-        """``8 x (square_copies x D^2 + 2 x C x D)``: the covariance and its inverse square root (float64),
-        the class sums and means."""
-        return int(8 * (cls.square_copies * n_features**2 + 2 * n_classes * n_features))
+        """Bytes of the fit's peak beyond the features, ``N`` rows of ``D`` features in ``C`` classes:
+
+        - streamed (``N > D / 2``): ``8 x (square_copies x D^2 + 2 x C x D)``, the covariance and its inverse square
+          root (float64), the class sums and means;
+        - the Gram path (``N <= D / 2``, :mod:`oodviz.detectors.widefit`): the kept rows, ``G`` and ``U`` ``[N, N]``
+          float64, then ``U`` and the whitening, and two 4 MiB blocks, ``4 N D + max(16 N^2, 8 N^2 + 4 N D) +
+          4 N D (gram_whitenings - 1) + 8 MiB``, times :data:`GRAM_SLACK`, plus the class sums and means: at
+          ``N = D / 2`` less than the streamed path's, and far less for few rows (50 rows of ``D = 151,296``:
+          0.15 GiB, where the ``D x D`` covariance alone is 171 GiB)."""
+        n, d, c = n_samples, n_features, n_classes
+        classes = 8 * 2 * c * d
+        if 0 < n <= d // 2:
+            gram = 4 * n * d + max(16 * n * n, 8 * n * n + 4 * n * d) + 4 * n * d * (cls.gram_whitenings - 1)
+            return int(cls.GRAM_SLACK * (gram + 2 * BLOCK_BYTES) + classes)
+        return int(8 * cls.square_copies * d**2 + classes)
 
     mergeable = True
 

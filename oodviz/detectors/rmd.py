@@ -51,6 +51,7 @@ class RelativeMahalanobis(Mahalanobis):
     )
     #: the within-class and the total scatter, the factor (or eigenvectors) of one, and a float32 whitening
     square_copies = 3.5
+    gram_whitenings = 2
 
     def _fit_gaussians(self, moments: ClassMoments | FewRows) -> None:
         # Before the class part, which turns the within-class scatter into Sigma in place.

@@ -228,3 +228,28 @@ def test_on_an_oversubscribed_cpu_the_gram_eigendecomposition_runs_on_one_blas_t
         np.testing.assert_allclose((s @ s.T).numpy(), pinv, rtol=1e-9, atol=1e-12 * np.abs(pinv).max())
     blas_threads = {info["num_threads"] for info in threadpool_info() if info["user_api"] == "blas"}
     assert threads == [{1}, blas_threads]
+
+
+def test_the_fit_memory_estimate_follows_the_path_the_fit_takes():
+    """The pre-flight's bound: below D / 2 rows the Gram path's tensors (kept rows, G and U, the whitening, two
+    blocks) times the slack, not the D x D covariance; issue 26 saw 429 GiB for 50 rows of an unpooled ViT layer."""
+    from oodviz.detectors import detector_class
+    from oodviz.detectors.stats import BLOCK_BYTES
+
+    mahalanobis, rmd = detector_class("mahalanobis"), detector_class("rmd")
+    d, c = 151_296, 10  # vit_b_16's tokens unpooled
+    for n in (50, 256):
+        tensors = 4 * n * d + max(16 * n * n, 8 * n * n + 4 * n * d) + 2 * BLOCK_BYTES  # float32 rows, float64 G
+        assert mahalanobis.fit_memory_bytes(d, c, n) == int(2.0 * tensors + 16 * c * d)
+        assert rmd.fit_memory_bytes(d, c, n) == int(2.0 * (tensors + 4 * n * d) + 16 * c * d)  # its first S too
+    assert mahalanobis.fit_memory_bytes(d, c, 50) < 2**30 < 8 * d * d  # 155 MiB, where D x D float64 is 171 GiB
+    # at D / 2 rows the Gram path's bound is below the streamed path's; one row more streams
+    d = 2048
+    assert mahalanobis.fit_memory_bytes(d, c, d // 2) < mahalanobis.fit_memory_bytes(d, c, d // 2 + 1)
+    assert mahalanobis.fit_memory_bytes(d, c, d // 2 + 1) == int(8 * 2.5 * d * d + 16 * c * d)
+    # the bound holds what bench/wide_fit.py measured (N = 1,000, D = 2,048: 50.7 and 58.7 MiB)
+    assert mahalanobis.fit_memory_bytes(d, c, 1000) > 50.7 * 2**20 and rmd.fit_memory_bytes(d, c, 1000) > 58.7 * 2**20
+    # and the path is the one the fit takes: FewRows keeps rows while at most D / 2
+    few = FewRows()
+    assert few.add(torch.zeros(d // 2, d), torch.zeros(d // 2, dtype=torch.long))
+    assert not few.add(torch.zeros(1, d), torch.zeros(1, dtype=torch.long))

@@ -68,10 +68,15 @@ def test_the_needs_are_the_store_and_each_fit_from_d_c_and_n():
 
 def test_over_the_ram_names_the_detectors_and_the_fixes():
     d, pooled = 197 * 768, 768
-    estimate = estimate_of(d, 1000, {"id_fit": 96, "id_test": 96}, pooled=pooled)
     config = config_with("mahalanobis", "klm", "energy")
     ram = 16 * GiB
-    report = assess(config, estimate, {"disk": 10**12, "ram": ram})
+    # 96 rows of D = 151,296: mahalanobis takes the Gram path (N <= D / 2), about 0.3 GiB, not the D x D covariance
+    few = assess(
+        config, estimate_of(d, 1000, {"id_fit": 96, "id_test": 96}, pooled=pooled), {"disk": 10**12, "ram": ram}
+    )
+    assert few.fits
+    estimate = estimate_of(d, 1000, {"id_fit": 100_000, "id_test": 96}, pooled=pooled)  # N > D / 2: streamed
+    report = assess(config, estimate, {"disk": 10**15, "ram": ram})
     assert [need.what.split()[1] for need in report.over] == ["mahalanobis"]
     assert report.over[0].needed == int(8 * (2.5 * d * d + 2 * 1000 * d))
     text = report.message()
@@ -120,7 +125,10 @@ def test_the_unpooled_vit_run_is_refused_before_anything_is_written(tmp_path, ca
     assert not runs_root.exists()
     d, c = 197 * 768, 1000
     assert f"fit mahalanobis (D={d:,}, C={c:,}, N=50,000)" in err
-    assert format_bytes(int(8 * (2.5 * d * d + 2 * c * d))) in err
+    # 50,000 rows <= D / 2: the Gram path, the kept rows (28 GiB) and the 50,000 x 50,000 Gram matrix, with slack
+    n = 50_000
+    gram = 4 * n * d + max(16 * n * n, 8 * n * n + 4 * n * d) + 2 * 4 * 2**20
+    assert format_bytes(int(2.0 * gram + 16 * c * d)) in err
     assert "pooling='avg' gives D=768 instead of 151,296" in err
     assert "--force" in err
 
@@ -212,7 +220,7 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
 def test_a_run_over_several_layers_is_told_to_pool_its_widest_layer():
     """The main (first) layer is pooled already; the unpooled ViT block beside it is what pooling shrinks."""
     block = VIT_UNPOOLED["layer"]
-    sizes = {"id_fit": 1_000, "id_test": 100, "ood:noise": 100}
+    sizes = {"id_fit": 100_000, "id_test": 100, "ood:noise": 100}  # N > D / 2: mahalanobis streams a D x D state
     config = RunConfig(pooling="none", layers=["penultimate", block], detectors=[DetectorChoice("mahalanobis")])
     layers = {
         "penultimate": (estimate_of(768, 1000, sizes), list(sizes)),
