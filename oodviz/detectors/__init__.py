@@ -6,9 +6,9 @@ Every detector has ``fit(batches, head=None, device=None)`` (returns self) and
 ``detector.save(directory)`` and ``load(directory)`` keep a fitted detector as files
 (:mod:`oodviz.detectors.persist`); ``describe(name)`` gives the formula, paper, inputs and failure note each
 detector class declares (``teaching = Teaching(...)``, :mod:`oodviz.detectors.teaching`).
-Detectors with ``needs_model`` (``odin``, ``mahalanobis_odin``, ``mds_ensemble``, ``mcd``, ``rankfeat``, ``adascale``,
-``gram``) run the classifier again: they take it as ``create(name, model=...)`` and score ``Batch(inputs=...)``;
-``mahalanobis_odin``, ``mds_ensemble``, ``adascale`` and ``gram`` also fit on in-distribution
+Detectors with ``needs_model`` (``odin``, ``iodin``, ``mahalanobis_odin``, ``mds_ensemble``, ``mcd``, ``rankfeat``,
+``adascale``, ``gram``) run the classifier again: they take it as ``create(name, model=...)`` and score
+``Batch(inputs=...)``; ``mahalanobis_odin``, ``mds_ensemble``, ``adascale`` and ``gram`` also fit on in-distribution
 ``Batch(inputs=..., labels=...)`` (:mod:`oodviz.detectors.model_fit`).
 """
 
@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # what IDEs and type checkers see; at run time each name is i
     from oodviz.detectors.gradnorm import GradNorm as GradNorm
     from oodviz.detectors.gram import Gram as Gram
     from oodviz.detectors.grood import GROOD as GROOD
+    from oodviz.detectors.iodin import IODIN as IODIN
     from oodviz.detectors.klm import KLMatching as KLMatching
     from oodviz.detectors.knn import KNN as KNN
     from oodviz.detectors.lts import LTS as LTS
@@ -93,6 +94,7 @@ _SOURCES = {
     "gradnorm": ("GradNorm",),
     "gram": ("Gram",),
     "grood": ("GROOD",),
+    "iodin": ("IODIN",),
     "klm": ("KLMatching",),
     "knn": ("KNN",),
     "lts": ("LTS",),

@@ -171,9 +171,11 @@ class ODIN(ModelDetector):
 
     def __init__(self, temperature: float = 1000.0, epsilon: float = 0.0014, norm_std="auto", model=None):
         if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-            raise ValueError(f"odin: temperature must be > 0 (the paper uses 1000), got {temperature!r}")
+            raise ValueError(f"{self.name}: temperature must be > 0 (the paper uses 1000), got {temperature!r}")
         if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not epsilon >= 0:
-            raise ValueError(f"odin: epsilon is a step size and must be >= 0 (the paper uses 0.0014), got {epsilon!r}")
+            raise ValueError(
+                f"{self.name}: epsilon is a step size and must be >= 0 (the paper uses 0.0014), got {epsilon!r}"
+            )
         self.temperature = float(temperature)
         self.epsilon = float(epsilon)
         self.norm_std = check_norm_std(self.name, norm_std)
@@ -183,8 +185,13 @@ class ODIN(ModelDetector):
         """The per-channel divisor of the gradient step, or None for none (see the module docstring)."""
         return channel_std(self.norm_std, self.model)
 
+    def step(self, gradient: Tensor) -> Tensor:
+        """The step ``x - x'`` per unit of ``epsilon`` for the input gradient ``gradient`` of ``-log S_y_hat``:
+        ``sign(gradient) / std``, same shape (i-ODIN's keeps one element of it, :mod:`oodviz.detectors.iodin`)."""
+        return signed_step(self.name, gradient, self.channel_std())
+
     def perturb(self, x: Tensor) -> Tensor:
-        """``x' = x - epsilon * sign(-grad_x log S_y_hat(x; T)) / std``, same shape as ``x``, no graph."""
+        """``x' = x - epsilon * sign(-grad_x log S_y_hat(x; T)) / std`` (:meth:`step`), same shape as ``x``, no graph."""
         with torch.inference_mode(False):
             x = x.clone() if torch.is_inference(x) else x
             x = x.detach().requires_grad_(True)
@@ -193,7 +200,7 @@ class ODIN(ModelDetector):
                 # times T: the same sign, gradients of order 1 rather than 1/T for a half-precision model
                 loss = self.temperature * F.cross_entropy(logits, logits.argmax(dim=1), reduction="sum")
                 (gradient,) = torch.autograd.grad(loss, x)
-            return (x - self.epsilon * signed_step(self.name, gradient, self.channel_std())).detach()
+            return (x - self.epsilon * self.step(gradient)).detach()
 
     def _score(self, batch: Batch) -> Tensor:
         x = batch.inputs

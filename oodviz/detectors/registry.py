@@ -23,6 +23,7 @@ from oodviz.detectors.gmm import GMM
 from oodviz.detectors.gradnorm import GradNorm
 from oodviz.detectors.gram import Gram
 from oodviz.detectors.grood import GROOD
+from oodviz.detectors.iodin import IODIN
 from oodviz.detectors.klm import KLMatching
 from oodviz.detectors.knn import KNN
 from oodviz.detectors.lts import LTS
@@ -91,6 +92,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         GROOD,
         CombOOD,
         ODIN,
+        IODIN,
         MahalanobisODIN,
         MDSEnsemble,
         MCD,

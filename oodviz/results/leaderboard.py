@@ -89,7 +89,7 @@ OPENOOD_DETECTORS: dict[str, tuple[str, dict] | None] = {
     "MSP": ("msp", {}),
     "TempScale": ("tempscale", {}),
     "ODIN": ("odin", {}),
-    "i-ODIN": None,
+    "i-ODIN": ("iodin", {}),
     "MDS": ("mahalanobis", {"normalize": False}),
     "MDS++": ("mahalanobis", {"normalize": True}),
     "MDSEns": ("mds_ensemble", {}),  # its layer weights: OpenOOD fits them on OOD validation data, oodviz 1/rank

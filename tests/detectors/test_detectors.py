@@ -43,6 +43,7 @@ def test_registry_lists_the_issue_detectors():
         "nci",
         "gradnorm",
         "odin",
+        "iodin",
         "mahalanobis_odin",
         "mds_ensemble",
         "mcd",

@@ -36,7 +36,19 @@ OPENOOD_PARAMS = {
     "nnguide": {"k": 100},
     "mds_ensemble": {"norm_std": 0.5},
     **dict.fromkeys(
-        ["gradnorm", "relation", "cfood", "grood", "combood", "odin", "mahalanobis_odin", "weiper", "adascale"], {}
+        [
+            "gradnorm",
+            "relation",
+            "cfood",
+            "grood",
+            "combood",
+            "odin",
+            "iodin",
+            "mahalanobis_odin",
+            "weiper",
+            "adascale",
+        ],
+        {},
     ),
 }
 #: the paper mode's values of the parameters the variants set: as before these parameters existed
