@@ -35,6 +35,8 @@ from oodviz.detectors.teaching import Teaching
 
 #: ``GEN.precision``'s values: the terms in log space (exact) or on float32 probabilities (OpenOOD v1.5)
 PRECISIONS = ("exact", "float32")
+#: below this, a sum of ``exp(z_j - z_top)`` may have lost terms to float32's underflow: taken from the logits
+TINY_SUM = 1e-30
 
 
 class GEN(Detector):
@@ -72,11 +74,41 @@ class GEN(Detector):
         if self.precision == "float32":  # OpenOOD v1.5: float32 probabilities, the M largest, 1 - p rounded
             top = torch.sort(torch.softmax(z, dim=1), dim=1).values[:, -self.m :]  # [B, M], ascending
             return (top.pow(self.gamma) * (1 - top).pow(self.gamma)).sum(dim=1)
+        if self.m >= z.shape[1]:
+            return self._all_classes(z)
         log_norm = torch.logsumexp(z, dim=1, keepdim=True)
-        top_z, top_index = torch.topk(z, k=min(self.m, z.shape[1]), dim=1)
+        top_z, top_index = torch.topk(z, k=self.m, dim=1)
         log_p = top_z - log_norm  # [B, M], descending
         # Only the top class can have p > 1/2, where log1p(-p) loses precision.
-        log_1mp = torch.log1p(-log_p.exp())
-        others = z.scatter(1, top_index[:, :1], float("-inf"))
-        log_1mp[:, 0] = (torch.logsumexp(others, dim=1, keepdim=True) - log_norm).squeeze(1)
-        return torch.exp(self.gamma * (log_p + log_1mp)).sum(dim=1)
+        terms = torch.exp(self.gamma * (log_p + torch.log1p(-log_p.exp())))
+        terms[:, :1] = self._top_term(z, top_index[:, :1], log_norm)
+        return terms.sum(dim=1)
+
+    def _all_classes(self, z: Tensor) -> Tensor:
+        """The sum over every class (``M >= C``), which needs no order: no sort of each row (it took ~90% of the
+        time), and one pass each for what the terms need. With ``e_j = exp(z_j - z_top)`` (the top's own 1 left
+        out) and ``S = sum_j e_j``: ``p_top = 1 / (1 + S)``, ``1 - p_top = S / (1 + S)`` (``S`` summed without the
+        top's 1: no cancellation), ``p_j^gamma`` from ``log p_j = z_j - z_top - log(1 + S)`` (no underflow below
+        float32's range) and ``(1 - p_j)^gamma`` directly (exact where ``p_j <= 1/2``, every class but the top).
+        Where ``S`` underflows (the top logit ~100 above all others) ``log S`` comes from the logits."""
+        top_z, top_index = z.max(dim=1, keepdim=True)
+        shifted = z - top_z  # [B, C], 0 at the top
+        e = shifted.exp().scatter_(1, top_index, 0.0)
+        others = e.sum(dim=1, keepdim=True)  # [B, 1]
+        log_others = others.log()
+        lost = (others < TINY_SUM).squeeze(1)
+        if bool(lost.any()):
+            rows = z[lost].scatter(1, top_index[lost], float("-inf"))
+            log_others[lost] = torch.logsumexp(rows, dim=1, keepdim=True) - top_z[lost]
+        log_total = torch.log1p(others)  # log(1 + S)
+        one_minus_p = e.div_(others + 1).neg_().add_(1).pow_(self.gamma)  # (1 - p_j)^gamma
+        terms = shifted.sub_(log_total).mul_(self.gamma).exp_().mul_(one_minus_p)
+        top = torch.exp(self.gamma * (log_others - 2 * log_total))  # (p_top (1 - p_top))^gamma
+        return terms.scatter_(1, top_index, top).sum(dim=1)
+
+    def _top_term(self, z: Tensor, top_index: Tensor, log_norm: Tensor) -> Tensor:
+        """``p^gamma (1 - p)^gamma`` ``[B, 1]`` of the top class, ``log(1 - p)`` as ``logsumexp`` of the other logits
+        less ``logsumexp`` of all: exact where ``p`` rounds to 1."""
+        log_p = z.gather(1, top_index) - log_norm
+        log_1mp = torch.logsumexp(z.scatter(1, top_index, float("-inf")), dim=1, keepdim=True) - log_norm
+        return torch.exp(self.gamma * (log_p + log_1mp))

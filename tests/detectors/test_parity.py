@@ -209,3 +209,28 @@ def test_knn_chunked_search_equals_exact_search(problem):
     np.testing.assert_allclose(
         det.score(problem.batches(problem.eval_x)).numpy(), reference(problem, "knn"), rtol=1e-4, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("gap", [0.0, 30.0, 120.0])
+def test_gen_over_every_class_equals_the_float64_sum_even_where_float32_underflows(gap):
+    """M >= C: the sum over every class without sorting; rows whose top logit lies ``gap`` above the others (at
+    120 every other exp(z_j - z_top) underflows float32, and p_top rounds to 1) keep every term, the top's
+    (1 - p)^gamma included, as the float64 formula in log space gives them."""
+    from scipy.special import log_softmax
+
+    from oodviz import Batch
+    from oodviz.detectors import create
+
+    rng = np.random.default_rng(1)
+    z = rng.normal(size=(300, 10)) * 2
+    z[:100, 3] += gap
+    log_p = log_softmax(z, axis=1)  # float64
+    with np.errstate(divide="ignore"):  # p_top rounds to 1 in float64 too at gap 120: replaced below
+        log_1mp = np.log1p(-np.exp(log_p))
+    top = log_p.argmax(1)
+    log_1mp[np.arange(len(z)), top] = np.logaddexp.reduce(
+        np.where(np.arange(10) == top[:, None], -np.inf, log_p), axis=1
+    )  # log(1 - p_top) = log sum of the others, exact
+    expected = np.exp(0.1 * (log_p + log_1mp)).sum(1)
+    ours = create("gen", m=100).score([Batch(logits=torch.tensor(z, dtype=torch.float32))]).double().numpy()
+    np.testing.assert_allclose(ours, expected, rtol=2e-5)
