@@ -19,6 +19,7 @@ import copy
 import hmac
 import ipaddress
 import os
+import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -176,3 +177,21 @@ def run_path(runs_root: Path, run_id: str) -> Path:
 def show_server_details() -> bool:
     """Whether the page may show tracebacks and server paths (not when serving others)."""
     return not AccessPolicy.from_env().serve_others
+
+
+#: an absolute path in a message: ``/`` (not inside a word, a URL or a relative path) then at least one folder, up to
+#: a space, a quote or punctuation that ends it
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:;,()\[\]{}<>|]+/)+[^\s/'\"`:;,()\[\]{}<>|]*")
+
+
+def cut_paths(text: str) -> str:
+    """``text`` with every absolute path (two parts or more) cut to ``.../<last name>``, as the config is shown to
+    others (:func:`oodviz.config.plan.config_shown`): what a run's error, a damaged file's message or a subprocess's
+    last line says about the server's folders stays on the server."""
+    return _ABSOLUTE_PATH.sub(lambda match: f".../{[part for part in match.group(0).split('/') if part][-1]}", text)
+
+
+def shown_message(text: str) -> str:
+    """``text`` as the page may show it: as it is on loopback, its server paths cut (:func:`cut_paths`) when serving
+    others."""
+    return text if show_server_details() else cut_paths(text)

@@ -38,6 +38,7 @@ from oodviz.files import read_json_object
 from oodviz.results.analysis import risk_coverage_curves
 from oodviz.results.selection import selected_samples
 from oodviz.results.tables import ID_SPLIT, OOD_SPLIT, Results, classifier_errors_note, detectors_of, read_table
+from oodviz.ui.access import shown_message
 from oodviz.ui.chart_selection import projection_selection_gallery
 from oodviz.ui.figure_export import chart
 from oodviz.ui.hover_thumbnail import hover_panel
@@ -136,11 +137,11 @@ def probe_view(results: Results, key: str = "probe") -> None:
         table = read_table(Path(folder) / "scores.csv")
         images = {f: Path(f).read_bytes() for f in files}
     if result.returncode == 2 or table is None:
-        st.error(result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "scoring failed")
+        st.error(shown_message(result.stderr.strip().splitlines()[-1]) if result.stderr.strip() else "scoring failed")
         return
     for line in result.stderr.splitlines():
         if line.startswith(("unreadable:", "not loaded:")):
-            st.warning(line)
+            st.warning(shown_message(line))
     for file, rows in table.groupby("file", sort=False):
         left, right = st.columns([1, 4])
         left.image(images[file], caption=Path(file).name.split("-", 1)[1], width=96)
@@ -189,7 +190,7 @@ def projection_view(
             with st.spinner(f"Projecting the features...{slow}"):
                 result = _oodviz("project", str(results.path), "--method", method, "--max-points", str(max_points))
             if result.returncode:
-                st.error(result.stderr.strip())
+                st.error(shown_message(result.stderr.strip()))
                 return
         else:
             return
@@ -240,7 +241,7 @@ def report_download(results: Results) -> None:
             try:
                 st.session_state[f"report-html:{results.path}"] = report_html(results.path, figure_files=with_files)
             except RuntimeError as error:  # kaleido could not draw the figures: say why, build none
-                st.error(f"The figures could not be drawn as files: {error}")
+                st.error(f"The figures could not be drawn as files: {shown_message(str(error))}")
     if f"report-html:{results.path}" in st.session_state:
         st.download_button(
             "Download report.html",

@@ -17,6 +17,7 @@ import streamlit as st
 
 from oodviz.pipeline.probe import ProbeAnswer
 from oodviz.problems import Fix
+from oodviz.ui.access import shown_message
 from oodviz.ui.form import FormFix, FormValues, form_fixes
 
 #: session keys: the last estimate, the form filled by a fix, "estimate on the next rerun", the checkbox
@@ -113,7 +114,7 @@ def estimate_panel(values: FormValues) -> None:
     if entry is None:
         return
     if entry["error"]:
-        st.sidebar.error(f"Could not estimate the run's needs: {entry['error']}")
+        st.sidebar.error(f"Could not estimate the run's needs: {shown_message(str(entry['error']))}")
         return
     st.sidebar.markdown("**Estimated needs**")
     table, fixes = entry.get("table", ""), entry.get("fixes", [])

@@ -23,7 +23,7 @@ from oodviz.results.summary import summarise
 from oodviz.results.tables import load_results
 from oodviz.runs.jobs import delete_run, list_runs
 from oodviz.runs.rundir import RunDir
-from oodviz.ui.access import PathRefused, run_path
+from oodviz.ui.access import PathRefused, run_path, shown_message
 
 LABEL_FILE = "label.json"
 NAME_MAX = 80
@@ -57,7 +57,7 @@ def label_editor(run: RunDir) -> None:
                 try:
                     write_label(run.path, name, notes)
                 except (ValueError, OSError) as error:
-                    st.error(f"Not saved: {error}")
+                    st.error(f"Not saved: {shown_message(str(error))}")
                 else:
                     st.rerun()
 

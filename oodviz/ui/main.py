@@ -23,7 +23,7 @@ from oodviz.problems import Fix, fixes_from
 from oodviz.runs.jobs import QueueFull, refresh, submit
 from oodviz.runs.rundir import FINAL_STATES, RunDir
 from oodviz.runs.telemetry import device_facts
-from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details
+from oodviz.ui.access import AccessPolicy, PathRefused, run_path, show_server_details, shown_message
 from oodviz.ui.fixes import (
     ESTIMATE_NEXT,
     RUN_ANYWAY,
@@ -192,7 +192,7 @@ def run_page(run: RunDir, values: FormValues) -> None:
     config, config_problem = read_json_object(run.config_path)
     if state == "damaged" or config_problem:
         damage = status.get("error") if state == "damaged" else f"damaged: {config_problem}"
-        st.error(f"This run cannot be shown: {damage}. Delete it from Past runs (All runs).")
+        st.error(f"This run cannot be shown: {shown_message(str(damage))}. Delete it from Past runs (All runs).")
         return
     if state not in FINAL_STATES:
         st.caption(f"Run `{run.run_id}`{where}")
@@ -206,9 +206,10 @@ def run_page(run: RunDir, values: FormValues) -> None:
         pass
     label_editor(run)
     for message in without_validation_warnings(run_warnings(run), config):  # those: above the results
-        st.warning(message)
+        st.warning(shown_message(message))
     if state == "failed":
-        st.error(f"The run failed: {status.get('error') or 'no error was recorded (was the worker killed?)'}")
+        error = status.get("error") or "no error was recorded (was the worker killed?)"
+        st.error(f"The run failed: {shown_message(str(error))}")
         fixes = [*fixes_from(status.get("fixes")), *run_fixes(run)]
         try:
             ran = form_values_from_config(RunConfig.load(run.config_path))

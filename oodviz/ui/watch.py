@@ -21,7 +21,7 @@ from oodviz.models import format_bytes
 from oodviz.results.analysis import memory_timeline
 from oodviz.runs.jobs import cancel, refresh
 from oodviz.runs.rundir import FINAL_STATES, RunDir
-from oodviz.ui.access import show_server_details
+from oodviz.ui.access import show_server_details, shown_message
 from oodviz.ui.live import EventTail, hms, run_eta_s, stage_position
 
 POLL_S = 1.0
@@ -148,7 +148,7 @@ def job_panel(run: RunDir) -> None:
         if len(tail.ranks) > 1:  # a run on several processes: each one's device, batch size and memory
             st.dataframe(rank_table(tail.ranks), hide_index=True, width="stretch")
         for warning in tail.warnings:
-            st.warning(warning)
+            st.warning(shown_message(warning))
         # the table only while its expander is open: a closed one costs a poll nothing however many stages ended
         stages = st.expander(
             f"Finished stages ({len(tail.ended)} of {len(plan)})", key=f"stages-{run.run_id}", on_change="rerun"

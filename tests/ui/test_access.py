@@ -11,7 +11,7 @@ from streamlit.testing.v1 import AppTest
 
 from oodviz.config.run import DatasetChoice, RunConfig, preset
 from oodviz.pipeline.probe import ProbeError, estimate_for_config, estimate_in_subprocess
-from oodviz.ui.access import NOT_ALLOWED, AccessPolicy, PathRefused, run_path
+from oodviz.ui.access import NOT_ALLOWED, AccessPolicy, PathRefused, cut_paths, run_path
 
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
 TOKEN = "t0ken-for-the-tests"
@@ -241,6 +241,32 @@ def test_serving_others_hides_server_paths_and_tracebacks(runs_root, serving_oth
     app.query_params["run"] = "no-such-run"
     app.run()
     assert "There is no run 'no-such-run'; it may have been deleted." in texts(app)
+
+
+def test_serving_others_a_runs_error_and_warnings_name_files_without_their_server_folders(runs_root, serving_others):
+    """What a run says about the server's files (its error, its warnings) reaches others with each absolute path cut to
+    its last name; a URL or a relative path stays as it is."""
+    from oodviz.runs.rundir import RunDir
+
+    failed = runs_root / "r-failed-path"
+    failed.mkdir()
+    RunConfig().save(failed / "config.json")
+    error = "FileNotFoundError: [Errno 2] No such file or directory: '/srv/secret/data/cifar-10-batches-py/test_batch'"
+    RunDir(failed).write_status(state="failed", error=error)
+    RunDir(failed).append_event(
+        {"event": "warning", "message": "id_test: /srv/secret/images/a.png unreadable, skipped"}
+    )
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.query_params["token"] = TOKEN
+    app.query_params["run"] = "r-failed-path"
+    app.run()
+    assert not app.exception
+    shown = texts(app)
+    assert "No such file or directory: '.../test_batch'" in shown and "id_test: .../a.png unreadable" in shown
+    assert "/srv/secret" not in shown
+    assert cut_paths("see https://example.org/a/b or ./rel/dir, 3/4 of /opt/x/y.") == (
+        "see https://example.org/a/b or ./rel/dir, 3/4 of .../y."
+    )
 
 
 @pytest.mark.parametrize("state", ["failed", "running"])
