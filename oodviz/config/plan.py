@@ -4,6 +4,7 @@ failed detector's run ends with fewer stages than planned."""
 
 from __future__ import annotations
 
+import re
 from pathlib import PurePath
 
 from oodviz import detectors
@@ -86,6 +87,18 @@ def config_shown(config: dict, paths: bool = True) -> dict:
         return value
 
     return shown(config)
+
+
+#: an absolute path in a message: ``/`` (not inside a word, a URL or a relative path) then at least one folder, up to
+#: a space, a quote or punctuation that ends it
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:;,()\[\]{}<>|]+/)+[^\s/'\"`:;,()\[\]{}<>|]*")
+
+
+def cut_paths(text: str) -> str:
+    """``text`` with every absolute path (two parts or more) cut to ``.../<last name>``, as the config is shown to
+    others (:func:`config_shown`): what a run's error, a damaged file's message or a subprocess's
+    last line says about the server's folders stays on the server."""
+    return _ABSOLUTE_PATH.sub(lambda match: f".../{[part for part in match.group(0).split('/') if part][-1]}", text)
 
 
 def _folder_shown(choice, paths: bool) -> str:

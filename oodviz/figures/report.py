@@ -30,6 +30,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from oodviz import detectors
+from oodviz.config.plan import config_shown, cut_paths
 from oodviz.figures.export import figure_images
 from oodviz.figures.plots import (
     CONVENTION,
@@ -196,8 +197,9 @@ def auroc_heatmap(metrics: pd.DataFrame) -> go.Figure:
     return fig
 
 
-def _headline(page: _Page, results: Results) -> None:
-    """The result in a few sentences: the best detector, the data it was measured on, the classifier."""
+def _headline(page: _Page, results: Results, shown) -> None:
+    """The result in a few sentences: the best detector, the data it was measured on, the classifier; the run's
+    warnings, each through ``shown`` (what the report may say about the server's paths)."""
     config, metrics, scores = results.config, results.metrics, results.scores
     best = best_detector(metrics)
     sets = ood_datasets_of(scores)
@@ -213,12 +215,12 @@ def _headline(page: _Page, results: Results) -> None:
     )
     for event in results.events:  # what the run warned about (e.g. a model whose classes are not the ID labels)
         if event.get("event") == "warning":
-            page.text("p", f"Warning: {event.get('message', '')}", class_="warning")
+            page.text("p", f"Warning: {shown(str(event.get('message', '')))}", class_="warning")
 
 
-def _run_section(page: _Page, results: Results) -> None:
+def _run_section(page: _Page, results: Results, paths: bool) -> None:
     """Where and how the run ran (environment, how each split was sampled, each stage's wall time and peak memory),
-    then its config, folded."""
+    then its config, folded (without ``paths``: each path entry cut to its last name, :func:`config_shown`)."""
     meta = results.meta or {}
     environment = {k: meta.get(k) for k in ("oodviz", "torch", "python", "device", "device_name") if k in meta}
     page.text("h2", "Run details")
@@ -238,7 +240,7 @@ def _run_section(page: _Page, results: Results) -> None:
             shown["peak CPU memory"] = [format_bytes(v) if pd.notna(v) else "–" for v in frame.peak_cpu_rss]
         page.table(shown)
     page.add("<details><summary>Config</summary>")
-    page.text("pre", json.dumps(results.config, indent=2))
+    page.text("pre", json.dumps(config_shown(results.config, paths=paths), indent=2))
     page.add("</details>")
 
 
@@ -321,10 +323,12 @@ def _detector_section(page: _Page, results: Results, detector: str, gallery_size
     page.add("</details>")
 
 
-def report_html(run_dir, detectors=None, gallery_size: int = 8, figure_files: bool = False) -> str:
+def report_html(run_dir, detectors=None, gallery_size: int = 8, figure_files: bool = False, paths: bool = True) -> str:
     """The report of the finished run ``run_dir`` as one HTML document (see the module docstring);
     ``detectors``: the detectors given a section (default: all, the first one opened); ``figure_files``:
-    each figure also as PNG and SVG downloads (RuntimeError saying why when they cannot be drawn here).
+    each figure also as PNG and SVG downloads (RuntimeError saying why when they cannot be drawn here);
+    ``paths``: False for a report built for someone else (the app serving others): the config's paths and those the
+    run's warnings name cut to their last names (:func:`~oodviz.config.plan.cut_paths`).
     ValueError for a run that is not finished; :class:`oodviz.results.tables.ResultsFileError` (a ValueError) naming the
     results file of a ``done`` run that is missing or cannot be read."""
     from plotly.offline import get_plotlyjs
@@ -342,13 +346,13 @@ def report_html(run_dir, detectors=None, gallery_size: int = 8, figure_files: bo
     title = f"oodviz report: {config.get('backbone', '?')} on {config.get('id_test', {}).get('name', '?')}"
     page = _Page()
     page.text("h1", title)
-    _headline(page, results)
+    _headline(page, results, (lambda text: text) if paths else cut_paths)
     page.text("p", CONVENTION + ". A sample is flagged as OOD when its score >= the threshold.", class_="convention")
     _metrics_section(page, results)
     page.text("h2", "Detectors")
     for position, detector in enumerate(chosen):
         _detector_section(page, results, detector, gallery_size, opened=position == 0)
-    _run_section(page, results)
+    _run_section(page, results, paths)
     if figure_files:
         page.add_figure_files()
     katex_css, katex_js = katex_assets()

@@ -19,11 +19,12 @@ import copy
 import hmac
 import ipaddress
 import os
-import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from oodviz.config.plan import cut_paths
 
 if TYPE_CHECKING:  # no torch at import: ``oodviz app`` reads the policy before it execs Streamlit
     from oodviz.config.run import RunConfig
@@ -179,19 +180,7 @@ def show_server_details() -> bool:
     return not AccessPolicy.from_env().serve_others
 
 
-#: an absolute path in a message: ``/`` (not inside a word, a URL or a relative path) then at least one folder, up to
-#: a space, a quote or punctuation that ends it
-_ABSOLUTE_PATH = re.compile(r"(?<![\w.~:/-])/(?:[^\s/'\"`:;,()\[\]{}<>|]+/)+[^\s/'\"`:;,()\[\]{}<>|]*")
-
-
-def cut_paths(text: str) -> str:
-    """``text`` with every absolute path (two parts or more) cut to ``.../<last name>``, as the config is shown to
-    others (:func:`oodviz.config.plan.config_shown`): what a run's error, a damaged file's message or a subprocess's
-    last line says about the server's folders stays on the server."""
-    return _ABSOLUTE_PATH.sub(lambda match: f".../{[part for part in match.group(0).split('/') if part][-1]}", text)
-
-
 def shown_message(text: str) -> str:
-    """``text`` as the page may show it: as it is on loopback, its server paths cut (:func:`cut_paths`) when serving
-    others."""
+    """``text`` as the page may show it: as it is on loopback, its server paths cut
+    (:func:`oodviz.config.plan.cut_paths`) when serving others."""
     return text if show_server_details() else cut_paths(text)

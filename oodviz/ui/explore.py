@@ -38,7 +38,7 @@ from oodviz.files import read_json_object
 from oodviz.results.analysis import risk_coverage_curves
 from oodviz.results.selection import selected_samples
 from oodviz.results.tables import ID_SPLIT, OOD_SPLIT, Results, classifier_errors_note, detectors_of, read_table
-from oodviz.ui.access import shown_message
+from oodviz.ui.access import show_server_details, shown_message
 from oodviz.ui.chart_selection import projection_selection_gallery
 from oodviz.ui.figure_export import chart
 from oodviz.ui.hover_thumbnail import hover_panel
@@ -239,7 +239,9 @@ def report_download(results: Results) -> None:
     if st.button("Build the HTML report", key="build-report"):
         with st.spinner("Building the report..."):
             try:
-                st.session_state[f"report-html:{results.path}"] = report_html(results.path, figure_files=with_files)
+                st.session_state[f"report-html:{results.path}"] = report_html(
+                    results.path, figure_files=with_files, paths=show_server_details()
+                )
             except RuntimeError as error:  # kaleido could not draw the figures: say why, build none
                 st.error(f"The figures could not be drawn as files: {shown_message(str(error))}")
     if f"report-html:{results.path}" in st.session_state:

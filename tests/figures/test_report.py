@@ -144,3 +144,25 @@ def test_the_report_opens_offline_in_chromium_with_every_plot_drawn(report, page
     )
     assert page.locator(".katex-error").count() == 0
     assert requested == [] and errors == []
+
+
+def test_a_report_for_others_names_no_server_path(default_run, tmp_path):
+    """``paths=False`` (the app serving others builds it so): the config's paths and the run's warnings cut to last
+    names; the default keeps them, for the user on the server."""
+    import shutil
+
+    from oodviz.runs.rundir import RunDir
+
+    run = tmp_path / "r-paths"
+    shutil.copytree(default_run.path, run)
+    config = json.loads((run / "config.json").read_text())
+    config["data_root"] = "/srv/secret/data"
+    (run / "config.json").write_text(json.dumps(config))
+    RunDir(run).append_event({"event": "warning", "message": "id_test: /srv/secret/images/a.png unreadable, skipped"})
+    mine, theirs = report_html(run), report_html(run, paths=False)
+    assert "/srv/secret/data" in mine and "/srv/secret/images/a.png" in mine
+    assert "/srv/secret" not in theirs
+    assert (
+        "Warning: id_test: .../a.png unreadable, skipped" in theirs
+        and "&quot;data_root&quot;: &quot;.../data&quot;" in theirs
+    )
