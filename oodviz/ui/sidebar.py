@@ -93,20 +93,34 @@ def _param_input(place, detector: str, field: ParamField, value, generation: str
     )
 
 
+#: the longest choice of a detector parameter that a half row of the sidebar shows whole at 1000 px
+HALF_ROW_CHOICE_CHARS = 10
+
+
+def _whole_row(field: ParamField) -> bool:
+    """Whether a parameter's widget takes a row of its own: a switch, or a choice with a value longer than
+    :data:`HALF_ROW_CHOICE_CHARS`."""
+    if field.kind == "bool":
+        return True
+    return field.kind == "choice" and max(len(str(choice)) for choice in field.choices) > HALF_ROW_CHOICE_CHARS
+
+
 def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
-    """Every detector's editable parameters, numbers and choices two to a row, switches on a row of their own
-    (a half row cuts "mahalanobis: normalize" at 1000 px); only the values that differ from the detector's
-    defaults are returned (a blank optional number is its default, None)."""
+    """Every detector's editable parameters, numbers and choices two to a row, switches and choices with a long
+    value on a row of their own (a half row cuts "mahalanobis: normalize" and mcd's "probabilities" at 1000 px);
+    only the values that differ from the detector's defaults are returned (a blank optional number is its default,
+    None)."""
     params = {}
     for name in detector_names():
         fields = param_fields(name)
         if not fields:
             continue
         chosen = {}
-        boxes = [field for field in fields if field.kind != "bool"]
+        whole = [field for field in fields if _whole_row(field)]
+        boxes = [field for field in fields if field not in whole]
         rows = [boxes[start : start + 2] for start in range(0, len(boxes), 2)]
-        for row in rows + [[field] for field in fields if field.kind == "bool"]:
-            for col, field in zip([st] if row[0].kind == "bool" else st.columns(2), row):
+        for row in rows + [[field] for field in whole]:
+            for col, field in zip([st] if _whole_row(row[0]) else st.columns(2), row):
                 default = defaults.detector_params.get(name, {}).get(field.name, field.default)
                 value = _param_input(col, name, field, default, generation)
                 if value is None and not field.optional:
