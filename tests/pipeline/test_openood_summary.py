@@ -12,6 +12,7 @@ import pytest
 import oodviz.pipeline.openood as openood
 from oodviz.pipeline.openood import bench_summary, bench_table, benchmark_config, comparison_notes, summary_cells
 from oodviz.results.leaderboard import FIGURES_COLUMNS, leaderboard_arch, published, run_benchmark
+from oodviz.results.summary import title
 
 
 def figures(rows: dict[str, dict]) -> pd.DataFrame:
@@ -101,6 +102,7 @@ def test_no_detector_ran_gives_an_empty_table_with_the_columns(monkeypatch):
 def test_a_run_is_a_benchmark_run_when_it_fits_on_an_openood_list():
     config = benchmark_config("cifar100", "/data", "ckpt").to_dict()
     assert run_benchmark(config) == "cifar100"
+    assert title(config).startswith("openood-resnet18-32x32 on OpenOOD v1.5 cifar100 vs 6 OOD sets")  # the run list
     assert run_benchmark({"id_fit": {"name": "digits-train", "params": {}}}) is None
     assert run_benchmark({}) is None and run_benchmark(None) is None
     assert run_benchmark({"id_fit": {"name": "openood", "params": "cifar10"}}) is None  # a hand-made config
