@@ -413,8 +413,9 @@ def cmd_bench(args) -> int:
             return code
         runs.append(run.path)
     table = bench_table(runs, args.benchmark, args.arch)
+    ours = "one run" if len(runs) == 1 else f"mean ± std over {len(runs)} runs"
     print(
-        f"\nOpenOOD v1.5 {args.benchmark}: oodviz's figures (mean ± std over {len(runs)} run(s)) beside the "
+        f"\nOpenOOD v1.5 {args.benchmark}: oodviz's figures ({ours}) beside the "
         "leaderboard's (mean ± std over its seeds), in percent; the leaderboard publishes no FPR@95 (oodviz's is in "
         "--csv, with the leaderboard's other methods):"
     )

@@ -1,7 +1,7 @@
 """Helpers the tests share (not fixtures: those are in conftest.py): a small, seeded classification problem with a
 linear head, synthetic scores, reference checks, servers' ports, commands run in this process, the runs' small configs,
-and the ``cuda`` and ``chromium`` skip marks. Test modules import them by name (``from helpers import make_problem``);
-no test module imports another."""
+a small OpenOOD v1.5 data root and checkpoint, and the ``cuda`` and ``chromium`` skip marks. Test modules import them
+by name (``from helpers import make_problem``); no test module imports another."""
 
 import gzip
 import importlib
@@ -21,11 +21,14 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
+from PIL import Image
 from sklearn.metrics import roc_auc_score
 
 from oodviz import Batch
 from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.data.openood import benchmark_splits
 from oodviz.detectors.persist import MANIFEST, file_sha256
+from oodviz.models.openood import build_openood_resnet18_32x32
 from oodviz.runs.rundir import RunDir
 
 #: The repository's root (app.py, examples/, assets/).
@@ -246,3 +249,39 @@ def rehash_with(directory, key: str, array: np.ndarray) -> None:
     np.save(directory / entry["file"], array)
     entry.update(shape=list(array.shape), sha256=file_sha256(directory / entry["file"]))
     (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+# -- OpenOOD v1.5: a small data root in its exact layout, and a checkpoint ------------------------------------
+#: images per set of :func:`write_cifar10_root`: ID lists, and every OOD list
+ID_IMAGES = {"id_train": 40, "id_val": 10, "id_test": 30}
+OOD_IMAGES = 12
+
+
+def write_cifar10_root(root) -> dict[str, int]:
+    """Every cifar10 set under ``root`` with random 32 x 32 images (each set its own brightness, so that the sets
+    differ): split -> its number of images."""
+    rng = np.random.default_rng(0)
+    sizes = {}
+    for position, s in enumerate(benchmark_splits("cifar10")):
+        n = ID_IMAGES.get(s.role, OOD_IMAGES)
+        subdir = s.list_file.rsplit("/", 1)[1].split("_", 1)[0]
+        lines = []
+        for i in range(n):
+            path = f"{s.archive}/{subdir}/{s.name}_{i}.png"
+            pixels = rng.integers(0, 256, (32, 32, 3)) * (0.3 + 0.06 * position)
+            target = root / s.image_dir / path
+            target.parent.mkdir(parents=True, exist_ok=True)
+            Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(target)
+            lines.append(f"{path} {i % 10}\n")
+        (root / s.list_file).parent.mkdir(parents=True, exist_ok=True)
+        (root / s.list_file).write_text("".join(lines))
+        sizes[s.split] = n
+    return sizes
+
+
+def checkpoint(path, seed: int) -> str:
+    """A randomly initialised OpenOOD ``ResNet18_32x32`` (10 classes, seed ``seed``) saved at ``path`` as OpenOOD
+    saves its checkpoints (a state dict with its key names)."""
+    torch.manual_seed(seed)
+    torch.save(build_openood_resnet18_32x32(10).state_dict(), path)  # OpenOOD's key names (tests/models)
+    return str(path)

@@ -17,7 +17,10 @@ runs, for each checkpoint (OpenOOD publishes three training seeds per benchmark)
 Before any work, :func:`benchmark_problems` checks every list file the runs read and every image each one names
 (:func:`oodviz.data.openood.layout_problems`). :func:`bench_table` then averages each detector's figures over the
 runs (mean, and the population standard deviation as OpenOOD's ``scripts/eval_ood.py`` takes it, ``np.std``) and
-sets them beside the leaderboard's (:func:`oodviz.results.leaderboard.compare`).
+sets them beside the leaderboard's (:func:`oodviz.results.leaderboard.compare`); :func:`summary_cells` writes the
+figures of the detectors that ran as text, the same for the terminal (:func:`bench_summary`) and for the app's
+metrics view, which shows them for any run of a benchmark (:func:`~oodviz.results.leaderboard.run_benchmark`), with
+:func:`comparison_notes`.
 
 Figures differ from the leaderboard's where oodviz's detectors compute their paper's formula and OpenOOD's
 postprocessors a variant (the detectors' docstrings say where), where hyper-parameters differ (oodviz's defaults,
@@ -26,15 +29,24 @@ or its grids with ``tune``, against OpenOOD's tuned values), and for other check
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from oodviz import models
+from oodviz import detectors, models
 from oodviz.config.run import OPENOOD_PREPROCESSING, DatasetChoice, DetectorChoice, RunConfig
 from oodviz.data.openood import OpenOODSet, benchmark_splits, layout_problems
-from oodviz.results.leaderboard import LEADERBOARD_METRICS, compare, run_figures
+from oodviz.results.leaderboard import (
+    LEADERBOARD_METRICS,
+    STANDARD_TRAINING,
+    compare,
+    leaderboard_arch,
+    run_benchmark,
+    run_figures,
+)
+from oodviz.results.leaderboard import source as leaderboard_source
 
 #: the protocols ``oodviz bench`` runs
 PROTOCOLS = ("openood-v1.5",)
@@ -122,8 +134,10 @@ def bench_table(runs: list[str | Path], benchmark: str, arch: str | None = None)
     return table
 
 
-#: the figures :func:`bench_summary` shows, with their headings
+#: the figures :func:`summary_cells` shows, with their headings
 SUMMARY_METRICS = {"near_auroc": "near AUROC", "far_auroc": "far AUROC", "id_accuracy": "ID accuracy"}
+#: the parts of each figure in :func:`summary_cells`
+SUMMARY_PARTS = ("ours", "published", "diff")
 
 
 def _figure(mean: float, std: float) -> str:
@@ -132,20 +146,116 @@ def _figure(mean: float, std: float) -> str:
     return f"{mean:.2f}" if np.isnan(std) else f"{mean:.2f} ± {std:.2f}"
 
 
-def bench_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """The rows of a :func:`bench_table` whose detector ran, as text for a terminal: ``detector``, then per figure
-    of :data:`SUMMARY_METRICS` ``"<ours ± std> | <published ± std> | <ours - published>"`` (``-`` where a side has
-    no figure, as the leaderboard publishes none for a detector it lacks)."""
+def summary_cells(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a :func:`bench_table` whose detector ran, in its order, as text: ``detector``, ``method`` (the
+    leaderboard's name of that method, ``-`` where it has none), then per figure ``m`` of :data:`SUMMARY_METRICS`
+    ``m_ours`` (the mean, ``± std`` where it is over two runs or more), ``m_published`` (``± std`` where the
+    leaderboard gives one) and ``m_diff`` (``ours - published``, signed), each with two decimals and ``-`` where
+    there is no figure (always for a detector the leaderboard lacks)."""
     ran = table[table.runs > 0]
     rows = []
     for entry in ran.itertuples(index=False):
-        row = {"detector": entry.detector}
-        for name, heading in SUMMARY_METRICS.items():
-            ours = _figure(getattr(entry, f"{name}_ours"), getattr(entry, f"{name}_ours_std"))
-            board = _figure(getattr(entry, f"{name}_published"), getattr(entry, f"{name}_published_std"))
+        method = entry.postprocessor
+        row = {"detector": entry.detector, "method": method if isinstance(method, str) else "-"}
+        for name in SUMMARY_METRICS:
+            spread = getattr(entry, f"{name}_ours_std") if entry.runs > 1 else np.nan
             diff = getattr(entry, f"{name}_diff")
-            row[f"{heading}: ours | published | diff"] = f"{ours} | {board} | " + (
-                "-" if np.isnan(diff) else f"{diff:+.2f}"
+            row[f"{name}_ours"] = _figure(getattr(entry, f"{name}_ours"), spread)
+            row[f"{name}_published"] = _figure(
+                getattr(entry, f"{name}_published"), getattr(entry, f"{name}_published_std")
             )
+            row[f"{name}_diff"] = "-" if np.isnan(diff) else f"{diff:+.2f}"
         rows.append(row)
-    return pd.DataFrame(rows)
+    columns = ["detector", "method", *(f"{name}_{part}" for name in SUMMARY_METRICS for part in SUMMARY_PARTS)]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def bench_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """The rows of a :func:`bench_table` whose detector ran, as text for a terminal: ``detector``, then per figure
+    of :data:`SUMMARY_METRICS` ``"<ours ± std> | <published ± std> | <ours - published>"``, the cells of
+    :func:`summary_cells` (``-`` where a side has no figure, as the leaderboard publishes none for a detector it
+    lacks; no ``± std`` of ours for one run)."""
+    cells = summary_cells(table)
+    summary = pd.DataFrame({"detector": cells.detector})
+    for name, heading in SUMMARY_METRICS.items():
+        parts = [cells[f"{name}_{part}"] for part in SUMMARY_PARTS]
+        summary[f"{heading}: ours | published | diff"] = parts[0] + " | " + parts[1] + " | " + parts[2]
+    return summary
+
+
+def _subsampled(config: Mapping) -> list[str]:
+    entries = [("ID fit", config.get("id_fit")), ("ID test", config.get("id_test"))]
+    entries += [("OOD", entry) for entry in config.get("ood") or []]
+    return list(dict.fromkeys(name for name, entry in entries if isinstance(entry, Mapping) and entry.get("subsample")))
+
+
+def comparison_notes(config: Mapping, table: pd.DataFrame) -> list[str]:
+    """What a reader of a :func:`summary_cells` table of the runs of ``config`` (a run's ``config.json``, one of
+    :func:`run_benchmark`'s) must know, one sentence each: where the published figures come from and when they were
+    read, what "ours" is, that FPR@95 is not published, the run's protocol, what ``-`` means; then what makes this
+    run differ from the leaderboard's setting, where it does (another network, random weights, other preprocessing,
+    other OOD sets, subsampled splits)."""
+    benchmark = run_benchmark(config)
+    if benchmark is None:
+        raise ValueError("not a run of an OpenOOD v1.5 benchmark: its ID fit set is not the openood dataset")
+    info = leaderboard_source()
+    where = info["source"]
+    arch = str(table.arch.iloc[0]) if len(table) else "its network"
+    runs = int(table.runs.max()) if len(table) else 0
+    notes = [
+        f"Published: the OpenOOD v1.5 leaderboard ({info['website']}), read from its CSV files "
+        f"({where['repository'].removeprefix('https://github.com/')}, branch {where['branch']}, commit "
+        f"{where['commit'][:7]} of {where['commit_date']}) on {info['read_on']}: {arch}, {STANDARD_TRAINING} "
+        f"training, {info['runs'][benchmark].split(',')[0]}.",
+        (
+            "Ours: this run, one checkpoint (no std; oodviz bench with several checkpoints gives mean ± std)."
+            if runs <= 1
+            else f"Ours: mean ± std over {runs} runs."
+        )
+        + " In percent; diff = ours − published.",
+        "The leaderboard publishes no FPR@95 (oodviz's is in the run's metrics).",
+    ]
+    protocol = config.get("protocol", "paper")
+    tuned = isinstance(config.get("id_val"), Mapping) or isinstance(config.get("ood_val"), Mapping)
+    parameters = (
+        "parameters tuned on the validation data"
+        if tuned
+        else "parameters not tuned (OpenOOD tuned some on its validation sets)"
+    )
+    ran = [name for name in table.loc[table.runs > 0, "detector"] if isinstance(name, str)]
+    known = set(detectors.available())
+    variants = [name for name in ran if name in known and detectors.detector_class(name).openood_params]
+    if protocol == "openood":
+        notes.append(
+            "Protocol openood: each detector ran OpenOOD v1.5's variant and defaults where they differ from its "
+            f"paper's ({', '.join(variants) or 'none of these'}); {parameters}."
+        )
+    else:
+        differ = (
+            f"OpenOOD's variant or defaults differ for {', '.join(variants)}: protocol openood runs those"
+            if variants
+            else "none of these detectors has another variant or defaults in OpenOOD"
+        )
+        notes.append(f"Protocol paper: each detector computed its paper's formula, {parameters}; {differ}.")
+    notes.append("'-': no figure (the leaderboard has none for a detector it lacks: its method is '-').")
+    network = models.OPENOOD_NETWORKS[benchmark].backbone
+    backbone = config.get("backbone")
+    if backbone != network and leaderboard_arch(benchmark, backbone) is None:
+        notes.append(
+            f"This run's backbone is {backbone}, not {network}, the network of the leaderboard's figures: they "
+            "differ for that reason alone."
+        )
+    if config.get("weights") == "random":
+        notes.append("Random weights: a dry run, the figures of no trained network.")
+    if config.get("preprocessing") != OPENOOD_PREPROCESSING + benchmark:
+        notes.append(f"Not OpenOOD's preprocessing of {benchmark} (openood:{benchmark}): the backbone's own.")
+    wanted = {s.split: s.group for s in benchmark_splits(benchmark) if s.group is not None}
+    ood = [entry for entry in config.get("ood") or [] if isinstance(entry, Mapping)]
+    had = {
+        (entry.get("params") or {}).get("split"): entry.get("group") for entry in ood if entry.get("name") == "openood"
+    }
+    if had != wanted or len(ood) != len(wanted):
+        notes.append("Other OOD sets than the benchmark's near and far lists: the means are over this run's sets.")
+    if subsampled := _subsampled(config):
+        notes.append(f"Subsampled ({', '.join(subsampled)}): the figures are of a sample of OpenOOD's sets.")
+    return notes

@@ -3,7 +3,9 @@
 :func:`published` reads the leaderboard's figures (``oodviz/results/data/openood_v1_5.csv``; where they come from
 and when they were read: :func:`source`, its sidecar ``openood_v1_5.json``); :func:`run_figures` (a run) or
 :func:`figures_from_metrics` (a ``metrics.csv`` table) gives oodviz's figures in the leaderboard's shape;
-:func:`compare` sets the two side by side, with the difference ``ours - published``.
+:func:`compare` sets the two side by side, with the difference ``ours - published``. :func:`run_benchmark` says which
+benchmark a run ran (None for a run of other data) and :func:`leaderboard_arch` which of the leaderboard's models its
+backbone is.
 
 The leaderboard's shape, all in percent, per detector:
 
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -194,6 +197,29 @@ def published(benchmark: str) -> pd.DataFrame:
     rows["detector_params"] = [dict(p) for p in rows.detector_params]  # the caller's own copies
     rows.attrs["source"] = source()
     return rows
+
+
+#: ``imagenet``'s networks by oodviz backbone -> the leaderboard's model of that name (torchvision's weights, as
+#: OpenOOD's ImageNet-1k rows); the other benchmarks have one model each (OpenOOD's ResNet-18)
+LEADERBOARD_ARCHS = {"imagenet": {"resnet50": "ResNet50", "vit_b_16": "ViT-B/16", "swin_t": "Swin-T"}}
+
+
+def run_benchmark(config: Mapping | None) -> str | None:
+    """The OpenOOD v1.5 benchmark a run ran (its config, ``config.json`` as a mapping, fits on the ``openood``
+    dataset: that dataset's ``benchmark``), else None: not a benchmark run, or a config that names none."""
+    fit = (config or {}).get("id_fit")
+    if not isinstance(fit, Mapping) or fit.get("name") != "openood":
+        return None
+    params = fit.get("params")
+    benchmark = params.get("benchmark") if isinstance(params, Mapping) else None
+    return benchmark if isinstance(benchmark, str) else None
+
+
+def leaderboard_arch(benchmark: str, backbone: str | None) -> str | None:
+    """The leaderboard's model whose figures a run of ``backbone`` on ``benchmark`` compares with
+    (:data:`LEADERBOARD_ARCHS`: ``"ViT-B/16"`` for ``vit_b_16`` on ``imagenet``), else None: the benchmark's own
+    network, :data:`DEFAULT_ARCH` (as ``oodviz bench`` without ``--arch``)."""
+    return LEADERBOARD_ARCHS.get(benchmark, {}).get(backbone)
 
 
 # -- oodviz's figures in the leaderboard's shape -----------------------------------------------------------------

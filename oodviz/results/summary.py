@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from oodviz.files import read_json_object
+from oodviz.results.leaderboard import run_benchmark
 from oodviz.results.tables import best_detector, read_result_table, scores_file_problem
 from oodviz.runs.jobs import refresh
 from oodviz.runs.rundir import DAMAGED, STATES, RunDir
 
 
 def title(config: dict) -> str:
-    """``"digits-cnn on digits-train vs 6 OOD sets, 12 detectors"``; parts the config lacks are left out."""
+    """``"digits-cnn on digits-train vs 6 OOD sets, 12 detectors"`` (an OpenOOD benchmark's run: ``on OpenOOD v1.5
+    cifar10``); parts the config lacks are left out."""
     id_fit = config.get("id_fit")
     fit_name = id_fit.get("name") if isinstance(id_fit, dict) else None
+    if benchmark := run_benchmark(config):
+        fit_name = f"OpenOOD v1.5 {benchmark}"
     ood, detectors = config.get("ood"), config.get("detectors")
     parts = [str(config.get("backbone", "?")), f"on {fit_name}" if fit_name else ""]
     if isinstance(ood, list):

@@ -8,6 +8,7 @@ from oodviz.columns import PENULTIMATE
 from oodviz.config.catalog import dataset_group_and_source
 from oodviz.config.run import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
 from oodviz.problems import Fix, Problem
+from oodviz.results.leaderboard import BENCHMARKS, leaderboard_arch
 from oodviz.ui.access import PathRefused
 from oodviz.ui.form_tuning import (
     HELD_OUT,
@@ -36,6 +37,19 @@ ID_PRESETS: dict[str, tuple[DatasetChoice, DatasetChoice]] = {
     },
 }
 FOLDER_PRESET = "image folders (your own)"
+#: OpenOOD v1.5's benchmarks as ID presets: label -> benchmark. Each runs the benchmark's lists under the data root
+#: (OpenOOD's layout) as :func:`oodviz.pipeline.openood.benchmark_config` makes them: ID train/test, its own near and
+#: far OOD sets, OpenOOD's validation lists when tuning, OpenOOD's test preprocessing; the form's backbone, weights,
+#: checkpoint, detectors and resources.
+OPENOOD_PRESETS: dict[str, str] = {f"OpenOOD v1.5 {name}": name for name in BENCHMARKS}
+#: the network each benchmark's leaderboard figures are of (:data:`oodviz.models.OPENOOD_NETWORKS`, which imports
+#: torch: named here for the form's help and warning)
+OPENOOD_BACKBONES = {
+    "cifar10": "openood-resnet18-32x32",
+    "cifar100": "openood-resnet18-32x32",
+    "imagenet200": "openood-resnet18-224x224",
+    "imagenet": "resnet50",
+}
 #: Side of the ID preset's images; the generated OOD sets (photo patches, noise) are made that size.
 PRESET_IMAGE_SIZE = {
     "Fashion-MNIST, 8 classes": 28,
@@ -104,12 +118,16 @@ class FormValues:
     ood_val: str = NO_VALIDATION
     #: the ID fit set's size as the sidebar counted it (None: not counted), for the held-out validation images
     fit_size: int | None = None
+    #: ``RunConfig.protocol``: ``"paper"`` (each detector's paper) or ``"openood"`` (OpenOOD v1.5's variants)
+    protocol: str = "paper"
 
 
 def form_values_from_config(config: RunConfig) -> FormValues:
     """The sidebar values that describe ``config`` (the inverse of :func:`config_from_form` for the
     configs the sidebar can make), so that the form shows the run being viewed."""
     id_preset, fit_folder, test_folder = FOLDER_PRESET, "", ""
+    benchmark = config.id_fit.params.get("benchmark") if config.id_fit.name == "openood" else None
+    openood = next((label for label, name in OPENOOD_PRESETS.items() if name == benchmark), None)
     for label, (fit, test) in ID_PRESETS.items():
         if (fit.name, fit.params, test.name, test.params) == (
             config.id_fit.name,
@@ -118,11 +136,16 @@ def form_values_from_config(config: RunConfig) -> FormValues:
             config.id_test.params,
         ):
             id_preset = label
-    if id_preset == FOLDER_PRESET:
+    if openood is not None:
+        id_preset = openood
+    elif id_preset == FOLDER_PRESET:
         fit_folder, test_folder = config.id_fit.params.get("path", ""), config.id_test.params.get("path", "")
     ood = [c.name for c in config.ood if c.name in OOD_CHOICES]
     folders = [c.params.get("path", "") for c in config.ood if c.name == "folder"]
     subsamples = [c.subsample for c in config.ood if c.subsample]
+    validation = form_validation(config)
+    if openood is not None:  # OpenOOD's validation lists, which the preset names itself
+        validation.update(id_val=NO_VALIDATION, id_val_images=0, ood_val=NO_VALIDATION)
     return FormValues(
         backbone=config.backbone,
         weights=config.weights,
@@ -146,7 +169,8 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         ood_subsample=subsamples[0] if subsamples else 0,
         data_root=config.data_root,
         download=config.download,
-        **form_validation(config),
+        protocol=config.protocol,
+        **validation,
     )
 
 
@@ -163,11 +187,30 @@ def processes_of(values: FormValues, gpu_count: int) -> int:
     return max(gpu_count, 1) if values.device == ALL_GPUS else 1
 
 
+def openood_config(values: FormValues) -> RunConfig | None:
+    """For an OpenOOD preset (:data:`OPENOOD_PRESETS`), the run of its benchmark over the form's data root,
+    checkpoint and weights, tuned on OpenOOD's validation lists when the form tunes
+    (:func:`oodviz.pipeline.openood.benchmark_config`: the data, the preprocessing); None for another preset."""
+    benchmark = OPENOOD_PRESETS.get(values.id_preset)
+    if benchmark is None:
+        return None
+    from oodviz.pipeline.openood import benchmark_config  # its data module imports torch: only for these presets
+
+    data_root = values.data_root.strip() or "data"
+    checkpoint = values.checkpoint.strip() or None
+    return benchmark_config(benchmark, data_root, checkpoint, weights=values.weights, tune=bool(values.tune))
+
+
 def config_from_form(values: FormValues) -> RunConfig:
-    """The RunConfig the sidebar describes (not validated: call ``problems()`` on it)."""
+    """The RunConfig the sidebar describes (not validated: call ``problems()`` on it). An OpenOOD preset takes its
+    benchmark's data, preprocessing and validation lists (:func:`openood_config`); the OOD list, the extra OOD
+    folder and the validation fields are not used then (:func:`form_problems` asks for them empty)."""
+    bench = openood_config(values)
     if values.id_preset == FOLDER_PRESET:
         fit = DatasetChoice("folder", {"path": values.fit_folder.strip()})
         test = DatasetChoice("folder", {"path": values.test_folder.strip()})
+    elif bench is not None:
+        fit, test = bench.id_fit, bench.id_test
     else:
         fit, test = (DatasetChoice(c.name, dict(c.params)) for c in ID_PRESETS[values.id_preset])
     fit.subsample = _subsample(values.fit_subsample)
@@ -180,9 +223,13 @@ def config_from_form(values: FormValues) -> RunConfig:
         )
         return DatasetChoice(name, params)
 
-    ood = [replace(ood_choice(name), subsample=_subsample(values.ood_subsample)) for name in values.ood]
-    id_val, ood_val = validation_choices(values, fit, ood_choice)
-    if values.ood_folder.strip():
+    if bench is not None:
+        ood = [replace(choice, subsample=_subsample(values.ood_subsample)) for choice in bench.ood]
+        id_val, ood_val = bench.id_val, bench.ood_val
+    else:
+        ood = [replace(ood_choice(name), subsample=_subsample(values.ood_subsample)) for name in values.ood]
+        id_val, ood_val = validation_choices(values, fit, ood_choice)
+    if values.ood_folder.strip() and bench is None:
         ood.append(
             DatasetChoice(
                 "folder", {"path": values.ood_folder.strip()}, subsample=_subsample(values.ood_subsample), group="far"
@@ -212,6 +259,8 @@ def config_from_form(values: FormValues) -> RunConfig:
         download=bool(values.download),
         id_val=id_val,
         ood_val=ood_val,
+        preprocessing=None if bench is None else bench.preprocessing,
+        protocol=values.protocol,
     )
 
 
@@ -230,6 +279,7 @@ FORM_FIELDS = (
     "data_root",
     "detectors",
     "detector_params",
+    "protocol",
     "id_val",
     "id_val_folder",
     "ood_val",
@@ -255,6 +305,9 @@ _CONFIG_FIELDS = {
     "precision": "precision",
     "feature_dtype": "feature_dtype",
     "ood_val": "ood_val",
+    "protocol": "protocol",
+    "preprocessing": "id_preset",
+    "data_root": "data_root",  # an OpenOOD data root's problems (oodviz.data.openood.LayoutProblem)
 }
 #: :meth:`AccessPolicy.confine_config`'s labels of refused paths -> the field typed
 _REFUSED_LABELS = {
@@ -329,10 +382,12 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
         if name in found and name.endswith("_folder"):
             continue  # the folder's own message says it better
         found.setdefault(name, []).append(problem.detail)
+    for name, messages in openood_problems(values, config).items():
+        found.setdefault(name, []).extend(messages)
     for name in values.detectors if values.tune else []:
         for problem in parse_grid(name, values.detector_grids[name])[1] if name in values.detector_grids else []:
             found.setdefault("grids", []).append(problem)
-    for problem in held_out_problems(values):
+    for problem in held_out_problems(values) if values.id_preset not in OPENOOD_PRESETS else []:
         found.setdefault("id_val", []).append(problem)
     if values.tune and config.id_val is None and config.ood_val is None:
         found.setdefault("id_val", []).append(
@@ -340,6 +395,56 @@ def form_problems(values: FormValues, policy=None) -> dict[str, list[str]]:
             f"or '{VALIDATION_FOLDER}', and choose an 'OOD validation set' below"
         )
     return found
+
+
+def openood_sets(config: RunConfig) -> str:
+    """``"near cifar100, tin; far mnist, ..."``: the OOD sets of a benchmark's run, by group."""
+    groups = {group: [c.result_name for c in config.ood if c.group == group] for group in ("near", "far")}
+    return "; ".join(f"{group} {', '.join(names)}" for group, names in groups.items() if names)
+
+
+def openood_problems(values: FormValues, config: RunConfig) -> dict[str, list[str]]:
+    """For an OpenOOD preset, keyed by field: the form's fields it does not use, when set (the OOD list, the extra
+    OOD folder; when tuning, the validation fields: the benchmark names its own sets), and every problem of the data
+    root (:func:`oodviz.pipeline.openood.benchmark_problems`: a list file or an image missing, a malformed list,
+    each naming what to fetch; problems about ``data_root``). Empty for another preset."""
+    if values.id_preset not in OPENOOD_PRESETS:
+        return {}
+    from oodviz.pipeline.openood import benchmark_problems
+
+    found: dict[str, list[str]] = {}
+    preset, sets = values.id_preset, openood_sets(config)
+    if values.ood:
+        found["ood"] = [
+            f"{preset} runs its benchmark's own OOD sets ({sets}), the sets its leaderboard averages over: clear "
+            "this list (these sets would not run)"
+        ]
+    if values.ood_folder.strip():
+        found["ood_folder"] = [f"{preset} runs only its benchmark's own OOD sets ({sets}): clear this field"]
+    if values.tune:
+        lists = "OpenOOD's validation lists of the benchmark (ID: id_val; OOD: ood_val)"
+        if values.id_val != NO_VALIDATION:
+            found["id_val"] = [f"{preset} tunes on {lists}: set ID validation to {NO_VALIDATION!r}"]
+        if values.ood_val != NO_VALIDATION:
+            found["ood_val"] = [f"{preset} tunes on {lists}: set the OOD validation set to {NO_VALIDATION!r}"]
+    for problem in benchmark_problems(config):
+        found.setdefault(problem_field(problem, values), []).append(str(problem))
+    return found
+
+
+def openood_warnings(values: FormValues) -> list[str]:
+    """For an OpenOOD preset whose backbone is not its benchmark's network (:data:`OPENOOD_BACKBONES`; for
+    ``imagenet`` also torchvision's ViT-B/16 and Swin-T, which its leaderboard has): that the leaderboard's figures
+    are of another network. Empty otherwise."""
+    benchmark = OPENOOD_PRESETS.get(values.id_preset)
+    if benchmark is None or values.backbone == OPENOOD_BACKBONES[benchmark]:
+        return []
+    if leaderboard_arch(benchmark, values.backbone) is not None:
+        return []
+    return [
+        f"The {benchmark} leaderboard's figures are of {OPENOOD_BACKBONES[benchmark]} (OpenOOD's checkpoints): with "
+        f"{values.backbone} the comparison is of another network"
+    ]
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from html import escape
 
 import numpy as np
 import pandas as pd
@@ -24,6 +25,7 @@ from oodviz.figures import plots
 from oodviz.figures.thumbnails import prefetch_datasets, thumbnails
 from oodviz.models import format_bytes
 from oodviz.results import analysis
+from oodviz.results.leaderboard import leaderboard_arch, run_benchmark
 from oodviz.results.tables import (
     METRIC_HEADINGS,
     METRIC_NAMES,
@@ -291,6 +293,8 @@ def metrics_tab(page: Page) -> None:
     greyed = "" if ranked else " Their columns are greyed and never highlighted."
     st.caption(f"{note} No mark where the best value is tied. {errors_note}{greyed}")
     st.download_button("Download metrics.csv", metrics.to_csv(index=False), "metrics.csv", "text/csv")
+    if run_benchmark(page.results.config) is not None:
+        leaderboard_section(page)
     metric = st.segmented_control("Heatmap", ["AUROC", "FPR95"], default="AUROC", key="heatmap-metric") or "AUROC"
     column = {"AUROC": "auroc", "FPR95": "fpr95"}[metric]
     grid = per_set.pivot(index="detector", columns="ood_dataset", values=column)
@@ -299,6 +303,79 @@ def metrics_tab(page: Page) -> None:
         plots.metrics_heatmap(grid, metric, higher_is_better=metric == "AUROC"),
         width="stretch",
         key=f"heatmap-{metric}",
+    )
+
+
+#: the leaderboard table's parts of each figure (:data:`~oodviz.pipeline.openood.SUMMARY_PARTS`), as headed
+LEADERBOARD_PARTS = {"ours": "ours", "published": "published", "diff": "diff"}
+#: the leaderboard table's look: the app's font and colours (light or dark theme), a rule under each row, the
+#: figures right-aligned in tabular digits, each figure's three columns set apart by a rule on their left
+LEADERBOARD_STYLE = """<style>
+.oodviz-board { border-collapse: collapse; width: 100%; font-size: 0.9rem; font-variant-numeric: tabular-nums; }
+.oodviz-board th, .oodviz-board td {
+  padding: 0.3rem 0.6rem; border-bottom: 1px solid rgba(128, 128, 128, 0.3); text-align: right; white-space: nowrap; }
+.oodviz-board th { font-weight: 600; }
+.oodviz-board .name { text-align: left; }
+.oodviz-board .first { border-left: 1px solid rgba(128, 128, 128, 0.3); }
+.oodviz-board th[colspan] { text-align: center; }
+</style>"""
+
+
+def leaderboard_html(cells: pd.DataFrame, headings: dict[str, str]) -> str:
+    """The cells of :func:`~oodviz.pipeline.openood.summary_cells` as an HTML table: the detector and OpenOOD's
+    method, then per figure (``headings``: name -> heading) a heading over its three columns, ours, published and
+    the difference; every cell escaped."""
+    top = '<th class="name" rowspan="2">detector</th><th class="name" rowspan="2">OpenOOD method</th>'
+    top += "".join(f'<th class="first" colspan="{len(LEADERBOARD_PARTS)}">{escape(h)}</th>' for h in headings.values())
+    parts = "".join(
+        f"<th{' class=first' if i == 0 else ''}>{escape(label)}</th>"
+        for i, label in enumerate(LEADERBOARD_PARTS.values())
+    )
+    rows = []
+    for entry in cells.to_dict("records"):
+        row = f'<td class="name">{escape(entry["detector"])}</td><td class="name">{escape(entry["method"])}</td>'
+        for name in headings:
+            row += "".join(
+                f"<td{' class=first' if i == 0 else ''}>{escape(entry[f'{name}_{part}'])}</td>"
+                for i, part in enumerate(LEADERBOARD_PARTS)
+            )
+        rows.append(f"<tr>{row}</tr>")
+    head = f"<thead><tr>{top}</tr><tr>{parts * len(headings)}</tr></thead>"
+    return f'<table class="oodviz-board">{head}<tbody>{"".join(rows)}</tbody></table>'
+
+
+@st.cache_data(show_spinner=False, max_entries=8)
+def _bench_table(path: str, finished: float | None, benchmark: str, arch: str | None) -> pd.DataFrame:
+    from oodviz.pipeline.openood import bench_table  # its data module imports torch: only for a benchmark's run
+
+    return bench_table([path], benchmark, arch)  # as ``oodviz bench`` prints it, cached per run and finish time
+
+
+def leaderboard_section(page: Page) -> None:
+    """A run of an OpenOOD v1.5 benchmark (:func:`~oodviz.pipeline.openood.run_benchmark`) beside the published
+    leaderboard: per detector that ran, its near/far AUROC and ID accuracy, the published figure and the difference,
+    the cells ``oodviz bench`` prints (:func:`~oodviz.pipeline.openood.summary_cells`), and what to know when reading
+    them (:func:`~oodviz.pipeline.openood.comparison_notes`)."""
+    from oodviz.pipeline.openood import SUMMARY_METRICS, comparison_notes, summary_cells
+
+    config = page.results.config
+    benchmark = run_benchmark(config)
+    st.subheader("Beside the OpenOOD v1.5 leaderboard", anchor="leaderboard")
+    try:
+        arch = leaderboard_arch(benchmark, config.get("backbone"))
+        table = _bench_table(str(page.run.path), page.finished, benchmark, arch)
+        notes = comparison_notes(config, table)
+    except ValueError as error:  # an unknown benchmark in a hand-made config, a run without metrics
+        st.info(f"This run cannot be set beside the leaderboard: {error}")
+        return
+    st.html(LEADERBOARD_STYLE + leaderboard_html(summary_cells(table), SUMMARY_METRICS))
+    st.caption("\n".join(f"- {note}" for note in notes))
+    st.download_button(
+        "Download the comparison (CSV)",
+        table.to_csv(index=False),
+        f"openood-{benchmark}.csv",
+        "text/csv",
+        help="Every figure (FPR@95 too) and every leaderboard method of this model, as oodviz bench --csv writes it.",
     )
 
 

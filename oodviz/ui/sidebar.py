@@ -21,7 +21,18 @@ from oodviz.runs.telemetry import device_facts
 from oodviz.ui.access import AccessPolicy, PathRefused
 from oodviz.ui.explore import teaching_panel
 from oodviz.ui.fixes import estimate_panel, form_key, start_blocked
-from oodviz.ui.form import ALL_GPUS, FOLDER_PRESET, ID_PRESETS, OOD_CHOICES, FormValues, config_from_form, ood_label
+from oodviz.ui.form import (
+    ALL_GPUS,
+    FOLDER_PRESET,
+    ID_PRESETS,
+    OOD_CHOICES,
+    OPENOOD_BACKBONES,
+    OPENOOD_PRESETS,
+    FormValues,
+    config_from_form,
+    ood_label,
+    openood_warnings,
+)
 from oodviz.ui.form_tuning import (
     ID_VALIDATION_CHOICES,
     NO_VALIDATION,
@@ -31,6 +42,20 @@ from oodviz.ui.form_tuning import (
 )
 
 USER_MODEL = "torchscript"
+#: ``RunConfig.protocol`` -> how the form says it
+PROTOCOL_LABELS = {"paper": "each paper's", "openood": "OpenOOD v1.5's"}
+#: what the In-distribution box says of the OpenOOD presets
+OPENOOD_HELP = (
+    "OpenOOD v1.5 <benchmark>: OpenOOD's benchmark from the data root below, in OpenOOD's layout (its download "
+    "script's): the ID train and test lists, the benchmark's own near- and far-OOD sets (not the OOD list below), "
+    "OpenOOD's validation lists when tuning and its test preprocessing. Choose the benchmark's network as Backbone ("
+    + ", ".join(
+        f"{backbone} for {' and '.join(b for b, n in OPENOOD_BACKBONES.items() if n == backbone)}"
+        for backbone in dict.fromkeys(OPENOOD_BACKBONES.values())
+    )
+    + ") and give its checkpoint file (resnet50: torchvision's IMAGENET1K_V1 weights). The results show the "
+    "figures beside OpenOOD's leaderboard."
+)
 #: the characters a grid's one-line field shows whole in the sidebar at 1000 px
 GRID_FIELD_CHARS = 32
 
@@ -68,20 +93,34 @@ def _param_input(place, detector: str, field: ParamField, value, generation: str
     )
 
 
+#: the longest choice of a detector parameter that a half row of the sidebar shows whole at 1000 px
+HALF_ROW_CHOICE_CHARS = 10
+
+
+def _whole_row(field: ParamField) -> bool:
+    """Whether a parameter's widget takes a row of its own: a switch, or a choice with a value longer than
+    :data:`HALF_ROW_CHOICE_CHARS`."""
+    if field.kind == "bool":
+        return True
+    return field.kind == "choice" and max(len(str(choice)) for choice in field.choices) > HALF_ROW_CHOICE_CHARS
+
+
 def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
-    """Every detector's editable parameters, numbers and choices two to a row, switches on a row of their own
-    (a half row cuts "mahalanobis: normalize" at 1000 px); only the values that differ from the detector's
-    defaults are returned (a blank optional number is its default, None)."""
+    """Every detector's editable parameters, numbers and choices two to a row, switches and choices with a long
+    value on a row of their own (a half row cuts "mahalanobis: normalize" and mcd's "probabilities" at 1000 px);
+    only the values that differ from the detector's defaults are returned (a blank optional number is its default,
+    None)."""
     params = {}
     for name in detector_names():
         fields = param_fields(name)
         if not fields:
             continue
         chosen = {}
-        boxes = [field for field in fields if field.kind != "bool"]
+        whole = [field for field in fields if _whole_row(field)]
+        boxes = [field for field in fields if field not in whole]
         rows = [boxes[start : start + 2] for start in range(0, len(boxes), 2)]
-        for row in rows + [[field] for field in fields if field.kind == "bool"]:
-            for col, field in zip([st] if row[0].kind == "bool" else st.columns(2), row):
+        for row in rows + [[field] for field in whole]:
+            for col, field in zip([st] if _whole_row(row[0]) else st.columns(2), row):
                 default = defaults.detector_params.get(name, {}).get(field.name, field.default)
                 value = _param_input(col, name, field, default, generation)
                 if value is None and not field.optional:
@@ -182,7 +221,10 @@ def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> 
         help="Each detector tries every point of its grid (below) and keeps the one with the best AUROC on the ID "
         "validation images against the OOD validation set, then is fitted with it.",
     )
-    st.caption("The fields below are used only when this is ticked.")
+    st.caption(
+        "The fields below are used only when this is ticked. An OpenOOD preset tunes on OpenOOD's own validation "
+        "lists: leave them at none."
+    )
     fit_size = fit_set_size(replace(data, tune=tune))
     id_val = st.selectbox(
         "ID validation",
@@ -252,10 +294,13 @@ def _grid_editor(defaults: FormValues, detectors: list[str], params: dict[str, d
 
 def _validation_warnings(values: FormValues, slots: dict) -> None:
     """Under the validation fields: the warnings of :func:`~oodviz.pipeline.tuning.validation_warnings` (a validation
-    set that is also a test or fit set)."""
+    set that is also a test or fit set); under the ID preset, an OpenOOD preset's backbone that is not its
+    benchmark's network (:func:`~oodviz.ui.form.openood_warnings`)."""
     for warning in validation_warnings(config_from_form(values)):
         field = "ood_val" if warning.startswith("the OOD validation") else "id_val"
         slots[f"{field}-warning"].warning(warning)
+    for warning in openood_warnings(values):
+        slots["id_preset-warning"].warning(warning)
 
 
 def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
@@ -297,7 +342,9 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         checkpoint = st.text_input(
             "Checkpoint file (optional)",
             defaults.checkpoint,
-            help="A TorchScript file (with 'your own TorchScript file'), or a state dict of the chosen torchvision architecture.",
+            help="A TorchScript file (with 'your own TorchScript file'), or a state dict of the chosen architecture "
+            "(for openood-resnet18-*: one of OpenOOD's checkpoints, e.g. results/cifar10_resnet18_32x32_base_e100_"
+            "lr0.1_default/s0/best.ckpt of its download script).",
         )
         slots["checkpoint"] = st.empty()
         main_layers = defaults.layers if backbone == defaults.backbone else [PENULTIMATE]
@@ -318,7 +365,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         slots["pooling"] = st.empty()
 
         st.subheader("Data")
-        presets = list(ID_PRESETS) + [FOLDER_PRESET]
+        presets = list(ID_PRESETS) + list(OPENOOD_PRESETS) + [FOLDER_PRESET]
         id_preset = st.selectbox(
             "In-distribution",
             presets,
@@ -326,9 +373,10 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             help="digits (bundled): scikit-learn's 8 x 8 digits 0-7, offline (8 and 9 are the held-out OOD set). "
             "Fashion-MNIST, 8 classes: the classes fashion-cnn was trained on (Shirt and Ankle boot are the held-out "
             "OOD set). '(torchvision files)': the whole dataset, from torchvision's files under the data root. "
-            "Image folders: your own, one subfolder per class.",
+            "Image folders: your own, one subfolder per class.\n\n"
+            f"{OPENOOD_HELP}",
         )
-        slots["id_preset"] = st.empty()
+        slots["id_preset"], slots["id_preset-warning"] = st.empty(), st.empty()
         fit_folder = st.text_input("ID fit folder (image folders only)", defaults.fit_folder)
         slots["fit_folder"] = st.empty()
         test_folder = st.text_input("ID test folder (image folders only)", defaults.test_folder)
@@ -338,12 +386,18 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             list(OOD_CHOICES),
             default=defaults.ood,
             help="Each set's group (near or far OOD) and source:\n\n"
-            + "\n".join(f"- {ood_label(name)}" for name in OOD_CHOICES),
+            + "\n".join(f"- {ood_label(name)}" for name in OOD_CHOICES)
+            + "\n\nNot with an OpenOOD preset: it runs its benchmark's own near and far sets (leave this empty).",
         )
         slots["ood"] = st.empty()
         ood_folder = st.text_input("Extra OOD image folder (optional)", defaults.ood_folder)
         slots["ood_folder"] = st.empty()
-        data_root = st.text_input("Data root (torchvision files)", defaults.data_root)
+        data_root = st.text_input(
+            "Data root (torchvision files, OpenOOD)",
+            defaults.data_root,
+            help="Where torchvision's dataset files are, and the folder in OpenOOD's layout the OpenOOD presets read "
+            "(benchmark_imglist/, images_classic/, images_largescale/: what OpenOOD's download script fills).",
+        )
         slots["data_root"] = st.empty()
         download = st.checkbox("Allow downloads", defaults.download, help="Off by default: oodviz works offline.")
         st.caption(SUBSAMPLE_CAPTION, help=SUBSAMPLE_HELP)
@@ -368,6 +422,18 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         with st.expander("Detector parameters"):
             detector_params = _detector_params(defaults, generation)
         slots["detector_params"] = st.empty()  # under the expander: seen while it is closed
+        protocol = st.radio(
+            "Protocol",
+            list(PROTOCOL_LABELS),
+            index=list(PROTOCOL_LABELS).index(defaults.protocol) if defaults.protocol in PROTOCOL_LABELS else 0,
+            format_func=PROTOCOL_LABELS.get,
+            horizontal=True,
+            help="Each paper's: every detector computes its paper's formula with oodviz's defaults. OpenOOD v1.5's: "
+            "where OpenOOD's postprocessor computes a variant or takes other defaults (ash, for one, runs ASH-B), "
+            "the detector computes OpenOOD's, as its leaderboard's figures were; a parameter set under Detector "
+            "parameters is kept. The run records the protocol and each detector's parameters (Run details).",
+        )
+        slots["protocol"] = st.empty()
 
         data = replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
         validation = _validation_section(defaults, data, slots)
@@ -431,6 +497,7 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             ood_subsample=int(ood_subsample),
             data_root=data_root,
             download=download,
+            protocol=protocol,
             **validation,
         )
         _validation_warnings(values, slots)

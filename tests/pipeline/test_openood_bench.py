@@ -5,50 +5,17 @@ exact layout (the list files where OpenOOD's ``DATA_INFO`` puts them, ``<path> <
 import numpy as np
 import pandas as pd
 import pytest
-import torch
-from PIL import Image
+from helpers import OOD_IMAGES, checkpoint, write_cifar10_root
 from sklearn.metrics import roc_auc_score
 
 from oodviz.cli import main
-from oodviz.data.openood import benchmark_splits
-from oodviz.models.openood import build_openood_resnet18_32x32
 from oodviz.pipeline.openood import bench_summary
 from oodviz.results.leaderboard import published
 from oodviz.results.tables import load_results
 from oodviz.runs.jobs import list_runs
 
-ID_IMAGES = {"id_train": 40, "id_val": 10, "id_test": 30}
-OOD_IMAGES = 12
 NEAR = ("cifar100", "tin")
 FAR = ("mnist", "svhn", "texture", "places365")
-
-
-def write_cifar10_root(root) -> dict[str, int]:
-    """Every cifar10 set under ``root`` with random 32 x 32 images (each set its own brightness, so that the sets
-    differ): split -> its number of images."""
-    rng = np.random.default_rng(0)
-    sizes = {}
-    for position, s in enumerate(benchmark_splits("cifar10")):
-        n = ID_IMAGES.get(s.role, OOD_IMAGES)
-        subdir = s.list_file.rsplit("/", 1)[1].split("_", 1)[0]
-        lines = []
-        for i in range(n):
-            path = f"{s.archive}/{subdir}/{s.name}_{i}.png"
-            pixels = rng.integers(0, 256, (32, 32, 3)) * (0.3 + 0.06 * position)
-            target = root / s.image_dir / path
-            target.parent.mkdir(parents=True, exist_ok=True)
-            Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8)).save(target)
-            lines.append(f"{path} {i % 10}\n")
-        (root / s.list_file).parent.mkdir(parents=True, exist_ok=True)
-        (root / s.list_file).write_text("".join(lines))
-        sizes[s.split] = n
-    return sizes
-
-
-def checkpoint(path, seed: int):
-    torch.manual_seed(seed)
-    torch.save(build_openood_resnet18_32x32(10).state_dict(), path)  # OpenOOD's key names (tests/models)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
