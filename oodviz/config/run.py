@@ -56,8 +56,8 @@ class DatasetChoice:
     subsample: int | None = None
     subsample_mode: str = "stratified"
     group: str | None = None  # None = the group the dataset registers
-    #: the name the run's results give an OOD set (None: the dataset's ``name``); two OOD sets of one dataset (two
-    #: image folders, two OpenOOD lists) each need one
+    #: the name the run's results and pages give the set (None: the dataset's ``name``); two OOD sets of one dataset
+    #: (two image folders, two OpenOOD lists) each need one
     title: str | None = None
 
     @property

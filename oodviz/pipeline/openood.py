@@ -53,9 +53,8 @@ PROTOCOLS = ("openood-v1.5",)
 
 
 def _choice(openood_set: OpenOODSet) -> DatasetChoice:
+    """The set as a run's dataset, titled with OpenOOD's name for it (``cifar10``, ``tin``), an OOD set in its group."""
     params = {"benchmark": openood_set.benchmark, "split": openood_set.split}
-    if openood_set.group is None:
-        return DatasetChoice("openood", params)
     return DatasetChoice("openood", params, group=openood_set.group, title=openood_set.name)
 
 

@@ -79,8 +79,8 @@ def test_a_preset_runs_the_benchmarks_lists_as_oodviz_bench_does():
     assert config.protocol == "openood" and config.detectors == [DetectorChoice("msp"), DetectorChoice("energy")]
     # tuning: OpenOOD's validation lists
     tuned = config_from_form(preset_values(tune=True))
-    assert tuned.id_val == DatasetChoice("openood", {"benchmark": "cifar10", "split": "id_val"})
-    assert tuned.ood_val == DatasetChoice("openood", {"benchmark": "cifar10", "split": "ood_val"})
+    assert tuned.id_val == DatasetChoice("openood", {"benchmark": "cifar10", "split": "id_val"}, title="cifar10")
+    assert tuned.ood_val == DatasetChoice("openood", {"benchmark": "cifar10", "split": "ood_val"}, title="tin")
     # the OOD list and the extra folder are not used: form_problems asks for them empty
     assert config_from_form(preset_values(ood=["svhn"], ood_folder="/x")).ood == bench.ood
     # another preset: no preprocessing of OpenOOD's, the protocol as chosen
