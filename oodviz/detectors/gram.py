@@ -70,7 +70,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.detectors.base import check_all_classes_seen
-from oodviz.detectors.model_fit import FittedModelDetector, check_layers, layers_whose_output
+from oodviz.detectors.model_fit import FittedModelDetector, check_layers, layers_whose_output, module_calls
 from oodviz.detectors.teaching import Teaching
 
 #: how ``layers=None`` finds the layers: every leaf module with a feature-map output, or every call of an
@@ -83,17 +83,7 @@ def conv_relu_calls(detector: FittedModelDetector, x: Tensor) -> list[str]:
     forward of ``x[:1]`` makes the calls (OpenOOD's ``FeatureExtractor``'s layers), of the calls with an output
     ``[B, C, ...]``."""
     names = {m: name for name, m in detector.module.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.ReLU))}
-    found: list[str] = []
-    hooks = [
-        m.register_forward_hook(lambda mod, _, out: found.append(names[mod]) if _is_layer_output(out) else None)
-        for m in names
-    ]
-    try:
-        detector.logits(x[:1])
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return found
+    return module_calls(detector, x, names, _is_layer_output)
 
 
 def _is_layer_output(out) -> bool:

@@ -126,6 +126,12 @@ def layers_whose_output(
     candidates = {
         m: name for name, m in detector.module.named_modules() if name and not (leaves and next(m.children(), None))
     }
+    return list(dict.fromkeys(module_calls(detector, x, candidates, accept)))
+
+
+def module_calls(detector: ModelDetector, x: Tensor, candidates: dict, accept: Callable[[object], bool]) -> list[str]:
+    """The names (``candidates``: module -> name) of the modules one forward of ``x[:1]`` calls with an output that
+    passes ``accept``, once per call (a module called twice, twice), in the order the calls finish."""
     found: list[str] = []
     hooks = [
         m.register_forward_hook(lambda mod, _, out: found.append(candidates[mod]) if accept(out) else None)
@@ -136,4 +142,4 @@ def layers_whose_output(
     finally:
         for hook in hooks:
             hook.remove()
-    return list(dict.fromkeys(found))
+    return found
