@@ -93,8 +93,9 @@ def _param_input(place, detector: str, field: ParamField, value, generation: str
     )
 
 
-#: the longest choice of a detector parameter that a half row of the sidebar shows whole at 1000 px
-HALF_ROW_CHOICE_CHARS = 10
+#: the longest choice of a detector parameter that a half row of the sidebar shows whole at 1000 px (vra's
+#: "per_unit", 8 characters, was cut there)
+HALF_ROW_CHOICE_CHARS = 7
 
 
 def _whole_row(field: ParamField) -> bool:
@@ -107,7 +108,8 @@ def _whole_row(field: ParamField) -> bool:
 
 def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
     """Every detector's editable parameters, numbers and choices two to a row, switches and choices with a long
-    value on a row of their own (a half row cuts "mahalanobis: normalize" and mcd's "probabilities" at 1000 px);
+    value on a row of their own (a half row cuts "mahalanobis: normalize", mcd's "probabilities" and vra's
+    "per_unit" at 1000 px);
     only the values that differ from the detector's defaults are returned (a blank optional number is its default,
     None)."""
     params = {}
