@@ -33,6 +33,7 @@ from oodviz.detectors.maxlogit import MaxLogit
 from oodviz.detectors.mcd import MCD
 from oodviz.detectors.mds_ensemble import MDSEnsemble
 from oodviz.detectors.msp import MaxSoftmax
+from oodviz.detectors.nac import NACUE
 from oodviz.detectors.nci import NCI
 from oodviz.detectors.neco import NECO
 from oodviz.detectors.nnguide import NNGuide
@@ -100,6 +101,7 @@ _REGISTRY: dict[str, type[Detector]] = {
         AdaSCALE,
         RankFeat,
         Gram,
+        NACUE,
     )
 }
 

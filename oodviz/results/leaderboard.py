@@ -32,7 +32,7 @@ agree.
 
 **Matching.** Each OpenOOD postprocessor maps to an oodviz detector and, where one oodviz detector covers several
 of them, the parameters that make it that one (:data:`OPENOOD_DETECTORS`: ``MDS++`` is ``mahalanobis`` with
-``normalize=True``); ``None`` where oodviz has no such detector (``OpenGAN``, ``NAC``, the training
+``normalize=True``); ``None`` where oodviz has no such detector (``OpenGAN``, ``OTOD``, the training
 methods' own postprocessors; OpenOOD's ``MCD`` is a training method with outlier data, not oodviz's Monte-Carlo
 dropout). Other hyper-parameters (``k`` of KNN, ReAct's percentile, ...) are not compared: the same detector may
 run with other values than OpenOOD's tuned ones. The leaderboard's figures are of OpenOOD's checkpoints
@@ -121,8 +121,8 @@ OPENOOD_DETECTORS: dict[str, tuple[str, dict] | None] = {
     "NCI": ("nci", {}),
     "CombOOD": ("combood", {}),
     "WeiPer+KLD": ("weiper", {"variant": "kld"}),
+    "NAC": ("nac", {}),  # its layers and per-layer values were searched per benchmark (APS): nac's docstring
     "OpenGAN": None,
-    "NAC": None,
     "OTOD": None,
     "MCD": None,  # Maximum Classifier Discrepancy (Yu & Aizawa 2019), trained with outliers; not Monte-Carlo dropout
     "ConfBranch": None,

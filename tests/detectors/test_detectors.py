@@ -51,6 +51,7 @@ def test_registry_lists_the_issue_detectors():
         "adascale",
         "rankfeat",
         "gram",
+        "nac",
         "vra",
         "gmm",
         "openmax",

@@ -552,11 +552,11 @@ def test_odin_and_mcd_score_in_batches_sized_from_memory(monkeypatch):
     assert sizes[0] == 1 and sorted(set(sizes[1:])) == [15, 20]
 
 
-# ---- adascale, rankfeat, gram, mahalanobis_odin, mds_ensemble: in a run, the model kept, on the GPU -----------
+# ---- adascale, rankfeat, gram, mahalanobis_odin, mds_ensemble, nac: in a run, the model kept, on the GPU ------
 
 
 def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
-    """adascale, gram, mahalanobis_odin and mds_ensemble fit on the ID fit split's images inside the run (the
+    """adascale, gram, mahalanobis_odin, mds_ensemble and nac fit on the ID fit split's images inside the run (the
     pipeline's own pass), and give what the library gives on the same images."""
     import json
 
@@ -569,13 +569,17 @@ def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
     from oodviz.pipeline.stages import run_pipeline
     from oodviz.runs.rundir import RunDir
 
-    names = ["msp", "adascale", "gram", "mahalanobis_odin", "mds_ensemble"]
+    names = ["msp", "adascale", "gram", "mahalanobis_odin", "mds_ensemble", "nac"]
     gram_params = {"layers": ["features.3", "features.6"], "poles": 2}
     ensemble_params = {"layers": ["features.1", "features.3", "features.6"]}
+    nac_params = {"layers": ["features.3", "penultimate"], "alpha": [5.0, 100.0], "bins": 20, "o_star": 20}
     config = RunConfig(
         id_fit=DatasetChoice("digits-test"),  # 362 images, not 1081: the fit passes stay short
         ood=[DatasetChoice("noise-uniform", params={"n": 100})],
-        detectors=[DetectorChoice(n, {"gram": gram_params, "mds_ensemble": ensemble_params}.get(n, {})) for n in names],
+        detectors=[
+            DetectorChoice(n, {"gram": gram_params, "mds_ensemble": ensemble_params, "nac": nac_params}.get(n, {}))
+            for n in names
+        ],
         batch_size=128,
     ).validate()
     run = RunDir.create(tmp_path, config.to_dict())
@@ -596,13 +600,14 @@ def test_a_run_fits_and_scores_the_new_detectors_on_the_bundled_model(tmp_path):
         ("gram", gram_params),
         ("mahalanobis_odin", {}),
         ("mds_ensemble", ensemble_params),
+        ("nac", nac_params),
     ):
         det = create(name, model=bb, **params).fit([Batch(inputs=fit_x, labels=fit_y)])
         expected = det.score(Batch(inputs=test_x)).numpy()
         np.testing.assert_allclose(id_rows[name].to_numpy(), expected, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram", "mahalanobis_odin", "mds_ensemble"])
+@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram", "mahalanobis_odin", "mds_ensemble", "nac"])
 def test_model_based_ones_ask_for_the_model_and_keep_it_as_it_was(name):
     x, y = labelled_images(20)
     with pytest.raises(ValueError, match=rf"create\('{name}', model=\.\.\.\)"):
@@ -617,6 +622,7 @@ def test_model_based_ones_ask_for_the_model_and_keep_it_as_it_was(name):
         "adascale": {"k1": 10.0, "k2": 5.0},
         "gram": {"poles": 2},
         "mds_ensemble": {"layers": ["body.1", "body.3"]},
+        "nac": {"layers": ["body.1", "penultimate"], "alpha": [1.0, 100.0], "bins": 20, "o_star": 5},
     }
     params = params.get(name, {})
     det = create(name, model=wide_backbone_of(model), **params).fit([Batch(inputs=x, labels=y)])
@@ -629,13 +635,14 @@ def test_model_based_ones_ask_for_the_model_and_keep_it_as_it_was(name):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram", "mahalanobis_odin", "mds_ensemble"])
+@pytest.mark.parametrize("name", ["adascale", "rankfeat", "gram", "mahalanobis_odin", "mds_ensemble", "nac"])
 def test_model_based_ones_fit_and_score_on_the_gpu_as_on_the_cpu(name):
     x, y = labelled_images(40)
     params = {
         "adascale": {"k1": 10.0, "k2": 5.0},
         "gram": {"poles": 2},
         "mds_ensemble": {"layers": ["body.1", "body.3"]},
+        "nac": {"layers": ["body.1", "penultimate"], "alpha": [1.0, 100.0], "bins": 20, "o_star": 5},
     }
     params = params.get(name, {})
     model = WideCNN()

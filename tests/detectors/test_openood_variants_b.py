@@ -35,6 +35,7 @@ OPENOOD_PARAMS = {
     "gram": {"poles": 5, "divide_by_msp": True, "auto_layers": "conv_relu"},
     "nnguide": {"k": 100},
     "mds_ensemble": {"norm_std": 0.5},
+    "nac": {"pooling": "sum"},
     **dict.fromkeys(
         [
             "gradnorm",
@@ -59,6 +60,7 @@ PAPER_DEFAULTS = {
     "gram": {"poles": 10, "divide_by_msp": False, "auto_layers": "maps"},
     "nnguide": {"k": 10},
     "mds_ensemble": {"norm_std": "auto"},
+    "nac": {"pooling": "mean"},
 }
 
 
@@ -500,7 +502,7 @@ def test_feature_variants_save_and_load_bit_for_bit(name, tmp_path):
     assert torch.equal(loaded.score(queries), det.score(queries))
 
 
-@pytest.mark.parametrize("name", ["mcd", "rankfeat", "gram", "mds_ensemble"])
+@pytest.mark.parametrize("name", ["mcd", "rankfeat", "gram", "mds_ensemble", "nac"])
 def test_model_variants_save_and_load_bit_for_bit(name, tmp_path):
     params = dict(detector_class(name).openood_params)
     model, x = backbone_of(TinyCNN(dropout=0.5)), inputs(n=12)
