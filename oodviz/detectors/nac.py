@@ -180,9 +180,9 @@ class NACUE(FittedModelDetector):
     openood_params = {"pooling": "sum"}
     teaching = Teaching(
         formula=(
-            r"s(x) = -\frac{1}{L} \sum_l \frac{1}{N_l} \sum_i \min\Big(1, \frac{\kappa_{li}(\hat z_{li}(x))}{O^*}\Big),"
-            r"\quad \hat z_{li} = \operatorname{sigmoid}\Big(\alpha\, z_{li} \frac{\partial\, \mathrm{KL}(u \,\|\, p(x))}"
-            r"{\partial z_{li}}\Big),\quad \kappa_{li}(\cdot) = \#\,\text{ID fit states in its interval}"
+            r"s(x) = -\operatorname{mean}_{l,i}\, c_{li}(x),\quad c_{li} = \min(1, \kappa_{li} / O^*),"
+            r"\quad \hat z_{li} = \sigma(\alpha\, z_{li}\, g_{li}),\quad g_{li} = \partial_{z_{li}} \mathrm{KL}(u \,\|\, p),"
+            r"\quad \kappa_{li} = \#\,\text{ID states in } \hat z_{li}\text{'s bin}"
         ),
         citation=(
             "Liu, Tian, Li, Ma & Wang, *Neuron Activation Coverage: Rethinking Out-of-distribution Detection and "
