@@ -60,7 +60,9 @@ OOD_COLORS = (
 LINE_COLORS = tuple(qualitative.Dark24)
 #: Dashes of :func:`line_styles`: every colour of LINE_COLORS solid first, then all dashed, and so on
 LINE_DASHES = ("solid", "dash", "dot", "dashdot")
-THRESHOLD_COLOR = "#111111"
+#: Dashed threshold and coverage marks: a mid grey, seen on the light theme's white and on the dark theme's near-black
+#: plot (Streamlit draws each chart in the browser's theme; a near-black line vanished in the dark one)
+THRESHOLD_COLOR = "#888888"
 SCORE_AXIS = "score (higher = more OOD)"
 CONVENTION = "OOD = positive class; higher score = more OOD"
 
@@ -502,7 +504,7 @@ def risk_coverage_figure(curves: dict, title: str = "Risk–coverage (reject the
                 hovertemplate=f"{name}<br>coverage %{{x:.3f}}<br>risk %{{y:.4f}}<extra></extra>",
             )
         )
-    fig.add_vline(x=COVERAGE_LEVEL, line={"dash": "dot", "width": 1, "color": "#111111"})
+    fig.add_vline(x=COVERAGE_LEVEL, line={"dash": "dot", "width": 1, "color": THRESHOLD_COLOR})
     return figure_layout(
         fig,
         title,

@@ -1,6 +1,7 @@
 """The app: choose in the sidebar, watch a run, analyse it; past runs and comparisons.
 
-The run id lives in the URL (``?run=<id>``): a reload or another tab comes back to the same run.
+The run id lives in the URL (``?run=<id>``), and with it the view of its results (``tab``, ``detector``, ``basis``,
+``threshold``: :mod:`oodviz.ui.view_url`): a reload, another tab or a link comes back to the same view.
 The UI only turns choices into a RunConfig and draws runs; everything else is in ``oodviz``.
 """
 
@@ -45,6 +46,7 @@ from oodviz.ui.history import label_editor, past_runs, read_label
 from oodviz.ui.results import results_page
 from oodviz.ui.sidebar import memory_estimate, render_form
 from oodviz.ui.tuning import without_validation_warnings
+from oodviz.ui.view_url import VIEW_PARAMS
 from oodviz.ui.watch import job_panel
 
 
@@ -54,6 +56,10 @@ def runs_root() -> Path:
 
 
 def open_run(run_id: str | None) -> None:
+    """Show run ``run_id`` (None: the run list): the URL names it, without the view of the run shown before
+    (its tab, detector and threshold: the run opened starts from its own)."""
+    for name in VIEW_PARAMS:
+        st.query_params.pop(name, None)
     if run_id:
         st.query_params["run"] = run_id
     else:

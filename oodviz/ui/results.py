@@ -4,7 +4,9 @@ The tabs are :data:`RESULT_TABS`, a list of ``(label, draw function, shared cont
 is one more entry. Only the open tab is computed (``st.tabs(on_change="rerun")``), and the whole results
 area is one fragment: a click in it reruns it, not the sidebar and the page around it. The detector and
 the threshold are chosen once, above the tabs, and shared by every tab that uses them; their values are
-kept while a tab without them is open. Tables and figures are cached per run and parameters.
+kept while a tab without them is open. Each run keeps its own tab, detector and threshold, and they are in the URL
+(:mod:`oodviz.ui.view_url`): a reload or a link shows the same view. Tables and figures are cached per run and
+parameters.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from oodviz.ui.explore import feature_space_tab, probe_tab, report_download, ris
 from oodviz.ui.figure_export import chart
 from oodviz.ui.layers import layers_tab
 from oodviz.ui.tuning import tuning_panel, validation_warning
+from oodviz.ui.view_url import EVERY_SET, POOLED, VIEW_PARAMS, View, read_view, view_params
 
 CONVENTION = (
     "OOD is the positive class and a higher score means more OOD. AUROC, AUPR-In (ID positive) and AUPR-Out "
@@ -67,13 +70,16 @@ PER_CLASS_HEADINGS = {
 LOWER_IS_BETTER = ("FPR95", "AURC", "risk at 95% coverage")
 #: the metrics that judge a detector as a reject rule for the classifier: they need classifier errors to rank by
 SELECTIVE_COLUMNS = ("AURC", "risk at 95% coverage")
-EVERY_SET = "95% of every OOD set"
-POOLED = "95% of all OOD sets pooled"
 GALLERY_SIZE = 12
 BEST = "background-color: #c8e6c9; color: #1b5e20"  # dark text: legible in the dark theme too
 #: AURC and risk columns that rest on too few classifier errors to rank detectors (MIN_CLASSIFIER_ERRORS)
 UNRANKED = "color: #9e9e9e"
 KEPT = "results-kept"
+#: The open tab's widget key (Streamlit's own state while the results are shown; each run's tab is kept in KEPT)
+TAB_KEY = "results-tab"
+#: The view parameters this session last wrote to the URL, and for which run: a URL that differs was opened as a
+#: link (or reloaded), and its view is applied
+URL_WRITTEN = "results-url"
 
 
 @dataclass
@@ -188,10 +194,8 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
     )
     keep(page, "basis", page.basis)
     page.basis_threshold = _threshold(str(page.run.path), page.finished, page.detector, page.basis)
-    hist = _histogram(str(page.run.path), page.finished, page.detector)
-    low, high = float(hist["edges"][0]), float(hist["edges"][-1])
-    low, high = min(low, page.basis_threshold), max(high, page.basis_threshold)
-    name = f"threshold-{page.detector}-{page.basis}"
+    low, high = threshold_range(page, page.detector, page.basis)
+    name = threshold_name(page.detector, page.basis)
     page.threshold = st.slider(
         "Threshold (flag as OOD when score ≥ threshold; shared by the histogram, counts, per-class table and galleries)",
         low,
@@ -202,8 +206,27 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
         format="%.4g",
     )
     keep(page, name, page.threshold)
+    if page.threshold != page.basis_threshold:  # from the slider or a link: the notes below are about the start
+        start = page.basis if page.basis in (EVERY_SET, POOLED) else f"95% of {page.basis}"
+        st.caption(
+            f"The threshold is **{page.threshold:.4g}**, moved from {page.basis_threshold:.4g} where "
+            f"'{start}' starts it."
+        )
     if page.basis == EVERY_SET:
         st.caption(every_set_note(page))
+
+
+def threshold_name(detector: str, basis: str) -> str:
+    """The name the threshold chosen for ``detector`` from ``basis`` is kept under (and its slider's key)."""
+    return f"threshold-{detector}-{basis}"
+
+
+def threshold_range(page: Page, detector: str, basis: str) -> tuple[float, float]:
+    """The threshold slider's range for ``detector``: its scores' histogram, widened to the threshold ``basis``
+    names where that lies outside."""
+    at = _threshold(str(page.run.path), page.finished, detector, basis)
+    edges = _histogram(str(page.run.path), page.finished, detector)["edges"]
+    return min(float(edges[0]), at), max(float(edges[-1]), at)
 
 
 def every_set_note(page: Page) -> str:
@@ -627,18 +650,95 @@ def prefetch(results: Results) -> bool:
     return started
 
 
+# -- the view in the URL --------------------------------------------------------------------------
+def default_view(page: Page, labels: list[str]) -> View:
+    """The view a run opens on: its first tab, its best detector, the threshold at 95% of every OOD set."""
+    return View(labels[0], page.best or page.detectors[0])
+
+
+def kept_view(page: Page, labels: list[str]) -> View:
+    """The view of ``page``'s run as this session keeps it (:func:`kept`; the threshold ``None`` at its basis')."""
+    default = default_view(page, labels)
+    detector, basis = kept(page, "detector", default.detector), kept(page, "basis", default.basis)
+    threshold = kept(page, threshold_name(detector, basis), None)
+    if threshold is not None and threshold == _threshold(str(page.run.path), page.finished, detector, basis):
+        threshold = None
+    return View(kept(page, "tab", default.tab), detector, basis, threshold)
+
+
+def apply_view(page: Page, view: View) -> None:
+    """Make ``view`` the run's kept view, and set the tabs and the shared controls to it (their widget states, so
+    that a browser showing other values is told; the thresholds kept for other detectors and bases dropped)."""
+    name = threshold_name(view.detector, view.basis)
+    chosen = {"tab": view.tab, "detector": view.detector, "basis": view.basis}
+    if view.threshold is not None:
+        chosen[name] = view.threshold
+    st.session_state.setdefault(KEPT, {})[page.run.run_id] = chosen
+    for key in list(st.session_state):
+        if key.startswith("threshold-") and key.endswith(f":{page.run.run_id}"):
+            del st.session_state[key]
+    st.session_state[TAB_KEY] = view.tab
+    st.session_state[control_key(page, "shared-detector")] = view.detector
+    st.session_state[control_key(page, "shared-basis")] = view.basis
+    at = _threshold(str(page.run.path), page.finished, view.detector, view.basis)
+    st.session_state[control_key(page, name)] = at if view.threshold is None else view.threshold
+
+
+def view_from_url(page: Page, labels: list[str]) -> list[str]:
+    """Apply the view the URL names, when it is not the one this session last wrote there (a link opened, a page
+    reloaded); returns the notes on values dropped (:func:`~oodviz.ui.view_url.read_view`). Also gives the tabs
+    the run's kept tab when they have none, or when this session showed another run last."""
+    written = st.session_state.get(URL_WRITTEN)
+    same_run = written is not None and written["run"] == page.run.run_id
+    if TAB_KEY not in st.session_state or (written is not None and not same_run):
+        st.session_state[TAB_KEY] = kept(page, "tab", labels[0])
+    params = {name: st.query_params[name] for name in VIEW_PARAMS if name in st.query_params}
+    if not params or (same_run and params == written["params"]):
+        return []
+    view, notes = read_view(
+        params,
+        labels,
+        page.detectors,
+        page.sets,
+        default_view(page, labels),
+        lambda detector, basis: threshold_range(page, detector, basis),
+    )
+    apply_view(page, view)
+    return notes
+
+
+def view_to_url(page: Page, labels: list[str]) -> None:
+    """Write the run's view to the URL's view parameters (only those off the run's defaults; ``run``, ``token`` and
+    any other parameter left as they are), so that a reload or the link shows it again."""
+    params = view_params(kept_view(page, labels), default_view(page, labels))
+    for name in VIEW_PARAMS:
+        if name not in params:
+            if name in st.query_params:
+                del st.query_params[name]
+        elif st.query_params.get(name) != params[name]:
+            st.query_params[name] = params[name]
+    st.session_state[URL_WRITTEN] = {"run": page.run.run_id, "params": params}
+
+
 @st.fragment
 def results_area(page: Page) -> None:
-    """The report download, the shared controls and the tabs; only the open tab is drawn."""
+    """The report download, the shared controls and the tabs; only the open tab is drawn. The view comes from the
+    URL where a link names one, and goes back to it."""
     report_download(page.results)
-    controls = st.container()
     shown = run_tabs(page.results.config)
-    tabs = st.tabs([label for label, _, _ in shown], key="results-tab", on_change="rerun")
-    for tab, (_, draw, needs) in zip(tabs, shown):
+    labels = [label for label, _, _ in shown]
+    notes = view_from_url(page, labels)
+    if notes:
+        st.info("Not applied from the link (the run's default is shown instead): " + "; ".join(notes) + ".")
+    controls = st.container()
+    tabs = st.tabs(labels, key=TAB_KEY, on_change="rerun")
+    for tab, (label, draw, needs) in zip(tabs, shown):
         if not tab.open:
             continue
+        keep(page, "tab", label)
         if needs:
             with controls:
                 shared_controls(page, with_threshold=needs == "threshold")
         with tab:
             draw(page)
+    view_to_url(page, labels)

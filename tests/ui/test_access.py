@@ -322,6 +322,27 @@ def test_the_run_details_config_shows_no_server_path_to_others(runs_root, defaul
         )
 
 
+def test_serving_others_a_link_with_the_token_opens_the_view_and_keeps_the_token(
+    runs_root, serving_others, default_run
+):
+    """The token stays in the URL beside the run's view: a link with both opens the view, and a change of the view
+    rewrites the view's parameters only."""
+    import shutil
+
+    shutil.copytree(default_run.path, runs_root / "r-view")
+    app = AppTest.from_file(APP, default_timeout=60)
+    app.query_params.update(token=TOKEN, run="r-view", tab="score-histograms", detector="energy")
+    app.run()
+    assert not app.exception
+    assert [s.value for s in app.selectbox if s.label.startswith("Detector")] == ["energy"] and app.slider
+    [s for s in app.selectbox if s.label.startswith("Detector")][0].select("msp").run()
+    assert dict(app.query_params) == {"token": TOKEN, "run": "r-view", "tab": "score-histograms", "detector": "msp"}
+    wrong = AppTest.from_file(APP, default_timeout=60)
+    wrong.query_params.update(token="wrong", run="r-view", tab="score-histograms")
+    wrong.run()
+    assert not wrong.exception and not wrong.tabs and not wrong.slider  # the view of a run is no way around the token
+
+
 # --- the memory estimate runs elsewhere ------------------------------------------------------------------
 
 

@@ -153,6 +153,13 @@ def shown_threshold_tab(app, tab):
     return app.run()
 
 
+def opened(app, run, **view):
+    """Open ``run`` with the URL the app gives it (``?run=``), or a link with ``view``'s parameters too."""
+    app.query_params.clear()
+    app.query_params.update(run=run, **view)
+    return app.run()
+
+
 def test_the_shared_detectors_explanation_is_drawn_once_opened(app):
     """ "What <detector> does" above the tabs draws nothing while closed (it imports the detector classes, torch
     modules); opened, it shows the formula the detector's module declares."""
@@ -241,16 +248,115 @@ def test_each_run_keeps_its_own_detector_and_threshold(app, runs_root):
         detector().select("energy").run()
         app.slider[0].set_value(app.slider[0].value + 1.0).run()
         moved = app.slider[0].value
-        app.query_params["run"] = "r-second"
-        shown_threshold_tab(app, "Score histograms")
+        assert app.query_params["detector"] == "energy"  # r1's view is in the URL
+        opened(app, "r-second")  # as the app opens a run: the URL without the view of the run shown before
         assert not app.exception
+        assert not app.slider  # r-second's own first tab, not r1's histograms
+        shown_threshold_tab(app, "Score histograms")
         assert detector().value == default_detector and app.slider[0].value == pytest.approx(default_threshold)
         assert not any(f"At threshold {moved:.4g}" in c.value for c in app.caption)
-        app.query_params["run"] = "r1"
-        shown_threshold_tab(app, "Score histograms")
+        assert app.query_params == {"run": "r-second", "tab": "score-histograms"}
+        opened(app, "r1")  # r1 again, in the same session: what was chosen on it, tab too
         assert detector().value == "energy" and app.slider[0].value == pytest.approx(moved)
+        assert app.query_params["threshold"] == repr(moved)
     finally:
         shutil.rmtree(second)
+
+
+def shared_box(app, label):
+    """The selectbox above the tabs whose label starts with ``label`` ("Detector", "Start the threshold at")."""
+    [box] = [s for s in app.selectbox if s.label.startswith(label)]
+    return box
+
+
+def link_notes(app) -> list[str]:
+    return [i.value for i in app.info if i.value.startswith("Not applied from the link")]
+
+
+def test_a_link_opens_the_view_it_names_and_the_url_follows_the_view(app, runs_root):
+    """A link with the tab, detector, threshold basis and threshold opens that view, the threshold to the last bit;
+    each change of the view is written to the URL (only what differs from the run's defaults), and the URL, opened
+    in a new session (a reload, a shared link), shows the same view again."""
+    scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
+    held_out = scores.loc[scores.dataset == "digits-heldout", "energy"]
+    chosen = brute_force_threshold(held_out) + 0.123456789  # off the basis' own, not on the slider's steps
+    link = {"tab": "failure-cases", "detector": "energy", "basis": "digits-heldout", "threshold": repr(chosen)}
+    opened(app, "r1", **link)
+    assert not app.exception and not link_notes(app)
+    assert app.session_state["results-tab"] == "Failure cases"
+    assert shared_box(app, "Detector").value == "energy"
+    assert shared_box(app, "Start the threshold at").value == "digits-heldout"
+    assert app.slider[0].value == chosen
+    assert any(f"At threshold {chosen:.4g}" in c.value for c in app.caption)
+    assert app.query_params == {"run": "r1", **link}  # the link stays as it was
+    shared_box(app, "Start the threshold at").select("95% of all OOD sets pooled").run()
+    pooled = brute_force_threshold(scores.loc[scores.split == "ood", "energy"])
+    assert app.slider[0].value == pytest.approx(pooled)
+    assert app.query_params == {"run": "r1", "tab": "failure-cases", "detector": "energy", "basis": "pooled"}
+    moved = (app.slider[0].value + app.slider[0].max) / 2
+    app.slider[0].set_value(moved).run()
+    app.session_state["results-tab"] = "Score histograms"
+    app.run()
+    assert not app.exception
+    url = dict(app.query_params)
+    assert url == {
+        "run": "r1",
+        "tab": "score-histograms",
+        "detector": "energy",
+        "basis": "pooled",
+        "threshold": repr(moved),
+    }
+    reloaded = AppTest.from_file(APP, default_timeout=60)
+    reloaded.query_params.update(url)
+    reloaded.run()
+    assert not reloaded.exception and not link_notes(reloaded)
+    assert reloaded.session_state["results-tab"] == "Score histograms"
+    assert shared_box(reloaded, "Detector").value == "energy"
+    assert shared_box(reloaded, "Start the threshold at").value == "95% of all OOD sets pooled"
+    assert reloaded.slider[0].value == moved
+    assert dict(reloaded.query_params) == url
+    [b for b in reloaded.button if b.label == "All runs"][0].click().run()  # leaving the run leaves its view
+    assert dict(reloaded.query_params) == {}
+
+
+@pytest.mark.parametrize(
+    ("link", "said"),
+    [
+        (
+            {"tab": "nowhere", "detector": "knn2", "basis": "svhn", "threshold": "0.5"},
+            [
+                "tab 'nowhere' (this run has no such tab)",
+                "detector 'knn2' (not a detector of this run)",
+                "basis 'svhn' (not every, pooled or an OOD set of this run)",
+                "threshold '0\\.5' (it was chosen for the detector dropped)",
+            ],
+        ),
+        ({"tab": "score-histograms", "detector": "energy", "threshold": "abc"}, ["threshold 'abc' (not a number)"]),
+        ({"tab": "score-histograms", "detector": "energy", "threshold": "1e9"}, ["threshold '1e9' (outside"]),
+        ({"tab": "which-layer"}, ["tab 'which\\-layer' (this run has no such tab)"]),  # a one-layer run
+    ],
+)
+def test_values_in_a_link_the_run_does_not_have_are_dropped_with_a_note(app, runs_root, link, said):
+    """Each value the run does not have is named in one note and the run's default shown in its place (a threshold
+    chosen for a detector or basis dropped is dropped too: it would be a wrong number on another detector); the
+    rest of the link applies, and the URL keeps only what was applied."""
+    opened(app, "r1", **link)
+    assert not app.exception
+    [note] = link_notes(app)
+    assert all(part in note for part in said), note
+    applied = {k: v for k, v in link.items() if not any(f"{k} '" in part for part in said)}
+    assert dict(app.query_params) == {"run": "r1", **applied}
+    if applied.get("tab") != "score-histograms":
+        assert app.session_state["results-tab"] == "Metrics" and not app.slider
+        return
+    scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
+    ood = scores[scores.split == "ood"]
+    every = min(brute_force_threshold(rows["energy"]) for _, rows in ood.groupby("dataset"))
+    assert shared_box(app, "Detector").value == "energy" and app.slider[0].value == pytest.approx(every)
+    missed = [m for m in app.metric if m.label.startswith("Misses")][0].value
+    assert missed.startswith(f"{int((ood['energy'] < every).sum()):,} (")  # the counts at that threshold
+    app.run()  # the note said once: the URL now holds what is shown
+    assert not link_notes(app)
 
 
 def test_the_sidebar_shows_the_choices_of_the_open_run(app, runs_root):
