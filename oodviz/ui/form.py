@@ -199,10 +199,15 @@ def pooling_options(backbone: str, layer: str) -> tuple[list[str | None], str | 
     return [None, *usable], own
 
 
+#: how a pooling field shows the poolings whose name alone says little
+POOLING_WORDS = {"cls": "cls (the class token)", "mean": "mean (of the patch tokens)", "none": "none (flattened)"}
+
+
 def pooling_label(choice: str | None, own: str | None) -> str:
-    """How a pooling field shows ``choice``: None as "model's own (cls)" (what it gives there, when known)."""
+    """How a pooling field shows ``choice``: None as "model's own (cls)" (what it gives there, when known), the token
+    poolings and ``none`` with what they do (:data:`POOLING_WORDS`)."""
     if choice is not None:
-        return choice
+        return POOLING_WORDS.get(choice, choice)
     return f"model's own ({own})" if own else "model's own"
 
 

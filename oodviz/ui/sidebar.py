@@ -342,6 +342,7 @@ def _pooling_fields(
             options,
             index=options.index(value),
             format_func=lambda choice, own=own: pooling_label(choice, own),
+            placeholder=pooling_label(None, own),  # a field cleared (its x) is None too: the model's own
             key=f"pooling-{backbone}-{layer}-{generation}",
             help=POOLING_HELP,
         )

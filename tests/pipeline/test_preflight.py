@@ -193,7 +193,14 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     layers.set_value([VIT_UNPOOLED["layer"]]).run()  # the layer's pooling field, its choices those of a token layer
     [radio for radio in app.sidebar.radio if radio.label == "Weights"][0].set_value("random")
     pooling = [box for box in app.sidebar.selectbox if box.label == "Pooling"][0]
-    assert pooling.value is None and pooling.options == ["model's own (cls)", "avg", "max", "cls", "mean", "none"]
+    assert pooling.value is None and pooling.options == [
+        "model's own (cls)",
+        "avg",
+        "max",
+        "cls (the class token)",
+        "mean (of the patch tokens)",
+        "none (flattened)",
+    ]
     [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].set_value("none")
     start = [button for button in app.sidebar.button if button.label == "Start run"][0]
     start.click().run()

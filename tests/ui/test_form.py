@@ -340,7 +340,7 @@ def test_each_layer_gets_a_pooling_field_with_the_choices_that_apply():
         [None, "avg", "max", "cls", "mean", "none"],
         None,
     )
-    assert pooling_label(None, None) == "model's own" and pooling_label("mean", "cls") == "mean"
+    assert pooling_label(None, None) == "model's own" and pooling_label("mean", "cls") == "mean (of the patch tokens)"
 
 
 def test_the_pooling_fields_make_the_configs_pooling_and_a_table_round_trips():
@@ -393,7 +393,9 @@ def test_the_form_offers_a_pooling_per_layer_and_the_run_gets_the_table(app, sub
     widget(app, "multiselect", "Layers").set_value(["features.0", "features.3", "penultimate"]).run()
     fields = [box for box in app.sidebar.selectbox if box.label.startswith("Pooling")]
     assert [box.label for box in fields] == ["Pooling of features.0", "Pooling of features.3"]
-    assert all(box.value is None and box.options == ["model's own (avg)", "avg", "max", "none"] for box in fields)
+    assert all(
+        box.value is None and box.options == ["model's own (avg)", "avg", "max", "none (flattened)"] for box in fields
+    )
     widget(app, "selectbox", "Pooling of features.3").set_value("max")
     widget(app, "multiselect", "Detectors").set_value(["msp"])
     click(app, "Start run")
