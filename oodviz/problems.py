@@ -16,7 +16,7 @@ break a button. Fixes travel through JSON (the estimate's process, ``status.json
 
 Kinds (:data:`FIX_KINDS`) and their values:
 
-- ``"pooling"``: the pooling to use (``"avg"``);
+- ``"pooling"``: the pooling to use where the config has ``"none"`` (``None``: the model's own, :func:`pooled`);
 - ``"drop_layer"``: the layer to leave out of ``layers`` (the widest);
 - ``"drop_detectors"``: the detector names to leave out;
 - ``"subsample"``: at most this many images in every split;
@@ -65,6 +65,16 @@ def detector_problem(message: str, named: str, where: str, name: str) -> Problem
     return Problem(message, where, rest if rest.startswith(f"{name}: ") else f"{name}: {rest}")
 
 
+def pooled(pooling, value):
+    """``pooling`` (a run config's or the form's: a name, a table layer -> name, or None, the model's own) with every
+    ``"none"`` (unpooled) made ``value``; a table's entry made None is left out (a layer a table does not name takes
+    the model's own), and a table left empty is None. The other entries are kept."""
+    if isinstance(pooling, dict):
+        table = {layer: value if how == "none" else how for layer, how in pooling.items()}
+        return {layer: how for layer, how in table.items() if how is not None} or None
+    return value if pooling == "none" else pooling
+
+
 FIX_KINDS = ("pooling", "drop_layer", "drop_detectors", "subsample", "feature_dtype", "batch_size", "advice")
 
 
@@ -102,7 +112,7 @@ class Fix:
         if self.kind == "advice":
             return None
         if self.kind == "pooling":
-            return replace(config, pooling=self.value)
+            return replace(config, pooling=pooled(config.pooling, self.value))
         if self.kind == "drop_layer":
             return replace(config, layers=[layer for layer in config.layers if layer != self.value])
         if self.kind == "drop_detectors":

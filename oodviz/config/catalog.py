@@ -13,8 +13,11 @@ before serving (:func:`ensure_catalog`). Its entries:
   each ``{"name", "kind", "default", "optional", "choices"}``;
 - ``default_grids``: per detector, its ``default_grid`` (parameter -> values tried when tuning);
 - ``backbones``: the registry backbones (:func:`oodviz.models.available_backbones`), each with its ``family``
-  (:func:`oodviz.models.architectures.backbone_family`) and ``layers`` (:func:`oodviz.models.architecture_layer_names`);
-- ``poolings``, ``precisions``, ``feature_dtypes``: the choices of those fields;
+  (:func:`oodviz.models.architectures.backbone_family`), ``layers`` (:func:`oodviz.models.architecture_layer_names`)
+  and ``tokens`` (:func:`oodviz.models.architecture_token_layout`: ``{"head_pooling", "layers"}`` of a transformer
+  whose token sequence oodviz knows, ``null`` for the others; left out when the model could not be probed);
+- ``poolings``, ``token_poolings``, ``precisions``, ``feature_dtypes``: the choices of those fields (``token_poolings``:
+  the poolings that read a transformer's token sequence, :data:`oodviz.models.TOKEN_POOLINGS`);
 - ``datasets``: per registered dataset, its ``group`` and ``source`` (:func:`oodviz.data.dataset_info`);
 - ``bundled_sizes``: the image count of each bundled ID split (:data:`BUNDLED_SPLITS`), ``fashion_id_classes``
   (:data:`oodviz.data.FASHION_ID_CLASSES`), ``system_dirs``, ``mnist_folders`` and ``mnist_files``
@@ -141,8 +144,20 @@ def backbone_layers(name: str) -> list[str]:
 
 
 def choices(field: str) -> tuple[str, ...]:
-    """The values of ``"poolings"``, ``"precisions"`` or ``"feature_dtypes"``."""
+    """The values of ``"poolings"``, ``"token_poolings"``, ``"precisions"`` or ``"feature_dtypes"``."""
     return tuple(catalog()[field])
+
+
+def layer_default_pooling(backbone: str, layer: str) -> str | None:
+    """What ``pooling`` unset gives ``layer`` of registry backbone ``backbone`` (as
+    :attr:`oodviz.models.Backbone.default_pooling`): what the model's head reads (``"cls"`` or ``"mean"``) for a layer
+    holding its token sequence, ``"avg"`` for any other; None where the catalog does not know (a name it does not
+    list, a model it could not probe)."""
+    entry = catalog()["backbones"].get(backbone)
+    if entry is None or "tokens" not in entry:
+        return None
+    tokens = entry["tokens"]
+    return tokens["head_pooling"] if tokens and layer in tokens["layers"] else "avg"
 
 
 def dataset_group_and_source(name: str) -> tuple[str | None, str]:
@@ -224,10 +239,15 @@ def build() -> dict:
             for name in detectors.available()
         },
         "backbones": {
-            name: {"family": models.backbone_family(name), "layers": models.architecture_layer_names(name)}
+            name: {
+                "family": models.backbone_family(name),
+                "layers": models.architecture_layer_names(name),
+                **_token_entry(name),
+            }
             for name in models.available_backbones()
         },
         "poolings": list(models.POOLINGS),
+        "token_poolings": list(models.TOKEN_POOLINGS),
         "precisions": list(engine.PRECISIONS),
         "feature_dtypes": list(engine.FEATURE_DTYPES),
         "datasets": {
@@ -240,6 +260,16 @@ def build() -> dict:
         "mnist_folders": dict(MNIST_FOLDERS),
         "mnist_files": list(MNIST_FILES),
     }
+
+
+def _token_entry(name: str) -> dict:
+    """``{"tokens": ...}`` of backbone ``name`` (see the module docstring); ``{}`` when the model cannot be probed on
+    the meta device (the form then offers every pooling, and the run's check says what applies)."""
+    try:
+        layout = models.architecture_token_layout(name)
+    except Exception:  # a model the meta device cannot run: unknown, not an error of the catalog
+        return {}
+    return {"tokens": None if layout is None else {"head_pooling": layout.head_pooling, "layers": list(layout.layers)}}
 
 
 def write(path: Path) -> None:

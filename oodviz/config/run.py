@@ -104,9 +104,11 @@ class RunConfig:
     #: several layers in one forward pass (module names, or "penultimate"); [] = one layer, ``layer``
     #: (:mod:`oodviz.pipeline.layers`)
     layers: list = field(default_factory=list)
-    #: how a layer's output becomes a [B, D] feature (models.POOLINGS), or a table layer -> pooling ("avg" for a
-    #: layer it does not name): e.g. {"blocks.5": "mean", "penultimate": "cls"} for a ViT
-    pooling: str | dict = "avg"
+    #: how a layer's output becomes a [B, D] feature (models.POOLINGS); None = the model's own: what its head reads
+    #: for a layer holding a transformer's token sequence ("cls", or "mean" of the patch tokens), "avg" for every
+    #: other layer (Backbone.default_pooling). Or a table layer -> pooling (a layer it does not name: the model's
+    #: own), e.g. {"blocks.5": "mean", "blocks.8": "avg"} for a ViT
+    pooling: str | dict | None = None
     id_fit: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-train"))
     id_test: DatasetChoice = field(default_factory=lambda: DatasetChoice("digits-test"))
     ood: list[DatasetChoice] = field(default_factory=lambda: [DatasetChoice(name) for name in DEFAULT_OOD])
@@ -261,7 +263,8 @@ class RunConfig:
                 why = "the largest batch oodviz takes" if key == "batch_size" else "the CPU cores this process may use"
                 found.append(Problem(f"{key} must be at most {high} ({why}), got {value!r}", key))
         if "pooling" not in wrong:
-            found += self._pooling_problems()
+            model_known = not ({"backbone", "layer", "layers", "model_args"} & set(wrong)) and not model_found
+            found += self._pooling_problems(model_known and not any(p.field == "layers" for p in found))
         for key, allowed in (
             ("precision", tuple(engine.PRECISIONS)),
             ("feature_dtype", engine.FEATURE_DTYPES),
@@ -273,22 +276,66 @@ class RunConfig:
             found.append(Problem(message, "memory_budget_gb"))
         return found + tuning_problems(self, detectors_checked="detectors" not in wrong)
 
-    def _pooling_problems(self) -> list[Problem]:
-        """``pooling``: one of the poolings, or a table naming the run's layers, each with one of them."""
+    def _pooling_problems(self, model_known: bool) -> list[Problem]:
+        """``pooling``: unset, one of the poolings, or a table naming the run's layers, each with one of them (or
+        null: the model's own). With ``model_known`` (the backbone and its layers are fine), a ``cls`` or ``mean``
+        pooling of a layer that holds no token sequence of the model's (:func:`oodviz.models.architecture_token_layout`:
+        a CNN's maps, a ViT's patch embedding) is refused; the penultimate features, already the head's input, are
+        left as they are by every pooling. A problem of a table's entry is about ``pooling[<layer>]``."""
         allowed = tuple(models.POOLINGS)
+        if self.pooling is None:
+            return []
         if isinstance(self.pooling, str):
-            return (
-                []
-                if self.pooling in allowed
-                else [Problem(f"pooling must be one of {allowed}, got {self.pooling!r}", "pooling")]
-            )
+            if self.pooling not in allowed:
+                return [
+                    Problem(
+                        f"pooling must be one of {allowed} or unset (the model's own), got {self.pooling!r}", "pooling"
+                    )
+                ]
+            entries = dict.fromkeys(self.layer_names, ("pooling", self.pooling))
+        else:
+            found, entries = [], {}
+            for layer, pooling in self.pooling.items():
+                where = f"pooling[{layer}]"
+                if layer not in self.layer_names:
+                    message = f"pooling names layer {layer!r}, which the run does not extract; its layers: {', '.join(self.layer_names)}"
+                    found.append(Problem(message, where, message))
+                elif pooling is not None and pooling not in allowed:
+                    message = f"pooling of {layer} must be one of {allowed} or null (the model's own), got {pooling!r}"
+                    found.append(Problem(message, where, message))
+                else:
+                    entries[layer] = (where, pooling)
+            if found:
+                return found
+        token_entries = {
+            layer: entry
+            for layer, entry in entries.items()
+            if entry[1] in models.TOKEN_POOLINGS and layer != PENULTIMATE
+        }
+        if not model_known or not token_entries or self.backbone in models.USER_MODEL_NAMES:
+            return []
+        try:
+            tokens = models.architecture_token_layout(self.backbone, self.model_args or None)
+        except Exception:  # a model the meta device cannot run: the run's own probe says what is wrong
+            return []
         found = []
-        for layer, pooling in self.pooling.items():
-            if layer not in self.layer_names:
-                message = f"pooling names layer {layer!r}, which the run does not extract; its layers: {', '.join(self.layer_names)}"
-                found.append(Problem(message, "pooling"))
-            elif pooling not in allowed:
-                found.append(Problem(f"pooling of {layer} must be one of {allowed}, got {pooling!r}", "pooling"))
+        for layer, (where, pooling) in token_entries.items():
+            what = "the class token" if pooling == "cls" else "the mean of the patch tokens"
+            if tokens is None:
+                message = (
+                    f"pooling {pooling!r} of {layer} reads {what} of a transformer's token sequence; {self.backbone} "
+                    "has none that oodviz knows (its layers give feature maps): use 'avg' or 'max', or leave it "
+                    "unset (the model's own: avg)"
+                )
+            elif layer not in tokens.layers:
+                message = (
+                    f"pooling {pooling!r} of {layer} reads {what}, but {layer} does not give {self.backbone}'s token "
+                    f"sequence (the layers from {tokens.layers[0]} to {tokens.layers[-1]} do): use 'avg' or 'max' "
+                    "here, or leave it unset (the model's own: avg)"
+                )
+            else:
+                continue
+            found.append(Problem(message, where, message))
         return found
 
     @property
@@ -296,12 +343,13 @@ class RunConfig:
         """The layers the run extracts: ``layers``, else ``[layer]``, else ``["penultimate"]``."""
         return list(self.layers) if self.layers else [self.layer or PENULTIMATE]
 
-    def pooling_at(self, layer: str | None) -> str:
+    def pooling_at(self, layer: str | None) -> str | None:
         """The pooling of ``layer`` (None: the run's main layer, the first it extracts): ``pooling``, or its entry
-        in the table (``"avg"`` where the table does not name it)."""
-        if isinstance(self.pooling, str):
+        in the table; None (the model's own, which the backbone resolves: :attr:`oodviz.models.Backbone.default_pooling`)
+        where it is unset or the table does not name the layer."""
+        if not isinstance(self.pooling, Mapping):
             return self.pooling
-        return self.pooling.get(self.layer_names[0] if layer is None else layer, "avg")
+        return self.pooling.get(self.layer_names[0] if layer is None else layer)
 
     def _model_problems(self, wrong: dict[str, str]) -> list[Problem]:
         """The backbone, its weights, checkpoint file and layer."""
@@ -373,7 +421,7 @@ _FIELD_TYPES = {
     "checkpoint": str | None,
     "layer": str | None,
     "layers": list,
-    "pooling": str | dict,
+    "pooling": str | dict | None,
     "ood": list,
     "detectors": list,
     "batch_size": int,

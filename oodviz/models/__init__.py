@@ -53,6 +53,7 @@ _SOURCES = {
     "registry": (
         "USER_MODEL_NAMES",
         "architecture_layer_names",
+        "architecture_token_layout",
         "backbone_classes",
         "load_backbone",
         "load_scripted",

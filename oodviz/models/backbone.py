@@ -93,10 +93,12 @@ def probe_token_layout(
     prefix: int,
     head_pooling: str,
     last_hidden: Callable[[Tensor], Tensor],
+    device: torch.device | str | None = None,
 ) -> TokenLayout | None:
     """The :class:`TokenLayout` of a transformer, from one forward pass of a fixed random input ``[1,
     *input_shape]``: its layers are the modules whose output has the ``T`` tokens of ``last_hidden(x)`` (the
-    model's final sequence ``[B, T, D]``). ``None`` when ``last_hidden`` gives no token sequence."""
+    model's final sequence ``[B, T, D]``). ``None`` when ``last_hidden`` gives no token sequence. ``device``: where
+    the input is made (``"meta"`` for a model built on the meta device: shapes only, nothing computed)."""
     seen: dict[str, tuple] = {}
 
     def record(name: str) -> Callable:
@@ -106,6 +108,8 @@ def probe_token_layout(
         return hook
 
     x = torch.randn((1, *input_shape), generator=torch.Generator().manual_seed(_PROBE_SEED))
+    if device is not None:
+        x = x.to(device)
     hooks = [module.register_forward_hook(record(name)) for name, module in model.named_modules() if name]
     try:
         with torch.no_grad(), _eval_mode(model):
@@ -228,8 +232,9 @@ class Backbone:
     (registry architecture or ``None``) and ``tokens`` (the :class:`TokenLayout` of a transformer whose
     loader knows it, else ``None``: ``pooling="cls"`` / ``"mean"`` need it).
 
-    ``pooling=None`` takes the layer's default: ``tokens.head_pooling`` for a layer in ``tokens.layers``,
-    ``"avg"`` otherwise; ``pooling`` is that resolved name.
+    ``pooling=None`` takes the layer's default, :attr:`default_pooling`: ``tokens.head_pooling`` for a layer in
+    ``tokens.layers``, ``"avg"`` otherwise; ``pooling`` is that resolved name (what the feature store's key holds:
+    ``None`` and the name it resolves to give the same features, and share their stores).
     """
 
     def __init__(
@@ -255,10 +260,7 @@ class Backbone:
         self.weights_id = weights_id
         self.layer = layer
         self.tokens = tokens
-        if pooling is None:
-            token_layer = tokens is not None and layer is not None and layer in tokens.layers
-            pooling = tokens.head_pooling if token_layer else "avg"
-        self.pooling = check_pooling(pooling)
+        self.pooling = check_pooling(self.default_pooling if pooling is None else pooling)
         self.arch = arch
         self._channels_last = channels_last or _never_channels_last
         self._shape: FeatureShape | None = None
@@ -293,6 +295,14 @@ class Backbone:
             )
 
     # ------------------------------------------------------------------ identity and shapes
+
+    @property
+    def default_pooling(self) -> str:
+        """What ``pooling=None`` gives this backbone's layer: what the model's own head reads
+        (``tokens.head_pooling``, ``"cls"`` or ``"mean"``) for a layer holding the model's token sequence, ``"avg"``
+        for every other layer (a feature map's global average, as a CNN's head reads it)."""
+        token_layer = self.tokens is not None and self.layer is not None and self.layer in self.tokens.layers
+        return self.tokens.head_pooling if token_layer else "avg"
 
     @property
     def classes(self) -> list[str] | None:

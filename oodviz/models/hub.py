@@ -40,7 +40,7 @@ from PIL import Image
 from torch import Tensor, nn
 
 from oodviz.models.architectures import RANDOM_SEED, Architecture, RGBTransform, build_random, calibrate_batchnorm
-from oodviz.models.backbone import Backbone, check_pooling, probe_token_layout
+from oodviz.models.backbone import Backbone, TokenLayout, check_pooling, probe_token_layout
 from oodviz.models.checkpoints import build_from_state_dict, check_file, file_sha256, load_state_dict_file
 from oodviz.models.hub_names import HF_PREFIX, HF_TRANSFORMERS, TIMM_PREFIX, hub_kind
 
@@ -409,6 +409,42 @@ def hub_layer_names(name: str, model_args: Mapping | None = None) -> list[str]:
         return list(_timm_skeleton(name[len(TIMM_PREFIX) :], json.dumps(dict(model_args or {}), sort_keys=True))[0])
     path = _hf_directory(name[len(HF_PREFIX) :])
     return list(_hf_layer_names(str(path.resolve()), (path / "config.json").stat().st_mtime))
+
+
+def hub_token_layout(name: str, model_args: Mapping | None = None) -> TokenLayout | None:
+    """The token layout of a ``timm:`` / ``hf:`` backbone (see
+    :func:`oodviz.models.registry.architecture_token_layout`), from the model built on the meta device."""
+    if hub_kind(name) == "timm":
+        return _timm_token_layout(name[len(TIMM_PREFIX) :], json.dumps(dict(model_args or {}), sort_keys=True))
+    path = _hf_directory(name[len(HF_PREFIX) :])
+    return _hf_token_layout(str(path.resolve()), (path / "config.json").stat().st_mtime)
+
+
+@functools.cache
+def _timm_token_layout(model_name: str, args_json: str) -> TokenLayout | None:
+    from timm.data import resolve_data_config
+
+    with torch.device("meta"):
+        model = _timm_create(model_name, None, json.loads(args_json))
+    info = _timm_tokens(model)
+    if info is None:
+        return None
+    shape = _timm_input_size(model, resolve_data_config({}, model=model))
+    return probe_token_layout(model, shape, *info, lambda x: model.forward_features(x), device="meta")
+
+
+@functools.cache
+def _hf_token_layout(path: str, config_mtime: float) -> TokenLayout | None:
+    config = _hf_config(Path(path))
+    info = _hf_tokens(config)
+    if info is None:
+        return None
+    with torch.device("meta"):
+        model = _hf_build(config)
+    size = getattr(config, "image_size", 224)
+    height, width = (size, size) if isinstance(size, int) else tuple(size)
+    shape = (int(getattr(config, "num_channels", 3)), height, width)
+    return probe_token_layout(model, shape, *info, lambda x: _hf_last_hidden(model, x), device="meta")
 
 
 def hub_classes(name: str, weights: str | None = "default", checkpoint=None) -> list[str] | None:

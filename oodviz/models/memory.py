@@ -50,7 +50,7 @@ def estimate_memory(backbone, n_samples_per_split: Mapping[str, int], feature_dt
 
     Returns a dict: ``feature_dim``, ``num_classes``, ``raw_feature_shape`` (per-sample shape of
     the feature layer before pooling), ``pooled_dim`` (``D`` with ``pooling="avg"``),
-    ``pooling``, ``layer``, ``splits`` (``{name: {"n_samples", "features_bytes" (N*D*4),
+    ``pooling``, ``default_pooling`` (what ``pooling=None`` gives the layer: :attr:`Backbone.default_pooling`), ``layer``, ``splits`` (``{name: {"n_samples", "features_bytes" (N*D*4),
     "logits_bytes" (N*C*4), "other_bytes" (N*24), "total_bytes"}}``), ``feature_dtype`` and the sums
     ``features_bytes``, ``logits_bytes``, ``other_bytes``, ``total_bytes`` (the store on disk).
     """
@@ -80,6 +80,7 @@ def estimate_memory(backbone, n_samples_per_split: Mapping[str, int], feature_dt
         raw_feature_shape=None if shape is None else shape.raw,
         pooled_dim=d if shape is None else shape.pooled_dim,
         pooling=getattr(backbone, "pooling", None),
+        default_pooling=getattr(backbone, "default_pooling", None),
         layer=getattr(backbone, "layer", None),
         feature_dtype=feature_dtype,
         splits=splits,
@@ -111,13 +112,41 @@ def describe_memory(estimate: Mapping) -> str:
     return "\n".join(lines)
 
 
+#: how the unpooled warning names each pooling
+_POOLING_WORDS = {
+    "avg": "'avg'",
+    "max": "'max'",
+    "cls": "'cls' (the class token)",
+    "mean": "'mean' (of the patch tokens)",
+}
+
+
+def pooling_advice(estimate: Mapping) -> str:
+    """What pools the unpooled features of an estimate (``pooling="none"``): leaving ``pooling`` unset, the model's
+    own (``default_pooling``: what the head reads for a layer holding a transformer's token sequence, ``avg``
+    otherwise), and the other poolings that give the same ``D`` there (``cls`` / ``mean`` only on such a layer).
+    E.g. ``"leaving pooling unset, the model's own: 'cls' (the class token), gives D=768 instead of 151,296 (197 x
+    768 per sample, 197x smaller); so do 'avg', 'max' and 'mean' (of the patch tokens)"``."""
+    d = int(estimate["feature_dim"])
+    pooled, raw = int(estimate.get("pooled_dim") or d), estimate.get("raw_feature_shape")
+    own = estimate.get("default_pooling") or "avg"
+    tokens = own in ("cls", "mean")
+    others = [_POOLING_WORDS[p] for p in ("avg", "max", "cls", "mean") if p != own and (tokens or p in ("avg", "max"))]
+    shape = " x ".join(f"{s:,}" for s in raw) if raw else f"{d:,}"
+    listed = others[0] if len(others) == 1 else f"{', '.join(others[:-1])} and {others[-1]}"
+    return (
+        f"leaving pooling unset, the model's own: {_POOLING_WORDS[own]}, gives D={pooled:,} instead of {d:,} ({shape} "
+        f"per sample, {d // pooled:,}x smaller); so do{'es' if len(others) == 1 else ''} {listed}"
+    )
+
+
 def warn_if_over(estimate: Mapping, budget_bytes: int) -> str | None:
     """A warning naming sizes and fixes when the store would exceed ``budget_bytes``, else ``None``.
 
     Example: ``"The feature store would need 9.39 GiB, over the budget of 4 GiB. train: 50,000 x
     50,176 features = 9.35 GiB (+ logits 191 MiB). The features of layer 'encoder' are not pooled
-    (pooling='none', 196 x 256 per sample): pool the features (pooling='avg' gives D=256, 196x
-    smaller; so does 'max' and, for a transformer's tokens, 'cls' (the class token) or 'mean' (of the patch
+    (pooling='none'): pool the features (leaving pooling unset, the model's own: 'cls' (the class token), gives
+    D=256 instead of 50,176 (196 x 256 per sample, 196x smaller); so do 'avg', 'max' and 'mean' (of the patch
     tokens)) or subsample the splits."``
     """
     total = int(estimate["total_bytes"])
@@ -129,17 +158,13 @@ def warn_if_over(estimate: Mapping, budget_bytes: int) -> str | None:
         f"The feature store would need {format_bytes(total)}, over the budget of {format_bytes(budget_bytes)}.",
         "; ".join(_split_line(name, s, d) for name, s in splits[:3]) + ("; ..." if len(splits) > 3 else "") + ".",
     ]
-    pooled, raw = estimate.get("pooled_dim") or d, estimate.get("raw_feature_shape")
+    pooled = estimate.get("pooled_dim") or d
     layer = estimate.get("layer")
     where = f"layer {layer!r}" if layer else "the feature layer"
     if estimate.get("pooling") == "none" and pooled < d:
-        raw_text = " x ".join(f"{s:,}" for s in raw) if raw else f"{d:,}"
-        also = "'max'"
-        if raw and len(raw) == 2:  # tokens [T, D]
-            also += " and, for a transformer's tokens, 'cls' (the class token) or 'mean' (of the patch tokens)"
         parts.append(
-            f"The features of {where} are not pooled (pooling='none', {raw_text} per sample): pool the features "
-            f"(pooling='avg' gives D={pooled:,}, {d // pooled:,}x smaller; so does {also}) or subsample the splits."
+            f"The features of {where} are not pooled (pooling='none'): pool the features ({pooling_advice(estimate)}) "
+            "or subsample the splits."
         )
     else:
         parts.append(

@@ -31,6 +31,7 @@ The architectures live in :mod:`oodviz.models.architectures`, reading and checki
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -58,7 +59,7 @@ from oodviz.models.architectures import (
     openood_weights_message,
     weights_enum,
 )
-from oodviz.models.backbone import Backbone, check_pooling, probe_token_layout
+from oodviz.models.backbone import Backbone, TokenLayout, check_pooling, probe_token_layout
 from oodviz.models.checkpoints import (
     CheckpointError,
     archive_kind,
@@ -69,7 +70,7 @@ from oodviz.models.checkpoints import (
     short_error,
     torchvision_state_dict,
 )
-from oodviz.models.hub import hub_classes, hub_layer_names, load_hf, load_timm
+from oodviz.models.hub import hub_classes, hub_layer_names, hub_token_layout, load_hf, load_timm
 from oodviz.models.hub_names import HF_PREFIX, TIMM_PREFIX, hub_kind
 
 
@@ -396,6 +397,31 @@ def backbone_classes(name: str, weights: str | None = "default", checkpoint=None
     if weights in (None, "random", "default") or not arch.torchvision:
         return architecture_classes(arch)
     return list(weights_enum(arch.name, weights).meta["categories"])
+
+
+def architecture_token_layout(name: str, model_args: Mapping | None = None) -> TokenLayout | None:
+    """The :class:`~oodviz.models.backbone.TokenLayout` of registry backbone ``name`` or a ``timm:`` / ``hf:``
+    backbone (which layers hold its token sequence, what its head reads: where ``pooling="cls"`` / ``"mean"`` apply
+    and what ``pooling=None`` gives), found with one forward pass of the architecture built on the meta device: no
+    weights read, nothing computed. ``None`` for a model without a token sequence oodviz knows (the CNNs, Swin's
+    maps). A ValueError (or the loader's FileNotFoundError / ImportError) when the model cannot be built."""
+    if hub_kind(name):
+        return hub_token_layout(name, model_args)
+    return _registry_token_layout(architecture(name).name)
+
+
+@functools.cache  # the app checks its config on every rerun
+def _registry_token_layout(name: str) -> TokenLayout | None:
+    arch = architecture(name)
+    if arch.tokens is None:
+        return None
+    prefix, head_pooling, sequence = arch.tokens
+    with torch.device("meta"):
+        model = arch.build(arch.default_classes)
+    _, shape = default_transform(arch, arch.default_classes)
+    return probe_token_layout(
+        model, shape, prefix, head_pooling, lambda x: _module_output(model, sequence, x), device="meta"
+    )
 
 
 def architecture_layer_names(name: str, model_args: Mapping | None = None) -> list[str]:

@@ -47,7 +47,7 @@ from oodviz.detectors import detector_class
 from oodviz.engine import STORES_DIRNAME
 from oodviz.engine.store import find_store, space, store_key
 from oodviz.models import CheckpointError, estimate_memory
-from oodviz.models.memory import format_bytes
+from oodviz.models.memory import format_bytes, pooling_advice
 from oodviz.pipeline import batchprobe
 from oodviz.pipeline.batchprobe import EXTRACTION, BatchProbeError, sized
 from oodviz.pipeline.classifier_check import ClassifierCheck, check_classifier
@@ -301,18 +301,8 @@ def fixes(
     if all(need.kind == "batch" for need in report.over):  # the store and the fits are fine: batch_fixes
         return []
     found = []
-    if estimate.get("pooling") == "none" and pooled < d:
-        raw = estimate.get("raw_feature_shape")
-        shape = " x ".join(f"{s:,}" for s in raw) if raw else f"{d:,}"
-        found.append(
-            Fix(
-                "pooling",
-                f"pool the features: pooling='avg' gives D={pooled:,} instead of {d:,} ({shape} per sample, "
-                f"{d // pooled:,}x smaller); so do 'max' and, for a transformer's tokens, 'cls' (the class token) or "
-                "'mean' (of the patch tokens)",
-                "avg",
-            )
-        )
+    if estimate.get("pooling") == "none" and pooled < d:  # value None: the model's own pooling (Fix.apply)
+        found.append(Fix("pooling", f"pool the features: {pooling_advice(estimate)}", None))
     found.append(
         Fix("advice", "choose another layer with a smaller D (an earlier or narrower one, or the penultimate layer)")
     )

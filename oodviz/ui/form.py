@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from oodviz.columns import PENULTIMATE
-from oodviz.config.catalog import dataset_group_and_source
+from oodviz.config.catalog import choices, dataset_group_and_source, layer_default_pooling
 from oodviz.config.run import DEFAULT_OOD, DatasetChoice, DetectorChoice, RunConfig
-from oodviz.problems import Fix, Problem
+from oodviz.problems import Fix, Problem, pooled
 from oodviz.results.leaderboard import BENCHMARKS, leaderboard_arch
 from oodviz.ui.access import PathRefused
 from oodviz.ui.form_tuning import (
@@ -91,7 +91,9 @@ class FormValues:
     checkpoint: str = ""
     #: the feature layers: one (``"penultimate"``: the default) or several (a run over several layers)
     layers: list[str] = field(default_factory=lambda: [PENULTIMATE])
-    pooling: str = "avg"
+    #: ``RunConfig.pooling``: None (the model's own), a pooling, or a table layer -> pooling
+    #: (:func:`pooling_from_fields` makes it from the form's pooling fields)
+    pooling: str | dict | None = None
     id_preset: str = "digits (bundled, 8x8)"
     fit_folder: str = ""
     test_folder: str = ""
@@ -151,7 +153,7 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         weights=config.weights,
         checkpoint=config.checkpoint or "",
         layers=form_layers(config),
-        pooling=config.pooling_at(None),  # the form has one pooling: a table's main layer's
+        pooling=dict(config.pooling) if isinstance(config.pooling, dict) else config.pooling,
         id_preset=id_preset,
         fit_folder=fit_folder,
         test_folder=test_folder,
@@ -172,6 +174,60 @@ def form_values_from_config(config: RunConfig) -> FormValues:
         protocol=config.protocol,
         **validation,
     )
+
+
+#: the form's backbone choice "your own TorchScript file": its only layer, "penultimate", is the model's output
+USER_MODEL = "torchscript"
+
+
+def pooled_layers(backbone: str, layers: list[str]) -> list[str]:
+    """The form's layers that get a pooling field: all but ``penultimate``, the classifier head's input (already
+    pooled by the model: no pooling changes it), which has one only for a TorchScript file (its features are what
+    the model returns, possibly a map)."""
+    return [layer for layer in layers if layer != PENULTIMATE or backbone == USER_MODEL]
+
+
+def pooling_options(backbone: str, layer: str) -> tuple[list[str | None], str | None]:
+    """``(choices, own)`` of ``layer``'s pooling field: ``own`` is what leaving it unset gives there
+    (:func:`oodviz.config.catalog.layer_default_pooling`: ``"cls"`` or ``"mean"`` on a layer holding a transformer's
+    token sequence, ``"avg"`` elsewhere; None where the catalog does not know the model); the choices are None (the
+    model's own) and the poolings, ``cls`` and ``mean`` only where they apply (on a layer whose kind is unknown, all:
+    the config's check refuses what does not apply)."""
+    own = "avg" if backbone == USER_MODEL else layer_default_pooling(backbone, layer)
+    token = choices("token_poolings")
+    usable = [p for p in choices("poolings") if own is None or own in token or p not in token]
+    return [None, *usable], own
+
+
+#: how a pooling field shows the poolings whose name alone says little
+POOLING_WORDS = {"cls": "cls (the class token)", "mean": "mean (of the patch tokens)", "none": "none (flattened)"}
+
+
+def pooling_label(choice: str | None, own: str | None) -> str:
+    """How a pooling field shows ``choice``: None as "model's own (cls)" (what it gives there, when known), the token
+    poolings and ``none`` with what they do (:data:`POOLING_WORDS`)."""
+    if choice is not None:
+        return POOLING_WORDS.get(choice, choice)
+    return f"model's own ({own})" if own else "model's own"
+
+
+def pooling_of(pooling: str | dict | None, layer: str) -> str | None:
+    """The pooling ``RunConfig.pooling`` (or ``FormValues.pooling``) gives ``layer``: a name, its entry in a table,
+    or None (the model's own)."""
+    return pooling.get(layer) if isinstance(pooling, dict) else pooling
+
+
+def pooling_from_fields(layers: list[str], chosen: dict[str, str | None]) -> str | dict | None:
+    """``RunConfig.pooling`` from the form's pooling fields (``chosen``: layer -> its field's value, None the model's
+    own, for the layers of ``layers`` that have a field): None when every field says the model's own; the one field's
+    value for a run over one layer; else a table of the layers whose field names a pooling (a layer it does not name
+    takes the model's own)."""
+    named = {layer: how for layer, how in chosen.items() if how is not None and layer in layers}
+    if not named:
+        return None
+    if len(layers) == 1:
+        return named[layers[0]]
+    return named
 
 
 def _subsample(n: int) -> int | None:
@@ -246,7 +302,7 @@ def config_from_form(values: FormValues) -> RunConfig:
         checkpoint=values.checkpoint.strip() or None,
         layer=layer,
         layers=layers,
-        pooling=values.pooling,
+        pooling=dict(values.pooling) if isinstance(values.pooling, dict) else values.pooling,
         id_fit=fit,
         id_test=test,
         ood=ood,
@@ -264,7 +320,8 @@ def config_from_form(values: FormValues) -> RunConfig:
     )
 
 
-#: The form's fields that can carry an error, in the order they are drawn; ``"form"``: the rest (beside Start).
+#: The form's fields that can carry an error, in the order they are drawn; ``"form"``: the rest (beside Start). Besides
+#: these, ``"pooling[<layer>]"`` under each layer's pooling field (:func:`pooled_layers`) for a table's entry.
 FORM_FIELDS = (
     "backbone",
     "weights",
@@ -338,6 +395,9 @@ def problem_field(problem: Problem, values: FormValues) -> str:
     if head == "ood" and "[" in path:
         index = int(path[len("ood[") : path.index("]")])
         return "ood_folder" if index >= len(values.ood) else "ood"
+    if head == "pooling" and path.startswith("pooling[") and path.endswith("]"):  # a table's entry: under its field
+        layer = path[len("pooling[") : -1]
+        return path if layer in pooled_layers(values.backbone, values.layers) else "pooling"
     return _CONFIG_FIELDS.get(head, "form")
 
 
@@ -461,7 +521,7 @@ def form_fixes(fixes: list[Fix], values: FormValues) -> list[FormFix]:
     change of the form ``values``, labelled for its button; read from the fix's kind and value, never from its
     text:
 
-    - ``pooling``: when the form does not pool;
+    - ``pooling``: the model's own pooling (or the fix's) where the form says ``none`` (:func:`oodviz.problems.pooled`);
     - ``drop_layer``: that layer out of the form's layers (when others remain);
     - ``drop_detectors``: those detectors out (when others remain);
     - ``subsample``: every split at most that many images;
@@ -470,8 +530,11 @@ def form_fixes(fixes: list[Fix], values: FormValues) -> list[FormFix]:
     A fix that would change nothing is left out, as is ``advice``."""
     found = []
     for fix in fixes:
-        if fix.kind == "pooling" and values.pooling != fix.value:
-            found.append(FormFix(f"Pool the features (pooling {fix.value})", replace(values, pooling=fix.value)))
+        if fix.kind == "pooling" and pooled(values.pooling, fix.value) != values.pooling:
+            how = "the model's own pooling" if fix.value is None else f"pooling {fix.value}"
+            found.append(
+                FormFix(f"Pool the features ({how})", replace(values, pooling=pooled(values.pooling, fix.value)))
+            )
         elif fix.kind == "drop_layer" and fix.value in values.layers and len(values.layers) > 1:
             kept = [name for name in values.layers if name != fix.value]
             found.append(FormFix(f"Leave out layer {fix.value} (the widest)", replace(values, layers=kept)))

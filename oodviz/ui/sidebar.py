@@ -28,10 +28,16 @@ from oodviz.ui.form import (
     OOD_CHOICES,
     OPENOOD_BACKBONES,
     OPENOOD_PRESETS,
+    USER_MODEL,
     FormValues,
     config_from_form,
     ood_label,
     openood_warnings,
+    pooled_layers,
+    pooling_from_fields,
+    pooling_label,
+    pooling_of,
+    pooling_options,
 )
 from oodviz.ui.form_tuning import (
     ID_VALIDATION_CHOICES,
@@ -41,7 +47,6 @@ from oodviz.ui.form_tuning import (
     tuned_grids,
 )
 
-USER_MODEL = "torchscript"
 #: ``RunConfig.protocol`` -> how the form says it
 PROTOCOL_LABELS = {"paper": "each paper's", "openood": "OpenOOD v1.5's"}
 #: what the In-distribution box says of the OpenOOD presets
@@ -305,6 +310,52 @@ def _validation_warnings(values: FormValues, slots: dict) -> None:
         slots["id_preset-warning"].warning(warning)
 
 
+#: what the pooling fields' help says
+POOLING_HELP = (
+    "How the layer's output becomes one feature vector per image.\n\n"
+    "- **model's own** (the default): what the model's own head reads — on a transformer's token layers the class "
+    "token (cls) or the mean of the patch tokens (mean), on feature maps the average over positions (avg);\n"
+    "- **avg** / **max**: the average / maximum over positions or tokens (a transformer's class token included);\n"
+    "- **cls**: the class token; **mean**: the mean of the patch tokens (class and register tokens left out); "
+    "offered on a transformer's token layers;\n"
+    "- **none**: no pooling, the output flattened (D = C x H x W or tokens x D: it can be huge, the estimate says)."
+)
+#: said under the pooling fields when penultimate is among the layers
+PENULTIMATE_POOLED = "penultimate: the classifier head's input, already pooled by the model (nothing to choose)."
+
+
+def _pooling_fields(
+    backbone: str, layers: list[str], default: str | dict | None, generation: str, slots: dict
+) -> str | dict | None:
+    """One pooling field per chosen layer that pools (:func:`~oodviz.ui.form.pooled_layers`), with the choices that
+    apply there (:func:`~oodviz.ui.form.pooling_options`): "Pooling" for a run over one layer, "Pooling of <layer>"
+    beside others, each with a placeholder for its problems (``pooling[<layer>]``), and one for the pooling's
+    (``pooling``) under them. ``default``: the ``RunConfig.pooling`` they show. Returns the ``RunConfig.pooling``
+    they make (:func:`~oodviz.ui.form.pooling_from_fields`)."""
+    fields = pooled_layers(backbone, layers)
+    chosen = {}
+    for layer in fields:
+        options, own = pooling_options(backbone, layer)
+        value = pooling_of(default, layer)
+        if value not in options:  # a run's config naming one that does not apply here: shown, its check says why
+            options.append(value)
+        chosen[layer] = st.sidebar.selectbox(
+            "Pooling" if len(layers) == 1 else f"Pooling of {layer}",
+            options,
+            index=options.index(value),
+            format_func=lambda choice, own=own: pooling_label(choice, own),
+            placeholder=pooling_label(None, own),  # a field cleared (its x) is None too: the model's own
+            key=f"pooling-{backbone}-{layer}-{generation}",
+            help=POOLING_HELP,
+        )
+        if len(layers) > 1:
+            slots[f"pooling[{layer}]"] = st.sidebar.empty()
+    if PENULTIMATE in layers and PENULTIMATE not in fields:
+        st.sidebar.caption(PENULTIMATE_POOLED)
+    slots["pooling"] = st.sidebar.empty()
+    return pooling_from_fields(layers, chosen)
+
+
 def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
     """Draw the form; returns its values, "estimate", "start" or None (not submitted), and a placeholder
     under each field of :data:`~oodviz.ui.form.FORM_FIELDS` (and ``"estimate"`` beside Start) for what
@@ -336,6 +387,23 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
     )
     backbone = backbone.strip()
     slots["backbone"] = st.sidebar.empty()
+    # outside the form too: a change of layers reruns the page, so that each chosen layer gets its pooling field
+    main_layers = defaults.layers if backbone == defaults.backbone else [PENULTIMATE]
+    st.sidebar.html(LAYER_CHIPS_STYLE)
+    # Full width: layer names such as "penultimate" are cut short in a two-thirds column at 1000 px.
+    layers = st.sidebar.multiselect(
+        "Layers",
+        layer_options(backbone, main_layers),
+        default=main_layers,
+        key=f"layers-{backbone}-{generation}",
+        help="The feature layer (penultimate: the classifier head's input). Several are extracted in one pass "
+        "and compared in the results' Which layer? tab (a run over several layers has it); mahalanobis is also "
+        "combined over them.",
+    )
+    slots["layers"] = st.sidebar.empty()
+    pooling = _pooling_fields(
+        backbone, layers, defaults.pooling if backbone == defaults.backbone else None, generation, slots
+    )
     with st.sidebar.form(f"choose-{generation}", enter_to_submit=False, border=False):
         weights = st.radio(
             "Weights", ["default", "random"], horizontal=True, index=["default", "random"].index(defaults.weights)
@@ -349,22 +417,6 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
             "lr0.1_default/s0/best.ckpt of its download script).",
         )
         slots["checkpoint"] = st.empty()
-        main_layers = defaults.layers if backbone == defaults.backbone else [PENULTIMATE]
-        st.html(LAYER_CHIPS_STYLE)
-        # Full width: layer names such as "penultimate" are cut short in a two-thirds column at 1000 px.
-        layers = st.multiselect(
-            "Layers",
-            layer_options(backbone, main_layers),
-            default=main_layers,
-            key=f"layers-{backbone}-{generation}",
-            help="The feature layer (penultimate: the classifier head's input). Several are extracted in one pass "
-            "and compared in the results' Which layer? tab (a run over several layers has it); mahalanobis is also "
-            "combined over them.",
-        )
-        slots["layers"] = st.empty()
-        poolings = choices("poolings")
-        pooling = st.selectbox("Pooling", poolings, index=poolings.index(defaults.pooling))
-        slots["pooling"] = st.empty()
 
         st.subheader("Data")
         presets = list(ID_PRESETS) + list(OPENOOD_PRESETS) + [FOLDER_PRESET]

@@ -93,6 +93,29 @@ def test_the_forms_layers_are_the_architectures():
     assert layer_options("torchscript", ["penultimate", "x"]) == ["penultimate", "x"]
 
 
+def test_the_forms_pooling_defaults_are_the_loaded_models():
+    """What the form says "model's own" gives a layer is what the loaded backbone resolves ``pooling=None`` to: the
+    class token on ViT-B/16's encoder blocks, avg on its patch embedding and on a CNN's maps; no token layers for the
+    CNNs and Swin (whose stages are maps)."""
+    from oodviz.models import architecture_token_layout, load_backbone
+
+    for name in available_backbones():
+        layout = architecture_token_layout(name)
+        expected = None if layout is None else {"head_pooling": layout.head_pooling, "layers": list(layout.layers)}
+        assert catalog.catalog()["backbones"][name]["tokens"] == expected, name
+    assert (
+        catalog.catalog()["backbones"]["resnet18"]["tokens"]
+        is None
+        is catalog.catalog()["backbones"]["swin_t"]["tokens"]
+    )
+    vit = load_backbone("vit_b_16", weights="random")
+    for layer in ("encoder.layers.encoder_layer_3", "encoder.ln", "conv_proj"):
+        assert catalog.layer_default_pooling("vit_b_16", layer) == vit.with_layer(layer).default_pooling, layer
+    assert catalog.layer_default_pooling("vit_b_16", "encoder.layers.encoder_layer_3") == "cls"
+    assert catalog.layer_default_pooling("resnet18", "layer3") == "avg"
+    assert catalog.layer_default_pooling("timm:not_listed", "blocks.1") is None
+
+
 def _fake_mnist(folder, gz: bool, sizes=(("train", 23), ("t10k", 11))) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for prefix, n in sizes:

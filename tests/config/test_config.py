@@ -107,10 +107,10 @@ def test_a_detector_listed_twice_is_refused_since_both_would_write_one_result_co
 
 
 def test_a_config_built_in_code_is_type_checked_like_a_file():
-    config = small_config(batch_size=2.0, seed=False, memory_budget_gb=float("inf"), checkpoint="a\0b", pooling=None)
+    config = small_config(batch_size=2.0, seed=False, memory_budget_gb=float("inf"), checkpoint="a\0b", pooling=5)
     config.ood.append(DatasetChoice("noise-uniform", {"n": 10.5, "noise_seed": -1}, subsample=True))
     assert config.problems() == [
-        "pooling needs a value (a string or a table), got null",
+        "pooling must be a string or a table or null, got 5",
         "batch_size must be an integer, got 2.0",
         "seed must be an integer, got false",
         "memory_budget_gb must be a finite number, got Infinity",
@@ -180,6 +180,66 @@ def test_a_layer_is_checked_against_the_architecture():
         "layer='fc' is not supported for torchscript models (hooks cannot be attached to them); leave layer unset, "
         "or load a state dict of a built-in architecture"
     ]
+
+
+# ---- pooling: the model's own by default ------------------------------------------------------
+
+
+def test_pooling_unset_is_the_models_own_and_round_trips_through_json_and_toml(tmp_path):
+    """The default is None (null in JSON, absent in TOML, which has no null): each layer takes what the model's head
+    reads (load_backbone resolves it); a name or a table round-trips as it was; a table's unnamed layer is None."""
+    config = small_config()
+    assert config.pooling is None and config.pooling_at(None) is None and config.to_dict()["pooling"] is None
+    config.save(tmp_path / "run.json")
+    assert json.loads((tmp_path / "run.json").read_text())["pooling"] is None
+    assert RunConfig.load(tmp_path / "run.json") == config
+    (tmp_path / "run.toml").write_text('backbone = "digits-cnn"\nlayers = ["features.0", "features.3"]\n')
+    assert RunConfig.load(tmp_path / "run.toml").pooling is None
+    (tmp_path / "table.toml").write_text('layers = ["features.0", "features.3"]\npooling = { "features.3" = "max" }\n')
+    table = RunConfig.load(tmp_path / "table.toml")
+    assert (table.pooling_at("features.0"), table.pooling_at("features.3")) == (None, "max")
+    assert table.pooling_at(None) is None  # the main layer, features.0: not named
+    for pooling in (None, "avg", {"features.3": "max"}, {"features.0": "none", "features.3": None}):
+        again = RunConfig.from_dict(
+            json.loads(json.dumps(small_config(layers=["features.0", "features.3"], pooling=pooling).to_dict()))
+        )
+        assert again.pooling == pooling and again.problems() == []
+
+
+def test_a_saved_runs_avg_pooling_loads_and_means_avg(tmp_path):
+    """Runs saved before the default changed wrote ``"pooling": "avg"``: they load unchanged and pool with avg, also
+    on a transformer's token layer (whose default is now its class token)."""
+    saved = small_config(backbone="vit_b_16", weights="random", layer="encoder.layers.encoder_layer_5").to_dict()
+    saved["pooling"] = "avg"
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    config = RunConfig.load(tmp_path / "config.json")
+    assert config.pooling == "avg" and config.pooling_at(None) == "avg" and config.problems() == []
+
+
+def test_cls_and_mean_are_refused_where_the_layer_holds_no_token_sequence():
+    """Checked before any work, from the architecture built on the meta device: a CNN's layer, a ViT's patch
+    embedding (before the class token is added); each table entry's problem about ``pooling[<layer>]`` (the form puts it
+    under that layer's field). The ViT's encoder blocks take them; the penultimate features (the head's input, already
+    pooled) are left as they are by any pooling."""
+    cnn = small_config(backbone="resnet18", weights="random", layers=["layer3", "layer4"], pooling={"layer3": "cls"})
+    (problem,) = cnn.problems()
+    assert problem.field == "pooling[layer3]"
+    assert problem.startswith("pooling 'cls' of layer3 reads the class token of a transformer's token sequence; ")
+    assert "use 'avg' or 'max', or leave it unset (the model's own: avg)" in problem
+    block, patches = "encoder.layers.encoder_layer_5", "conv_proj"
+    vit = {"backbone": "vit_b_16", "weights": "random"}
+    assert small_config(**vit, layers=[block, "penultimate"], pooling="mean").problems() == []
+    assert (
+        small_config(**vit, layers=[block, "penultimate"], pooling={block: "mean", "penultimate": "cls"}).problems()
+        == []
+    )
+    (problem,) = small_config(**vit, layer=patches, pooling="cls").problems()
+    assert problem.field == "pooling" and f"but {patches} does not give vit_b_16's token sequence" in problem
+    assert (
+        small_config(**vit, layer=patches).problems() == []
+        and small_config(**vit, layer=patches, pooling="max").problems() == []
+    )
+    assert [p.field for p in small_config(pooling={"features.0": "avg"}).problems()] == ["pooling[features.0]"]
 
 
 # ---- limits known once the data is loaded ---------------------------------------------------

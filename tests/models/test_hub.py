@@ -108,7 +108,9 @@ def test_timm_checkpoint_takes_its_class_count_and_reproduces_the_model(tmp_path
     estimate = estimate_memory(backbone.with_layer("blocks.1", pooling="none"), {"train": 1000})
     assert estimate["raw_feature_shape"] == (5, 48) and estimate["feature_dim"] == 5 * 48
     warning = estimate.warn_if_over(1000)
-    assert "'cls' (the class token) or 'mean' (of the patch tokens)" in warning
+    # pooled as the model's own head reads its tokens, or by the others that apply to a token layer
+    assert "leaving pooling unset, the model's own: 'cls' (the class token), gives D=48 instead of 240" in warning
+    assert "so do 'avg', 'max' and 'mean' (of the patch tokens)" in warning
 
 
 def test_timm_pretrained_weights_without_a_local_file_are_refused_with_how_to_give_one():
@@ -407,3 +409,47 @@ def test_a_run_over_two_vit_layers_pools_each_as_its_table_says(tmp_path):
         images = [backbone.transform(image) for image in _split_images(config.id_test, store.indices[:3])]
         features, _ = view.features_and_logits(torch.stack(images))
         assert _close(torch.as_tensor(np.asarray(store.features[:3])).float(), features, tol=1e-4), layer
+
+
+# ----------------------------------------------------------------------------- a run's default pooling
+
+
+@pytest.mark.parametrize("hub", ["timm", "hf"])
+def test_a_runs_intermediate_block_is_its_class_token_by_default_and_avg_when_asked(hub, hf_dir):
+    """A run config that leaves ``pooling`` unset: its intermediate encoder block's features are the block's class
+    token (what the ViT's head reads of its last block); a table asks avg of another block, the mean over every token,
+    class token included. The views are made as the worker makes them (``backbone_views`` with
+    ``RunConfig.pooling_at``), and their stores keyed by the resolved name: unset and "cls" share one, "avg" has its
+    own. The meta-device layout the config check and the form read is the loaded model's."""
+    from oodviz.config.run import RunConfig
+    from oodviz.engine import store_key
+    from oodviz.models import architecture_token_layout
+    from oodviz.pipeline.layers import backbone_views
+
+    if hub == "timm":
+        model = {"backbone": "timm:vit_tiny_patch16_224", "weights": "random", "model_args": TINY_VIT}
+        first, second = "blocks.0", "blocks.1"
+    else:
+        model = {"backbone": f"hf:{hf_dir}"}
+        first, second = "vit.layers.0", "vit.layers.1"
+    config = RunConfig(**model, layers=[first, second, "penultimate"], pooling={second: "avg"})
+    assert config.pooling_at(first) is None and config.problems() == []
+    backbone = config.load_backbone()
+    assert architecture_token_layout(config.backbone, config.model_args) == backbone.tokens
+    views = backbone_views(backbone, config.layers, config.pooling_at)
+    assert [views[layer].pooling for layer in config.layers] == ["cls", "avg", "avg"]
+    x = _inputs(backbone)
+    with torch.no_grad():
+        if hub == "timm":
+            tokens = backbone.model.patch_drop(backbone.model._pos_embed(backbone.model.patch_embed(x)))
+            outputs = [backbone.model.blocks[0](backbone.model.norm_pre(tokens))]
+            outputs.append(backbone.model.blocks[1](outputs[0]))
+        else:
+            outputs = backbone.model(x, output_hidden_states=True).hidden_states[1:3]
+    assert _close(views[first].features_and_logits(x)[0], outputs[0][:, 0])  # the class token
+    assert _close(views[second].features_and_logits(x)[0], outputs[1].mean(1))  # avg over all tokens
+    single = RunConfig(**model, layer=first).load_backbone()  # one layer, pooling unset
+    assert single.pooling == "cls" and _close(single.features_and_logits(x)[0], outputs[0][:, 0])
+    data = _Images(4, "keys", 0, backbone.num_classes)
+    keys = {how: store_key(backbone.with_layer(first, pooling=how), data, {}) for how in (None, "cls", "avg")}
+    assert keys[None] == keys["cls"] != keys["avg"]

@@ -221,7 +221,9 @@ def test_layer_hook_pooling_and_memory(resnet18):
     assert estimate["total_bytes"] == 60_000 * (50_176 * 4 + 1000 * 4 + 24)
     warning = estimate.warn_if_over(4 * 2**30)
     assert warning is not None and "50,000 x 50,176 features = 9.35 GiB" in warning
-    assert "pooling='avg' gives D=256" in warning and "subsample" in warning
+    # a feature map's own pooling is its average; the token poolings do not apply to it
+    assert "leaving pooling unset, the model's own: 'avg', gives D=256 instead of 50,176 (256 x 14 x 14" in warning
+    assert "so does 'max')" in warning and "'cls'" not in warning and "subsample" in warning
     assert warn_if_over(estimate, 20 * 2**30) is None
     pooled = estimate_memory(layer3, {"train": 50_000})
     assert pooled["features_bytes"] == 50_000 * 256 * 4 and pooled.warn_if_over(10**9) is None
@@ -270,8 +272,9 @@ def test_vit_unpooled_tokens_show_in_the_estimate(random_backbone):
     shape = vit.feature_shape()
     assert shape.raw == (197, 768) and shape.layout == "tokens" and vit.feature_dim == 197 * 768
     warning = estimate_memory(vit, {"imagenet-val": 50_000}).warn_if_over(8 * 2**30)
-    assert "50,000 x 151,296 features" in warning and "pooling='avg' gives D=768" in warning
-    assert "'cls' (the class token) or 'mean' (of the patch tokens)" in warning
+    assert "50,000 x 151,296 features" in warning
+    assert "leaving pooling unset, the model's own: 'cls' (the class token), gives D=768 instead of 151,296" in warning
+    assert "so do 'avg', 'max' and 'mean' (of the patch tokens)" in warning
 
 
 # ----------------------------------------------------------------------------- weights and checkpoints

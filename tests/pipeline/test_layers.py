@@ -258,6 +258,35 @@ def test_only_the_missing_layers_are_extracted_and_equal_single_layer_stores(tmp
     assert stores["features.1"].meta["backbone"]["layer"] == "features.1"
 
 
+def test_a_store_is_keyed_by_the_pooling_its_layer_resolves_to(tmp_path):
+    """``pooling`` unset resolves to avg on a CNN's layer (Backbone.default_pooling): a store made with it is the store
+    of an explicit "avg" (reused, not extracted again), and not the store of "max". The run's views are made as the
+    worker makes them
+    (:func:`~oodviz.pipeline.layers.backbone_views` with ``RunConfig.pooling_at``)."""
+    from oodviz.data import load_dataset
+    from oodviz.engine import extract_or_reuse, store_key
+    from oodviz.pipeline.layers import backbone_views
+
+    dataset = load_dataset("digits-test", subsample=50)
+    layers = ["features.1", "penultimate"]
+
+    def views(pooling):
+        config = RunConfig(layers=layers, pooling=pooling, detectors=[])
+        return backbone_views(config.load_backbone(), config.layers, config.pooling_at)
+
+    unset, avg, maxed = views(None), views({"features.1": "avg"}), views("max")
+    assert [view.pooling for view in unset.values()] == ["avg", "avg"]
+    keys = {
+        name: {layer: store_key(v, dataset, {"k": 1}) for layer, v in made.items()}
+        for name, made in (("unset", unset), ("avg", avg), ("max", maxed))
+    }
+    assert keys["unset"] == keys["avg"] and keys["max"]["features.1"] != keys["unset"]["features.1"]
+    first = extract_or_reuse(unset["features.1"], dataset, tmp_path, {"k": 1})
+    again = extract_or_reuse(avg["features.1"], dataset, tmp_path, {"k": 1})
+    assert (first.reused, again.reused, again.path) == (False, True, first.path)
+    assert not extract_or_reuse(maxed["features.1"], dataset, tmp_path, {"k": 1}).reused
+
+
 def test_the_sidebar_takes_several_layers_from_its_layers_list():
     from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
 

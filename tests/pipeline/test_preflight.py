@@ -37,6 +37,9 @@ def estimate_of(d: int, c: int, sizes: dict, dtype_bytes: int = 4, pooled: int |
         "pooled_dim": pooled or d,
         "raw_feature_shape": None if pooled is None else (d // pooled, pooled),
         "pooling": "none" if pooled else "avg",
+        "default_pooling": "cls"
+        if pooled
+        else "avg",  # unpooled: a ViT block's tokens, whose head reads the class token
         "feature_dtype": "float32" if dtype_bytes == 4 else "float16",
         "splits": splits,
     }
@@ -80,7 +83,7 @@ def test_over_the_ram_names_the_detectors_and_the_fixes():
     assert [need.what.split()[1] for need in report.over] == ["mahalanobis"]
     assert report.over[0].needed == int(8 * (2.5 * d * d + 2 * 1000 * d))
     text = report.message()
-    assert "pooling='avg' gives D=768 instead of 151,296" in text
+    assert "the model's own: 'cls' (the class token), gives D=768 instead of 151,296" in text
     assert "leave out mahalanobis" in text and "klm" not in text.split("leave out")[1]
     assert format_bytes(report.over[0].needed) in text and format_bytes(ram) in text and "OVER" in text
 
@@ -129,7 +132,7 @@ def test_the_unpooled_vit_run_is_refused_before_anything_is_written(tmp_path, ca
     n = 50_000
     gram = 4 * n * d + max(16 * n * n, 8 * n * n + 4 * n * d) + 2 * 4 * 2**20
     assert format_bytes(int(2.0 * gram + 16 * c * d)) in err
-    assert "pooling='avg' gives D=768 instead of 151,296" in err
+    assert "the model's own: 'cls' (the class token), gives D=768 instead of 151,296" in err
     assert "--force" in err
 
 
@@ -186,14 +189,27 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     app = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "app.py"), default_timeout=120)
     app.run()
     [box for box in app.sidebar.selectbox if box.label == "Backbone"][0].set_value("vit_b_16").run()  # its layers
+    layers = [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0]
+    layers.set_value([VIT_UNPOOLED["layer"]]).run()  # the layer's pooling field, its choices those of a token layer
     [radio for radio in app.sidebar.radio if radio.label == "Weights"][0].set_value("random")
-    [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0].set_value([VIT_UNPOOLED["layer"]])
+    pooling = [box for box in app.sidebar.selectbox if box.label == "Pooling"][0]
+    assert pooling.value is None and pooling.options == [
+        "model's own (cls)",
+        "avg",
+        "max",
+        "cls (the class token)",
+        "mean (of the patch tokens)",
+        "none (flattened)",
+    ]
     [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].set_value("none")
     start = [button for button in app.sidebar.button if button.label == "Start run"][0]
     start.click().run()
     assert not app.exception
     shown = " ".join([*(w.value for w in app.sidebar.warning), *(c.value for c in app.sidebar.code)])  # fixes, table
-    assert "fit mahalanobis (D=151,296" in shown and "pooling='avg' gives D=768 instead of 151,296" in shown
+    assert (
+        "fit mahalanobis (D=151,296" in shown
+        and "own: 'cls' (the class token), gives D=768 instead of 151,296" in shown
+    )
     assert any("Not started" in e.value for e in app.sidebar.error) and submitted == []
 
     def button(label):
@@ -206,9 +222,9 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     button("Start run").click().run()
     assert [c.pooling for c in submitted] == ["none"]
     assert any("recorded, not queued" in e.value for e in app.sidebar.error)
-    button("Fix: Pool the features (pooling avg)").click().run()  # fills the form, estimates it again
+    button("Fix: Pool the features (the model's own pooling)").click().run()  # fills the form, estimates it again
     assert not app.exception
-    assert [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].value == "avg"
+    assert [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].value is None  # the model's own: cls
     assert [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0].value == [
         VIT_UNPOOLED["layer"]
     ]
@@ -230,9 +246,9 @@ def test_a_run_over_several_layers_is_told_to_pool_its_widest_layer():
     assert [need.what.split()[1] for need in report.over] == [f"mahalanobis@{block}"]
     assert report.fixes[0] == Fix(
         "pooling",
-        "pool the features: pooling='avg' gives D=768 instead of 151,296 (197 x 768 per sample, 197x smaller); "
-        "so do 'max' and, for a transformer's tokens, 'cls' (the class token) or 'mean' (of the patch tokens)",
-        "avg",
+        "pool the features: leaving pooling unset, the model's own: 'cls' (the class token), gives D=768 instead of "
+        "151,296 (197 x 768 per sample, 197x smaller); so do 'avg', 'max' and 'mean' (of the patch tokens)",
+        None,
     )
     assert Fix("drop_layer", f"fewer layers: the widest is {block} (D=151,296)", block) in report.fixes
 
@@ -253,7 +269,7 @@ def test_the_fixes_a_refusal_names_become_changes_of_the_form():
     values = FormValues(pooling="none", detectors=["msp", "mahalanobis", "energy"], test_subsample=500)
     fixes = form_fixes(report.fixes, values)
     assert [(f.label, f.values) for f in fixes] == [
-        ("Pool the features (pooling avg)", replace(values, pooling="avg")),
+        ("Pool the features (the model's own pooling)", replace(values, pooling=None)),
         (
             "Subsample every split to at most 25,000 images",
             replace(values, fit_subsample=25_000, test_subsample=500, ood_subsample=25_000),
@@ -262,7 +278,7 @@ def test_the_fixes_a_refusal_names_become_changes_of_the_form():
         ("Leave out mahalanobis", replace(values, detectors=["msp", "energy"])),
     ]
     applied = fixes[0].values
-    assert "Pool the features (pooling avg)" not in [f.label for f in form_fixes(report.fixes, applied)]
+    assert "Pool the features (the model's own pooling)" not in [f.label for f in form_fixes(report.fixes, applied)]
     oom = smaller_batch(256, "killed by the OOM killer")
     assert [(f.label, f.values.batch_size) for f in form_fixes([oom], values)] == [("Batch size 256 → 64", 64)]
     assert form_fixes([Fix("advice", "choose another layer")], values) == []
@@ -295,7 +311,7 @@ def test_rewording_every_fix_changes_no_button_and_no_config():
     assert [f.values for f in form_fixes(reworded, values)] == [f.values for f in form_fixes(report.fixes, values)]
     assert len(form_fixes(reworded, values)) == len(kinds - {"advice"})
     by_hand = {
-        "pooling": replace(config, pooling="avg"),
+        "pooling": replace(config, pooling=None),  # the model's own
         "drop_layer": replace(config, layers=["penultimate"]),
         "feature_dtype": replace(config, feature_dtype="float16"),
         "drop_detectors": replace(config, detectors=[DetectorChoice("msp"), DetectorChoice("energy")]),

@@ -1,11 +1,13 @@
 """The sidebar form in a real browser (Debian's Chromium): a small tuned run over two layers of the bundled
-digits-cnn, set up and started from the form alone, shows the tuning choice and the "Which layer?" tab."""
+digits-cnn, set up and started from the form alone, shows the tuning choice and the "Which layer?" tab; a pooling
+field per layer, with the choices that apply there, maps to the run's table."""
 
 import json
 import re
 import time
 
-from browser_app import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
+import pytest
+from browser_app import DRAWN, app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
 from helpers import chromium
 
 from oodviz.detectors import available, describe
@@ -129,9 +131,110 @@ def test_a_timm_model_typed_as_the_backbone_is_loaded_and_estimated(page, app_ur
     page.get_by_role("option", name="Add: timm:resnet10t").click(timeout=30_000)  # a name the list does not hold
     page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
     sidebar.locator('[class*="st-key-layers-timm"]').wait_for(timeout=60_000)  # the form redrawn for the model
-    sidebar.locator('[data-testid="stRadio"]').filter(has_text="Weights").get_by_text("random").click()
+    protocol = sidebar.locator('[data-testid="stRadio"]').filter(has_text="Protocol")
+    protocol.get_by_text("OpenOOD v1.5's").click()  # a form field: pending until Start
     sidebar.get_by_role("button", name="Estimate memory").click()
     # the bundled digits' 1,081 ID fit images by resnet10t's 512 features (digits-cnn has 64)
     estimate = sidebar.locator('[data-testid="stCode"]').filter(has_text="id_fit: 1,081 x 512")
     estimate.first.wait_for(timeout=180_000)
     shoot(page, tmp_path, "form-typed-timm-backbone")
+
+
+def add_layer(page, sidebar, layer: str) -> None:
+    """Pick ``layer`` in Layers, clicking its text box (the box's middle may be a chip of a long name already
+    chosen), and wait for the rerun that draws the layer's pooling field."""
+    box = sidebar.locator('[data-testid="stMultiSelect"]').filter(has_text="Layers").first
+    box.get_by_role("combobox").click(timeout=60_000)
+    page.keyboard.type(layer)
+    page.get_by_role("option", name=layer, exact=True).click(timeout=30_000)
+    page.keyboard.press("Escape")
+    page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
+    sidebar.locator('[data-testid="stSelectbox"]').filter(has_text=f"Pooling of {layer}").wait_for(timeout=60_000)
+
+
+def test_a_pooling_field_per_layer_maps_to_the_runs_table(page, app_url, runs_root, tmp_path):  # noqa: F811
+    """digits-cnn over three layers: penultimate gets no field (a caption says why), each other layer its own with
+    the model's own first; an unsubmitted choice of the form (the protocol) survives the reruns a change of layers
+    makes; the run started holds the table of the fields that name a pooling."""
+    page.goto(app_url)
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    sidebar.get_by_role("button", name="Start run").wait_for(timeout=120_000)
+    detectors = sidebar.locator('[data-testid="stMultiSelect"]').filter(has_text="Detectors").first
+    detectors.get_by_role("button", name="Clear all").click()
+    choose(page, sidebar, "Detectors", "msp")  # a cheap run
+    protocol = sidebar.locator('[data-testid="stRadio"]').filter(has_text="Protocol")
+    protocol.get_by_text("OpenOOD v1.5's").click()  # a form field: pending until Start
+    for layer in ("features.0", "features.3"):
+        add_layer(page, sidebar, layer)
+    field = sidebar.locator('[data-testid="stSelectbox"]').filter(has_text="Pooling of features.3")
+    assert field.get_by_role("combobox").input_value() == "model's own (avg)"
+    sidebar.get_by_text("penultimate: the classifier head's input, already pooled").wait_for(timeout=30_000)
+    assert protocol.get_by_role("radio", name="OpenOOD v1.5's").is_checked()  # pending, kept across the reruns
+    choose(page, sidebar, "Pooling of features.3", "max")
+    sidebar.get_by_role("button", name="Start run").click()
+    page.wait_for_url(re.compile(r"\?run="), timeout=120_000)
+    config = json.loads((runs_root / page.url.split("run=")[1] / "config.json").read_text())
+    assert config["layers"] == ["penultimate", "features.0", "features.3"]
+    assert config["pooling"] == {"features.3": "max"} and config["protocol"] == "openood"
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_a_vits_token_layer_offers_its_class_token_and_a_map_does_not(page, app_url, tmp_path, scheme):  # noqa: F811
+    """ViT-B/16 with an encoder block and the patch embedding beside penultimate: the block's field says the model's
+    own is its class token and offers cls and mean, the patch embedding's (a map, before the class token) its average
+    and neither; a field cleared is unset too. Screenshots of the form, and of the block's choices open, in the light
+    and the dark theme (the light form for the docs)."""
+    page.set_viewport_size({"width": 1000, "height": 1000})
+    page.emulate_media(color_scheme=scheme)
+    page.goto(app_url)
+    sidebar = page.locator('[data-testid="stSidebar"]')
+    sidebar.get_by_role("button", name="Start run").wait_for(timeout=120_000)
+    choose(page, sidebar, "Backbone", "vit_b_16")
+    sidebar.locator('[class*="st-key-layers-vit_b_16-"]').wait_for(timeout=60_000)
+    block = "encoder.layers.encoder_layer_5"
+    boxes = sidebar.locator('[data-testid="stSelectbox"]')
+    token, patches = boxes.filter(has_text=f"Pooling of {block}"), boxes.filter(has_text="Pooling of conv_proj")
+    for layer in (block, "conv_proj"):
+        add_layer(page, sidebar, layer)
+    assert token.get_by_role("combobox").input_value() == "model's own (cls)"
+    assert patches.get_by_role("combobox").input_value() == "model's own (avg)"
+    page.wait_for_function(DRAWN, timeout=120_000)
+    page.evaluate("document.activeElement && document.activeElement.blur()")  # no focus ring on Layers
+    sidebar.get_by_text("Model", exact=True).evaluate("e => e.scrollIntoView()")
+    page.mouse.move(1, 1)
+    if scheme == "light":  # the docs' (the run form page), with OODVIZ_UPDATE_SCREENSHOTS
+        shoot(page, tmp_path, "form-pooling-per-layer")
+    else:
+        page.screenshot(path=str(tmp_path / "form-pooling-per-layer-dark.png"), timeout=90_000)
+    token.get_by_role("combobox").click()
+    page.get_by_role("option").first.wait_for(timeout=30_000)
+    options = [o.inner_text() for o in page.get_by_role("option").all()]
+    assert options == [
+        "model's own (cls)",
+        "avg",
+        "max",
+        "cls (the class token)",
+        "mean (of the patch tokens)",
+        "none (flattened)",
+    ]
+    page.screenshot(path=str(tmp_path / f"form-pooling-choices-{scheme}.png"), timeout=90_000)
+    page.keyboard.press("Escape")
+    page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
+    patches.get_by_role("combobox").click()
+    page.get_by_role("option").first.wait_for(timeout=30_000)
+    assert [o.inner_text() for o in page.get_by_role("option").all()] == [
+        "model's own (avg)",
+        "avg",
+        "max",
+        "none (flattened)",
+    ]
+    page.keyboard.press("Escape")
+    page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
+    # the fields' labels and values whole at 1000 px (the whole form: test_every_field_of_the_form_is_whole_at_1000px)
+    clipped = [text for text in page.evaluate(CLIPPED) if "Pooling" in text or "own" in text or "encoder" in text]
+    assert clipped == []
+    if token.get_by_role("button", name="Clear value").count():  # Streamlit offers to clear a field: unset, too
+        token.get_by_role("button", name="Clear value").click()
+        page.wait_for_function(DRAWN, timeout=120_000)
+        assert token.get_by_role("combobox").get_attribute("placeholder") == "model's own (cls)"
+        assert page.locator('[data-testid="stException"]').count() == 0

@@ -315,3 +315,107 @@ def test_rewording_every_config_problem_keeps_each_under_its_field(monkeypatch):
         field: len(said) for field, said in original.items()
     }
     assert all(message.startswith("«") for said in translated.values() for message in said)
+
+
+# ---- pooling: one field per layer, the model's own by default ---------------------------------------------------
+
+
+def test_each_layer_gets_a_pooling_field_with_the_choices_that_apply():
+    """Penultimate (the head's input, already pooled) has none, except for a TorchScript file (its output may be a
+    map); a CNN's layer offers the model's own (avg) and avg, max, none; a ViT's token layer also cls and mean, its
+    own being the class token; a layer whose kind the catalog does not know (a typed timm name) offers all."""
+    from oodviz.ui.form import pooled_layers, pooling_label, pooling_options
+
+    assert pooled_layers("digits-cnn", ["penultimate", "features.3"]) == ["features.3"]
+    assert pooled_layers("torchscript", ["penultimate"]) == ["penultimate"]
+    cnn = pooling_options("digits-cnn", "features.3")
+    assert cnn == ([None, "avg", "max", "none"], "avg") and pooling_label(None, "avg") == "model's own (avg)"
+    assert pooling_options("torchscript", "penultimate") == ([None, "avg", "max", "none"], "avg")
+    assert pooling_options("vit_b_16", "encoder.layers.encoder_layer_5") == (
+        [None, "avg", "max", "cls", "mean", "none"],
+        "cls",
+    )
+    assert pooling_options("vit_b_16", "conv_proj") == ([None, "avg", "max", "none"], "avg")  # before the class token
+    assert pooling_options("timm:vit_not_in_the_catalog", "blocks.3") == (
+        [None, "avg", "max", "cls", "mean", "none"],
+        None,
+    )
+    assert pooling_label(None, None) == "model's own" and pooling_label("mean", "cls") == "mean (of the patch tokens)"
+
+
+def test_the_pooling_fields_make_the_configs_pooling_and_a_table_round_trips():
+    """All fields at the model's own: pooling unset; one layer: its field's name; several: a table of the fields that
+    name one. A config's table (or name) comes back from the form as it was; each field shows the config's pooling
+    of its layer."""
+    from oodviz.ui.form import pooling_from_fields, pooling_of
+
+    layers = ["features.0", "features.3", "penultimate"]
+    assert pooling_from_fields(layers, {"features.0": None, "features.3": None}) is None
+    assert pooling_from_fields(["features.3"], {"features.3": "max"}) == "max"
+    assert pooling_from_fields(layers, {"features.0": None, "features.3": "max"}) == {"features.3": "max"}
+    for pooling in (None, "none", {"features.3": "max"}, {"features.0": "none", "features.3": "avg"}):
+        config = RunConfig(layers=layers, pooling=pooling, detectors=[DetectorChoice("msp")])
+        values = form_values_from_config(config)
+        assert config_from_form(values) == config and config.problems() == []
+        fields = {layer: pooling_of(values.pooling, layer) for layer in ("features.0", "features.3")}
+        if isinstance(pooling, dict):  # what the form's fields give back: the same table
+            assert pooling_from_fields(layers, fields) == pooling
+    # a saved run's "avg" over several layers comes back as a table that means the same for each layer
+    avg = form_values_from_config(RunConfig(layers=layers, pooling="avg"))
+    made = RunConfig(
+        layers=layers, pooling=pooling_from_fields(layers, {k: pooling_of(avg.pooling, k) for k in layers[:2]})
+    )
+    assert made.pooling == {"features.0": "avg", "features.3": "avg"}
+    assert [made.pooling_at(layer) for layer in layers[:2]] == ["avg", "avg"]
+
+
+def test_a_pooling_problem_goes_under_its_layers_field_and_the_unpooled_fix_keeps_the_others():
+    from oodviz.problems import Fix
+    from oodviz.ui.form import form_fixes
+
+    values = FormValues(backbone="resnet18", weights="random", layers=["layer3", "layer4"], pooling={"layer3": "cls"})
+    problems = form_problems(values)
+    assert list(problems) == ["pooling[layer3]"]
+    assert problems["pooling[layer3]"][0].startswith("pooling 'cls' of layer3 reads the class token")
+    single = FormValues(backbone="resnet18", weights="random", layers=["layer3"], pooling="mean")
+    assert list(form_problems(single)) == ["pooling"]
+    unpooled = FormValues(layers=["features.0", "features.3"], pooling={"features.0": "none", "features.3": "max"})
+    ((label, fixed),) = [(f.label, f.values) for f in form_fixes([Fix("pooling", "pool", None)], unpooled)]
+    assert label == "Pool the features (the model's own pooling)" and fixed.pooling == {"features.3": "max"}
+
+
+def test_the_form_offers_a_pooling_per_layer_and_the_run_gets_the_table(app, submitted):
+    """Two layers picked: each gets its field ("Pooling of <layer>", the model's own first, no cls or mean on a CNN's
+    maps) and penultimate a caption; the run started gets the table of the fields that name a pooling. A run's
+    table, drawn again, shows in the fields as it was."""
+    assert not [box for box in app.sidebar.selectbox if box.label.startswith("Pooling")]  # penultimate alone
+    assert any(c.value.startswith("penultimate: the classifier head's input") for c in app.sidebar.caption)
+    widget(app, "multiselect", "Layers").set_value(["features.0", "features.3", "penultimate"]).run()
+    fields = [box for box in app.sidebar.selectbox if box.label.startswith("Pooling")]
+    assert [box.label for box in fields] == ["Pooling of features.0", "Pooling of features.3"]
+    assert all(
+        box.value is None and box.options == ["model's own (avg)", "avg", "max", "none (flattened)"] for box in fields
+    )
+    widget(app, "selectbox", "Pooling of features.3").set_value("max")
+    widget(app, "multiselect", "Detectors").set_value(["msp"])
+    click(app, "Start run")
+    (config,) = submitted
+    assert config.layers == ["features.0", "features.3", "penultimate"] and config.pooling == {"features.3": "max"}
+    assert config_from_form(form_values_from_config(config)) == config
+
+
+def test_a_runs_pooling_table_fills_the_fields_and_its_problem_shows_under_its_layer(submitted, monkeypatch):
+    """The form drawn from a run's config (a table, one entry a pooling that does not apply to a CNN's layer: shown
+    as it was): each field shows its layer's entry; Estimate puts the refusal under that layer's field."""
+    config = RunConfig(layers=["features.0", "features.3"], pooling={"features.0": "cls", "features.3": "none"})
+    monkeypatch.setattr(oodviz.ui.main, "form_defaults", lambda: form_values_from_config(config))
+    app = AppTest.from_file(APP, default_timeout=120)
+    app.run()
+    assert not app.exception
+    assert widget(app, "selectbox", "Pooling of features.0").value == "cls"
+    assert widget(app, "selectbox", "Pooling of features.3").value == "none"
+    click(app, "Estimate memory")
+    shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.sidebar]
+    at = next(i for i, (_, text) in enumerate(shown) if text == "Pooling of features.0")
+    following = [text for kind, text in shown[at + 1 :] if kind not in ("caption", "empty")]
+    assert following[0].startswith("pooling 'cls' of features.0 reads the class token")

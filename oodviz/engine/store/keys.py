@@ -98,8 +98,9 @@ def key_spec(
 ) -> dict:
     """Everything that determines a split's content, as a JSON-able dict (hashed by :func:`store_key`).
 
-    Read off the backbone: ``name``, ``weights_id``, ``layer`` and ``pooling`` when it has them,
-    and the transform's description (:func:`describe_transform`) unless ``key_params`` has a
+    Read off the backbone: ``name``, ``weights_id``, ``layer`` and ``pooling`` when it has them (a
+    :class:`~oodviz.models.Backbone`'s ``pooling`` is the resolved name: a run's unset pooling and the name it resolves
+    to, e.g. ``"avg"`` on a CNN's map or ``"cls"`` on a ViT's block, key the same store), and the transform's description (:func:`describe_transform`) unless ``key_params`` has a
     ``"transform"`` entry. Off the dataset: ``name``, ``len``, ``classes`` and, when it has
     ``source_indices`` (the items kept by subsampling), their sha256. Plus the
     extraction's ``feature_dtype`` and ``precision`` (bf16 autocast changes the features) and
