@@ -180,6 +180,8 @@ def flat(config: dict, prefix: str = "") -> dict[str, str]:
             )
         elif isinstance(value, dict):
             out.update(flat(value, f"{name}."))
+        elif name == "pooling" and value is None:  # unset: what the model's head reads (RunConfig.pooling)
+            out[name] = "model's own"
         else:
             out[name] = "" if value is None else str(value)
     return out

@@ -111,6 +111,7 @@ def test_every_field_of_the_form_is_whole_at_1000px(page, app_url, tmp_path):  #
         assert wide == [], name
     choose(page, sidebar, "Backbone", "vit_b_16")
     sidebar.locator('[class*="st-key-layers-vit_b_16-"]').wait_for(timeout=60_000)  # the form redrawn for ViT
+    page.wait_for_function(DRAWN, timeout=120_000)  # the whole form redrawn (Layers is above it)
     choose(page, sidebar, "Layers", "encoder.layers.encoder_layer_11")  # a long name: its chip wraps, uncut
     sidebar.locator('[data-tag] [title="encoder.layers.encoder_layer_11"]').wait_for(timeout=30_000)
     clipped = page.evaluate(CLIPPED)
@@ -131,8 +132,8 @@ def test_a_timm_model_typed_as_the_backbone_is_loaded_and_estimated(page, app_ur
     page.get_by_role("option", name="Add: timm:resnet10t").click(timeout=30_000)  # a name the list does not hold
     page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
     sidebar.locator('[class*="st-key-layers-timm"]').wait_for(timeout=60_000)  # the form redrawn for the model
-    protocol = sidebar.locator('[data-testid="stRadio"]').filter(has_text="Protocol")
-    protocol.get_by_text("OpenOOD v1.5's").click()  # a form field: pending until Start
+    page.wait_for_function(DRAWN, timeout=120_000)  # the whole form redrawn (Layers is above it)
+    sidebar.locator('[data-testid="stRadio"]').filter(has_text="Weights").get_by_text("random").click()
     sidebar.get_by_role("button", name="Estimate memory").click()
     # the bundled digits' 1,081 ID fit images by resnet10t's 512 features (digits-cnn has 64)
     estimate = sidebar.locator('[data-testid="stCode"]').filter(has_text="id_fit: 1,081 x 512")
@@ -191,6 +192,7 @@ def test_a_vits_token_layer_offers_its_class_token_and_a_map_does_not(page, app_
     sidebar.get_by_role("button", name="Start run").wait_for(timeout=120_000)
     choose(page, sidebar, "Backbone", "vit_b_16")
     sidebar.locator('[class*="st-key-layers-vit_b_16-"]').wait_for(timeout=60_000)
+    page.wait_for_function(DRAWN, timeout=120_000)  # the whole form redrawn (Layers is above it)
     block = "encoder.layers.encoder_layer_5"
     boxes = sidebar.locator('[data-testid="stSelectbox"]')
     token, patches = boxes.filter(has_text=f"Pooling of {block}"), boxes.filter(has_text="Pooling of conv_proj")

@@ -133,6 +133,7 @@ def test_the_openood_preset_says_what_it_runs_and_what_is_missing_before_start(
     sidebar.get_by_role("button", name="Start run").wait_for(timeout=120_000)
     choose(page, sidebar, "Backbone", "openood-resnet18-32x32")
     sidebar.locator('[class*="st-key-layers-openood-resnet18-32x32-"]').wait_for(timeout=60_000)  # redrawn for it
+    page.wait_for_function(DRAWN, timeout=120_000)  # the whole form redrawn (Layers is above it)
     choose(page, sidebar, "In-distribution", "OpenOOD v1.5 cifar10")
     sidebar.get_by_role("textbox", name="Checkpoint file (optional)").fill(
         str(bench_run["run"].read_config()["checkpoint"])

@@ -419,3 +419,12 @@ def test_a_runs_pooling_table_fills_the_fields_and_its_problem_shows_under_its_l
     at = next(i for i, (_, text) in enumerate(shown) if text == "Pooling of features.0")
     following = [text for kind, text in shown[at + 1 :] if kind not in ("caption", "empty")]
     assert following[0].startswith("pooling 'cls' of features.0 reads the class token")
+
+
+def test_comparing_a_run_saved_with_avg_and_one_with_pooling_unset_says_which_is_which():
+    from oodviz.ui.history import config_difference
+
+    old, new = RunConfig(pooling="avg").to_dict(), RunConfig().to_dict()
+    assert config_difference(old, new).values.tolist() == [["pooling", "avg", "model's own"]]
+    table = RunConfig(layers=["features.0", "features.3"], pooling={"features.3": "max"}).to_dict()
+    assert config_difference(new, table).set_index("setting").loc["pooling.features.3"].tolist() == ["", "max"]
