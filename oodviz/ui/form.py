@@ -321,7 +321,8 @@ def config_from_form(values: FormValues) -> RunConfig:
 
 
 #: The form's fields that can carry an error, in the order they are drawn; ``"form"``: the rest (beside Start). Besides
-#: these, ``"pooling[<layer>]"`` under each layer's pooling field (:func:`pooled_layers`) for a table's entry.
+#: these, ``"pooling[<layer>]"`` under each layer's pooling field (:func:`pooled_layers`, a form over several layers)
+#: for a table's entry.
 FORM_FIELDS = (
     "backbone",
     "weights",
@@ -396,8 +397,9 @@ def problem_field(problem: Problem, values: FormValues) -> str:
         index = int(path[len("ood[") : path.index("]")])
         return "ood_folder" if index >= len(values.ood) else "ood"
     if head == "pooling" and path.startswith("pooling[") and path.endswith("]"):  # a table's entry: under its field
-        layer = path[len("pooling[") : -1]
-        return path if layer in pooled_layers(values.backbone, values.layers) else "pooling"
+        layer = path[len("pooling[") : -1]  # (one layer has one field, "Pooling", whose problems are "pooling")
+        fields = pooled_layers(values.backbone, values.layers) if len(values.layers) > 1 else []
+        return path if layer in fields else "pooling"
     return _CONFIG_FIELDS.get(head, "form")
 
 

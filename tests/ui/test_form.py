@@ -2,6 +2,7 @@
 Streamlit's AppTest on an empty runs root: what reaches the submitted config, errors under their fields, the
 default detector list that follows the backbone's family."""
 
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -378,7 +379,8 @@ def test_a_pooling_problem_goes_under_its_layers_field_and_the_unpooled_fix_keep
     assert list(problems) == ["pooling[layer3]"]
     assert problems["pooling[layer3]"][0].startswith("pooling 'cls' of layer3 reads the class token")
     single = FormValues(backbone="resnet18", weights="random", layers=["layer3"], pooling="mean")
-    assert list(form_problems(single)) == ["pooling"]
+    assert list(form_problems(single)) == ["pooling"]  # one layer: one field, "Pooling"
+    assert list(form_problems(replace(single, pooling={"layer3": "mean"}))) == ["pooling"]
     unpooled = FormValues(layers=["features.0", "features.3"], pooling={"features.0": "none", "features.3": "max"})
     ((label, fixed),) = [(f.label, f.values) for f in form_fixes([Fix("pooling", "pool", None)], unpooled)]
     assert label == "Pool the features (the model's own pooling)" and fixed.pooling == {"features.3": "max"}
