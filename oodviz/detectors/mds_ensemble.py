@@ -87,7 +87,7 @@ from oodviz.columns import PENULTIMATE
 from oodviz.detectors.base import all_finite, check_all_classes_seen
 from oodviz.detectors.mahalanobis import nearest_distance, tied_gaussian
 from oodviz.detectors.mahalanobis_odin import EPSILON_GRID, check_epsilon
-from oodviz.detectors.model_fit import FittedModelDetector, check_layers, features_and_logits
+from oodviz.detectors.model_fit import FittedModelDetector, check_layer_list, check_layers, features_and_logits
 from oodviz.detectors.odin import channel_std, check_norm_std, frozen, signed_step, without_autocast
 from oodviz.detectors.teaching import Teaching
 from oodviz.detectors.widefit import ClassGaussianStream
@@ -144,15 +144,7 @@ class MDSEnsemble(FittedModelDetector):
         weights: list[float] | None = None,
         model=None,
     ):
-        if layers is not None and (
-            isinstance(layers, str) or not layers or not all(isinstance(n, str) and n for n in layers)
-        ):
-            raise ValueError(
-                f"{self.name}: layers must be a list of module names and 'penultimate' (e.g. ['layer1', 'layer2', "
-                f"'layer3', 'layer4']) or None, got {layers!r}"
-            )
-        if layers is not None and len(set(layers)) != len(layers):
-            raise ValueError(f"{self.name}: layers names a layer twice: {layers!r}")
+        check_layer_list(self.name, layers, "['layer1', 'layer2', 'layer3', 'layer4']")
         if weights is not None:
             if isinstance(weights, (str, bytes)) or not isinstance(weights, (list, tuple)) or not weights:
                 raise ValueError(

@@ -118,6 +118,20 @@ def check_layers(detector_name: str, module: nn.Module, names: list[str]) -> Non
         )
 
 
+def check_layer_list(detector_name: str, layers, example: str, none_means: str = "") -> None:
+    """ValueError unless ``layers`` is None or a non-empty list of distinct module names (``"penultimate"`` among
+    them allowed); ``example`` and ``none_means`` complete the message."""
+    if layers is not None and (
+        isinstance(layers, str) or not layers or not all(isinstance(n, str) and n for n in layers)
+    ):
+        raise ValueError(
+            f"{detector_name}: layers must be a list of module names and 'penultimate' (e.g. {example}) "
+            f"or None{none_means}, got {layers!r}"
+        )
+    if layers is not None and len(set(layers)) != len(layers):
+        raise ValueError(f"{detector_name}: layers names a layer twice: {layers!r}")
+
+
 def layers_whose_output(
     detector: ModelDetector, x: Tensor, accept: Callable[[object], bool], leaves: bool
 ) -> list[str]:

@@ -105,7 +105,7 @@ from torch import Tensor
 
 from oodviz.batch import Batch
 from oodviz.columns import PENULTIMATE
-from oodviz.detectors.model_fit import FittedModelDetector, check_layers
+from oodviz.detectors.model_fit import FittedModelDetector, check_layer_list, check_layers
 from oodviz.detectors.odin import frozen, without_autocast
 from oodviz.detectors.teaching import Teaching
 
@@ -210,15 +210,7 @@ class NACUE(FittedModelDetector):
         model=None,
     ):
         name = self.name
-        if layers is not None and (
-            isinstance(layers, str) or not layers or not all(isinstance(n, str) and n for n in layers)
-        ):
-            raise ValueError(
-                f"{name}: layers must be a list of module names and 'penultimate' (e.g. ['penultimate', 'layer3']) "
-                f"or None (the penultimate features), got {layers!r}"
-            )
-        if layers is not None and len(set(layers)) != len(layers):
-            raise ValueError(f"{name}: layers names a layer twice: {layers!r}")
+        check_layer_list(name, layers, "['penultimate', 'layer3']", " (the penultimate features)")
         if pooling not in POOLINGS:
             raise ValueError(
                 f"{name}: pooling must be one of {POOLINGS} (how a neuron's state is read over its positions: 'mean' "
