@@ -176,7 +176,7 @@ def app_subprocesses_in_process(monkeypatch):
     probe and feature-map views the explore ones. Streamlit's cached estimates are dropped before and after."""
     from oodviz.pipeline import probe
     from oodviz.ui import explore
-    from oodviz.ui.sidebar import memory_estimate
+    from oodviz.ui.new_run import memory_estimate
 
     here = SimpleNamespace(**{**vars(subprocess), "run": run_in_process})  # the module, but its run
     for module in (probe, explore):

@@ -254,7 +254,7 @@ def cuda_tripwire(monkeypatch):
 def test_listing_devices_in_the_app_never_touches_cuda(fake_nvml, cuda_tripwire, tmp_path, monkeypatch):
     from streamlit.testing.v1 import AppTest
 
-    from oodviz.ui.sidebar import _devices
+    from oodviz.ui.new_run import _devices
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)

@@ -75,6 +75,10 @@ class Need:
     def over(self) -> bool:
         return self.needed > self.available
 
+    def to_dict(self) -> dict:
+        """The row as data (JSON): ``resource, what, needed, available, kind`` and ``over``."""
+        return {**asdict(self), "over": self.over}
+
 
 @dataclass
 class Preflight:

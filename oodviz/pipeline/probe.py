@@ -27,13 +27,15 @@ TIMEOUT_S = 120.0
 class ProbeAnswer(NamedTuple):
     """What the estimate found: the estimate (:func:`oodviz.models.estimate_memory`'s, with the pre-flight's
     measurements), its description, and when the run does not fit the refusal (the pre-flight's message), its
-    needs table and the fixes (:class:`~oodviz.problems.Fix`) as data."""
+    needs table and the fixes (:class:`~oodviz.problems.Fix`) as data; ``needs``: every row of the pre-flight's
+    table as data (:meth:`~oodviz.pipeline.preflight.Need.to_dict`), whether the run fits or not."""
 
     estimate: dict
     description: str
     refusal: str | None = None
     table: str = ""
     fixes: list[Fix] = []
+    needs: list[dict] = []
 
 
 class ProbeError(RuntimeError):
@@ -59,9 +61,10 @@ def estimate_for_config(config: RunConfig, runs_root="runs") -> ProbeAnswer:
     description = "\n".join([describe_memory(report.estimate), *batches, *failed])
     if "layers" in report.estimate:  # each layer's D x D fit states too, not only when over the limits
         description += "\n\n" + report.table()
+    needs = [need.to_dict() for need in report.needs]
     if report.fits:
-        return ProbeAnswer(report.estimate, description)
-    return ProbeAnswer(report.estimate, description, report.message(), report.table(), report.fixes)
+        return ProbeAnswer(report.estimate, description, needs=needs)
+    return ProbeAnswer(report.estimate, description, report.message(), report.table(), report.fixes, needs)
 
 
 def estimate_in_subprocess(config_json: str, timeout_s: float = TIMEOUT_S, runs_root="runs") -> ProbeAnswer:

@@ -18,6 +18,7 @@ import streamlit as st
 
 from oodviz import detectors
 from oodviz.columns import split_column
+from oodviz.config.catalog import detector_names
 from oodviz.detectors.teaching import formula_clauses
 from oodviz.figures.export import kaleido_problem
 from oodviz.figures.plots import risk_coverage_figure
@@ -58,11 +59,33 @@ def teaching_panel(detector: str) -> None:
         st.markdown(f"**{detector}**: {cls.summary} ([paper]({cls.paper}))")
         return
     st.markdown(f"**{detector}**: {about['summary']}")
-    # inline math, a clause a line: KaTeX wraps inline math at its = + -, so no formula scrolls in the sidebar
+    # inline math, a clause a line: KaTeX wraps inline math at its = + -, so no formula scrolls sideways in a narrow column
     *definitions, last = formula_clauses(about["formula"])
     st.markdown("  \n".join([*(f"${clause},$" for clause in definitions), f"${last}$"]))
     st.markdown(f"{about['citation']} ([paper]({about['paper']}))  \nReads {about['reads']}.")
     st.caption(f"Fails when: {about['fails_when']}")
+
+
+#: the Detectors page's query parameter: the detector it explains
+DETECTOR_PARAM = "detector"
+
+
+def detectors_page() -> None:
+    """The Detectors page: what each detector computes, full width, one at a time (:func:`teaching_panel`); the
+    detector explained is in the URL (``?detector=<name>``), so a link opens it."""
+    st.title("Detectors")
+    names = detector_names()
+    asked = st.query_params.get(DETECTOR_PARAM)
+    st.caption(
+        f"The {len(names)} detectors of oodviz: each one's formula, paper, what it reads and when it fails. Higher "
+        "score = more OOD for every detector."
+    )
+    chosen = st.selectbox(
+        "Detector", names, index=names.index(asked) if asked in names else 0, key=f"teach-detector-{asked}"
+    )
+    if chosen != asked:
+        st.query_params[DETECTOR_PARAM] = chosen
+    teaching_panel(chosen)
 
 
 def risk_coverage_view(results: Results, detectors=None) -> None:

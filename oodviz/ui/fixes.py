@@ -3,9 +3,9 @@
 The last estimate is kept in the session with the form values it was made for: while the form still holds
 those values and the estimate is over the machine's limits, Start is disabled (unless "Run anyway" is
 ticked) and the fixes the pre-flight names (:class:`~oodviz.problems.Fix` objects, :func:`~oodviz.ui.form.form_fixes`) are buttons under it.
-A fix, or a failed run's "retry with" button, fills the form: the fixed values are kept in the session for
-the page they were made on (the run in the URL, or none) and the sidebar draws them as its defaults; the
-next rerun estimates them.
+A fix, or a failed run's "retry with" button, fills the New run page's form: the fixed values are kept in the session
+for the run that page starts from (``?from=<id>``, or none) and the form draws them as its defaults; the next rerun
+estimates them.
 """
 
 from __future__ import annotations
@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, replace
 
+import pandas as pd
 import streamlit as st
 
+from oodviz.models import format_bytes
 from oodviz.pipeline.probe import ProbeAnswer
 from oodviz.problems import Fix
 from oodviz.ui.access import shown_message
 from oodviz.ui.form import FormFix, FormValues, form_fixes
+from oodviz.ui.navigation import open_new_run
 
 #: session keys: the last estimate, the form filled by a fix, "estimate on the next rerun", the checkbox
 PREFLIGHT = "preflight"
@@ -32,21 +35,22 @@ def form_key(values: FormValues) -> str:
     return json.dumps(asdict(values), sort_keys=True, default=str)
 
 
-def url_run() -> str | None:
-    return st.query_params.get("run")
+def from_run() -> str | None:
+    """The run the New run page starts from (``?from=<id>``), or None."""
+    return st.query_params.get("from")
 
 
 def store_estimate(
     values: FormValues, answer: ProbeAnswer | None = None, error: str = "", classifier_problem: str | None = None
 ) -> None:
-    """Keep the estimate of ``values``: the probe's answer (its description; the pre-flight refusal, its table and
+    """Keep the estimate of ``values``: the probe's answer (its description and needs; the pre-flight refusal and
     fixes, or None when it fits), what is wrong with the model's classes against the ID labels (None: nothing found,
     :mod:`oodviz.pipeline.classifier_check`), or why it failed."""
     st.session_state[PREFLIGHT] = {
         "form": form_key(values),
         "description": answer.description if answer else "",
         "refusal": answer.refusal if answer else None,
-        "table": answer.table if answer else "",
+        "needs": list(answer.needs) if answer else [],
         "fixes": list(answer.fixes) if answer else [],
         "error": error,
         "classifier_problem": classifier_problem,
@@ -77,57 +81,86 @@ def start_blocked(values: FormValues) -> bool:
 
 
 def prefilled() -> FormValues | None:
-    """The form a fix filled for the page in the URL, or None."""
+    """The form a fix filled for the New run page as its URL has it (starting from the same run, or none), or None."""
     entry = st.session_state.get(PREFILL)
-    return entry["values"] if entry and entry["run"] == url_run() else None
+    return entry["values"] if entry and entry["from"] == from_run() else None
 
 
-def apply_fix(fix: FormFix) -> None:
-    """Fill the form with ``fix`` applied, estimate it on the rerun."""
-    st.session_state[PREFILL] = {"run": url_run(), "values": fix.values, "label": fix.label}
+def apply_fix(fix: FormFix, run_id: str | None) -> None:
+    """Open the New run page starting from run ``run_id`` (None: the defaults), its form filled with ``fix``
+    applied, estimated there."""
+    st.session_state[PREFILL] = {"from": run_id, "values": fix.values, "label": fix.label}
     st.session_state[ESTIMATE_NEXT] = True
-    st.rerun()
+    open_new_run(run_id)
 
 
 def fix_buttons(
-    fixes: list[Fix], values: FormValues, place, prefix: str, key: str, base: FormValues | None = None
+    fixes: list[Fix], values: FormValues, place, prefix: str, key: str, from_run: str | None = None
 ) -> None:
-    """One button per fix of ``fixes`` that the form ``base`` (default: ``values``) can make
-    (:func:`~oodviz.ui.form.form_fixes`), each ``prefix + label``; a click applies the fix's change onto ``values``
-    (the form as it is). A fix ``values`` already has is not offered again."""
-    base = values if base is None else base
+    """One button per fix of ``fixes`` that the form ``values`` can make (:func:`~oodviz.ui.form.form_fixes`), each
+    ``prefix + label``; a click opens the New run page (starting from run ``from_run``) with the fix's change applied
+    onto ``values``. A fix ``values`` already has is not offered again."""
+    base = values
     for i, fix in enumerate(form_fixes(fixes, base)):
         change = {k: v for k, v in asdict(fix.values).items() if getattr(base, k) != v}
         if all(getattr(values, k) == v for k, v in change.items()):
             continue
         if place.button(prefix + fix.label, key=f"{key}-{i}", width="stretch", wrap=True):  # long labels wrap
-            apply_fix(FormFix(fix.label, replace(values, **change)))
+            apply_fix(FormFix(fix.label, replace(values, **change)), from_run)
 
 
-def estimate_panel(values: FormValues) -> None:
-    """Under Start: the fix just applied, and the estimate of the form's values with, over the limits, the
-    refusal, the fixes as buttons and the "Run anyway" checkbox."""
+#: the style of a need over its limit in the needs table (dark text: legible in the dark theme too)
+OVER_STYLE = "background-color: #ffcdd2; color: #b71c1c"
+
+
+def needs_table(needs: list[dict]) -> pd.DataFrame:
+    """The pre-flight's needs (:meth:`~oodviz.pipeline.preflight.Need.to_dict`) as the estimate's table: those over
+    their limit first, then in the pre-flight's order; sizes in B/KiB/MiB/GiB."""
+    rows = sorted(needs, key=lambda need: not need["over"])
+    return pd.DataFrame(
+        {
+            "": ["OVER" if need["over"] else "fits" for need in rows],
+            "resource": [need["resource"].upper() if need["resource"] != "disk" else "disk" for need in rows],
+            "what": [need["what"] for need in rows],
+            "needed": [format_bytes(need["needed"]) for need in rows],
+            "available": [format_bytes(need["available"]) for need in rows],
+        }
+    )
+
+
+def verdict(entry: dict) -> str:
+    """One line on the estimate: what is over its limit, or that the run fits."""
+    over = [need for need in entry["needs"] if need["over"]]
+    if not over and not entry["refusal"]:
+        return "Fits this machine's free disk, RAM and GPU memory."
+    said = "; ".join(
+        f"{need['what']}: {format_bytes(need['needed'])} of {need['resource']}, {format_bytes(need['available'])} "
+        "available"
+        for need in over
+    )
+    return f"Does not fit this machine: {said or 'see the needs below'}."
+
+
+def estimate_panel(values: FormValues, place) -> None:
+    """Beside Start, in ``place``: the fix just applied, then the estimate of the form's values — the verdict first,
+    the needs as a table with the rows over their limit first and red, the fixes as buttons and the "Run anyway"
+    checkbox, and the estimate's details folded."""
     filled = st.session_state.get(PREFILL)
-    if filled and filled["run"] == url_run() and form_key(filled["values"]) == form_key(values):
-        st.sidebar.success(f"Applied: {filled['label']}. Press Start run to run it (a new run).")
+    if filled and filled["from"] == from_run() and form_key(filled["values"]) == form_key(values):
+        place.success(f"Applied: {filled['label']}. Press Start run to run it (a new run).")
     entry = last_estimate(values)
     if entry is None:
+        place.caption("Estimate memory (or Start run) measures what this run needs against this machine.")
         return
     if entry["error"]:
-        st.sidebar.error(f"Could not estimate the run's needs: {shown_message(str(entry['error']))}")
+        place.error(f"Could not estimate the run's needs: {shown_message(str(entry['error']))}")
         return
-    st.sidebar.markdown("**Estimated needs**")
-    table, fixes = entry.get("table", ""), entry.get("fixes", [])
-    # the refusal's table of needs beside the estimate (once: a run over several layers has it there already),
-    # lines wrapped: nothing cut in the sidebar
-    described = entry["description"] if table in entry["description"] else f"{entry['description']}\n\n{table}"
-    st.sidebar.code(described.strip(), language=None, wrap_lines=True)
     classifier_problem = entry.get("classifier_problem")
-    if not entry["refusal"]:
-        st.sidebar.caption("Fits this machine's free disk, RAM and GPU memory.")
-    if not refused(values):
-        return
-    if entry.get("refused_start") and not st.session_state.get(RUN_ANYWAY):
+    if entry["refusal"]:
+        place.error(verdict(entry))
+    else:
+        place.success(verdict(entry))
+    if entry.get("refused_start") and refused(values) and not st.session_state.get(RUN_ANYWAY):
         why = " and ".join(
             reason
             for reason, found in (
@@ -136,19 +169,28 @@ def estimate_panel(values: FormValues) -> None:
             )
             if found
         )
-        st.sidebar.error(f"Not started: {why}. Fix the form, or tick Run anyway.")
+        place.error(f"Not started: {why}. Fix the form, or tick Run anyway.")
     if classifier_problem:
-        st.sidebar.warning(classifier_problem)
-    if entry["refusal"]:
-        st.sidebar.warning(
-            "This run does not fit on this machine (the needs marked OVER above)."
-            + ("\n\nTo make it fit:\n" + "\n".join(f"- {fix.text}" for fix in fixes) if fixes else "")
+        place.warning(classifier_problem)
+    if entry["needs"]:
+        table = needs_table(entry["needs"])
+        place.dataframe(
+            table.style.apply(lambda row: [OVER_STYLE if row[""] == "OVER" else ""] * len(row), axis=1),
+            hide_index=True,
+            width="stretch",
         )
-        fix_buttons(fixes, values, st.sidebar, "Fix: ", "preflight-fix")
-    st.sidebar.checkbox(
-        "Run anyway",
-        key=RUN_ANYWAY,
-        help="Start is off while the estimate is over the free disk, RAM or GPU memory, or the model's classes do "
-        "not look like the ID labels; tick this to start regardless (over the limits the run may fail or slow the "
-        "machine down; with other classes its accuracy, AURC and per-class tables mean nothing, and say so).",
-    )
+    fixes = entry.get("fixes", [])
+    if entry["refusal"] and fixes:
+        place.markdown("**To make it fit**")
+        fix_buttons(fixes, values, place, "Fix: ", "preflight-fix", from_run())
+    with place.expander("How the estimate was made"):
+        st.code(entry["description"].strip(), language=None, wrap_lines=True)
+    if refused(values):
+        place.checkbox(
+            "Run anyway",
+            key=RUN_ANYWAY,
+            help="Start is off while the estimate is over the free disk, RAM or GPU memory, or the model's classes "
+            "do not look like the ID labels; tick this to start regardless (over the limits the run may fail or "
+            "slow the machine down; with other classes its accuracy, AURC and per-class tables mean nothing, and "
+            "say so).",
+        )

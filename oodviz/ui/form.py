@@ -1,4 +1,4 @@
-"""What the sidebar offers and how its values become a RunConfig (no streamlit here: unit-testable)."""
+"""What the New run form offers and how its values become a RunConfig (no streamlit here: unit-testable)."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def ood_label(name: str) -> str:
 
 @dataclass
 class FormValues:
-    """The sidebar's values, as the widgets give them."""
+    """The New run form's values, as the widgets give them."""
 
     backbone: str = "digits-cnn"
     weights: str = "default"
@@ -118,15 +118,15 @@ class FormValues:
     id_val_images: int = 0
     id_val_folder: str = ""
     ood_val: str = NO_VALIDATION
-    #: the ID fit set's size as the sidebar counted it (None: not counted), for the held-out validation images
+    #: the ID fit set's size as the form counted it (None: not counted), for the held-out validation images
     fit_size: int | None = None
     #: ``RunConfig.protocol``: ``"paper"`` (each detector's paper) or ``"openood"`` (OpenOOD v1.5's variants)
     protocol: str = "paper"
 
 
 def form_values_from_config(config: RunConfig) -> FormValues:
-    """The sidebar values that describe ``config`` (the inverse of :func:`config_from_form` for the
-    configs the sidebar can make), so that the form shows the run being viewed."""
+    """The form values that describe ``config`` (the inverse of :func:`config_from_form` for the
+    configs the form can make), so that the form starts from a run's choices."""
     id_preset, fit_folder, test_folder = FOLDER_PRESET, "", ""
     benchmark = config.id_fit.params.get("benchmark") if config.id_fit.name == "openood" else None
     openood = next((label for label, name in OPENOOD_PRESETS.items() if name == benchmark), None)
@@ -258,7 +258,7 @@ def openood_config(values: FormValues) -> RunConfig | None:
 
 
 def config_from_form(values: FormValues) -> RunConfig:
-    """The RunConfig the sidebar describes (not validated: call ``problems()`` on it). An OpenOOD preset takes its
+    """The RunConfig the form describes (not validated: call ``problems()`` on it). An OpenOOD preset takes its
     benchmark's data, preprocessing and validation lists (:func:`openood_config`); the OOD list, the extra OOD
     folder and the validation fields are not used then (:func:`form_problems` asks for them empty)."""
     bench = openood_config(values)

@@ -1,4 +1,4 @@
-"""Past runs: the list (with the names users gave), delete with confirmation, and comparing two runs.
+"""The Runs page: every run (with the names, notes and tags users gave), filtered and sorted; open, compare, delete.
 
 A run's name and notes live in its directory, ``label.json`` (``{"name", "notes"}``); the run keeps its id,
 so its URL (``?run=<id>``) keeps working whatever it is called.
@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 import streamlit as st
 
 from oodviz import engine
-from oodviz.figures import plots
 from oodviz.files import read_json_object, write_atomic
-from oodviz.results.analysis import compare_runs, unmatched_detectors
 from oodviz.results.summary import summarise
-from oodviz.results.tables import load_results
 from oodviz.runs.jobs import delete_run, list_runs
 from oodviz.runs.rundir import RunDir
 from oodviz.ui.access import PathRefused, run_path, shown_message
+from oodviz.ui.navigation import open_compare, open_run, page, runs_root
 
 LABEL_FILE = "label.json"
 NAME_MAX = 80
@@ -62,69 +60,165 @@ def label_editor(run: RunDir) -> None:
                     st.rerun()
 
 
-def runs_table(root: Path) -> pd.DataFrame:
-    """One row per run, read-only (:func:`oodviz.results.summary.summarise`): a damaged run's state says what is wrong."""
-    rows = []
+def run_choices(root: Path) -> list[str]:
+    """The ids of the runs under ``root`` a page may offer, newest first: the direct children of the runs root (a link
+    leading out of it is not a run of this app, never read)."""
+    ids = []
     for run in list_runs(root):
         try:
             run_path(root, run.run_id)
-        except PathRefused:  # a link leading out of the runs root: not a run of this app, never read
+        except PathRefused:
             continue
+        ids.append(run.run_id)
+    return ids
+
+
+def run_label(run_id: str) -> str:
+    """How a picker names a run of :func:`~oodviz.ui.navigation.runs_root`: its id, and the name a user gave it."""
+    name = read_label(runs_root() / run_id)["name"]
+    return f"{run_id} · {name}" if name else run_id
+
+
+def tags_of(label: dict) -> list[str]:
+    """The tags of a run: each ``#word`` of its name and notes, lower case, once, in order."""
+    return list(dict.fromkeys(tag.lower() for tag in TAG.findall(f"{label['name']} {label['notes']}")))
+
+
+def id_data(config: dict | None) -> str:
+    """The ID data of a run's config as the run list names it: the dataset (an OpenOOD run: ``openood <benchmark>``)."""
+    test = (config or {}).get("id_test") or {}
+    params = test.get("params") or {}
+    name = str(test.get("name", ""))
+    return f"{name} {params['benchmark']}" if name == "openood" and "benchmark" in params else name
+
+
+def runs_table(root: Path) -> pd.DataFrame:
+    """One row per run, read-only (:func:`oodviz.results.summary.summarise`): a damaged run's state says what is wrong;
+    its backbone, ID data and tags (:func:`tags_of`) to filter by, and its notes to search."""
+    rows = []
+    for run_id in run_choices(root):
+        run = RunDir(Path(root) / run_id)
         s = summarise(run)
         state = s["error"] if s["state"] == "damaged" else str(s["state"])
         if s["failed_detectors"]:
             state += f" ({len(s['failed_detectors'])} detector(s) failed)"
+        config, _ = read_json_object(run.config_path)
+        label = read_label(run.path)
         rows.append(
             {
                 "run": s["run_id"],
-                "name": read_label(run.path)["name"],
+                "name": label["name"],
                 "state": state,
                 "best detector": s["best_detector"] or "",
                 "mean AUROC": s["best_auroc"],
                 "mean FPR95": s["best_fpr95"],
+                "backbone": str((config or {}).get("backbone", "")) if isinstance(config, dict) else "",
+                "ID data": id_data(config if isinstance(config, dict) else None),
+                "tags": ", ".join(tags_of(label)),
                 "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s["created"] else "",
                 "what": s["title"],  # last: the longest, the figures stay in view at 1000 px
+                "notes": label["notes"],
             }
         )
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows, columns=RUNS_COLUMNS)
+
+
+#: the run list's columns (the notes are searched, not shown)
+RUNS_COLUMNS = [
+    "run",
+    "name",
+    "state",
+    "best detector",
+    "mean AUROC",
+    "mean FPR95",
+    "backbone",
+    "ID data",
+    "tags",
+    "created",
+    "what",
+    "notes",
+]
+#: a tag: ``#`` and a word (letters, digits, ``_``, ``-``)
+TAG = re.compile(r"#([\w-]+)")
 
 
 def runs_table_key(run_ids: list[str]) -> str:
-    """The run list's widget key: a new one when runs come or go, so a selection never points at other rows."""
+    """The run list's widget key: a new one when the rows shown change (runs come or go, a filter), so a selection
+    never points at other rows."""
     return "runs-table-" + hashlib.sha1("\n".join(run_ids).encode()).hexdigest()[:12]
 
 
-def past_runs(root: Path, open_run: Callable[[str | None], None]) -> None:
+def filtered(
+    table: pd.DataFrame, search: str, states: list[str], backbones: list[str], data: list[str], tags: list[str]
+):
+    """The rows of the run list that match: ``search`` (case-insensitive) in the run id, name, notes, best detector or
+    description; a state among ``states`` (its first word: "failed (2 detector(s) failed)" is failed), a backbone
+    among ``backbones``, ID data among ``data``, every tag of ``tags``; an empty filter keeps every row."""
+    keep = pd.Series(True, index=table.index)
+    if search.strip():
+        text = table[["run", "name", "notes", "best detector", "what"]].astype(str).agg(" ".join, axis=1)
+        keep &= text.str.contains(search.strip(), case=False, regex=False)
+    if states:
+        keep &= table.state.str.split().str[0].isin(states)
+    if backbones:
+        keep &= table.backbone.isin(backbones)
+    if data:
+        keep &= table["ID data"].isin(data)
+    for tag in tags:
+        keep &= table.tags.str.split(", ").apply(lambda found, tag=tag: tag in found)
+    return table[keep]
+
+
+def runs_page() -> None:
+    """The Runs page: every run under the runs root, filtered by a search, state, backbone, ID data and tags, sorted
+    by any column (its heading); open one, compare two, or delete (asked first)."""
+    st.title("Runs")
+    root = runs_root()
     table = runs_table(root)
     if table.empty:
         st.caption("No runs yet.")
+        st.page_link(page("new"), label="Start one on the New run page")
         return
+    search = st.text_input(
+        "Search", placeholder="run id, name, notes, detector, data…", help="Case-insensitive, anywhere in the text."
+    )
+    f1, f2, f3, f4 = st.columns(4)
+    states = f1.multiselect("State", sorted(set(table.state.str.split().str[0])))
+    backbones = f2.multiselect("Backbone", sorted(set(table.backbone) - {""}))
+    data = f3.multiselect("ID data", sorted(set(table["ID data"]) - {""}))
+    tags = f4.multiselect(
+        "Tags",
+        sorted({tag for found in table.tags for tag in found.split(", ") if tag}),
+        help="Write #word in a run's name or notes (Name and notes, on its Run page) to tag it.",
+    )
+    shown = filtered(table, search, states, backbones, data, tags).reset_index(drop=True)
+    st.caption(
+        f"{len(shown)} of {len(table)} run(s). Click a column's heading to sort by it; select rows to open, compare "
+        "or delete them."
+    )
     chosen = st.dataframe(
-        table.style.format({"mean AUROC": "{:.3f}", "mean FPR95": "{:.3f}"}, na_rep="—"),
+        shown.drop(columns="notes").style.format({"mean AUROC": "{:.3f}", "mean FPR95": "{:.3f}"}, na_rep="—"),
         hide_index=True,
         width="stretch",
         on_select="rerun",
         selection_mode="multi-row",
-        key=runs_table_key(list(table.run)),
+        key=runs_table_key(list(shown.run)),
     )
-    picked = [table.iloc[i]["run"] for i in chosen.selection.rows if i < len(table)]
+    picked = [shown.iloc[i]["run"] for i in chosen.selection.rows if i < len(shown)]
     c1, c2, c3 = st.columns(3)
-    if c1.button("Open", disabled=len(picked) != 1):
+    if c1.button("Open", disabled=len(picked) != 1, width="stretch"):
         open_run(picked[0])
-        st.rerun()
+    if c2.button("Compare", disabled=len(picked) != 2, width="stretch", help="Select two runs to compare them."):
+        open_compare(*picked)
     with c3:
         remove_stores = st.checkbox(
             "with their feature stores",
             help="Also remove the extracted features that no other run uses (a later run extracts them again).",
             key="delete-stores",
         )
-        if st.button("Delete", disabled=not picked):
+        if st.button("Delete", disabled=not picked, width="stretch"):
             st.session_state[CONFIRM] = picked
     confirm_delete(root, picked, remove_stores)
-    if len(picked) == 2:
-        compare(root, *picked)
-    else:
-        c2.caption("Select two runs to compare them.")
 
 
 def confirm_delete(root: Path, picked: list[str], remove_stores: bool) -> None:
@@ -159,123 +253,3 @@ def delete_runs(root: Path, run_ids: list[str], remove_stores: bool) -> None:
                 engine.remove_store(store.parent, store.name)
             except FileNotFoundError:  # removed meanwhile by another session
                 pass
-
-
-# -- compare --------------------------------------------------------------------------------------
-def flat(config: dict, prefix: str = "") -> dict[str, str]:
-    """A config as ``{"id_test.name": "digits-test", "detectors": "msp, knn(k=5)", ...}`` for a difference table."""
-    out = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if key == "detectors" and isinstance(value, list):
-            out[name] = ", ".join(
-                d.get("name", "?")
-                + (f"({', '.join(f'{k}={v}' for k, v in d['params'].items())})" if d.get("params") else "")
-                for d in value
-                if isinstance(d, dict)
-            )
-        elif key == "ood" and isinstance(value, list):
-            out[name] = ", ".join(
-                json.dumps(d, sort_keys=True) if d.get("params") else d.get("name", "?") for d in value
-            )
-        elif isinstance(value, dict):
-            out.update(flat(value, f"{name}."))
-        elif name == "pooling" and value is None:  # unset: what the model's head reads (RunConfig.pooling)
-            out[name] = "model's own"
-        else:
-            out[name] = "" if value is None else str(value)
-    return out
-
-
-def config_difference(a: dict, b: dict) -> pd.DataFrame:
-    """The settings two configs differ in: ``setting, run A, run B``."""
-    fa, fb = flat(a or {}), flat(b or {})
-    keys = [k for k in dict.fromkeys([*fa, *fb]) if fa.get(k, "") != fb.get(k, "")]
-    return pd.DataFrame(
-        {"setting": keys, "run A": [fa.get(k, "") for k in keys], "run B": [fb.get(k, "") for k in keys]}
-    )
-
-
-def data_mismatch(a: dict, b: dict) -> str | None:
-    """What makes two runs' metrics not comparable: another ID test set, or other OOD sets; None when same."""
-    fa, fb = flat(a or {}), flat(b or {})
-    differs = [k for k in ("id_test.name", "id_test.params.split", "id_test.subsample") if fa.get(k) != fb.get(k)]
-    said = []
-    if differs:
-        said.append(f"the ID test set differs ({fa.get('id_test.name')} vs {fb.get('id_test.name')})")
-    if fa.get("ood") != fb.get("ood"):
-        said.append("the OOD sets differ (only the sets both have are compared)")
-    return "; ".join(said) or None
-
-
-#: :func:`oodviz.results.analysis.compare_runs`'s columns as the comparison table shows them
-COMPARE_HEADINGS = {
-    "ood_dataset": "OOD dataset",
-    "auroc_a": "AUROC A",
-    "auroc_b": "AUROC B",
-    "auroc_delta": "AUROC B − A",
-    "fpr95_a": "FPR95 A",
-    "fpr95_b": "FPR95 B",
-    "fpr95_delta": "FPR95 B − A",
-}
-
-
-def better_b(gain: float) -> str:
-    """The text colour of a difference in run B's favour (``gain > 0``: green) or against it (red); none at 0
-    (as shown, three decimals) or NaN."""
-    if pd.isna(gain) or round(gain, 3) == 0:
-        return ""
-    return "color: #1b5e20" if gain > 0 else "color: #b71c1c"
-
-
-def unmatched_note(a, b) -> None:
-    """Names each detector of either run that the comparison could not match, and why
-    (:func:`oodviz.results.analysis.unmatched_detectors`): nothing a run computed leaves the comparison unsaid."""
-
-    unmatched = unmatched_detectors(a, b)
-    if unmatched:
-        st.caption(
-            "Not compared, no counterpart in the other run: "
-            + "; ".join(f"{u['detector']} (run {u['run']}: {u['why']})" for u in unmatched)
-        )
-
-
-def compare(root: Path, a_id: str, b_id: str) -> None:
-    """Two runs side by side: a warning first when their data differ, the config difference, a per-detector
-    scatter of mean AUROC (run A vs run B, over the OOD sets both have) and the table of deltas."""
-
-    a, b = (load_results(root / r) for r in (a_id, b_id))
-    if a.metrics is None or b.metrics is None:
-        st.caption("Both runs need results to compare.")
-        return
-    st.markdown(f"**Compare {a_id} (A) with {b_id} (B)**")
-    mismatch = data_mismatch(a.config, b.config)
-    if mismatch:
-        st.warning(f"These runs are on different data: {mismatch}. Their numbers are not comparable one to one.")
-    diff = config_difference(a.config, b.config)
-    if diff.empty:
-        st.caption("Same config: differences come from randomness or the software version.")
-    else:
-        st.dataframe(diff, hide_index=True, width="stretch")
-    table = compare_runs(a, b)
-    per_set = table[~table.ood_dataset.str.endswith(" (mean)")]
-    if per_set.empty:
-        st.info("The runs share no (detector, OOD set) pair: nothing to compare.")
-        unmatched_note(a, b)
-        return
-    means = per_set.groupby("detector", sort=False)[["auroc_a", "auroc_b"]].mean()
-    sets = sorted(per_set.ood_dataset.unique())
-    st.plotly_chart(
-        plots.compare_scatter(means, f"Mean AUROC over {len(sets)} shared OOD set(s)", a_id, b_id),
-        width="stretch",
-    )
-    shown = per_set.rename(columns=COMPARE_HEADINGS)
-    st.dataframe(
-        shown.style.format(precision=3)
-        .map(better_b, subset=["AUROC B − A"])
-        .map(lambda delta: better_b(-delta), subset=["FPR95 B − A"]),
-        hide_index=True,
-        width="stretch",
-    )
-    st.caption("B − A: green where run B is better (a higher AUROC, a lower FPR95), red where it is worse.")
-    unmatched_note(a, b)

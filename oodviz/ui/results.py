@@ -1,10 +1,9 @@
 """A finished run: metrics table and heatmap, score histograms, ROC/PR curves, per-class failure cases.
 
-The tabs are :data:`RESULT_TABS`, a list of ``(label, draw function, shared controls it needs)``: a new view
-is one more entry. Only the open tab is computed (``st.tabs(on_change="rerun")``), and the whole results
-area is one fragment: a click in it reruns it, not the sidebar and the page around it. The detector and
-the threshold are chosen once, above the tabs, and shared by every tab that uses them; their values are
-kept while a tab without them is open. Each run keeps its own tab, detector and threshold, and they are in the URL
+The tabs are :data:`RESULT_TABS`, a list of ``(label, draw function)``: a new view is one more entry. Only the open
+tab is computed (``st.tabs(on_change="rerun")``), and the whole results area is one fragment: a click in it reruns
+it, not the page around it. The detector and the threshold are chosen once, in a header above the tabs that every tab
+shares and that stays the same whichever tab is open (the tab bar never moves). Each run keeps its own tab, detector and threshold, and they are in the URL
 (:mod:`oodviz.ui.view_url`): a reload or a link shows the same view. Tables and figures are cached per run and
 parameters.
 """
@@ -161,12 +160,13 @@ def control_key(page: Page, name: str) -> str:
     return f"{name}:{page.run.run_id}"
 
 
-def shared_controls(page: Page, with_threshold: bool) -> None:
-    """The detector (and the threshold) every tab shares, drawn above the tabs; sets them on ``page``."""
+def shared_controls(page: Page) -> None:
+    """The header every tab shares, above the tabs: the detector, where the threshold starts and the threshold;
+    sets them on ``page``."""
     c1, c2 = st.columns([1, 1])
     chosen = kept(page, "detector", page.best)
     page.detector = c1.selectbox(
-        "Detector (shared by every tab)",
+        "Detector",
         page.detectors,
         index=page.detectors.index(chosen) if chosen in page.detectors else 0,
         key=control_key(page, "shared-detector"),
@@ -178,8 +178,6 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
     if about.open:
         with about:
             teaching_panel(page.detector)
-    if not with_threshold:
-        return
     bases = [EVERY_SET, *page.sets, POOLED]
     basis = kept(page, "basis", EVERY_SET)
     page.basis = c2.selectbox(
@@ -197,7 +195,7 @@ def shared_controls(page: Page, with_threshold: bool) -> None:
     low, high = threshold_range(page, page.detector, page.basis)
     name = threshold_name(page.detector, page.basis)
     page.threshold = st.slider(
-        "Threshold (flag as OOD when score ≥ threshold; shared by the histogram, counts, per-class table and galleries)",
+        "Threshold (flag as OOD when score ≥ threshold)",
         low,
         high,
         float(kept(page, name, page.basis_threshold)),
@@ -591,22 +589,21 @@ def detector_failures(results) -> None:
                 st.code(info.get("traceback", ""))
 
 
-#: The result tabs: label, draw function (takes the :class:`Page`), and the shared controls it needs
-#: (``None``, ``"detector"`` or ``"threshold"``, which includes the detector).
-RESULT_TABS: list[tuple[str, Callable[[Page], None], str | None]] = [
-    ("Metrics", metrics_tab, None),
-    ("Score histograms", histogram_tab, "threshold"),
-    ("ROC / PR", curves_tab, "detector"),
-    ("Failure cases", failures_tab, "threshold"),
-    ("Risk–coverage", risk_coverage_tab, None),
-    ("Probe images", probe_tab, None),
-    ("Feature space", feature_space_tab, None),
-    ("Which layer?", layers_tab, None),
-    ("Run details", run_details, None),
+#: The result tabs: label and draw function (takes the :class:`Page`, its detector and threshold set by the header).
+RESULT_TABS: list[tuple[str, Callable[[Page], None]]] = [
+    ("Metrics", metrics_tab),
+    ("Score histograms", histogram_tab),
+    ("ROC / PR", curves_tab),
+    ("Failure cases", failures_tab),
+    ("Risk–coverage", risk_coverage_tab),
+    ("Probe images", probe_tab),
+    ("Feature space", feature_space_tab),
+    ("Which layer?", layers_tab),
+    ("Run details", run_details),
 ]
 
 
-def run_tabs(config: dict) -> list[tuple[str, Callable[[Page], None], str | None]]:
+def run_tabs(config: dict) -> list[tuple[str, Callable[[Page], None]]]:
     """The tabs of :data:`RESULT_TABS` that a run with this ``config`` (``config.json``) has something for:
     "Which layer?" only for a run over several layers (eight tabs fit one line of a 1000 px window)."""
     several_layers = bool((config or {}).get("layers"))
@@ -622,7 +619,7 @@ def results_page(run: RunDir) -> None:
     except ResultsFileError as error:  # the file's name only: the page shows no server path to others
         st.error(
             f"This run's results cannot be shown: {error.path.name} {error.problem}. Run its config again for new "
-            "results (the sidebar holds its choices: press Start run)."
+            "results (New run from this one holds its choices: press Start run there)."
         )
         return
     # not written yet, or every detector failed (then metrics.csv holds only its header)
@@ -726,19 +723,16 @@ def results_area(page: Page) -> None:
     URL where a link names one, and goes back to it."""
     report_download(page.results)
     shown = run_tabs(page.results.config)
-    labels = [label for label, _, _ in shown]
+    labels = [label for label, _ in shown]
     notes = view_from_url(page, labels)
     if notes:
         st.info("Not applied from the link (the run's default is shown instead): " + "; ".join(notes) + ".")
-    controls = st.container()
+    shared_controls(page)
     tabs = st.tabs(labels, key=TAB_KEY, on_change="rerun")
-    for tab, (label, draw, needs) in zip(tabs, shown):
+    for tab, (label, draw) in zip(tabs, shown):
         if not tab.open:
             continue
         keep(page, "tab", label)
-        if needs:
-            with controls:
-                shared_controls(page, with_threshold=needs == "threshold")
         with tab:
             draw(page)
     view_to_url(page, labels)

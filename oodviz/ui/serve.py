@@ -2,7 +2,7 @@
 with the app's modules imported while the server starts.
 
 Streamlit executes the app's script only when the first browser connects, so a server started from
-``streamlit run`` imports the pages (pandas, plotly, the sidebar's form, the results tabs) during the first page
+``streamlit run`` imports the pages (pandas, plotly, the New run form, the results tabs) during the first page
 load (1.2 s of a 3.2 s cold first load on a quiet 2-core machine), and the results tabs' torch, torchvision and
 scikit-learn in background threads after it, while the user clicks the first tabs. Here a thread imports them
 beside Streamlit's start-up (:data:`PAGE_MODULES`, then :data:`TAB_MODULES`), prints when it is done, and hides
@@ -23,13 +23,15 @@ import time
 
 from oodviz.ui import APP_SCRIPT, streamlit_has_option
 
-#: What the app's pages import at their first draw: the landing page, a run's results, the live panel, and what
+#: What the app's pages import at their first draw: the New run page, a run's results, the live panel, and what
 #: those import lazily when they first draw (the page icon's emoji table, scores.parquet's reader, the metrics
 #: table's Styler and its jinja2: 0.2-0.3 s of a first run's page otherwise).
 PAGE_MODULES = (
     "oodviz.ui.main",
-    "oodviz.ui.results",
-    "oodviz.ui.watch",
+    "oodviz.ui.new_run",
+    "oodviz.ui.run_page",
+    "oodviz.ui.history",
+    "oodviz.ui.compare",
     "streamlit.emojis",
     "pyarrow.parquet",
     "pandas.io.formats.style",

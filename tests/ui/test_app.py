@@ -625,7 +625,7 @@ def test_runs_can_be_named_and_annotated_and_the_url_keeps_working(app, runs_roo
 
 
 def test_comparing_runs_on_other_data_says_so_and_shows_the_config_difference(runs_root):
-    from oodviz.ui.history import config_difference, data_mismatch
+    from oodviz.ui.compare import config_difference, data_mismatch
 
     a = RunConfig().to_dict()
     b = RunConfig(batch_size=32, ood=RunConfig().ood[:2]).to_dict()
@@ -672,7 +672,7 @@ def test_compare_two_runs_in_the_app(app, runs_root):
 
 
 def test_a_difference_is_green_where_run_b_is_better_and_red_where_worse():
-    from oodviz.ui.history import better_b
+    from oodviz.ui.compare import better_b
 
     assert better_b(0.01) == "color: #1b5e20" and better_b(-0.01) == "color: #b71c1c"
     assert better_b(0.0004) == better_b(float("nan")) == ""  # 0.000 as shown; no value

@@ -25,7 +25,7 @@ def fake_devices(gpus: int) -> list[dict]:
 @pytest.mark.parametrize("gpus", [1, 2, 4])
 def test_all_gpus_is_offered_when_more_than_one_gpu_is_visible(gpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path))
-    monkeypatch.setattr("oodviz.ui.sidebar.device_facts", lambda: fake_devices(gpus))
+    monkeypatch.setattr("oodviz.ui.new_run.device_facts", lambda: fake_devices(gpus))
     st.cache_data.clear()  # the sidebar caches the devices for 30 s
     app = AppTest.from_file(APP, default_timeout=60)
     app.run()

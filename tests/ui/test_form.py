@@ -424,7 +424,7 @@ def test_a_runs_pooling_table_fills_the_fields_and_its_problem_shows_under_its_l
 
 
 def test_comparing_a_run_saved_with_avg_and_one_with_pooling_unset_says_which_is_which():
-    from oodviz.ui.history import config_difference
+    from oodviz.ui.compare import config_difference
 
     old, new = RunConfig(pooling="avg").to_dict(), RunConfig().to_dict()
     assert config_difference(old, new).values.tolist() == [["pooling", "avg", "model's own"]]

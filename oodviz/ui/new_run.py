@@ -1,9 +1,16 @@
-"""The sidebar form: choose a backbone, data, detectors and resources; estimate or start a run."""
+"""The New run page (``/``, ``/?from=<run id>``): the bundled offline runs in one click, and the form in four steps —
+model, data, detectors (with tuning), resources — with the estimate of the run's needs beside Start.
+
+Every field reruns the page when it changes (no Streamlit form): the layers' pooling fields, the chosen detectors'
+parameters and grids and every caption follow the fields as they are. Nothing is estimated or started before Estimate
+or Start; the whole form is checked first (:func:`~oodviz.ui.form.form_problems`), each problem under its field.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, replace
 
 import streamlit as st
@@ -11,16 +18,27 @@ import streamlit as st
 from oodviz.columns import PENULTIMATE
 from oodviz.config.catalog import backbone_names, choices, detector_names, known_split_size, param_fields
 from oodviz.config.defaults import default_detector_params, defaults_reason
-from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
+from oodviz.config.run import ConfigError, DatasetChoice, DetectorChoice, RunConfig, preset
 from oodviz.config.splits import load_split
 from oodviz.config.tuning import validation_warnings
 from oodviz.models import format_bytes
 from oodviz.params import ParamField
 from oodviz.pipeline.probe import estimate_in_subprocess
+from oodviz.runs.jobs import QueueFull, submit
 from oodviz.runs.telemetry import device_facts
-from oodviz.ui.access import AccessPolicy, PathRefused
-from oodviz.ui.explore import teaching_panel
-from oodviz.ui.fixes import estimate_panel, form_key, start_blocked
+from oodviz.ui.access import AccessPolicy, PathRefused, run_path, shown_message
+from oodviz.ui.fixes import (
+    ESTIMATE_NEXT,
+    RUN_ANYWAY,
+    estimate_panel,
+    form_key,
+    from_run,
+    prefilled,
+    refuse_start,
+    refused,
+    start_blocked,
+    store_estimate,
+)
 from oodviz.ui.form import (
     ALL_GPUS,
     FOLDER_PRESET,
@@ -31,6 +49,8 @@ from oodviz.ui.form import (
     USER_MODEL,
     FormValues,
     config_from_form,
+    form_problems,
+    form_values_from_config,
     ood_label,
     openood_warnings,
     pooled_layers,
@@ -38,6 +58,7 @@ from oodviz.ui.form import (
     pooling_label,
     pooling_of,
     pooling_options,
+    processes_of,
 )
 from oodviz.ui.form_tuning import (
     ID_VALIDATION_CHOICES,
@@ -46,6 +67,7 @@ from oodviz.ui.form_tuning import (
     layer_options,
     tuned_grids,
 )
+from oodviz.ui.navigation import open_run, page, runs_root
 
 #: ``RunConfig.protocol`` -> how the form says it
 PROTOCOL_LABELS = {"paper": "each paper's", "openood": "OpenOOD v1.5's"}
@@ -111,14 +133,14 @@ def _whole_row(field: ParamField) -> bool:
     return field.kind == "choice" and max(len(str(choice)) for choice in field.choices) > HALF_ROW_CHOICE_CHARS
 
 
-def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
-    """Every detector's editable parameters, numbers and choices two to a row, switches and choices with a long
+def _detector_params(defaults: FormValues, detectors: list[str], generation: str) -> dict[str, dict]:
+    """The editable parameters of each chosen detector (``detectors``), numbers and choices two to a row, switches and choices with a long
     value on a row of their own (a half row cuts "mahalanobis: normalize", mcd's "probabilities" and vra's
     "per_unit" at 1000 px);
     only the values that differ from the detector's defaults are returned (a blank optional number is its default,
     None)."""
     params = {}
-    for name in detector_names():
+    for name in dict.fromkeys(detectors):
         fields = param_fields(name)
         if not fields:
             continue
@@ -137,6 +159,21 @@ def _detector_params(defaults: FormValues, generation: str) -> dict[str, dict]:
         if chosen:
             params[name] = chosen
     return params
+
+
+def detectors_caption(backbone: str, detectors: list[str]) -> str:
+    """Under the detector list: why the backbone's family has its default list (:func:`defaults_reason`) while the
+    list is that default, else that it was edited and what the default is."""
+    default = list(default_detector_params(backbone))
+    if list(detectors) == default:
+        return (
+            f"{defaults_reason(backbone)} The list follows the backbone's family until you edit it; a run config "
+            "without `detectors` gets this list."
+        )
+    return (
+        f"Your list: {len(detectors)} of the {len(detector_names())} detectors. The {backbone} family's default is "
+        f"{len(default)} ({', '.join(default)}); choose another backbone and this list stays as you made it."
+    )
 
 
 def _keys(generation: str) -> dict[str, str]:
@@ -279,7 +316,7 @@ def _grid_editor(defaults: FormValues, detectors: list[str], params: dict[str, d
     edited = {}
     with st.expander(f"Grids tried ({sum(bool(g) or n in defaults.detector_grids for n, g in grids.items())})"):
         st.caption(
-            "When tuning: each detector's default grid, less the parameters set under Detector parameters. Edit as "
+            "When tuning: each detector's default grid, less the parameters set under the chosen detectors' parameters. Edit as "
             "parameter: value, value; parameter: value (blank: no tuning for that detector)."
         )
         for name, grid in grids.items():
@@ -339,7 +376,7 @@ def _pooling_fields(
         value = pooling_of(default, layer)
         if value not in options:  # a run's config naming one that does not apply here: shown, its check says why
             options.append(value)
-        chosen[layer] = st.sidebar.selectbox(
+        chosen[layer] = st.selectbox(
             "Pooling" if len(layers) == 1 else f"Pooling of {layer}",
             options,
             index=options.index(value),
@@ -349,29 +386,28 @@ def _pooling_fields(
             help=POOLING_HELP,
         )
         if len(layers) > 1:
-            slots[f"pooling[{layer}]"] = st.sidebar.empty()
+            slots[f"pooling[{layer}]"] = st.empty()
     if PENULTIMATE in layers and PENULTIMATE not in fields:
-        st.sidebar.caption(PENULTIMATE_POOLED)
-    slots["pooling"] = st.sidebar.empty()
+        st.caption(PENULTIMATE_POOLED)
+    slots["pooling"] = st.empty()
     return pooling_from_fields(layers, chosen)
 
 
-def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
-    """Draw the form; returns its values, "estimate", "start" or None (not submitted), and a placeholder
-    under each field of :data:`~oodviz.ui.form.FORM_FIELDS` (and ``"estimate"`` beside Start) for what
-    the checks say about it."""
-    st.sidebar.header("Choose")
+def render_form(defaults: FormValues, side) -> tuple[FormValues, str | None, dict]:
+    """Draw the form's four steps where the page is, and Start, Estimate and the estimate in ``side``; returns its
+    values, "estimate", "start" or None (neither pressed), and a placeholder under each field of
+    :data:`~oodviz.ui.form.FORM_FIELDS` (``"form"``: beside Start) for what the checks say about it."""
     slots = {}
     # the form's key follows its defaults: another run's or a fix's values make new widgets that show them
     generation = hashlib.sha1(form_key(defaults).encode()).hexdigest()[:10]
     keys = _keys(generation)
     st.session_state.setdefault(keys["defaults_of"], defaults.backbone)
-    st.sidebar.subheader("Model")
-    # outside the form: a new backbone reruns the page, so its layers and default detectors are offered
+    st.subheader("1 · Model")
+    # a new backbone offers its layers and its family's default detectors
     backbones = backbone_names() + [USER_MODEL]
     if defaults.backbone not in backbones:  # a run's timm:/hf: backbone that the list does not name, as it was typed
         backbones.append(defaults.backbone)
-    backbone = st.sidebar.selectbox(
+    backbone = st.selectbox(
         "Backbone",
         backbones,
         index=backbones.index(defaults.backbone),
@@ -386,12 +422,11 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         accept_new_options=True,
     )
     backbone = backbone.strip()
-    slots["backbone"] = st.sidebar.empty()
-    # outside the form too: a change of layers reruns the page, so that each chosen layer gets its pooling field
+    slots["backbone"] = st.empty()
     main_layers = defaults.layers if backbone == defaults.backbone else [PENULTIMATE]
-    st.sidebar.html(LAYER_CHIPS_STYLE)
+    st.html(LAYER_CHIPS_STYLE)
     # Full width: layer names such as "penultimate" are cut short in a two-thirds column at 1000 px.
-    layers = st.sidebar.multiselect(
+    layers = st.multiselect(
         "Layers",
         layer_options(backbone, main_layers),
         default=main_layers,
@@ -400,175 +435,164 @@ def render_form(defaults: FormValues) -> tuple[FormValues, str | None, dict]:
         "and compared in the results' Which layer? tab (a run over several layers has it); mahalanobis is also "
         "combined over them.",
     )
-    slots["layers"] = st.sidebar.empty()
+    slots["layers"] = st.empty()
     pooling = _pooling_fields(
         backbone, layers, defaults.pooling if backbone == defaults.backbone else None, generation, slots
     )
-    with st.sidebar.form(f"choose-{generation}", enter_to_submit=False, border=False):
-        weights = st.radio(
-            "Weights", ["default", "random"], horizontal=True, index=["default", "random"].index(defaults.weights)
-        )
-        slots["weights"] = st.empty()
-        checkpoint = st.text_input(
-            "Checkpoint file (optional)",
-            defaults.checkpoint,
-            help="A TorchScript file (with 'your own TorchScript file'), or a state dict of the chosen architecture "
-            "(for openood-resnet18-*: one of OpenOOD's checkpoints, e.g. results/cifar10_resnet18_32x32_base_e100_"
-            "lr0.1_default/s0/best.ckpt of its download script).",
-        )
-        slots["checkpoint"] = st.empty()
+    weights = st.radio(
+        "Weights", ["default", "random"], horizontal=True, index=["default", "random"].index(defaults.weights)
+    )
+    slots["weights"] = st.empty()
+    checkpoint = st.text_input(
+        "Checkpoint file (optional)",
+        defaults.checkpoint,
+        help="A TorchScript file (with 'your own TorchScript file'), or a state dict of the chosen architecture "
+        "(for openood-resnet18-*: one of OpenOOD's checkpoints, e.g. results/cifar10_resnet18_32x32_base_e100_"
+        "lr0.1_default/s0/best.ckpt of its download script).",
+    )
+    slots["checkpoint"] = st.empty()
 
-        st.subheader("Data")
-        presets = list(ID_PRESETS) + list(OPENOOD_PRESETS) + [FOLDER_PRESET]
-        id_preset = st.selectbox(
-            "In-distribution",
-            presets,
-            index=presets.index(defaults.id_preset),
-            help="digits (bundled): scikit-learn's 8 x 8 digits 0-7, offline (8 and 9 are the held-out OOD set). "
-            "Fashion-MNIST, 8 classes: the classes fashion-cnn was trained on (Shirt and Ankle boot are the held-out "
-            "OOD set). '(torchvision files)': the whole dataset, from torchvision's files under the data root. "
-            "Image folders: your own, one subfolder per class.\n\n"
-            f"{OPENOOD_HELP}",
-        )
-        slots["id_preset"], slots["id_preset-warning"] = st.empty(), st.empty()
-        fit_folder = st.text_input("ID fit folder (image folders only)", defaults.fit_folder)
-        slots["fit_folder"] = st.empty()
-        test_folder = st.text_input("ID test folder (image folders only)", defaults.test_folder)
-        slots["test_folder"] = st.empty()
-        ood = st.multiselect(
-            "OOD datasets",
-            list(OOD_CHOICES),
-            default=defaults.ood,
-            help="Each set's group (near or far OOD) and source:\n\n"
-            + "\n".join(f"- {ood_label(name)}" for name in OOD_CHOICES)
-            + "\n\nNot with an OpenOOD preset: it runs its benchmark's own near and far sets (leave this empty).",
-        )
-        slots["ood"] = st.empty()
-        ood_folder = st.text_input("Extra OOD image folder (optional)", defaults.ood_folder)
-        slots["ood_folder"] = st.empty()
-        data_root = st.text_input(
-            "Data root (torchvision files, OpenOOD)",
-            defaults.data_root,
-            help="Where torchvision's dataset files are, and the folder in OpenOOD's layout the OpenOOD presets read "
-            "(benchmark_imglist/, images_classic/, images_largescale/: what OpenOOD's download script fills).",
-        )
-        slots["data_root"] = st.empty()
-        download = st.checkbox("Allow downloads", defaults.download, help="Off by default: oodviz works offline.")
-        st.caption(SUBSAMPLE_CAPTION, help=SUBSAMPLE_HELP)
-        s1, s2, s3 = st.columns(3)
-        fit_subsample = s1.number_input("ID fit", min_value=0, value=defaults.fit_subsample)
-        test_subsample = s2.number_input("ID test", min_value=0, value=defaults.test_subsample)
-        ood_subsample = s3.number_input("OOD", min_value=0, value=defaults.ood_subsample, help="Per OOD set.")
+    st.subheader("2 · Data")
+    presets = list(ID_PRESETS) + list(OPENOOD_PRESETS) + [FOLDER_PRESET]
+    id_preset = st.selectbox(
+        "In-distribution",
+        presets,
+        index=presets.index(defaults.id_preset),
+        help="digits (bundled): scikit-learn's 8 x 8 digits 0-7, offline (8 and 9 are the held-out OOD set). "
+        "Fashion-MNIST, 8 classes: the classes fashion-cnn was trained on (Shirt and Ankle boot are the held-out "
+        "OOD set). '(torchvision files)': the whole dataset, from torchvision's files under the data root. "
+        "Image folders: your own, one subfolder per class.\n\n"
+        f"{OPENOOD_HELP}",
+    )
+    slots["id_preset"], slots["id_preset-warning"] = st.empty(), st.empty()
+    fit_folder = st.text_input("ID fit folder (image folders only)", defaults.fit_folder)
+    slots["fit_folder"] = st.empty()
+    test_folder = st.text_input("ID test folder (image folders only)", defaults.test_folder)
+    slots["test_folder"] = st.empty()
+    ood = st.multiselect(
+        "OOD datasets",
+        list(OOD_CHOICES),
+        default=defaults.ood,
+        help="Each set's group (near or far OOD) and source:\n\n"
+        + "\n".join(f"- {ood_label(name)}" for name in OOD_CHOICES)
+        + "\n\nNot with an OpenOOD preset: it runs its benchmark's own near and far sets (leave this empty).",
+    )
+    slots["ood"] = st.empty()
+    ood_folder = st.text_input("Extra OOD image folder (optional)", defaults.ood_folder)
+    slots["ood_folder"] = st.empty()
+    data_root = st.text_input(
+        "Data root (torchvision files, OpenOOD)",
+        defaults.data_root,
+        help="Where torchvision's dataset files are, and the folder in OpenOOD's layout the OpenOOD presets read "
+        "(benchmark_imglist/, images_classic/, images_largescale/: what OpenOOD's download script fills).",
+    )
+    slots["data_root"] = st.empty()
+    download = st.checkbox("Allow downloads", defaults.download, help="Off by default: oodviz works offline.")
+    st.caption(SUBSAMPLE_CAPTION, help=SUBSAMPLE_HELP)
+    s1, s2, s3 = st.columns(3)
+    fit_subsample = s1.number_input("ID fit", min_value=0, value=defaults.fit_subsample)
+    test_subsample = s2.number_input("ID test", min_value=0, value=defaults.test_subsample)
+    ood_subsample = s3.number_input("OOD", min_value=0, value=defaults.ood_subsample, help="Per OOD set.")
 
-        st.subheader("Detectors")
-        detectors = st.multiselect(
-            "Detectors",
-            detector_names(),
-            default=None if keys["detectors"] in st.session_state else defaults.detectors,
-            key=keys["detectors"],
-            help="Higher score = more OOD for every detector. See 'What each detector does' below the form.",
-        )
-        slots["detectors"] = st.empty()
-        st.caption(
-            f"{defaults_reason(backbone)} The list follows the backbone's family until you edit it; a run config "
-            "without `detectors` gets this list."
-        )
-        with st.expander("Detector parameters"):
-            detector_params = _detector_params(defaults, generation)
-        slots["detector_params"] = st.empty()  # under the expander: seen while it is closed
-        protocol = st.radio(
-            "Protocol",
-            list(PROTOCOL_LABELS),
-            index=list(PROTOCOL_LABELS).index(defaults.protocol) if defaults.protocol in PROTOCOL_LABELS else 0,
-            format_func=PROTOCOL_LABELS.get,
-            horizontal=True,
-            help="Each paper's: every detector computes its paper's formula with oodviz's defaults. OpenOOD v1.5's: "
-            "where OpenOOD's postprocessor computes a variant or takes other defaults (ash, for one, runs ASH-B), "
-            "the detector computes OpenOOD's, as its leaderboard's figures were; a parameter set under Detector "
-            "parameters is kept. The run records the protocol and each detector's parameters (Run details).",
-        )
-        slots["protocol"] = st.empty()
+    st.subheader("3 · Detectors")
+    detectors = st.multiselect(
+        "Detectors",
+        detector_names(),
+        default=None if keys["detectors"] in st.session_state else defaults.detectors,
+        key=keys["detectors"],
+        help="Higher score = more OOD for every detector. The Detectors page says what each one computes.",
+    )
+    slots["detectors"] = st.empty()
+    st.caption(detectors_caption(backbone, detectors))
+    st.page_link(page("detectors"), label="What each detector computes: the Detectors page")
+    with st.expander(f"Parameters of the {len(detectors)} chosen detector(s)"):
+        detector_params = _detector_params(defaults, detectors, generation)
+    slots["detector_params"] = st.empty()  # under the expander: seen while it is closed
+    protocol = st.radio(
+        "Protocol",
+        list(PROTOCOL_LABELS),
+        index=list(PROTOCOL_LABELS).index(defaults.protocol) if defaults.protocol in PROTOCOL_LABELS else 0,
+        format_func=PROTOCOL_LABELS.get,
+        horizontal=True,
+        help="Each paper's: every detector computes its paper's formula with oodviz's defaults. OpenOOD v1.5's: "
+        "where OpenOOD's postprocessor computes a variant or takes other defaults (ash, for one, runs ASH-B), "
+        "the detector computes OpenOOD's, as its leaderboard's figures were; a parameter set under Detector "
+        "parameters is kept. The run records the protocol and each detector's parameters (Run details).",
+    )
+    slots["protocol"] = st.empty()
 
-        data = replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
-        validation = _validation_section(defaults, data, slots)
-        detector_grids = _grid_editor(defaults, detectors, detector_params, slots)
+    data = replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
+    validation = _validation_section(defaults, data, slots)
+    detector_grids = _grid_editor(defaults, detectors, detector_params, slots)
 
-        st.subheader("Resources")
-        facts = _devices()
-        gpus = sum(f["device"].startswith("cuda") for f in facts)
-        devices = ["auto"] + ([ALL_GPUS] if gpus > 1 else []) + [f["device"] for f in facts]
-        labels = {
-            "auto": "auto — first GPU if any, else CPU",
-            ALL_GPUS: f"all {gpus} GPUs — one process each (torchrun)",
-            **{f["device"]: _device_label(f) for f in facts},
-        }
-        device = st.selectbox(
-            "Device",
-            devices,
-            index=devices.index(defaults.device) if defaults.device in devices else 0,
-            format_func=labels.get,
-        )
-        slots["device"] = st.empty()
-        r1, r2 = st.columns(2)
-        batch_size = r1.number_input("Batch size", min_value=1, value=defaults.batch_size)
-        precisions, feature_dtypes = choices("precisions"), choices("feature_dtypes")
-        precision = r2.selectbox(
-            "Precision",
-            precisions,
-            index=precisions.index(defaults.precision),
-            help="bf16/fp16 autocast applies on GPUs only.",
-        )
-        slots["batch_size"], slots["precision"] = r1.empty(), r2.empty()
-        feature_dtype = st.selectbox(
-            "Features on disk",
-            feature_dtypes,
-            index=feature_dtypes.index(defaults.feature_dtype),
-            format_func=lambda d: "float16 (half the disk)" if d == "float16" else d,
-            help="float16 halves the size of the feature stores.",
-        )
-        slots["feature_dtype"] = st.empty()
+    st.subheader("4 · Resources")
+    facts = _devices()
+    gpus = sum(f["device"].startswith("cuda") for f in facts)
+    devices = ["auto"] + ([ALL_GPUS] if gpus > 1 else []) + [f["device"] for f in facts]
+    labels = {
+        "auto": "auto — first GPU if any, else CPU",
+        ALL_GPUS: f"all {gpus} GPUs — one process each (torchrun)",
+        **{f["device"]: _device_label(f) for f in facts},
+    }
+    device = st.selectbox(
+        "Device",
+        devices,
+        index=devices.index(defaults.device) if defaults.device in devices else 0,
+        format_func=labels.get,
+    )
+    slots["device"] = st.empty()
+    r1, r2 = st.columns(2)
+    batch_size = r1.number_input("Batch size", min_value=1, value=defaults.batch_size)
+    precisions, feature_dtypes = choices("precisions"), choices("feature_dtypes")
+    precision = r2.selectbox(
+        "Precision",
+        precisions,
+        index=precisions.index(defaults.precision),
+        help="bf16/fp16 autocast applies on GPUs only.",
+    )
+    slots["batch_size"], slots["precision"] = r1.empty(), r2.empty()
+    feature_dtype = st.selectbox(
+        "Features on disk",
+        feature_dtypes,
+        index=feature_dtypes.index(defaults.feature_dtype),
+        format_func=lambda d: "float16 (half the disk)" if d == "float16" else d,
+        help="float16 halves the size of the feature stores.",
+    )
+    slots["feature_dtype"] = st.empty()
 
-        values = FormValues(
-            backbone=backbone,
-            weights=weights,
-            checkpoint=checkpoint,
-            layers=layers,
-            pooling=pooling,
-            id_preset=id_preset,
-            fit_folder=fit_folder,
-            test_folder=test_folder,
-            ood=ood,
-            ood_folder=ood_folder,
-            detectors=detectors,
-            detector_params=detector_params,
-            detector_grids=detector_grids,
-            device=device,
-            batch_size=int(batch_size),
-            precision=precision,
-            feature_dtype=feature_dtype,
-            fit_subsample=int(fit_subsample),
-            test_subsample=int(test_subsample),
-            ood_subsample=int(ood_subsample),
-            data_root=data_root,
-            download=download,
-            protocol=protocol,
-            **validation,
-        )
-        _validation_warnings(values, slots)
-        # one under the other: side by side their labels are cut at 1000 px
-        start = st.form_submit_button("Start run", type="primary", width="stretch", disabled=start_blocked(values))
-        estimate = st.form_submit_button("Estimate memory", width="stretch")
-        slots["form"] = st.empty()
-    estimate_panel(values)
-
-    # drawn only once opened (the detector classes, torch modules, are imported then)
-    about = st.sidebar.expander("What each detector does", key="teach-open", on_change="rerun")
-    if about.open:
-        with about:
-            names = detector_names()
-            chosen = detectors[0] if detectors else names[0]
-            teaching_panel(st.selectbox("Explain", names, index=names.index(chosen), key="teach-detector"))
-
+    values = FormValues(
+        backbone=backbone,
+        weights=weights,
+        checkpoint=checkpoint,
+        layers=layers,
+        pooling=pooling,
+        id_preset=id_preset,
+        fit_folder=fit_folder,
+        test_folder=test_folder,
+        ood=ood,
+        ood_folder=ood_folder,
+        detectors=detectors,
+        detector_params=detector_params,
+        detector_grids=detector_grids,
+        device=device,
+        batch_size=int(batch_size),
+        precision=precision,
+        feature_dtype=feature_dtype,
+        fit_subsample=int(fit_subsample),
+        test_subsample=int(test_subsample),
+        ood_subsample=int(ood_subsample),
+        data_root=data_root,
+        download=download,
+        protocol=protocol,
+        **validation,
+    )
+    _validation_warnings(values, slots)
+    side.subheader("Start")
+    start_col, estimate_col = side.columns(2)
+    start = start_col.button("Start run", type="primary", width="stretch", disabled=start_blocked(values))
+    estimate = estimate_col.button("Estimate memory", width="stretch")
+    slots["form"] = side.empty()
+    estimate_panel(values, side)
     return values, "start" if start else "estimate" if estimate else None, slots
 
 
@@ -592,4 +616,127 @@ def memory_estimate(config_json: str, runs_root: str) -> tuple[dict, str, str | 
     return estimate_in_subprocess(config_json, runs_root=runs_root)
 
 
-__all__ = ["config_from_form", "memory_estimate", "render_form"]
+def form_defaults() -> FormValues:
+    """The form's starting values: those a fix filled in for this page, else those of the run it starts from
+    (``?from=<id>``: to run it again with changes), else the default."""
+    filled = prefilled()
+    if filled is not None:
+        return filled
+    asked = from_run()
+    try:
+        path = run_path(runs_root(), asked) if asked else None
+    except PathRefused as refusal:
+        st.error(f"The run in the URL cannot be read: {refusal}. The form shows the defaults.")
+        return FormValues()
+    if path is None:
+        return FormValues()
+    try:
+        return form_values_from_config(RunConfig.load(path / "config.json"))
+    except (ValueError, OSError) as error:
+        st.error(f"Run {asked!r} cannot start this form: {shown_message(str(error))}. The form shows the defaults.")
+        return FormValues()
+
+
+def confined_config(config: RunConfig, place) -> RunConfig | None:
+    """``config`` with its typed paths confined to the allowed data directories, or None after saying in ``place``
+    which were refused (see :meth:`AccessPolicy.confine_config`)."""
+    try:
+        return AccessPolicy.from_env().confine_config(config)
+    except PathRefused as refusal:
+        place.error(f"Not allowed on this server: {refusal}")
+        return None
+
+
+def plain(text: str) -> str:
+    """``text`` shown as typed in Streamlit's markdown: a path's ``_a_`` stays, not in italics."""
+    return re.sub(r"([\\`*_{}\[\]<>#|~$])", r"\\\1", text)
+
+
+def handle_form(values: FormValues, action: str | None, slots: dict) -> None:
+    """On Estimate or Start (or after a fix filled the form): check the whole form first
+    (:func:`form_problems`) and show every problem under its field; only a form without problems is estimated
+    (kept beside Start, :mod:`oodviz.ui.fixes`), and started when it fits or "Run anyway" is ticked (nothing is
+    created before)."""
+    if action is None and st.session_state.pop(ESTIMATE_NEXT, False):
+        action = "estimate"
+    if action is None:
+        return
+    problems = form_problems(values, AccessPolicy.from_env())
+    for name, messages in problems.items():
+        slots[name].error("\n\n".join(plain(m) for m in messages))
+    if problems:
+        count = sum(len(m) for m in problems.values())
+        if "form" not in problems:
+            slots["form"].error(f"Fix first: {count} problem(s), shown under their fields.")
+        return
+    config = AccessPolicy.from_env().confine_config(config_from_form(values))
+    try:
+        answer = memory_estimate(json.dumps(config.to_dict()), str(runs_root()))
+    except ConfigError as error:  # the pre-flight's refusal (an unreadable checkpoint, knn's k above the fit rows)
+        store_estimate(values, error=str(error))
+        if action == "start":  # as a refusal of submit(): nothing is started
+            slots["form"].error(str(error))
+            return
+    except Exception as error:  # a missing dataset or weight file: say what, keep the app running
+        store_estimate(values, error=str(error))
+    else:
+        store_estimate(values, answer, classifier_problem=answer.estimate.get("classifier_problem"))
+    if action == "start":
+        if not refused(values) or st.session_state.get(RUN_ANYWAY):
+            gpus = sum(f["device"].startswith("cuda") for f in device_facts())
+            start_run(config, slots["form"], processes=processes_of(values, gpus))
+            return
+        refuse_start()
+    st.rerun()  # the estimate is drawn beside Start, and Start off when over the limits
+
+
+def start_run(config: RunConfig, place, processes: int = 1) -> None:
+    """Submit ``config`` (on ``processes`` processes: "all N GPUs") and open its Run page; a refusal (an invalid
+    config, a full queue) is shown in ``place``."""
+    try:
+        run = submit(config, runs_root(), nproc_per_node=processes)
+    except (ConfigError, QueueFull) as error:
+        place.error(str(error))
+        return
+    open_run(run.run_id)
+
+
+def landing(values: FormValues) -> None:
+    """What the app is for, and the two bundled runs in one click each."""
+    chosen, known = len(RunConfig().detectors), len(detector_names())
+    st.markdown(
+        "Which inputs would your classifier wrongly trust, and which out-of-distribution detector catches them? "
+        "Choose a model, data and detectors below — or start with the bundled offline default: "
+        "**digits-cnn** on scikit-learn's 8x8 digits (classes 0–7) against held-out digits 8 and 9, inverted and "
+        f"rotated digits, photo patches and noise, with the {chosen} detectors of the CNN defaults (of the {known} "
+        "oodviz has). **Fashion-MNIST** runs **fashion-cnn** on the real 28x28 Fashion-MNIST (8 classes) against its "
+        "held-out Shirt and Ankle boot, inverted and rotated images, digits, photo patches and noise; it reads "
+        "Debian's `dataset-fashion-mnist`, the files in the form's data root, or downloads them where the form "
+        "allows downloads."
+    )
+    buttons = st.container(horizontal=True)  # each button as wide as its label: none is cut
+    if buttons.button("Run the default", type="primary"):
+        start_run(config_from_form(FormValues()), st)
+    if buttons.button("Run Fashion-MNIST"):
+        config = preset("fashion-mnist")
+        config.data_root, config.download = values.data_root.strip() or "data", bool(values.download)
+        config = confined_config(config, st)
+        if config is not None:
+            start_run(config, st)
+
+
+def new_run_page() -> None:
+    st.title("New run")
+    defaults = form_defaults()
+    if from_run():
+        st.caption(f"Starting from the choices of run `{from_run()}`: change what you like and press Start run.")
+    intro = st.container()
+    form_column, side = st.columns([3, 2], gap="large")
+    with form_column:
+        values, action, slots = render_form(defaults, side)
+    with intro:
+        landing(values)
+    handle_form(values, action, slots)
+
+
+__all__ = ["memory_estimate", "new_run_page", "render_form"]
