@@ -70,9 +70,26 @@ def teaching_panel(detector: str) -> None:
 DETECTOR_PARAM = "detector"
 
 
+@st.cache_data(show_spinner="Reading the detectors' modules…")
+def detectors_overview() -> pd.DataFrame:
+    """One row per detector, from its own module (:func:`oodviz.detectors.describe`): its name, what it computes,
+    what it reads and its paper (a detector without teaching metadata: its class's one-line summary and paper)."""
+    rows = []
+    for name in detector_names():
+        try:
+            about = detectors.describe(name)
+        except ValueError:
+            cls = detectors.detector_class(name)
+            about = {"summary": cls.summary, "reads": "", "paper": cls.paper}
+        rows.append(
+            {"detector": name, "what it computes": about["summary"], "reads": about["reads"], "paper": about["paper"]}
+        )
+    return pd.DataFrame(rows)
+
+
 def detectors_page() -> None:
-    """The Detectors page: what each detector computes, full width, one at a time (:func:`teaching_panel`); the
-    detector explained is in the URL (``?detector=<name>``), so a link opens it."""
+    """The Detectors page: what the chosen detector computes (:func:`teaching_panel`; the detector in the URL,
+    ``?detector=<name>``, so a link opens it), and every detector in one table beside it."""
     st.title("Detectors")
     names = detector_names()
     asked = st.query_params.get(DETECTOR_PARAM)
@@ -86,6 +103,14 @@ def detectors_page() -> None:
     if chosen != asked:
         st.query_params[DETECTOR_PARAM] = chosen
     teaching_panel(chosen)
+    st.subheader("Every detector")
+    st.dataframe(
+        detectors_overview(),
+        hide_index=True,
+        width="stretch",
+        height=38 + 35 * len(names),
+        column_config={"paper": st.column_config.LinkColumn("paper", display_text="paper")},
+    )
 
 
 def risk_coverage_view(results: Results, detectors=None) -> None:

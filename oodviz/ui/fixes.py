@@ -109,21 +109,23 @@ def fix_buttons(
             apply_fix(FormFix(fix.label, replace(values, **change)), from_run)
 
 
+#: the needs table's rows in sight at once (the rest scroll; those over their limit come first)
+NEEDS_ROWS_SHOWN = 8
 #: the style of a need over its limit in the needs table (dark text: legible in the dark theme too)
 OVER_STYLE = "background-color: #ffcdd2; color: #b71c1c"
 
 
 def needs_table(needs: list[dict]) -> pd.DataFrame:
     """The pre-flight's needs (:meth:`~oodviz.pipeline.preflight.Need.to_dict`) as the estimate's table: those over
-    their limit first, then in the pre-flight's order; sizes in B/KiB/MiB/GiB."""
+    their limit first, then in the pre-flight's order; sizes in B/KiB/MiB/GiB, what each need is last."""
     rows = sorted(needs, key=lambda need: not need["over"])
     return pd.DataFrame(
         {
             "": ["OVER" if need["over"] else "fits" for need in rows],
             "resource": [need["resource"].upper() if need["resource"] != "disk" else "disk" for need in rows],
-            "what": [need["what"] for need in rows],
             "needed": [format_bytes(need["needed"]) for need in rows],
             "available": [format_bytes(need["available"]) for need in rows],
+            "what": [need["what"] for need in rows],  # last: the longest, the figures stay in sight
         }
     )
 
@@ -178,6 +180,7 @@ def estimate_panel(values: FormValues, place) -> None:
             table.style.apply(lambda row: [OVER_STYLE if row[""] == "OVER" else ""] * len(row), axis=1),
             hide_index=True,
             width="stretch",
+            height=min(38 + 35 * len(table), 38 + 35 * NEEDS_ROWS_SHOWN),
         )
     fixes = entry.get("fixes", [])
     if entry["refusal"] and fixes:

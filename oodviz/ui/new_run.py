@@ -258,7 +258,7 @@ def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> 
     (held-out images of the ID fit set, counted from the form's ``data`` fields: :func:`fit_set_size`, or a
     folder), the OOD validation set; a placeholder under each for its errors, and one for its warnings
     (``<field>-warning``). Returns those fields and ``fit_size``."""
-    st.subheader("Validation (tuning)")
+    st.markdown("#### Validation (tuning)")
     tune = st.checkbox(
         "Tune parameters on validation data",
         defaults.tune,
@@ -731,7 +731,8 @@ def new_run_page() -> None:
     if from_run():
         st.caption(f"Starting from the choices of run `{from_run()}`: change what you like and press Start run.")
     intro = st.container()
-    form_column, side = st.columns([3, 2], gap="large")
+    form_column, side_column = st.columns([3, 2], gap="large")
+    side = side_column.container(key="start-panel")  # kept in sight while the form scrolls (main.PAGE_STYLE)
     with form_column:
         values, action, slots = render_form(defaults, side)
     with intro:
