@@ -37,7 +37,12 @@ TEMPLATE = go.layout.Template(
 )
 HEIGHT = 350
 SMALL_HEIGHT = 250
+#: The ID set's colour: a dark grey on the light theme's white; :data:`ID_COLOR_DARK` on the dark theme's near-black,
+#: where the dark grey's bars at 0.55 opacity all but vanished (:func:`id_color`)
 ID_COLOR = "#4C4C4C"
+ID_COLOR_DARK = "#B3B3B3"
+#: The key of a colour map (:func:`color_map`) that gives every ID label its colour
+ID_KEY = "ID"
 #: OOD colours (Plotly's qualitative "D3"-like set without grey), assigned in order
 OOD_COLORS = (
     "#D62728",
@@ -72,16 +77,21 @@ def is_id_label(label: str) -> bool:
     return label == "ID" or str(label).startswith("ID (")
 
 
-def color_map(names, colors: dict | None = None) -> dict:
-    """Colour of each name: ID labels get :data:`ID_COLOR`; the others :data:`OOD_COLORS` in order
-    (cycling); names already in ``colors`` keep theirs."""
+def id_color(theme: str | None) -> str:
+    """The ID set's colour on a page of Streamlit's ``theme`` type ("light", "dark"; None: not known, light)."""
+    return ID_COLOR_DARK if theme == "dark" else ID_COLOR
+
+
+def color_map(names, colors: dict | None = None, id_colour: str = ID_COLOR) -> dict:
+    """Colour of each name: ID labels get ``colors[ID_KEY]`` where ``colors`` has it, else ``id_colour``
+    (:func:`id_color`); the others :data:`OOD_COLORS` in order (cycling); names already in ``colors`` keep theirs."""
     result = dict(colors or {})
     used = sum(1 for name, _ in result.items() if not is_id_label(name))
     for name in names:
         if name in result:
             continue
         if is_id_label(name):
-            result[name] = ID_COLOR
+            result[name] = result.get(ID_KEY, id_colour)
         else:
             result[name] = OOD_COLORS[used % len(OOD_COLORS)]
             used += 1

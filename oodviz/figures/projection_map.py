@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 
-from oodviz.figures.plots import ID_COLOR, color_map
+from oodviz.figures.plots import ID_COLOR, ID_KEY, color_map
 from oodviz.figures.thumbnails import thumbnails
 from oodviz.files import write_atomic
 from oodviz.results.tables import ID_SPLIT, OOD_SPLIT, write_table
@@ -172,13 +172,13 @@ def map_title(method: str, drawn: int, samples: int) -> str:
 
 
 def set_colors(drawn: pd.DataFrame, colors: dict | None = None) -> dict:
-    """Colour of each set of ``drawn`` as in every other figure of the page: the ID test set
-    :data:`~oodviz.figures.plots.ID_COLOR`, each OOD set its colour in ``colors`` (the page's
+    """Colour of each set of ``drawn`` as in every other figure of the page: the ID test set ``colors``'
+    :data:`~oodviz.figures.plots.ID_KEY` colour (default :data:`~oodviz.figures.plots.ID_COLOR`), each OOD set its colour in ``colors`` (the page's
     :func:`~oodviz.figures.plots.color_map` of the run's OOD sets) or else the next of :func:`~oodviz.figures.plots.color_map`
     in order of appearance (the run's order)."""
     sets = drawn.dataset.astype(str)
     palette = color_map(pd.unique(sets[drawn.split == OOD_SPLIT]), colors)
-    return palette | dict.fromkeys(pd.unique(sets[drawn.split == ID_SPLIT]), ID_COLOR)
+    return palette | dict.fromkeys(pd.unique(sets[drawn.split == ID_SPLIT]), (colors or {}).get(ID_KEY, ID_COLOR))
 
 
 def projection_figure(

@@ -508,7 +508,7 @@ def failures_tab(page: Page) -> None:
         selection_mode="single-row",
         key=f"classes-{page.detector}",
     )
-    st.plotly_chart(plots.per_class_bar(per_class), width="stretch")
+    st.plotly_chart(plots.per_class_bar(per_class, color=page.colors[plots.ID_KEY]), width="stretch")
     rows = selection.selection.rows if selection else []
     id_class = int(per_class.iloc[rows[0]]["class"]) if rows else None
     g1, g2 = st.columns(2)
@@ -628,7 +628,9 @@ def results_page(run: RunDir) -> None:
         return
     best = best_detector(results.metrics)["best_detector"]
     sets = ood_datasets_of(results.scores)
-    page = Page(run, finished, results, detectors_of(results.scores), best, sets, plots.color_map(sets))
+    # the ID set's grey follows the browser's theme: legible on white and on near-black
+    colors = plots.color_map([plots.ID_KEY, *sets], id_colour=plots.id_color(st.context.theme.type))
+    page = Page(run, finished, results, detectors_of(results.scores), best, sets, colors)
     detector_failures(results)
     validation_warning(results)
     results_area(page)

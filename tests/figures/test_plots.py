@@ -182,6 +182,29 @@ def test_colours_are_consistent_across_figures(scores):
     assert P.color_map(["ID (x)", "a"]) == {"ID (x)": P.ID_COLOR, "a": P.OOD_COLORS[0]}
 
 
+def _luminance(hex_color: str) -> float:
+    """WCAG relative luminance of ``#RRGGBB``."""
+    channels = [int(hex_color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    linear = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+    return 0.2126 * linear[0] + 0.7152 * linear[1] + 0.0722 * linear[2]
+
+
+def _contrast(a: str, b: str) -> float:
+    high, low = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (high + 0.05) / (low + 0.05)
+
+
+def test_the_id_sets_grey_follows_the_theme_and_stands_out_on_its_background(scores):
+    """Streamlit draws a chart on white (light theme) or #0E1117 (dark): the ID set's bars must stand out on both
+    (WCAG's 3:1 for graphics); the dark grey of the light theme did not on near-black (1.9:1)."""
+    assert _contrast(P.id_color("light"), "#FFFFFF") >= 3 and _contrast(P.id_color(None), "#FFFFFF") >= 3
+    assert _contrast(P.id_color("dark"), "#0E1117") >= 3 > _contrast(P.ID_COLOR, "#0E1117")
+    colors = P.color_map([P.ID_KEY, *ood_datasets_of(scores)], id_colour=P.id_color("dark"))
+    assert colors[P.ID_KEY] == P.ID_COLOR_DARK and colors["far-set"] == P.OOD_COLORS[0]  # OOD colours unchanged
+    hist = P.histogram_figure(A.score_histogram(scores, "det"), colors=colors)
+    assert hist.data[0].name.startswith("ID") and hist.data[0].marker.color == P.ID_COLOR_DARK
+
+
 def test_per_class_bar(scores):
     table = per_class_at_threshold(scores, "det", 0.8, ["zero", "one", "two", "three"])
     fig = P.per_class_bar(table)
