@@ -6,7 +6,7 @@ browser:
 
 - **server ready**: from starting the server until it prints that its modules are imported (``oodviz app:
   ready``, :mod:`oodviz.ui.serve`);
-- **cold first load**: then a fresh browser, ``goto(?run=ID)`` until the metrics table is drawn and the app is
+- **cold first load**: then a fresh browser, ``goto(/run?run=ID)`` until the metrics table is drawn and the app is
   idle (Streamlit's status widget gone, two animation frames later): the run's files read for the first time;
 - **tab switch**: click a tab until its pixels are settled: the later of the server's last websocket frame for
   it and the page's last DOM change (a MutationObserver installed before the page's scripts); the last frame's
@@ -161,7 +161,7 @@ def measure_results(url: str, run_id: str, repeats: int) -> dict:
         page.add_init_script(LAST_CHANGE)
         wire = Wire(page)
         started = time.monotonic()
-        page.goto(f"{url}/?run={run_id}")
+        page.goto(f"{url}/run?run={run_id}")
         page.get_by_text(TAB_READY["Metrics"]).wait_for(timeout=120_000)
         settle(page)
         out["cold_first_load_s"] = round(time.monotonic() - started, 2)
@@ -308,7 +308,7 @@ def measure_live_lengths(url: str, runs_root: Path, lengths=(100, 10_000), secon
             browser = p.chromium.launch(executable_path=shutil.which("chromium") or "/usr/bin/chromium")
             page = browser.new_page(viewport={"width": 1000, "height": 1400})
             wire = Wire(page, keep=True)
-            page.goto(f"{url}/?run={path.name}")
+            page.goto(f"{url}/run?run={path.name}")
             page.get_by_text("Stage 10 of").first.wait_for(timeout=600_000)
             page.wait_for_timeout(5_000)
             start = time.monotonic()
