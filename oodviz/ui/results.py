@@ -161,9 +161,19 @@ def control_key(page: Page, name: str) -> str:
 
 
 def shared_controls(page: Page) -> None:
-    """The header every tab shares, above the tabs: the detector, where the threshold starts and the threshold;
-    sets them on ``page``."""
-    c1, c2 = st.columns([1, 1])
+    """The header every tab shares, above the tabs: the detector, where the threshold starts and the threshold (and
+    the HTML report, in a popover beside them); sets them on ``page``."""
+    c1, c2, c3 = st.columns([3, 3, 1], vertical_alignment="bottom")
+    report = c3.popover(
+        "HTML report",
+        width="stretch",
+        help="One self-contained file with this run's results, to share.",
+        key="report-open",
+        on_change="rerun",
+    )
+    if report.open:  # drawn only once opened (kaleido's check for the figure files is made then)
+        with report:
+            report_download(page.results)
     chosen = kept(page, "detector", page.best)
     page.detector = c1.selectbox(
         "Detector",
@@ -721,9 +731,8 @@ def view_to_url(page: Page, labels: list[str]) -> None:
 
 @st.fragment
 def results_area(page: Page) -> None:
-    """The report download, the shared controls and the tabs; only the open tab is drawn. The view comes from the
+    """The shared controls and the tabs; only the open tab is drawn. The view comes from the
     URL where a link names one, and goes back to it."""
-    report_download(page.results)
     shown = run_tabs(page.results.config)
     labels = [label for label, _ in shown]
     notes = view_from_url(page, labels)
