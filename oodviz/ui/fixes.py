@@ -183,8 +183,8 @@ def estimate_panel(values: FormValues, place) -> None:
             height=min(38 + 35 * len(table), 38 + 35 * NEEDS_ROWS_SHOWN),
         )
     fixes = entry.get("fixes", [])
-    if entry["refusal"] and fixes:
-        place.markdown("**To make it fit**")
+    if entry["refusal"] and fixes:  # each fix said whole; those the form can make are buttons under it
+        place.warning("To make it fit:\n" + "\n".join(f"- {fix.text}" for fix in fixes))
         fix_buttons(fixes, values, place, "Fix: ", "preflight-fix", from_run())
     with place.expander("How the estimate was made"):
         st.code(entry["description"].strip(), language=None, wrap_lines=True)

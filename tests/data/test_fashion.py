@@ -424,7 +424,7 @@ def test_app_runs_the_preset_in_one_click(tmp_path, monkeypatch):
 
     from streamlit.testing.v1 import AppTest
 
-    import oodviz.ui.main as ui_main
+    import oodviz.ui.new_run as ui_main
 
     submitted = []
 

@@ -112,13 +112,18 @@ def test_the_probe_figure_for_odin_matches_a_direct_peak_rss_measurement(tmp_pat
 
     # In a fresh process, as the app runs it: in a long-lived test worker malloc serves the batch from heap that
     # is resident already, so the peak rises less (103 vs 152 MiB in CI) and the probe would read low.
-    estimate, description, refusal, _, _ = estimate_in_subprocess(json.dumps(FASHION_ODIN), runs_root=tmp_path / "runs")
+    answer = estimate_in_subprocess(json.dumps(FASHION_ODIN), runs_root=tmp_path / "runs")
+    estimate, description, refusal = answer.estimate, answer.description, answer.refusal
     peaks = {peak["what"]: BatchPeak(**peak) for peak in estimate["batch_peaks"]}
     assert set(peaks) == {"extraction", "odin"} and estimate["batch_probe_failed"] == {}
     odin = peaks["odin"]
     assert odin.rows == BATCH  # fashion-cnn's activations: ODIN's chunk is the whole batch on any machine here
     assert odin.describe() in description and peaks["extraction"].describe() in description  # the app shows it
     assert refusal is None
+    # the needs as data (what the app's table draws): the batch of ODIN among them, under its limit
+    [odin_need] = [n for n in answer.needs if n["kind"] == "batch" and "odin" in n["what"] and n["resource"] == "ram"]
+    assert odin_need["needed"] == odin.bytes_at(BATCH) and odin_need["over"] is False
+    assert not any(n["over"] for n in answer.needs)
 
     done = subprocess.run(
         [sys.executable, "-c", DIRECT_ODIN], input=json.dumps(FASHION_ODIN), capture_output=True, text=True, check=True

@@ -287,7 +287,7 @@ def test_a_store_is_keyed_by_the_pooling_its_layer_resolves_to(tmp_path):
     assert not extract_or_reuse(maxed["features.1"], dataset, tmp_path, {"k": 1}).reused
 
 
-def test_the_sidebar_takes_several_layers_from_its_layers_list():
+def test_the_form_takes_several_layers_from_its_layers_list():
     from oodviz.ui.form import FormValues, config_from_form, form_values_from_config
 
     config = config_from_form(FormValues(layers=["features.1", "features.4", "penultimate"]))

@@ -172,7 +172,7 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
 
     from streamlit.testing.v1 import AppTest
 
-    import oodviz.ui.main
+    import oodviz.ui.new_run
     from oodviz.runs.jobs import QueueFull
 
     submitted = []
@@ -184,15 +184,15 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
         assert nproc_per_node == 1  # no GPUs here: one process
         raise QueueFull("test: recorded, not queued")
 
-    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    monkeypatch.setattr(oodviz.ui.new_run, "submit", submit)
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
     app = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "app.py"), default_timeout=120)
     app.run()
-    [box for box in app.sidebar.selectbox if box.label == "Backbone"][0].set_value("vit_b_16").run()  # its layers
-    layers = [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0]
+    [box for box in app.selectbox if box.label == "Backbone"][0].set_value("vit_b_16").run()  # its layers
+    layers = [layers for layers in app.multiselect if layers.label == "Layers"][0]
     layers.set_value([VIT_UNPOOLED["layer"]]).run()  # the layer's pooling field, its choices those of a token layer
-    [radio for radio in app.sidebar.radio if radio.label == "Weights"][0].set_value("random")
-    pooling = [box for box in app.sidebar.selectbox if box.label == "Pooling"][0]
+    [radio for radio in app.radio if radio.label == "Weights"][0].set_value("random")
+    pooling = [box for box in app.selectbox if box.label == "Pooling"][0]
     assert pooling.value is None and pooling.options == [
         "model's own (cls)",
         "avg",
@@ -201,36 +201,40 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
         "mean (of the patch tokens)",
         "none (flattened)",
     ]
-    [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].set_value("none")
-    start = [button for button in app.sidebar.button if button.label == "Start run"][0]
+    [box for box in app.selectbox if box.label == "Pooling"][0].set_value("none")
+    start = [button for button in app.button if button.label == "Start run"][0]
     start.click().run()
     assert not app.exception
-    shown = " ".join([*(w.value for w in app.sidebar.warning), *(c.value for c in app.sidebar.code)])  # fixes, table
-    assert (
-        "fit mahalanobis (D=151,296" in shown
-        and "own: 'cls' (the class token), gives D=768 instead of 151,296" in shown
-    )
-    assert any("Not started" in e.value for e in app.sidebar.error) and submitted == []
+    shown = " ".join(w.value for w in app.warning)  # the fixes
+    assert "own: 'cls' (the class token), gives D=768 instead of 151,296" in shown
+    [needs] = [d.value for d in app.dataframe if "needed" in d.value.columns]  # the needs, those over first
+    over = needs[needs[""] == "OVER"]
+    assert list(needs[""]) == ["OVER"] * len(over) + ["fits"] * (len(needs) - len(over))
+    # vim's D x D state is over; mahalanobis, on 1,081 rows of 151,296 features, takes the Gram path and fits
+    assert list(over.what) == ["fit vim (D=151,296, C=1,000, N=1,081)"]
+    assert needs.what.str.startswith("fit mahalanobis (D=151,296").any()
+    assert any(e.value.startswith("Does not fit this machine: fit vim (D=151,296") for e in app.error)
+    assert any("Not started" in e.value for e in app.error) and submitted == []
 
     def button(label):
-        return [b for b in app.sidebar.button if b.label == label][0]
+        return [b for b in app.button if b.label == label][0]
 
     assert button("Start run").disabled  # over the limit: Start is off, the fixes are buttons
     assert not button("Estimate memory").disabled
-    [box for box in app.sidebar.checkbox if box.label.startswith("Run anyway")][0].check().run()
+    [box for box in app.checkbox if box.label.startswith("Run anyway")][0].check().run()
     assert not button("Start run").disabled
     button("Start run").click().run()
     assert [c.pooling for c in submitted] == ["none"]
-    assert any("recorded, not queued" in e.value for e in app.sidebar.error)
+    assert any("recorded, not queued" in e.value for e in app.error)
     button("Fix: Pool the features (the model's own pooling)").click().run()  # fills the form, estimates it again
     assert not app.exception
-    assert [box for box in app.sidebar.selectbox if box.label == "Pooling"][0].value is None  # the model's own: cls
-    assert [layers for layers in app.sidebar.multiselect if layers.label == "Layers"][0].value == [
+    assert [box for box in app.selectbox if box.label == "Pooling"][0].value is None  # the model's own: cls
+    assert [layers for layers in app.multiselect if layers.label == "Layers"][0].value == [
         VIT_UNPOOLED["layer"]
     ]
-    assert any(s.value.startswith("Applied: Pool the features") for s in app.sidebar.success)
-    assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
-    assert not button("Start run").disabled and not [b for b in app.sidebar.button if b.label.startswith("Fix:")]
+    assert any(s.value.startswith("Applied: Pool the features") for s in app.success)
+    assert any(s.value == "Fits this machine's free disk, RAM and GPU memory." for s in app.success)
+    assert not button("Start run").disabled and not [b for b in app.button if b.label.startswith("Fix:")]
 
 
 def test_a_run_over_several_layers_is_told_to_pool_its_widest_layer():
@@ -454,15 +458,15 @@ def test_the_apps_start_refuses_a_knn_k_above_the_fit_rows_and_starts_nothing(
 
     from streamlit.testing.v1 import AppTest
 
-    import oodviz.ui.main
+    import oodviz.ui.new_run
 
     submitted = []
-    monkeypatch.setattr(oodviz.ui.main, "submit", lambda config, root, nproc_per_node=1: submitted.append(config))
+    monkeypatch.setattr(oodviz.ui.new_run, "submit", lambda config, root, nproc_per_node=1: submitted.append(config))
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
     app = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "app.py"), default_timeout=120)
     app.run()
-    [box for box in app.sidebar.number_input if box.label == "ID fit"][0].set_value(10)
-    [button for button in app.sidebar.button if button.label == "Start run"][0].click().run()
+    [box for box in app.number_input if box.label == "ID fit"][0].set_value(10)
+    [button for button in app.button if button.label == "Start run"][0].click().run()
     assert not app.exception
     shown = " ".join(e.value for e in app.error)
     assert "(knn): k=50 is more than the 10 rows of the ID fit set; choose k <= 10 or fit on more data" in shown

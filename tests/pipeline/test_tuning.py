@@ -323,7 +323,7 @@ def test_the_app_states_the_family_defaults_and_why(tmp_path, monkeypatch):
     app = AppTest.from_file(str(REPO / "app.py"), default_timeout=60)
     app.run()
     assert not app.exception
-    assert any(defaults_reason("digits-cnn") in c.value for c in app.sidebar.caption)
+    assert any(defaults_reason("digits-cnn") in c.value for c in app.caption)
 
 
 @pytest.mark.process

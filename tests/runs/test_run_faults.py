@@ -308,7 +308,7 @@ def test_opening_a_damaged_run_says_so(damaged_root, monkeypatch):
     assert not app.exception
     assert [e.value for e in app.error] == [
         "This run cannot be shown: damaged: status.json holds a list, not an object. "
-        "Delete it from Past runs (All runs)."
+        "Delete it on the Runs page."
     ]
 
 
@@ -322,7 +322,7 @@ def test_opening_a_done_run_whose_scores_are_missing_names_the_file(damaged_root
     assert not app.exception
     assert [e.value for e in app.error] == [
         "This run's results cannot be shown: scores.parquet is missing. Run its config again for new results "
-        "(the sidebar holds its choices: press Start run)."
+        "(New run from this one holds its choices: press Start run there)."
     ]
 
 
