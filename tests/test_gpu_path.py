@@ -267,7 +267,7 @@ def test_listing_devices_in_the_app_never_touches_cuda(fake_nvml, cuda_tripwire,
     finally:
         _devices.clear()
     assert not app.exception
-    device_box = [s for s in app.sidebar.selectbox if s.label.lower().startswith("device")][0]
+    device_box = [s for s in app.selectbox if s.label.lower().startswith("device")][0]
     assert [o for o in device_box.options if "cuda" in o] and cuda_tripwire == []
 
 

@@ -115,6 +115,11 @@ NEEDS_ROWS_SHOWN = 8
 OVER_STYLE = "background-color: #ffcdd2; color: #b71c1c"
 
 
+def resource_name(resource: str) -> str:
+    """A need's resource as the estimate names it: disk, RAM, GPU."""
+    return resource if resource == "disk" else resource.upper()
+
+
 def needs_table(needs: list[dict]) -> pd.DataFrame:
     """The pre-flight's needs (:meth:`~oodviz.pipeline.preflight.Need.to_dict`) as the estimate's table: those over
     their limit first, then in the pre-flight's order; sizes in B/KiB/MiB/GiB, what each need is last."""
@@ -122,7 +127,7 @@ def needs_table(needs: list[dict]) -> pd.DataFrame:
     return pd.DataFrame(
         {
             "": ["OVER" if need["over"] else "fits" for need in rows],
-            "resource": [need["resource"].upper() if need["resource"] != "disk" else "disk" for need in rows],
+            "resource": [resource_name(need["resource"]) for need in rows],
             "needed": [format_bytes(need["needed"]) for need in rows],
             "available": [format_bytes(need["available"]) for need in rows],
             "what": [need["what"] for need in rows],  # last: the longest, the figures stay in sight
@@ -136,8 +141,8 @@ def verdict(entry: dict) -> str:
     if not over and not entry["refusal"]:
         return "Fits this machine's free disk, RAM and GPU memory."
     said = "; ".join(
-        f"{need['what']}: {format_bytes(need['needed'])} of {need['resource']}, {format_bytes(need['available'])} "
-        "available"
+        f"{need['what']}: {format_bytes(need['needed'])} of {resource_name(need['resource'])}, "
+        f"{format_bytes(need['available'])} available"
         for need in over
     )
     return f"Does not fit this machine: {said or 'see the needs below'}."
@@ -148,8 +153,12 @@ def estimate_panel(values: FormValues, place) -> None:
     the needs as a table with the rows over their limit first and red, the fixes as buttons and the "Run anyway"
     checkbox, and the estimate's details folded."""
     filled = st.session_state.get(PREFILL)
-    if filled and filled["from"] == from_run() and form_key(filled["values"]) == form_key(values):
-        place.success(f"Applied: {filled['label']}. Press Start run to run it (a new run).")
+    if filled and filled["from"] == from_run():
+        # the form as first drawn from the fix's values: it completes what they leave to it (a failed run's config
+        # has no count of the ID fit images, nor the held-out images it suggests from it), so not equal to them
+        drawn = filled.setdefault("drawn", form_key(values))
+        if drawn == form_key(values):
+            place.success(f"Applied: {filled['label']}. Press Start run to run it (a new run).")
     entry = last_estimate(values)
     if entry is None:
         place.caption("Estimate memory (or Start run) measures what this run needs against this machine.")

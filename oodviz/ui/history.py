@@ -74,8 +74,12 @@ def run_choices(root: Path) -> list[str]:
 
 
 def run_label(run_id: str) -> str:
-    """How a picker names a run of :func:`~oodviz.ui.navigation.runs_root`: its id, and the name a user gave it."""
-    name = read_label(runs_root() / run_id)["name"]
+    """How a picker names a run of :func:`~oodviz.ui.navigation.runs_root`: its id, and the name a user gave it (an id
+    from the URL that is no run name of the runs root, ``../x``, is shown as it is: nothing outside is read)."""
+    try:
+        name = read_label(run_path(runs_root(), run_id))["name"]
+    except PathRefused:
+        return run_id
     return f"{run_id} · {name}" if name else run_id
 
 

@@ -492,20 +492,17 @@ def test_compare_matches_a_single_layer_run_with_the_same_layer_of_a_run_over_se
 
 
 def test_the_app_names_what_compare_could_not_match(runs, tmp_path, monkeypatch):
+    """The Compare page of the two runs (``/compare?a=layers&b=penultimate``) names each detector it left out."""
     import shutil
 
-    from oodviz.ui.history import runs_table_key
+    from app_nav import on_page
 
     for name in ("layers", "penultimate"):
         shutil.copytree(runs[name], tmp_path / name)
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path))
-    app = AppTest.from_file(APP, default_timeout=60)
-    app.run()
-    listed = list(app.dataframe[0].value.run)
-    rows = [listed.index(name) for name in ("layers", "penultimate")]
-    app.session_state[runs_table_key(listed)] = {"selection": {"rows": rows, "columns": [], "cells": []}}
-    app.run()
+    app = on_page(AppTest.from_file(APP, default_timeout=60), "compare", a="layers", b="penultimate")
     assert not app.exception
+    assert [s.value for s in app.selectbox if s.label in ("Run A", "Run B")] == ["layers", "penultimate"]
     [note] = [c.value for c in app.caption if c.value.startswith("Not compared")]
     assert "mahalanobis@features.1 (run A: run B has mahalanobis at penultimate, not at features.1)" in note
     [deltas] = [d.value for d in app.dataframe if "AUROC B − A" in d.value.columns]

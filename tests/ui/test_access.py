@@ -48,8 +48,8 @@ def test_without_the_token_the_page_is_only_the_token_prompt(runs_root, serving_
     app = AppTest.from_file(APP, default_timeout=60).run()
     assert not app.exception
     assert [t.label for t in app.text_input] == ["Access token"]
-    assert [b.label for b in app.button] == ["Open the app"]  # no form, no runs, no sidebar
-    assert not app.sidebar.children or not any(True for _ in app.sidebar.selectbox)
+    assert [b.label for b in app.button] == ["Open the app"]  # no form, no runs, no page of the app
+    assert not app.selectbox and not app.multiselect and [t.value for t in app.title] == ["oodviz"]
     assert not app.dataframe
     app.query_params["token"] = "wrong"
     app.run()
@@ -166,19 +166,19 @@ def test_the_form_refuses_a_folder_outside_the_data_dirs_before_any_run(runs_roo
     app = AppTest.from_file(APP, default_timeout=60)
     app.query_params["token"] = TOKEN
     app.run()
-    [preset_box] = [s for s in app.sidebar.selectbox if s.label == "In-distribution"]
-    preset_box.select("image folders (your own)")
+    [preset_box] = [s for s in app.selectbox if s.label == "In-distribution"]
+    preset_box.select("image folders (your own)").run()
     for label, value in (
         ("ID fit folder (image folders only)", "/etc"),
         ("ID test folder (image folders only)", "../x"),
     ):
-        [box] = [t for t in app.sidebar.text_input if t.label == label]
+        [box] = [t for t in app.text_input if t.label == label]
         box.input(value)
     [start] = [b for b in app.button if b.label == "Start run"]
     start.click().run()
     assert not app.exception
-    errors = [e.value for e in app.sidebar.error]  # one under each folder's field, then the count beside Start
-    assert errors == [NOT_ALLOWED, NOT_ALLOWED, "Fix first: 2 problem(s), shown under their fields above."]
+    errors = [e.value for e in app.error]  # one under each folder's field, then the count beside Start
+    assert errors == [NOT_ALLOWED, NOT_ALLOWED, "Fix first: 2 problem(s), shown under their fields."]
     assert list(runs_root.iterdir()) == []  # nothing was submitted
 
 
@@ -204,6 +204,7 @@ def outside_run(tmp_path) -> Path:
     outside.mkdir()
     RunConfig().save(outside / "config.json")
     (outside / "status.json").write_text(json.dumps({"state": "running", "pid": 2**22 + 12345}))
+    (outside / "label.json").write_text(json.dumps({"name": "a name outside", "notes": ""}))
     return outside
 
 
@@ -221,6 +222,8 @@ def test_the_url_cannot_open_a_run_outside_the_runs_root(runs_root, tmp_path, na
     assert str(tmp_path) not in error and "outside" not in error.replace("leads outside the runs root", "")
     assert (outside / "status.json").read_bytes() == before  # nothing outside was read as a run or rewritten
     assert not app.tabs
+    [picker] = [s for s in app.selectbox if s.label == "Run"]  # the Run page's picker names it as it was asked
+    assert not [o for o in picker.options if "a name outside" in o]
 
 
 def test_serving_others_hides_server_paths_and_tracebacks(runs_root, serving_others):
@@ -368,8 +371,8 @@ def test_the_estimate_runs_no_model_code_in_the_app_process(runs_root, monkeypat
     [estimate] = [b for b in app.button if b.label == "Estimate memory"]
     estimate.click().run()
     assert not app.exception
-    assert not [e.value for e in app.sidebar.error]
-    [shown] = [c.value for c in app.sidebar.code]
+    assert not [e.value for e in app.error]
+    [shown] = [c.value for c in app.code]  # under "How the estimate was made"
     assert counted_and_batches(shown) == counted_and_batches(expected.description)
     assert counted_and_batches(shown)[1] == ["batch of extraction", "batch of odin"]
 
@@ -471,10 +474,10 @@ def test_a_failing_estimate_is_a_clear_message_in_the_page(runs_root, tmp_path):
 
     st.cache_data.clear()
     app = AppTest.from_file(APP, default_timeout=120).run()
-    [preset_box] = [s for s in app.sidebar.selectbox if s.label == "In-distribution"]
-    preset_box.select("image folders (your own)")
+    [preset_box] = [s for s in app.selectbox if s.label == "In-distribution"]
+    preset_box.select("image folders (your own)").run()
     for label in ("ID fit folder (image folders only)", "ID test folder (image folders only)"):
-        [box] = [t for t in app.sidebar.text_input if t.label == label]
+        [box] = [t for t in app.text_input if t.label == label]
         box.input(str(tmp_path / "no-such-folder"))
     [estimate] = [b for b in app.button if b.label == "Estimate memory"]
     estimate.click().run()
@@ -483,5 +486,5 @@ def test_a_failing_estimate_is_a_clear_message_in_the_page(runs_root, tmp_path):
     assert [e.value for e in app.error] == [
         missing,
         missing,
-        "Fix first: 2 problem(s), shown under their fields above.",
+        "Fix first: 2 problem(s), shown under their fields.",
     ]

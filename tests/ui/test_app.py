@@ -1,21 +1,20 @@
-"""The app's page logic with Streamlit's AppTest: form to config, reattach from the URL, results pages."""
+"""The app's page logic with Streamlit's AppTest: form to config, reattach from the URL, results pages, the run list.
+The moves between pages: :mod:`app_nav`; each page's own features: test_pages.py."""
 
 import base64
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+from app_nav import APP, on_page
 from helpers import brute_force_threshold
 from streamlit.testing.v1 import AppTest
 
 from oodviz.config.run import DetectorChoice, RunConfig, preset
 from oodviz.ui.form import FOLDER_PRESET, FormValues, config_from_form, form_values_from_config
 from oodviz.ui.history import runs_table_key
-
-APP = str(Path(__file__).resolve().parents[2] / "app.py")
 
 
 def test_the_default_form_is_the_default_run_config():
@@ -65,7 +64,8 @@ def test_form_choices_become_the_config():
 
 @pytest.mark.parametrize("name", ["digits", "fashion-mnist", "custom"])
 def test_a_run_config_becomes_the_form_that_makes_it_again(name):
-    """Opening a run fills the sidebar with its choices: form -> config must give the run's config back."""
+    """ "New run from this one" fills the New run page's form with the run's choices: form -> config must give the
+    run's config back."""
     if name == "custom":
         config = config_from_form(
             FormValues(
@@ -111,10 +111,17 @@ def app(runs_root, monkeypatch):
     return AppTest.from_file(APP, default_timeout=60)
 
 
-def test_the_landing_page_offers_the_default_and_lists_past_runs(app, runs_root):
+def test_the_landing_page_offers_the_default_and_the_runs_page_lists_past_runs(app, runs_root):
     app.run()
     assert not app.exception
     assert [b.label for b in app.button if b.label == "Run the default"]
+    assert [m for m in app.multiselect if m.label == "Detectors"][0].value == [d.name for d in RunConfig().detectors]
+    from oodviz.detectors import available
+
+    intro = app.markdown[0].value  # the default's detectors counted, not "every detector" (20 of 34 run)
+    assert f"with the {len(RunConfig().detectors)} detectors of the CNN defaults (of the {len(available())}" in intro
+    on_page(app, "runs")
+    assert not app.exception
     runs = app.dataframe[0].value
     assert list(runs["run"]) == ["r1"] and runs["state"].iloc[0] == "done"
     metrics = pd.read_csv(runs_root / "r1" / "metrics.csv")
@@ -123,13 +130,6 @@ def test_the_landing_page_offers_the_default_and_lists_past_runs(app, runs_root)
     best = max(mean_auroc, key=mean_auroc.get)
     assert runs["best detector"].iloc[0] == best
     assert runs["mean AUROC"].iloc[0] == pytest.approx(mean_auroc[best])
-    assert [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value == [
-        d.name for d in RunConfig().detectors
-    ]
-    from oodviz.detectors import available
-
-    intro = app.markdown[0].value  # the default's detectors counted, not "every detector" (20 of 34 run)
-    assert f"with the {len(RunConfig().detectors)} detectors of the CNN defaults (of the {len(available())}" in intro
 
 
 def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):
@@ -145,7 +145,15 @@ def test_reattaching_from_the_url_shows_the_runs_results(app, runs_root):
         (metrics.detector == "mahalanobis") & (metrics.ood_dataset == "near (mean)")
     ].auroc.item()
     assert shown.set_index("detector").loc["mahalanobis", "AUROC near"] == pytest.approx(mahalanobis_near)
-    assert not app.slider  # the metrics tab has no threshold: nothing of the other tabs is drawn
+    assert app.session_state["results-tab"] == "Metrics"
+    assert not other_tabs_drawn(app)  # the header's threshold is drawn, nothing of the other tabs
+
+
+def other_tabs_drawn(app) -> list[str]:
+    """What the score histograms and failure cases tabs draw, found on the page (nothing while another tab is open)."""
+    return [m.label for m in app.metric if m.label.startswith("Misses")] + [
+        c.value for c in app.caption if c.value.startswith("At threshold ")
+    ]
 
 
 def shown_threshold_tab(app, tab):
@@ -251,7 +259,8 @@ def test_each_run_keeps_its_own_detector_and_threshold(app, runs_root):
         assert app.query_params["detector"] == "energy"  # r1's view is in the URL
         opened(app, "r-second")  # as the app opens a run: the URL without the view of the run shown before
         assert not app.exception
-        assert not app.slider  # r-second's own first tab, not r1's histograms
+        assert app.session_state["results-tab"] == "Metrics"  # r-second's own first tab, not r1's histograms
+        assert not other_tabs_drawn(app)
         shown_threshold_tab(app, "Score histograms")
         assert detector().value == default_detector and app.slider[0].value == pytest.approx(default_threshold)
         assert not any(f"At threshold {moved:.4g}" in c.value for c in app.caption)
@@ -315,8 +324,9 @@ def test_a_link_opens_the_view_it_names_and_the_url_follows_the_view(app, runs_r
     assert shared_box(reloaded, "Start the threshold at").value == "95% of all OOD sets pooled"
     assert reloaded.slider[0].value == moved
     assert dict(reloaded.query_params) == url
-    [b for b in reloaded.button if b.label == "All runs"][0].click().run()  # leaving the run leaves its view
-    assert dict(reloaded.query_params) == {}
+    [b for b in reloaded.button if b.label == "New run from this one"][0].click()
+    reloaded.run()  # leaving the run leaves its view
+    assert dict(reloaded.query_params) == {"from": "r1"}
 
 
 @pytest.mark.parametrize(
@@ -347,7 +357,7 @@ def test_values_in_a_link_the_run_does_not_have_are_dropped_with_a_note(app, run
     applied = {k: v for k, v in link.items() if not any(f"{k} '" in part for part in said)}
     assert dict(app.query_params) == {"run": "r1", **applied}
     if applied.get("tab") != "score-histograms":
-        assert app.session_state["results-tab"] == "Metrics" and not app.slider
+        assert app.session_state["results-tab"] == "Metrics" and not other_tabs_drawn(app)
         return
     scores = pd.read_parquet(runs_root / "r1" / "scores.parquet")
     ood = scores[scores.split == "ood"]
@@ -359,18 +369,29 @@ def test_values_in_a_link_the_run_does_not_have_are_dropped_with_a_note(app, run
     assert not link_notes(app)
 
 
-def test_the_sidebar_shows_the_choices_of_the_open_run(app, runs_root):
+def test_new_run_from_a_run_shows_its_choices_in_the_form(app, runs_root):
+    """The Run page's "New run from this one" opens the New run page (``?from=<id>``) with the run's choices in the
+    form; the link itself does the same in a new session."""
     other = runs_root / "r-other"
     shutil.copytree(runs_root / "r1", other)
     config = RunConfig.load(other / "config.json")
     config.detectors, config.batch_size = [DetectorChoice("msp"), DetectorChoice("knn", {"k": 5})], 32
     config.save(other / "config.json")
-    app.query_params["run"] = "r-other"
-    app.run()
-    assert not app.exception
-    assert [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value == ["msp", "knn"]
-    assert [n for n in app.sidebar.number_input if n.label == "Batch size"][0].value == 32
-    shutil.rmtree(other)
+    try:
+        app.query_params["run"] = "r-other"
+        app.run()
+        assert not app.exception and not [b for b in app.button if b.label == "Start run"]
+        [b for b in app.button if b.label == "New run from this one"][0].click().run()
+        assert not app.exception
+        assert dict(app.query_params) == {"from": "r-other"}
+        for shown in (app, on_page(AppTest.from_file(APP, default_timeout=60), "new", **{"from": "r-other"})):
+            assert [t.value for t in shown.title] == ["New run"] and [b for b in shown.button if b.label == "Start run"]
+            assert [m for m in shown.multiselect if m.label == "Detectors"][0].value == ["msp", "knn"]
+            assert [n for n in shown.number_input if n.label == "knn: k"][0].value == 5
+            assert [n for n in shown.number_input if n.label == "Batch size"][0].value == 32
+            assert any("Starting from the choices of run `r-other`" in c.value for c in shown.caption)
+    finally:
+        shutil.rmtree(other)
 
 
 def test_an_unknown_run_in_the_url_is_a_clear_message(app):
@@ -399,8 +420,9 @@ def test_a_failed_run_shows_a_readable_error_with_details_folded(app, runs_root)
 
 def test_a_failed_run_offers_the_fixes_its_error_names_and_a_click_fills_the_form(app, runs_root):
     """A run the OOM killer ended carries the smaller-batch fix in its status (as the supervisor records it):
-    "Retry with" fills the sidebar with the run's choices and a quarter of its batch size, estimates it, and starts
-    nothing. The button comes from the fix's kind and value: the error's words play no part."""
+    "Retry with" opens the New run page from that run (``?from=<id>``), its form filled with the run's choices and a
+    quarter of its batch size, estimates it, and starts nothing. The button comes from the fix's kind and value: the
+    error's words play no part."""
     from oodviz.problems import smaller_batch
     from oodviz.runs.rundir import RunDir
 
@@ -419,12 +441,14 @@ def test_a_failed_run_offers_the_fixes_its_error_names_and_a_click_fills_the_for
     assert [b.label for b in retry] == ["Retry with: Batch size 256 → 64"]
     retry[0].click().run()
     assert not app.exception
-    assert [n for n in app.sidebar.number_input if n.label == "Batch size"][0].value == 64
-    detectors = [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].value
+    assert dict(app.query_params) == {"from": "r-oom"} and [t.value for t in app.title] == ["New run"]
+    app = on_page(app, "new", **{"from": "r-oom"})  # AppTest stays on the page the app opened
+    assert [n for n in app.number_input if n.label == "Batch size"][0].value == 64
+    detectors = [m for m in app.multiselect if m.label == "Detectors"][0].value
     assert detectors == [d.name for d in RunConfig.load(failed / "config.json").detectors]
-    assert any(s.value.startswith("Applied: Batch size 256 → 64") for s in app.sidebar.success)
-    assert any(c.value.startswith("Fits this machine's") for c in app.sidebar.caption)  # estimated at once
-    assert not [b for b in app.button if b.label.startswith("Retry with: ")]  # applied: nothing left to offer
+    assert any(s.value.startswith("Applied: Batch size 256 → 64") for s in app.success)
+    assert any(s.value.startswith("Fits this machine's") for s in app.success)  # estimated at once
+    assert not [b for b in app.button if b.label.startswith(("Retry with: ", "Fix: "))]  # nothing left to offer
     assert sorted(p.name for p in runs_root.iterdir()) == before
     shutil.rmtree(failed)
 
@@ -434,7 +458,7 @@ def test_the_parameter_editor_sets_choices_booleans_and_numbers(
 ):
     """Non-numeric detector parameters are edited as what they are (a choice, a checkbox); only the values
     changed from the detector's defaults go into the config."""
-    import oodviz.ui.main
+    import oodviz.ui.new_run
     from oodviz.runs.jobs import QueueFull
 
     submitted = []
@@ -443,16 +467,16 @@ def test_the_parameter_editor_sets_choices_booleans_and_numbers(
         submitted.append(config)
         raise QueueFull("test: recorded, not queued")
 
-    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    monkeypatch.setattr(oodviz.ui.new_run, "submit", submit)
     app.run()
-    [box for box in app.sidebar.selectbox if box.label == "ash: variant"][0].set_value("p")
-    assert [box.options for box in app.sidebar.selectbox if box.label == "knn: backend"] == [
+    [box for box in app.selectbox if box.label == "ash: variant"][0].set_value("p")
+    assert [box.options for box in app.selectbox if box.label == "knn: backend"] == [
         ["exact", "faiss-flat", "faiss-ivf"]
     ]
-    [box for box in app.sidebar.checkbox if box.label == "mahalanobis: normalize"][0].check()
-    [n for n in app.sidebar.number_input if n.label == "energy: temperature"][0].set_value(2.5)
-    assert [n.value for n in app.sidebar.number_input if n.label == "vim: dim"] == [None]  # blank: automatic
-    [b for b in app.sidebar.button if b.label == "Start run"][0].click().run()
+    [box for box in app.checkbox if box.label == "mahalanobis: normalize"][0].check()
+    [n for n in app.number_input if n.label == "energy: temperature"][0].set_value(2.5)
+    assert [n.value for n in app.number_input if n.label == "vim: dim"] == [None]  # blank: automatic
+    [b for b in app.button if b.label == "Start run"][0].click().run()
     assert not app.exception
     (config,) = submitted
     params = {d.name: d.params for d in config.detectors if d.params}
@@ -503,24 +527,24 @@ def test_form_problems_are_keyed_by_the_field_they_are_about(tmp_path):
 def test_start_with_a_bad_form_shows_every_error_and_creates_no_run(app, runs_root):
     app.run()
     before = sorted(p.name for p in runs_root.iterdir())
-    [box for box in app.sidebar.selectbox if box.label == "In-distribution"][0].select(FOLDER_PRESET)
-    [t for t in app.sidebar.text_input if t.label.startswith("ID fit folder")][0].input("/no/such/folder")
-    [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].set_value([])
-    [b for b in app.sidebar.button if b.label == "Start run"][0].click().run()
+    [box for box in app.selectbox if box.label == "In-distribution"][0].select(FOLDER_PRESET).run()
+    [t for t in app.text_input if t.label.startswith("ID fit folder")][0].input("/no/such/folder")
+    [m for m in app.multiselect if m.label == "Detectors"][0].set_value([])
+    [b for b in app.button if b.label == "Start run"][0].click().run()
     assert not app.exception
-    errors = [e.value for e in app.sidebar.error]
+    errors = [e.value for e in app.error]
     assert errors == [
         "Image folder /no/such/folder does not exist",
         'The "folder" dataset needs path=\\<a directory of images\\>',  # escaped: shown as typed, not as HTML
         "choose at least one detector",
-        "Fix first: 3 problem(s), shown under their fields above.",
+        "Fix first: 3 problem(s), shown under their fields.",
     ]
     assert sorted(p.name for p in runs_root.iterdir()) == before and "run" not in app.query_params
 
 
 def test_a_bad_detector_parameter_is_said_once_under_the_detector_parameters(app, runs_root):
-    """A parameter a detector refuses: its message, with the detector's name once, in the slot under "Detector
-    parameters" (below the Detectors list and its caption); no run is created."""
+    """A parameter a detector refuses: its message, with the detector's name once, in the slot under "Parameters of
+    the 2 chosen detector(s)" (below the Detectors list and its caption); no run is created."""
     from oodviz.ui.form import form_problems
 
     values = FormValues(detectors=["react", "knn"], detector_params={"react": {"percentile": 150}, "knn": {"k": -5}})
@@ -534,13 +558,13 @@ def test_a_bad_detector_parameter_is_said_once_under_the_detector_parameters(app
     assert (problem.field, problem.detail) == ("detectors[0]", 'energy: temperature must be a number, got "x"')
     app.run()
     before = sorted(p.name for p in runs_root.iterdir())
-    [m for m in app.sidebar.multiselect if m.label == "Detectors"][0].set_value(["react", "energy"])
-    [n for n in app.sidebar.number_input if n.label == "react: percentile"][0].set_value(150.0)
-    [b for b in app.sidebar.button if b.label == "Start run"][0].click().run()
+    [m for m in app.multiselect if m.label == "Detectors"][0].set_value(["react", "energy"]).run()
+    [n for n in app.number_input if n.label == "react: percentile"][0].set_value(150.0)
+    [b for b in app.button if b.label == "Start run"][0].click().run()
     assert not app.exception
     said = "react: percentile is in percent and must satisfy 0 \\<= percentile \\<= 100, got 150"  # as typed
-    assert [e.value for e in app.sidebar.error] == [said, "Fix first: 1 problem(s), shown under their fields above."]
-    assert next_sibling(app.sidebar, "Detector parameters").value == said
+    assert [e.value for e in app.error] == [said, "Fix first: 1 problem(s), shown under their fields."]
+    assert next_sibling(app.main, "Parameters of the 2 chosen detector(s)").value == said
     assert sorted(p.name for p in runs_root.iterdir()) == before and "run" not in app.query_params
 
 
@@ -614,11 +638,10 @@ def test_runs_can_be_named_and_annotated_and_the_url_keeps_working(app, runs_roo
     assert json.loads((named / "label.json").read_text())["name"] == "first try"
     with pytest.raises(ValueError, match="at most 80 characters"):
         write_label(named, "x" * 81, "")
-    app.run()
+    on_page(app, "runs")
     runs = app.dataframe[0].value.set_index("run")
     assert runs.loc["r-named", "name"] == "first try" and runs.loc["r1", "name"] == ""
-    app.query_params["run"] = "r-named"
-    app.run()
+    on_page(app, "run", run="r-named")
     assert not app.exception and any("first try" in c.value for c in app.caption)
     assert any(m.value.startswith("**digits-cnn · ID digits-test · OOD digits-heldout") for m in app.markdown)
     shutil.rmtree(named)
@@ -646,12 +669,14 @@ def test_compare_two_runs_in_the_app(app, runs_root):
     config.save(other / "config.json")
     kept_rows = pd.read_csv(other / "metrics.csv")
     kept_rows[kept_rows.ood_dataset.isin([c.name for c in config.ood])].to_csv(other / "metrics.csv", index=False)
-    app.run()
+    on_page(app, "runs")
     table = app.dataframe[0].value
     rows = [list(table.run).index(r) for r in ("r1", "r-other-data")]
     app.session_state[runs_table_key(list(table.run))] = {"selection": {"rows": rows, "columns": [], "cells": []}}
     app.run()
+    [b for b in app.button if b.label == "Compare"][0].click().run()  # the Compare page, r1 as run A
     assert not app.exception
+    assert dict(app.query_params) == {"a": "r1", "b": "r-other-data"}
     assert any("different data: the OOD sets differ" in w.value for w in app.warning)
     diff = [d.value for d in app.dataframe if "setting" in d.value.columns][0].set_index("setting")
     assert diff.loc["batch_size", "run A"] == "256" and diff.loc["batch_size", "run B"] == "64"
@@ -681,7 +706,7 @@ def test_a_difference_is_green_where_run_b_is_better_and_red_where_worse():
 def test_delete_asks_first(app, runs_root):
     doomed = runs_root / "r-doomed"
     shutil.copytree(runs_root / "r1", doomed)
-    app.run()
+    on_page(app, "runs")
     runs = list(app.dataframe[0].value.run)
     app.session_state[runs_table_key(runs)] = {
         "selection": {"rows": [runs.index("r-doomed")], "columns": [], "cells": []}

@@ -26,11 +26,11 @@ def fake_devices(gpus: int) -> list[dict]:
 def test_all_gpus_is_offered_when_more_than_one_gpu_is_visible(gpus, tmp_path, monkeypatch):
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path))
     monkeypatch.setattr("oodviz.ui.new_run.device_facts", lambda: fake_devices(gpus))
-    st.cache_data.clear()  # the sidebar caches the devices for 30 s
+    st.cache_data.clear()  # the New run page caches the devices for 30 s
     app = AppTest.from_file(APP, default_timeout=60)
     app.run()
     assert not app.exception
-    device = [s for s in app.sidebar.selectbox if s.label == "Device"][0]
+    device = [s for s in app.selectbox if s.label == "Device"][0]
     every = [f"all {gpus} GPUs — one process each (torchrun)"] if gpus > 1 else []
     gpu_labels = [f"cuda:{i} — H200 (130 GiB free of 140 GiB)" for i in range(gpus)]
     assert device.options == ["auto — first GPU if any, else CPU", *every, "cpu — cpu", *gpu_labels]

@@ -71,12 +71,13 @@ def test_sizes_format_without_torch_and_every_model_name_is_its_submodules():
         models.no_such_name  # noqa: B018
 
 
-def test_a_run_page_with_its_sidebar_form_imports_no_torch_torchvision_sklearn_or_scipy(default_run, tmp_path):
-    """The whole app script on a finished run's page, in a fresh interpreter: the sidebar form (backbones, layers,
-    detectors, parameters, grids, devices, the ID fit set's count) reads :mod:`oodviz.config.catalog`; the detector
-    explanation below it is drawn only once opened. Its count is the loaded set's. The results page's last step,
-    :func:`oodviz.ui.results.prefetch` (background threads that open the galleries' datasets and import
-    scikit-learn once the page is drawn), is recorded here instead of started."""
+def test_a_run_page_and_the_new_run_form_import_no_torch_torchvision_sklearn_or_scipy(default_run, tmp_path):
+    """The whole app script on a finished run's page, then on the New run page started from that run
+    (``?from=r1``), in one fresh interpreter: the form (backbones, layers, detectors, parameters, grids, devices, the
+    ID fit set's count) reads :mod:`oodviz.config.catalog`; the detector explanation of the run's page is drawn only
+    once opened. Its count is the loaded set's. The results page's last step, :func:`oodviz.ui.results.prefetch`
+    (background threads that open the galleries' datasets and import scikit-learn once the page is drawn), is
+    recorded here instead of started."""
     from oodviz.data import load_dataset
 
     shutil.copytree(default_run.path, tmp_path / "r1")
@@ -86,8 +87,11 @@ def test_a_run_page_with_its_sidebar_form_imports_no_torch_torchvision_sklearn_o
         "prefetched = []\npage.prefetch = prefetched.append\n"
         f"app = AppTest.from_file({APP!r}, default_timeout=300)\n"
         "app.query_params['run'] = 'r1'\napp.run()\nassert not app.exception, app.exception\nassert prefetched\n"
-        "print([n.label for n in app.sidebar.number_input if n.label.startswith('Held-out ID images')])\n"
-        "print(len([m for m in app.sidebar.multiselect if m.label == 'Detectors'][0].options))"
+        "assert [s.label for s in app.selectbox][:2] == ['Run', 'Detector'], app.selectbox\n"
+        "app.query_params.clear()\napp.query_params['from'] = 'r1'\n"
+        "app.switch_page('oodviz/ui/app_pages/new_run.py').run()\nassert not app.exception, app.exception\n"
+        "print([n.label for n in app.number_input if n.label.startswith('Held-out ID images')])\n"
+        "print(len([m for m in app.multiselect if m.label == 'Detectors'][0].options))"
     )
     done = subprocess.run([sys.executable, "-c", f"{code}\n{REPORT}"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
