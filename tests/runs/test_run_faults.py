@@ -282,13 +282,13 @@ def test_report_and_score_name_a_done_runs_unusable_scores_file_and_the_fix(dama
 
 
 def test_the_app_lists_damaged_runs_and_can_delete_them(damaged_root, tmp_path, monkeypatch):
+    from app_nav import on_page
     from streamlit.testing.v1 import AppTest
 
     root = tmp_path / "runs"
     shutil.copytree(damaged_root, root)
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(root))
-    app = AppTest.from_file(str(APP), default_timeout=120)
-    app.run()
+    app = on_page(AppTest.from_file(str(APP), default_timeout=120), "runs")
     assert not app.exception and not [e.value for e in app.error], [e.value for e in app.error]
     table = app.dataframe[0].value
     states = dict(zip(table.run, table.state))
