@@ -158,12 +158,15 @@ def test_serving_others_needs_the_printed_token(serve, page):
     page.get_by_label("Access token").wait_for(timeout=30_000)
     page.get_by_role("button", name="Open the app").wait_for(timeout=30_000)  # the script has run to its end
     assert page.get_by_role("button", name="Run the default").count() == 0
-    assert page.get_by_text("Past runs").count() == 0
+    assert page.get_by_role("link", name="Runs").count() == 0  # no page of the app: not even its top bar
     page.goto(f"http://127.0.0.1:{port}/?token=wrong")
     page.get_by_text("That is not this server's access token.").wait_for(timeout=60_000)
     assert page.get_by_role("button", name="Run the default").count() == 0
     page.goto(f"http://127.0.0.1:{port}/?token={token}")
     page.get_by_role("button", name="Run the default").wait_for(timeout=60_000)
+    assert page.get_by_label("Access token").count() == 0
+    page.get_by_role("link", name="Runs").click()  # another page: the session keeps the token
+    page.get_by_role("heading", name="Runs").wait_for(timeout=60_000)
     assert page.get_by_label("Access token").count() == 0
 
 
