@@ -189,7 +189,7 @@ def _keys(generation: str) -> dict[str, str]:
 def _switch_default_detectors(generation: str, detectors_shown: list[str]) -> None:
     """On a change of backbone: when the detector list (and each family parameter) is still the default of the
     backbone it was made for, make it the new backbone's family default (:mod:`oodviz.config.defaults`); a list
-    the user edited (and submitted: a form's pending edits are not known) is kept."""
+    the user edited is kept."""
     state, keys = st.session_state, _keys(generation)
     old = default_detector_params(state[keys["defaults_of"]])
     new = default_detector_params(state[keys["backbone"]])
@@ -253,7 +253,16 @@ def fit_set_size(values: FormValues) -> int | None:
     return _count_images(json.dumps(asdict(fit), sort_keys=True), config.data_root)
 
 
-def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> dict:
+def _held_out_count(key: str, suggested: int) -> None:
+    """Before the held-out count's widget (``key``) is drawn: while it still shows the count suggested last (a fifth
+    of the ID fit set), it shows the one suggested now; a count typed stays as typed when the ID data changes."""
+    state, last = st.session_state, f"{key}-suggested"
+    if key in state and state[key] == state.get(last) and state[key] != suggested:
+        state[key] = suggested
+    state[last] = suggested
+
+
+def _validation_section(defaults: FormValues, data: FormValues, slots: dict, generation: str) -> dict:
     """The "Validation (tuning)" fields (:mod:`oodviz.ui.form_tuning`): the switch, the ID validation split
     (held-out images of the ID fit set, counted from the form's ``data`` fields: :func:`fit_set_size`, or a
     folder), the OOD validation set; a placeholder under each for its errors, and one for its warnings
@@ -279,10 +288,14 @@ def _validation_section(defaults: FormValues, data: FormValues, slots: dict) -> 
     )
     suggested = defaults.id_val_images or (fit_size // 5 if fit_size else 0)
     counted = f"of the {fit_size:,} ID fit images" if fit_size else "of the ID fit images"
+    # keyed: a label that follows the count would otherwise make a new widget, back at the suggestion, at each change
+    key = f"id-val-images-{generation}"
+    _held_out_count(key, suggested)
     id_val_images = st.number_input(
         f"Held-out ID images ({counted})",
         min_value=0,
         value=suggested,
+        key=key,
         help="The last N images of the ID fit set; the detectors are fitted on the images before them.",
     )
     slots["id_val"], slots["id_val-warning"] = st.empty(), st.empty()
@@ -522,7 +535,7 @@ def render_form(defaults: FormValues, side) -> tuple[FormValues, str | None, dic
     slots["protocol"] = st.empty()
 
     data = replace(defaults, id_preset=id_preset, fit_folder=fit_folder, data_root=data_root, download=False)
-    validation = _validation_section(defaults, data, slots)
+    validation = _validation_section(defaults, data, slots, generation)
     detector_grids = _grid_editor(defaults, detectors, detector_params, slots)
 
     st.subheader("4 · Resources")

@@ -1,5 +1,6 @@
 """The issue-15 views in the app (AppTest on a copy of the default run): risk–coverage, the feature
-space, the report download, the metrics table's selective-classification columns, the teaching panel."""
+space, the report download, the metrics table's selective-classification columns, the teaching panel (the
+Detectors page)."""
 
 import base64
 import json
@@ -235,21 +236,56 @@ def test_a_score_next_to_its_threshold_prints_on_its_own_side():
     assert shown.loc["odin", "ID percentile"] == "42.0"
 
 
-def test_the_sidebar_explains_the_chosen_detector_from_its_module(app):
-    """Drawn only once opened (the detector classes are torch modules; a cold page load imports none)."""
+DETECTORS_PAGE = "oodviz/ui/app_pages/detectors.py"  # as AppTest.switch_page takes it: from app.py's folder
+
+
+def explained(app, detector: str) -> None:
+    """The Detectors page shows what ``detector`` does, from its own module: the formula as inline math (KaTeX wraps
+    it in a narrow column, no formula scrolls sideways), the score and each definition a line; when it fails."""
+    about = describe(detector)
+    *definitions, last = about["formula"].split(r",\quad ")
+    formula = "  \n".join([*(f"${clause},$" for clause in definitions), f"${last}$"])
+    assert formula in [m.value for m in app.main.markdown]
+    assert f"**{detector}**: {about['summary']}" in [m.value for m in app.main.markdown]
+    assert not app.main.latex
+    assert any(about["fails_when"] in c.value for c in app.main.caption)
+
+
+def test_the_detectors_page_explains_the_chosen_detector_from_its_module(app):
+    """The New run page draws no detector's explanation (the detector classes are torch modules: a cold load of the
+    form imports none), it links to the Detectors page; there the one chosen is explained, and the URL names it."""
     app.run()
-    assert not [s for s in app.sidebar.selectbox if s.key == "teach-detector"] and not app.sidebar.latex
-    app.session_state["teach-open"] = True
+    assert not app.exception and not app.latex
+    assert not [s for s in app.selectbox if (s.key or "").startswith("teach-detector")]
+    app.switch_page(DETECTORS_PAGE).run()
+    assert not app.exception
+    (chosen,) = [s for s in app.selectbox if s.label == "Detector"]
+    assert len(describe("odin")["formula"].split(r",\quad ")) == 3  # three lines below
+    chosen.select("odin").run()
+    assert not app.exception
+    explained(app, "odin")
+    assert app.query_params["detector"] == "odin"
+    # and the next choice too (a widget keyed by the URL lost every choice that changed the URL)
+    (chosen,) = [s for s in app.selectbox if s.label == "Detector"]
+    chosen.select("mahalanobis").run()
+    assert not app.exception and app.query_params["detector"] == "mahalanobis"
+    explained(app, "mahalanobis")
+
+
+def test_the_detectors_page_explains_the_detector_its_url_names(app):
+    """``/detectors?detector=<name>`` (a link) opens with that detector chosen and explained, no click needed."""
     app.run()
-    app.sidebar.selectbox(key="teach-detector").select("odin").run()
-    about = describe("odin")
-    # the formula as inline math (KaTeX wraps it in the narrow sidebar), the score and each definition a line
-    clauses = about["formula"].split(r",\quad ")
-    assert len(clauses) == 3 and f"${clauses[0]},$  \n${clauses[1]},$  \n${clauses[2]}$" in [
-        m.value for m in app.sidebar.markdown
-    ]
-    assert not app.sidebar.latex
-    assert any(about["fails_when"] in c.value for c in app.sidebar.caption)
+    app.query_params["detector"] = "knn"
+    app.switch_page(DETECTORS_PAGE).run()
+    assert not app.exception
+    (chosen,) = [s for s in app.selectbox if s.label == "Detector"]
+    assert chosen.value == "knn"
+    explained(app, "knn")
+    assert not [m for m in app.main.markdown if m.value.startswith("**odin**")]
+    app.query_params["detector"] = "energy"  # a link naming another one, in the same session
+    app.run()
+    assert [s.value for s in app.selectbox if s.label == "Detector"] == ["energy"]
+    explained(app, "energy")
 
 
 def views(run_path: str):

@@ -1,6 +1,7 @@
-"""The sidebar form's validation data, tuning switch and layers (issue 17) and its checks (issue 14 point 1), with
-Streamlit's AppTest on an empty runs root: what reaches the submitted config, errors under their fields, the
-default detector list that follows the backbone's family."""
+"""The New run page's form: its validation data, tuning switch and layers (issue 17) and its checks (issue 14 point
+1), with Streamlit's AppTest on an empty runs root: what reaches the submitted config, errors under their fields, the
+default detector list that follows the backbone's family; every field reruns the page, so what the form offers and
+says follows the fields as they are, before any Start or Estimate (issue 26)."""
 
 from dataclasses import replace
 from pathlib import Path
@@ -9,7 +10,7 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
-import oodviz.ui.main
+import oodviz.ui.new_run
 from oodviz.config.defaults import default_detector_params
 from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.data import load_dataset
@@ -33,7 +34,7 @@ def submitted(tmp_path, monkeypatch, app_subprocesses_in_process):
         configs.append(config)
         raise QueueFull("test: recorded, not queued")
 
-    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    monkeypatch.setattr(oodviz.ui.new_run, "submit", submit)
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
     return configs
 
@@ -47,7 +48,7 @@ def app(submitted):
 
 
 def widget(app, kind: str, label: str):
-    (found,) = [w for w in getattr(app.sidebar, kind) if w.label.startswith(label)]
+    (found,) = [w for w in getattr(app.main, kind) if w.label.startswith(label)]
     return found
 
 
@@ -82,7 +83,7 @@ def test_validation_data_grids_and_layers_reach_the_submitted_config(app, submit
         DetectorChoice("mahalanobis"),
         DetectorChoice("msp"),
     ]
-    assert config.problems() == [] and not [w for w in app.sidebar.warning if "validation" in w.value]
+    assert config.problems() == [] and not [w for w in app.main.warning if "validation" in w.value]
     # the run's page fills the form with its choices: the form gives the same config back
     again = form_values_from_config(config)
     assert (again.tune, again.id_val, again.id_val_images, again.ood_val) == (True, HELD_OUT, 200, "digits-rotated")
@@ -100,16 +101,16 @@ def test_bad_validation_fields_show_every_error_under_its_field_and_submit_nothi
     widget(app, "multiselect", "Detectors").set_value(["energy"])
     click(app, "Start run")
     assert submitted == []
-    errors = [e.value for e in app.sidebar.error]
+    errors = [e.value for e in app.main.error]
     assert errors == [
         f"hold out fewer than the {DIGITS_FIT:,} images of the ID fit set (the detectors are fitted on the rest)",
         "energy grid: temperature takes float values, got 'hot'",
-        "Fix first: 2 problem(s), shown under their fields above.",
+        "Fix first: 2 problem(s), shown under their fields.",
     ]
-    (warning,) = [w.value for w in app.sidebar.warning if "validation" in w.value]
+    (warning,) = [w.value for w in app.main.warning if "validation" in w.value]
     assert warning.startswith("the OOD validation set noise-uniform is also the OOD test set noise-uniform (same")
     # each message right under its field: nothing but captions drawn between them
-    shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.sidebar]
+    shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.main]
     for field, message in (
         ("Held-out ID images", errors[0]),
         ("OOD validation set", warning),
@@ -129,18 +130,147 @@ def test_the_default_detector_list_follows_the_backbone_family_until_edited(app)
     assert widget(app, "multiselect", "Detectors").value == transformer
     assert "ash" not in transformer and "gradnorm" not in transformer
     assert widget(app, "checkbox", "mahalanobis: normalize").value is True  # MDS++ on a transformer
-    assert any("ViT-B RMDS++ 81.71" in c.value for c in app.sidebar.caption)
+    assert any("ViT-B RMDS++ 81.71" in c.value for c in app.main.caption)
     assert "encoder.layers.encoder_layer_11" in widget(app, "multiselect", "Layers").options
     widget(app, "selectbox", "Backbone").select("resnet18").run()
     assert widget(app, "multiselect", "Detectors").value == list(default_detector_params("resnet18"))
     assert widget(app, "checkbox", "mahalanobis: normalize").value is False
-    assert any("SCALE 81.36/96.53" in c.value for c in app.sidebar.caption)
+    assert any("SCALE 81.36/96.53" in c.value for c in app.main.caption)
     # a list the user chose stays when the backbone changes
     widget(app, "multiselect", "Detectors").set_value(["msp", "energy"])
     widget(app, "checkbox", "Tune parameters on validation data").check()  # a problem: checked, not estimated
     click(app, "Estimate memory")
     widget(app, "selectbox", "Backbone").select("swin_t").run()
     assert widget(app, "multiselect", "Detectors").value == ["msp", "energy"]
+
+
+# ---- the form follows its fields as they are, before any Start or Estimate (issue 26) ----------------------------
+
+
+def parameter_section(app):
+    """The expander of the chosen detectors' parameters, and the detectors whose parameters it offers (each field's
+    label starts with its detector's name)."""
+    (section,) = [e for e in app.main.expander if e.label.startswith("Parameters of the ")]
+    fields = [w for kind in ("number_input", "selectbox", "checkbox") for w in getattr(section, kind)]
+    return section, {field.label.split(": ")[0] for field in fields}
+
+
+def test_only_the_chosen_detectors_parameters_are_offered_and_a_new_choice_offers_its_own_at_once(app, submitted):
+    """Not a field for each of the detectors oodviz has: those of the chosen ones, and a detector added to the list
+    brings its fields on that rerun, with nothing pressed; a value typed stays while the list changes, and reaches
+    the run."""
+    widget(app, "multiselect", "Detectors").set_value(["msp", "knn"]).run()
+    section, offered = parameter_section(app)
+    assert section.label == "Parameters of the 2 chosen detector(s)" and offered == {"knn"}  # msp has none
+    assert [w.label for w in section.number_input if w.label.startswith("knn: ")][0] == "knn: k"
+    widget(app, "number_input", "knn: k").set_value(7)
+    widget(app, "multiselect", "Detectors").set_value(["msp", "knn", "odin"]).run()
+    assert not app.exception and not app.main.error
+    section, offered = parameter_section(app)
+    assert section.label == "Parameters of the 3 chosen detector(s)" and offered == {"knn", "odin"}
+    assert widget(app, "number_input", "knn: k").value == 7
+    assert not [w for w in app.main.number_input if w.label.startswith(("react: ", "ash: ", "scale: "))]
+    widget(app, "multiselect", "Detectors").set_value(["msp", "knn"]).run()
+    assert parameter_section(app)[1] == {"knn"}
+    click(app, "Start run")
+    (config,) = submitted
+    assert config.detectors == [DetectorChoice("msp"), DetectorChoice("knn", {"k": 7})]
+
+
+def held_out(app) -> tuple[str, int]:
+    """The held-out count's label and value."""
+    field = widget(app, "number_input", "Held-out ID images")
+    return field.label, field.value
+
+
+def write_folder(root: Path, per_class: dict[str, int]) -> Path:
+    """An image folder: ``per_class[c]`` 8x8 PNGs under ``root/c``."""
+    from PIL import Image
+
+    for name, count in per_class.items():
+        (root / name).mkdir(parents=True)
+        for i in range(count):
+            Image.new("L", (8, 8), color=i * 10 % 256).save(root / name / f"{i}.png")
+    return root
+
+
+def test_the_held_out_count_follows_the_id_data_fields_as_they_are_edited(app, submitted, tmp_path):
+    """The label of the held-out count names the size of the ID fit set the fields name now: the bundled digits',
+    none for image folders until tuning reads a folder, then that folder's, another folder's once its path is
+    edited, the digits' again; nothing pressed. Its value, a fifth of that set, follows too until a count is typed;
+    a count typed stays (a label that changed made a new field, back at the suggestion)."""
+    fit = write_folder(tmp_path / "fit", {"a": 3, "b": 7})
+    other = write_folder(tmp_path / "other", {"a": 5, "b": 9, "c": 1})
+    assert held_out(app) == (f"Held-out ID images (of the {DIGITS_FIT:,} ID fit images)", DIGITS_FIT // 5)
+    widget(app, "selectbox", "In-distribution").select("image folders (your own)").run()
+    assert held_out(app) == ("Held-out ID images (of the ID fit images)", 0)  # a folder is counted when tuning
+    widget(app, "checkbox", "Tune parameters on validation data").check().run()
+    assert held_out(app) == ("Held-out ID images (of the ID fit images)", 0)  # no folder yet
+    widget(app, "text_input", "ID fit folder").input(str(fit)).run()
+    assert held_out(app) == ("Held-out ID images (of the 10 ID fit images)", 2)
+    widget(app, "text_input", "ID fit folder").input(str(other)).run()
+    assert held_out(app) == ("Held-out ID images (of the 15 ID fit images)", 3)
+    widget(app, "number_input", "Held-out ID images").set_value(4).run()
+    widget(app, "text_input", "ID fit folder").input(str(fit)).run()
+    assert held_out(app) == ("Held-out ID images (of the 10 ID fit images)", 4)
+    widget(app, "selectbox", "In-distribution").select("digits (bundled, 8x8)").run()
+    assert held_out(app) == (f"Held-out ID images (of the {DIGITS_FIT:,} ID fit images)", 4)
+    assert not app.exception and not app.main.error and submitted == []
+
+
+def detectors_caption_shown(app) -> str:
+    (caption,) = [c.value for c in app.main.caption if "family" in c.value and "list" in c.value]
+    return caption
+
+
+def test_the_caption_under_the_detector_list_says_when_the_list_was_edited_and_when_it_is_the_default_again(app):
+    from oodviz.config.catalog import detector_names
+    from oodviz.config.defaults import defaults_reason
+
+    default = list(default_detector_params("digits-cnn"))
+    assert detectors_caption_shown(app).startswith(defaults_reason("digits-cnn"))
+    widget(app, "multiselect", "Detectors").set_value(["msp", "energy"]).run()
+    assert detectors_caption_shown(app) == (
+        f"Your list: 2 of the {len(detector_names())} detectors. The digits-cnn family's default is {len(default)} "
+        f"({', '.join(default)}); choose another backbone and this list stays as you made it."
+    )
+    widget(app, "multiselect", "Detectors").set_value(default).run()
+    assert detectors_caption_shown(app).startswith(defaults_reason("digits-cnn"))
+    assert not app.exception
+
+
+def test_a_tuning_problem_goes_once_both_validation_fields_are_fixed_and_the_run_starts(app, submitted):
+    """Tuning without validation data: Start says so under ID validation and starts nothing. A held-out count the
+    fit set cannot spare: its problem instead. Both fields fixed (a count it can spare, an OOD validation set):
+    Estimate shows no problem any more, and Start starts the run with them."""
+    widget(app, "checkbox", "Tune parameters on validation data").check()
+    widget(app, "multiselect", "Detectors").set_value(["energy"])
+    click(app, "Start run")
+    assert submitted == []
+    assert [e.value for e in app.main.error] == [
+        form_problems(FormValues(tune=True, fit_size=DIGITS_FIT))["id_val"][0],
+        "Fix first: 1 problem(s), shown under their fields.",
+    ]
+    widget(app, "selectbox", "ID validation").select(HELD_OUT)
+    widget(app, "number_input", "Held-out ID images").set_value(DIGITS_FIT)
+    click(app, "Start run")
+    assert submitted == []
+    held_out, no_ood_val, count = [e.value for e in app.main.error]  # the first problem gone, two others instead
+    assert held_out == (
+        f"hold out fewer than the {DIGITS_FIT:,} images of the ID fit set (the detectors are fitted on the rest)"
+    )
+    assert no_ood_val.startswith("tuning needs both id") and no_ood_val.endswith("or neither")
+    assert count == "Fix first: 2 problem(s), shown under their fields."
+    widget(app, "number_input", "Held-out ID images").set_value(100)
+    widget(app, "selectbox", "OOD validation set").select("digits-rotated")
+    click(app, "Estimate memory")
+    assert [e.value for e in app.main.error] == [] and submitted == []
+    assert "Fits this machine's free disk, RAM and GPU memory." in [s.value for s in app.main.success]
+    click(app, "Start run")
+    assert [e.value for e in app.main.error] == ["test: recorded, not queued"]  # the fixture's submit, nothing else
+    (config,) = submitted
+    assert config.id_val == DatasetChoice("digits-train", subsample=100, subsample_mode="last")
+    assert config.ood_val == DatasetChoice("digits-rotated") and config.problems() == []
 
 
 def test_form_problems_of_the_validation_fields(tmp_path):
@@ -224,7 +354,7 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
 
     monkeypatch.setattr(oodviz.pipeline.preflight, "machine_limits", with_small_disk)
     monkeypatch.setattr(
-        oodviz.ui.main,
+        oodviz.ui.new_run,
         "memory_estimate",
         lambda config, root: estimate_for_config(RunConfig.from_dict(json.loads(config)), root),
     )
@@ -232,16 +362,23 @@ def test_the_fewer_layers_fix_drops_the_widest_layer_and_the_estimate_then_fits(
     widget(app, "multiselect", "OOD datasets").set_value(["digits-heldout"])
     widget(app, "multiselect", "Detectors").set_value(["msp", "mahalanobis"])
     click(app, "Estimate memory")
-    (refusal,) = [w.value for w in app.sidebar.warning]  # the fixes; the needs table beside the estimate
-    assert f"- fewer layers: the widest is penultimate (D={dims['penultimate']})" in refusal.splitlines()
-    ((needs,),) = [[c.value for c in app.sidebar.code]]
-    assert "feature stores, 3 layers" in needs and needs.count("OVER") == 1
+    # the verdict first, then the needs (the one over its limit first, marked), then the fix as a button
+    (verdict,) = [e.value for e in app.main.error]
+    assert verdict.startswith("Does not fit this machine: feature stores, 3 layers (") and " of disk, " in verdict
+    assert f"penultimate: D={dims['penultimate']}, " in verdict
+    (needs,) = [frame.value for frame in app.main.dataframe]
+    assert needs[""].tolist().count("OVER") == 1 and needs.iloc[0][""] == "OVER"
+    assert needs.iloc[0]["what"].startswith("feature stores, 3 layers")
+    ((made,),) = [[c.value for c in app.main.code]]  # "How the estimate was made"
+    assert "feature stores" in made
     assert widget(app, "button", "Start run").disabled
+    fixes = [b.label for b in app.main.button if b.label.startswith("Fix: ")]
+    assert "Fix: Leave out layer penultimate (the widest)" in fixes and not [f for f in fixes if "features." in f]
     click(app, "Fix: Leave out layer penultimate (the widest)")
     assert widget(app, "multiselect", "Layers").value == ["features.0", "features.3"]
-    assert any(s.value.startswith("Applied: Leave out layer penultimate") for s in app.sidebar.success)
-    assert "Fits this machine's free disk" in " ".join(c.value for c in app.sidebar.caption)
-    assert not widget(app, "button", "Start run").disabled and not app.sidebar.warning
+    assert any(s.value.startswith("Applied: Leave out layer penultimate") for s in app.main.success)
+    assert "Fits this machine's free disk, RAM and GPU memory." in [s.value for s in app.main.success]
+    assert not widget(app, "button", "Start run").disabled and not app.main.error and not app.main.warning
     click(app, "Start run")
     assert [config.layers for config in submitted] == [["features.0", "features.3"]]
 
@@ -390,10 +527,10 @@ def test_the_form_offers_a_pooling_per_layer_and_the_run_gets_the_table(app, sub
     """Two layers picked: each gets its field ("Pooling of <layer>", the model's own first, no cls or mean on a CNN's
     maps) and penultimate a caption; the run started gets the table of the fields that name a pooling. A run's
     table, drawn again, shows in the fields as it was."""
-    assert not [box for box in app.sidebar.selectbox if box.label.startswith("Pooling")]  # penultimate alone
-    assert any(c.value.startswith("penultimate: the classifier head's input") for c in app.sidebar.caption)
+    assert not [box for box in app.main.selectbox if box.label.startswith("Pooling")]  # penultimate alone
+    assert any(c.value.startswith("penultimate: the classifier head's input") for c in app.main.caption)
     widget(app, "multiselect", "Layers").set_value(["features.0", "features.3", "penultimate"]).run()
-    fields = [box for box in app.sidebar.selectbox if box.label.startswith("Pooling")]
+    fields = [box for box in app.main.selectbox if box.label.startswith("Pooling")]
     assert [box.label for box in fields] == ["Pooling of features.0", "Pooling of features.3"]
     assert all(
         box.value is None and box.options == ["model's own (avg)", "avg", "max", "none (flattened)"] for box in fields
@@ -406,18 +543,20 @@ def test_the_form_offers_a_pooling_per_layer_and_the_run_gets_the_table(app, sub
     assert config_from_form(form_values_from_config(config)) == config
 
 
-def test_a_runs_pooling_table_fills_the_fields_and_its_problem_shows_under_its_layer(submitted, monkeypatch):
-    """The form drawn from a run's config (a table, one entry a pooling that does not apply to a CNN's layer: shown
+def test_a_runs_pooling_table_fills_the_fields_and_its_problem_shows_under_its_layer(submitted, tmp_path):
+    """The form drawn from a run's config on the New run page (``?from=<id>``; a table, one entry a pooling that does not apply to a CNN's layer: shown
     as it was): each field shows its layer's entry; Estimate puts the refusal under that layer's field."""
     config = RunConfig(layers=["features.0", "features.3"], pooling={"features.0": "cls", "features.3": "none"})
-    monkeypatch.setattr(oodviz.ui.main, "form_defaults", lambda: form_values_from_config(config))
+    (tmp_path / "runs" / "pooled").mkdir(parents=True)
+    config.save(tmp_path / "runs" / "pooled" / "config.json")
     app = AppTest.from_file(APP, default_timeout=120)
+    app.query_params["from"] = "pooled"
     app.run()
     assert not app.exception
     assert widget(app, "selectbox", "Pooling of features.0").value == "cls"
     assert widget(app, "selectbox", "Pooling of features.3").value == "none"
     click(app, "Estimate memory")
-    shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.sidebar]
+    shown = [(node.type, getattr(node, "label", None) or str(getattr(node, "value", ""))) for node in app.main]
     at = next(i for i, (_, text) in enumerate(shown) if text == "Pooling of features.0")
     following = [text for kind, text in shown[at + 1 :] if kind not in ("caption", "empty")]
     assert following[0].startswith("pooling 'cls' of features.0 reads the class token")

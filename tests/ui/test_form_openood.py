@@ -10,7 +10,7 @@ import pytest
 from helpers import checkpoint, write_cifar10_root
 from streamlit.testing.v1 import AppTest
 
-import oodviz.ui.main
+import oodviz.ui.new_run
 from oodviz import models
 from oodviz.config.run import DatasetChoice, DetectorChoice, RunConfig
 from oodviz.pipeline.openood import benchmark_config
@@ -164,13 +164,13 @@ def submitted(tmp_path, monkeypatch, app_subprocesses_in_process):
         configs.append(config)
         raise QueueFull("test: recorded, not queued")
 
-    monkeypatch.setattr(oodviz.ui.main, "submit", submit)
+    monkeypatch.setattr(oodviz.ui.new_run, "submit", submit)
     monkeypatch.setenv("OODVIZ_RUNS_ROOT", str(tmp_path / "runs"))
     return configs
 
 
 def widget(app, kind: str, label: str):
-    (found,) = [w for w in getattr(app.sidebar, kind) if w.label.startswith(label)]
+    (found,) = [w for w in getattr(app.main, kind) if w.label.startswith(label)]
     return found
 
 
@@ -186,12 +186,12 @@ def test_start_with_the_preset_submits_the_benchmarks_run(data_root, submitted):
     widget(app, "radio", "Protocol").set_value("openood")
     widget(app, "button", "Start run").click().run()  # the default OOD list is still chosen
     assert not app.exception and not submitted
-    assert "runs its benchmark's own OOD sets" in " ".join(e.value for e in app.sidebar.error)
+    assert "runs its benchmark's own OOD sets" in " ".join(e.value for e in app.main.error)
     widget(app, "multiselect", "OOD datasets").set_value([])
     widget(app, "number_input", "ID fit").set_value(20)
     widget(app, "button", "Start run").click().run()
     # a random network on random images: the classifier check refuses it, rightly (as oodviz bench without --force)
-    assert not submitted and "the model's classes do not look like the ID labels" in app.sidebar.error[0].value
+    assert not submitted and "the model's classes do not look like the ID labels" in app.main.error[0].value
     widget(app, "checkbox", "Run anyway").check().run()
     widget(app, "button", "Start run").click().run()
     assert not app.exception
