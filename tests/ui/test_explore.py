@@ -69,6 +69,10 @@ def test_the_new_tabs_are_offered(app):
         "Feature space",
         "Run details",
     ]  # no "Which layer?": the default run has one layer
+    assert not [b for b in app.button if b.label == "Build the HTML report"]  # drawn only once its popover opens
+    app.session_state["report-open"] = True
+    app.run()
+    assert not app.exception
     assert [b.label for b in app.button if b.label == "Build the HTML report"]
 
 
