@@ -42,10 +42,11 @@ def access_granted(policy: AccessPolicy) -> bool:
 #: At a 1000 px window: narrower side margins (the first eight result tabs fit on one line), result tabs that
 #: wrap rather than scroll out of sight, and multiselect chips in a smaller font, so no name is cut. Less room above
 #: a page's title (the top bar holds the pages' links), and the New run page's Start column in sight while the form
-#: scrolls (its estimate stays beside the fields it is about).
+#: scrolls (its estimate stays beside the fields it is about; a long one scrolls inside it: every fix reachable).
 PAGE_STYLE = """<style>
 [data-testid="stMainBlockContainer"] { padding-left: 1.5rem; padding-right: 1.5rem; padding-top: 4.5rem; }
-[data-testid="stColumn"]:has(.st-key-start-panel) { position: sticky; top: 4rem; align-self: flex-start; }
+[data-testid="stColumn"]:has(.st-key-start-panel) {
+  position: sticky; top: 4rem; align-self: flex-start; max-height: calc(100vh - 5rem); overflow-y: auto; }
 [role="tablist"] { flex-wrap: wrap; column-gap: 0.5rem; }
 [data-testid="stMultiSelectTagsContainer"] span { font-size: 0.75rem; }
 </style>"""

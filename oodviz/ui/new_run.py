@@ -744,7 +744,7 @@ def new_run_page() -> None:
     if from_run():
         st.caption(f"Starting from the choices of run `{from_run()}`: change what you like and press Start run.")
     intro = st.container()
-    form_column, side_column = st.columns([3, 2], gap="large")
+    form_column, side_column = st.columns(2, gap="large")  # the needs table's columns whole beside the form
     side = side_column.container(key="start-panel")  # kept in sight while the form scrolls (main.PAGE_STYLE)
     with form_column:
         values, action, slots = render_form(defaults, side)
