@@ -264,7 +264,7 @@ def test_the_needs_table_puts_the_needs_over_their_limit_first():
     from oodviz.ui.fixes import needs_table
 
     table = needs_table(NEEDS)
-    assert list(table.columns) == ["", "resource", "what", "needed", "available"]
+    assert list(table.columns) == ["", "resource", "needed", "available", "what"]
     assert table.to_dict("records") == [
         {"": "OVER", "resource": "RAM", "what": "batch of extraction", "needed": "40 GiB", "available": "16 GiB"},
         {"": "OVER", "resource": "RAM", "what": "fit of knn", "needed": "20 GiB", "available": "16 GiB"},

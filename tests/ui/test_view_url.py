@@ -35,7 +35,7 @@ def test_tab_slugs_are_short_distinct_and_url_safe():
     ]
     from oodviz.ui.results import RESULT_TABS
 
-    every = [tab_slug(label) for label, _, _ in RESULT_TABS]
+    every = [tab_slug(label) for label, _ in RESULT_TABS]
     assert len(set(every)) == len(every) and all(s.replace("-", "").isalnum() for s in every)
 
 
