@@ -229,9 +229,7 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     button("Fix: Pool the features (the model's own pooling)").click().run()  # fills the form, estimates it again
     assert not app.exception
     assert [box for box in app.selectbox if box.label == "Pooling"][0].value is None  # the model's own: cls
-    assert [layers for layers in app.multiselect if layers.label == "Layers"][0].value == [
-        VIT_UNPOOLED["layer"]
-    ]
+    assert [layers for layers in app.multiselect if layers.label == "Layers"][0].value == [VIT_UNPOOLED["layer"]]
     assert any(s.value.startswith("Applied: Pool the features") for s in app.success)
     assert any(s.value == "Fits this machine's free disk, RAM and GPU memory." for s in app.success)
     assert not button("Start run").disabled and not [b for b in app.button if b.label.startswith("Fix:")]

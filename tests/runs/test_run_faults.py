@@ -307,8 +307,7 @@ def test_opening_a_damaged_run_says_so(damaged_root, monkeypatch):
     app.run()
     assert not app.exception
     assert [e.value for e in app.error] == [
-        "This run cannot be shown: damaged: status.json holds a list, not an object. "
-        "Delete it on the Runs page."
+        "This run cannot be shown: damaged: status.json holds a list, not an object. Delete it on the Runs page."
     ]
 
 
