@@ -43,6 +43,7 @@ from oodviz.ui.access import show_server_details, shown_message
 from oodviz.ui.chart_selection import projection_selection_gallery
 from oodviz.ui.figure_export import chart
 from oodviz.ui.hover_thumbnail import hover_panel
+from oodviz.ui.navigation import url_widget_key, url_written_key
 
 SUBPROCESS_TIMEOUT_S = 600
 
@@ -80,11 +81,10 @@ def detectors_page() -> None:
         f"The {len(names)} detectors of oodviz: each one's formula, paper, what it reads and when it fails. Higher "
         "score = more OOD for every detector."
     )
-    chosen = st.selectbox(
-        "Detector", names, index=names.index(asked) if asked in names else 0, key=f"teach-detector-{asked}"
-    )
+    chosen = st.selectbox("Detector", names, key=url_widget_key("teach-detector", asked, names, names[0]))
     if chosen != asked:
         st.query_params[DETECTOR_PARAM] = chosen
+    st.session_state[url_written_key("teach-detector")] = chosen
     teaching_panel(chosen)
 
 
