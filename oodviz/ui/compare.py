@@ -14,7 +14,7 @@ from oodviz.figures import plots
 from oodviz.results.analysis import compare_runs, unmatched_detectors
 from oodviz.results.tables import load_results
 from oodviz.ui.history import run_choices, run_label
-from oodviz.ui.navigation import runs_root
+from oodviz.ui.navigation import runs_root, url_widget_key, url_written_key
 
 
 def flat(config: dict, prefix: str = "") -> dict[str, str]:
@@ -148,15 +148,11 @@ def compare_page() -> None:
         asked = st.query_params.get(name)
         if asked is not None and asked not in ids:
             column.warning(f"There is no run {asked!r} here; it may have been deleted.")
-        chosen = column.selectbox(
-            f"Run {name.upper()}",
-            ids,
-            index=ids.index(asked) if asked in ids else ids.index(fallback),
-            format_func=run_label,
-            key=f"compare-{name}-{asked}",
-        )
+        key = url_widget_key(f"compare-{name}", asked, ids, fallback)
+        chosen = column.selectbox(f"Run {name.upper()}", ids, format_func=run_label, key=key)
         if st.query_params.get(name) != chosen:
             st.query_params[name] = chosen
+        st.session_state[url_written_key(key)] = chosen
         picked.append(chosen)
     if picked[0] == picked[1]:
         st.info("Choose two different runs.")

@@ -43,6 +43,7 @@ from oodviz.ui.access import show_server_details, shown_message
 from oodviz.ui.chart_selection import projection_selection_gallery
 from oodviz.ui.figure_export import chart
 from oodviz.ui.hover_thumbnail import hover_panel
+from oodviz.ui.navigation import url_widget_key, url_written_key
 
 SUBPROCESS_TIMEOUT_S = 600
 
@@ -68,8 +69,6 @@ def teaching_panel(detector: str) -> None:
 
 #: the Detectors page's query parameter: the detector it explains
 DETECTOR_PARAM = "detector"
-#: session keys: the Detectors page's selectbox, and the detector it showed last
-TEACH_KEY, TEACH_SHOWN = "teach-detector", "teach-detector-shown"
 
 
 @st.cache_data(show_spinner="Reading the detectors' modules…")
@@ -99,15 +98,10 @@ def detectors_page() -> None:
         f"The {len(names)} detectors of oodviz: each one's formula, paper, what it reads and when it fails. Higher "
         "score = more OOD for every detector."
     )
-    # One widget for the page: a key that followed the URL (or the detector shown) made a new widget on the rerun
-    # after a pick had changed the URL, which showed the URL's detector again and lost the next pick. A URL naming
-    # another detector than the one shown last (a link) chooses it.
-    if asked in names and (TEACH_KEY not in st.session_state or asked != st.session_state.get(TEACH_SHOWN)):
-        st.session_state[TEACH_KEY] = asked
-    chosen = st.selectbox("Detector", names, key=TEACH_KEY)
-    st.session_state[TEACH_SHOWN] = chosen
+    chosen = st.selectbox("Detector", names, key=url_widget_key("teach-detector", asked, names, names[0]))
     if chosen != asked:
         st.query_params[DETECTOR_PARAM] = chosen
+    st.session_state[url_written_key("teach-detector")] = chosen
     teaching_panel(chosen)
     st.subheader("Every detector")
     st.dataframe(

@@ -214,13 +214,14 @@ def runs_page() -> None:
         open_run(picked[0])
     if c2.button("Compare", disabled=len(picked) != 2, width="stretch", help="Select two runs to compare them."):
         open_compare(*picked)
-    with c3:
+    with c3:  # the button first: in line with Open and Compare, its option under it
+        delete = st.button("Delete", disabled=not picked, width="stretch")
         remove_stores = st.checkbox(
             "with their feature stores",
             help="Also remove the extracted features that no other run uses (a later run extracts them again).",
             key="delete-stores",
         )
-        if st.button("Delete", disabled=not picked, width="stretch"):
+        if delete:
             st.session_state[CONFIRM] = picked
     confirm_delete(root, picked, remove_stores)
 

@@ -80,3 +80,23 @@ def open_new_run(from_run: str | None = None) -> None:
 def open_compare(a: str, b: str) -> None:
     """The Compare page with runs ``a`` and ``b``."""
     go("compare", a=a, b=b)
+
+
+def url_written_key(key: str) -> str:
+    """Where the value that widget ``key`` last wrote to the URL is kept (see :func:`url_widget_key`)."""
+    return f"{key}-in-url"
+
+
+def url_widget_key(key: str, asked: str | None, options: list[str], fallback: str) -> str:
+    """``key``, the key of a selectbox over ``options`` whose value is in the URL (``asked``): its state set to
+    ``asked`` when the URL names another value than the one the page last wrote there (a link, a reload, the browser's
+    back button) or the widget has no state yet, else kept; ``fallback`` when neither names one of ``options``. The
+    page writes the value chosen to the URL and to :func:`url_written_key` after the widget.
+
+    One key whatever the URL says: a key made of the URL's value changed with each pick (the page writes the pick to
+    the URL), making a new widget on the next rerun that showed the URL's value, and that pick was lost."""
+    if asked in options and (asked != st.session_state.get(url_written_key(key)) or key not in st.session_state):
+        st.session_state[key] = asked
+    elif st.session_state.get(key) not in options:
+        st.session_state[key] = fallback
+    return key

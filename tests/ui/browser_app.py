@@ -1,5 +1,5 @@
-"""The app under test in the browser tests (test_browser.py, test_browser_form.py, test_browser_selection.py): a
-Streamlit server per test module over its own runs root, and screenshots."""
+"""The app under test in the browser tests (test_browser*.py): a Streamlit server per test module over its own runs
+root, and screenshots."""
 
 import os
 import shutil

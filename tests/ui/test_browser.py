@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import numpy as np
 import pandas as pd
@@ -215,19 +216,22 @@ def test_fashion_mnist_results_pages_show_real_28x28_thumbnails(page, app_url, r
 def test_a_bad_form_shows_each_error_under_its_field_and_starts_nothing(page, app_url, runs_root, tmp_path):  # noqa: F811
     before = sorted(p.name for p in runs_root.iterdir())
     page.goto(app_url)
-    sidebar = page.locator('[data-testid="stSidebar"]')
-    sidebar.get_by_text("In-distribution", exact=True).wait_for(timeout=120_000)
-    sidebar.locator('[data-testid="stSelectbox"]').filter(has_text="In-distribution").click(timeout=60_000)
+    form = page.locator('[data-testid="stMain"]')  # the New run page: the form in the main area
+    form.get_by_text("In-distribution", exact=True).wait_for(timeout=120_000)
+    form.locator('[data-testid="stSelectbox"]').filter(has_text="In-distribution").click(timeout=60_000)
     page.get_by_role("option", name="image folders (your own)").click()
-    fit = sidebar.get_by_label("ID fit folder (image folders only)")
+    page.wait_for_function(IDLE, timeout=60_000)  # every field reruns the page: the rerun over before typing
+    fit = form.get_by_label("ID fit folder (image folders only)")
     fit.fill(str(tmp_path / "no-such-folder"))
-    test = sidebar.get_by_label("ID test folder (image folders only)")
+    test = form.get_by_label("ID test folder (image folders only)")
     test.fill(str(tmp_path))  # exists, holds no images
-    sidebar.get_by_role("button", name="Start run").click()
-    missing = sidebar.get_by_text(f"Image folder {tmp_path / 'no-such-folder'} does not exist")
+    test.press("Enter")  # a text field is sent when it is left or Enter is pressed
+    page.wait_for_function(IDLE, timeout=60_000)
+    form.get_by_role("button", name="Start run").click()
+    missing = form.get_by_text(f"Image folder {tmp_path / 'no-such-folder'} does not exist")
     missing.wait_for(timeout=60_000)
-    empty = sidebar.get_by_text(re.compile(rf"No images found under {re.escape(str(tmp_path))}"))
-    assert empty.count() == 1 and sidebar.get_by_text("Fix first: 2 problem(s)").count() == 1
+    empty = form.get_by_text(re.compile(rf"No images found under {re.escape(str(tmp_path))}"))
+    assert empty.count() == 1 and form.get_by_text("Fix first: 2 problem(s)").count() == 1
     # each error right under its own field: between that field and the next one
     top = {name: box.bounding_box()["y"] for name, box in (("fit", fit), ("test", test))}
     assert top["fit"] < missing.bounding_box()["y"] < top["test"] < empty.bounding_box()["y"]
@@ -300,11 +304,14 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
     about.evaluate(show_tabs)
     shoot(page, tmp_path, "teaching")
 
-    sidebar = page.locator('[data-testid="stSidebar"]')
-    sidebar.get_by_text("What each detector does").click()
-    sidebar.locator(".katex").first.wait_for(timeout=30_000)  # the first chosen detector's formula
-    sidebar.get_by_text("Fails when").evaluate("element => element.scrollIntoView({block: 'end'})")
-    sidebar.get_by_text("Fails when").wait_for(state="visible", timeout=30_000)  # once the expander has opened
+    # what each detector does: the Detectors page, a link of the top bar (was: an expander of the sidebar)
+    page.locator('[data-testid="stTopNavLink"]').filter(has_text="Detectors").click(timeout=30_000)
+    page.wait_for_url(re.compile(r"/detectors"), timeout=60_000)
+    main = page.locator('[data-testid="stMain"]')
+    main.locator(".katex").first.wait_for(timeout=30_000)  # the first detector's formula
+    main.get_by_text("Fails when").evaluate("element => element.scrollIntoView({block: 'end'})")
+    main.get_by_text("Fails when").wait_for(state="visible", timeout=30_000)
+    assert page.locator('[data-testid="stException"]').count() == 0
 
 
 #: Leaf elements whose text the browser cuts with an ellipsis (labels, chips, buttons, tabs).
@@ -361,16 +368,20 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     assert len(boxes) == len(run_tabs({})) == 8, boxes  # every tab of a one-layer run
     tops = [b["y"] for b in boxes]
     assert max(tops) - min(tops) < min(b["height"] for b in boxes) / 2, boxes  # on one line
-    assert all(b["x"] >= 300 and b["x"] + b["width"] <= 1000 for b in boxes)  # right of the sidebar, in the window
+    assert all(b["x"] >= 0 and b["x"] + b["width"] <= 1000 for b in boxes)  # in the window
     assert page.evaluate(CUT_TEXTS) == []
     shoot(page, tmp_path, "tabs-1000px")
 
-    page.goto(app_url)
+    # the Runs page, a link of the top bar (was: the landing page's run list)
+    page.locator('[data-testid="stTopNavLink"]').filter(has_text="Runs").click(timeout=30_000)
+    page.wait_for_url(re.compile(r"/runs"), timeout=60_000)
     grid = page.locator('[data-testid="stDataFrame"]').first
     grid.wait_for(timeout=120_000)
     order = list(runs_table(runs_root).run)
     page.wait_for_function(IDLE, timeout=120_000)
-    assert page.evaluate(CUT_TEXTS) == []  # the landing page's buttons and chips too
+    assert page.evaluate(CUT_TEXTS) == []  # the Runs page's filters, buttons and chips too
+    buttons = page.locator('[data-testid^="stBaseButton"]:visible')  # a multiselect's arrow is "Open" too
+    compare = buttons.filter(has_text=re.compile(r"^Compare$"))
 
     def pick(*names):  # the row markers of the run list (a canvas): one click each toggles a row
         grid.scroll_into_view_if_needed()
@@ -378,8 +389,18 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
         for name in names:
             page.mouse.click(box["x"] + 15, box["y"] + 35 + 35 * order.index(name) + 17)
             page.wait_for_timeout(300)
+        page.wait_for_function(IDLE, timeout=60_000)
 
-    pick("cmp-a", "cmp-other")
+    def compared(*names) -> tuple[str, str]:  # two rows picked, Compare pressed: the Compare page's runs A and B
+        pick(*names)
+        compare.click(timeout=60_000)
+        page.wait_for_url(re.compile(r"/compare\?"), timeout=60_000)
+        params = {k: v[-1] for k, v in parse_qs(urlparse(page.url).query).items()}
+        assert {params["a"], params["b"]} == set(names), page.url
+        return params["a"], params["b"]
+
+    assert compare.is_disabled()  # nothing selected
+    compared("cmp-a", "cmp-other")
     warning = page.get_by_text("These runs are on different data")
     warning.wait_for(timeout=60_000)
     assert "the OOD sets differ" in warning.inner_text()
@@ -387,16 +408,22 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     scatter.wait_for(timeout=60_000)
     assert warning.bounding_box()["y"] < scatter.bounding_box()["y"]  # said before anything is shown
     assert scatter.get_by_text("Mean AUROC over 2 shared OOD set(s)").count()  # the two sets both runs have
+    assert page.evaluate(CUT_TEXTS) == []
     warning.evaluate("element => element.scrollIntoView({block: 'center'})")
     shoot(page, tmp_path, "compare-other-data")
 
-    pick("cmp-a", "cmp-other")  # unselect both
-    page.get_by_text("Select two runs to compare them.").wait_for(timeout=60_000)
-    pick("cmp-a", "cmp-same")
+    page.go_back()  # the Runs page again, nothing selected: Compare waits for two runs
+    grid.wait_for(timeout=60_000)
+    page.wait_for_function(IDLE, timeout=120_000)
+    open_run = buttons.filter(has_text=re.compile(r"^Open$"))
+    assert open_run.is_disabled() and compare.is_disabled()  # no row selected
+    pick("cmp-a")
+    assert open_run.is_enabled() and compare.is_disabled()  # one run: it opens, but there is nothing to compare
+    pick("cmp-a")  # unselected
+    first, second = compared("cmp-a", "cmp-same")
     scatter = page.locator(".js-plotly-plot").filter(has_text="Mean AUROC over 6 shared OOD set(s)")
     scatter.wait_for(timeout=60_000)
     assert not page.get_by_text("These runs are on different data").count()
-    first, second = sorted(("cmp-a", "cmp-same"), key=order.index)  # A is the upper row
     points = scatter.evaluate(
         "e => { const t = e.data[1]; return {x: Array.from(t.x), y: Array.from(t.y), text: Array.from(t.text)}; }"
     )
@@ -406,5 +433,6 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     for name, x, y in zip(points["text"], points["x"], points["y"]):
         assert x == pytest.approx(expected_a[name], abs=1e-9) and y == pytest.approx(expected_b[name], abs=1e-9)
     page.get_by_text(re.compile(r"^Compare cmp-")).evaluate("element => element.scrollIntoView()")
+    assert page.locator('[data-testid="stException"]').count() == 0
     shoot(page, tmp_path, "compare")
     assert other.is_dir()

@@ -62,10 +62,6 @@ def test_an_openood_run_shows_the_clis_figures_beside_the_leaderboard(page, app_
     page.goto(f"{app_url}/?run={run.run_id}")
     heading = page.get_by_role("heading", name="Beside the OpenOOD v1.5 leaderboard")
     heading.wait_for(timeout=180_000)  # a cold server: slow first load
-    # the sidebar holds the run's choices: the preset of its benchmark
-    assert page.locator('[data-testid="stSidebar"]').get_by_role("combobox", name="In-distribution").input_value() == (
-        "OpenOOD v1.5 cifar10"
-    )
     rows = board_rows(page)
     # the cells bench_table's figures make (summary_cells: what `oodviz bench` prints), detector by detector
     assert rows == expected.astype(str).values.tolist()
@@ -104,15 +100,24 @@ def test_an_openood_run_shows_the_clis_figures_beside_the_leaderboard(page, app_
     heading.evaluate(SCROLL_TO_TOP)
     page.mouse.move(1, 1)
     page.screenshot(path=str(tmp_path / "openood-leaderboard-dark.png"), timeout=90_000)  # not the docs
+    # "New run from this one": the New run page's form holds the run's choices, the preset of its benchmark
+    page.get_by_role("button", name="New run from this one").click(timeout=60_000)
+    page.wait_for_url(re.compile(rf"[?&]from={re.escape(run.run_id)}"), timeout=60_000)
+    form = page.locator('[data-testid="stMain"]')
+    form.get_by_role("button", name="Start run").wait_for(timeout=120_000)
+    assert form.get_by_role("combobox", name="In-distribution").input_value() == "OpenOOD v1.5 cifar10"
+    assert form.get_by_role("combobox", name="Backbone").input_value() == "openood-resnet18-32x32"
 
 
-def choose(page, sidebar, label: str, option: str) -> None:
-    """Pick ``option`` in the sidebar's selectbox labelled ``label``."""
-    box = sidebar.locator('[data-testid="stSelectbox"]').filter(has_text=label).first
+def choose(page, form, label: str, option: str) -> None:
+    """Pick ``option`` in the selectbox labelled ``label`` under ``form``, and wait for the rerun the change makes
+    (every field reruns the page)."""
+    box = form.locator('[data-testid="stSelectbox"]').filter(has_text=label).first
     box.click(timeout=60_000)
     page.keyboard.type(option)  # filters the options
     page.get_by_role("option", name=option, exact=True).click(timeout=30_000)
     page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
+    page.wait_for_function(DRAWN, timeout=120_000)
 
 
 @pytest.mark.parametrize("scheme", ["light", "dark"])
@@ -129,30 +134,32 @@ def test_the_openood_preset_says_what_it_runs_and_what_is_missing_before_start(
     before = sorted(p.name for p in runs_root.iterdir())
     page.emulate_media(color_scheme=scheme)
     page.goto(app_url)
-    sidebar = page.locator('[data-testid="stSidebar"]')
-    sidebar.get_by_role("button", name="Start run").wait_for(timeout=120_000)
-    choose(page, sidebar, "Backbone", "openood-resnet18-32x32")
-    sidebar.locator('[class*="st-key-layers-openood-resnet18-32x32-"]').wait_for(timeout=60_000)  # redrawn for it
+    form = page.locator('[data-testid="stMain"]')  # the New run page: the form in the main area
+    form.get_by_role("button", name="Start run").wait_for(timeout=120_000)
+    choose(page, form, "Backbone", "openood-resnet18-32x32")
+    form.locator('[class*="st-key-layers-openood-resnet18-32x32-"]').wait_for(timeout=60_000)  # redrawn for it
     page.wait_for_function(DRAWN, timeout=120_000)  # the whole form redrawn (Layers is above it)
-    choose(page, sidebar, "In-distribution", "OpenOOD v1.5 cifar10")
-    sidebar.get_by_role("textbox", name="Checkpoint file (optional)").fill(
+    choose(page, form, "In-distribution", "OpenOOD v1.5 cifar10")
+    form.get_by_role("textbox", name="Checkpoint file (optional)").fill(
         str(bench_run["run"].read_config()["checkpoint"])
     )
     empty = tmp_path / "not-openood"
     empty.mkdir()
-    sidebar.get_by_role("textbox", name="Data root (torchvision files, OpenOOD)").fill(str(empty))
-    sidebar.get_by_role("button", name="Start run").click()
-    ood = sidebar.get_by_text(re.compile(r"^OpenOOD v1.5 cifar10 runs its benchmark's own OOD sets"))
+    form.get_by_role("textbox", name="Data root (torchvision files, OpenOOD)").fill(str(empty))
+    page.keyboard.press("Enter")  # a text field is sent when it is left or Enter is pressed: the page reruns
+    page.wait_for_function(DRAWN, timeout=120_000)
+    form.get_by_role("button", name="Start run").click()
+    ood = form.get_by_text(re.compile(r"^OpenOOD v1.5 cifar10 runs its benchmark's own OOD sets"))
     ood.wait_for(timeout=120_000)
     assert "(near cifar100, tin; far mnist, svhn, texture, places365)" in ood.inner_text()
-    root = sidebar.get_by_text(re.compile(r"^OpenOOD benchmark cifar10: no list folder benchmark_imglist/cifar10/"))
+    root = form.get_by_text(re.compile(r"^OpenOOD benchmark cifar10: no list folder benchmark_imglist/cifar10/"))
     assert root.count() == 1 and "download.py --contents datasets --datasets cifar-10" in root.inner_text()
-    assert sidebar.get_by_text("Fix first: 2 problem(s)").count() == 1
+    assert form.get_by_text("Fix first: 2 problem(s)").count() == 1
     # each under its own field: the OOD list's problem above the data root field, the data root's below it
-    field = sidebar.get_by_role("textbox", name="Data root (torchvision files, OpenOOD)")
+    field = form.get_by_role("textbox", name="Data root (torchvision files, OpenOOD)")
     assert ood.bounding_box()["y"] < field.bounding_box()["y"] < root.bounding_box()["y"]
     page.wait_for_function(DRAWN, timeout=120_000)
-    sidebar.get_by_text("In-distribution", exact=True).evaluate("e => e.scrollIntoView()")
+    form.get_by_text("In-distribution", exact=True).evaluate("e => e.scrollIntoView()")
     page.mouse.move(1, 1)
     if scheme == "dark":  # the docs show the light one
         page.screenshot(path=str(tmp_path / "openood-form-dark.png"), timeout=90_000)

@@ -56,7 +56,7 @@ def gallery_captions(page) -> list[str]:
 
 def test_a_box_on_the_histogram_shows_the_images_whose_scores_lie_in_it(page, app_url, run_copy, tmp_path):  # noqa: F811
     scores = pd.read_parquet(run_copy / "scores.parquet")
-    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.goto(f"{app_url}/run?run={run_copy.name}")
     page.get_by_role("tab", name="Score histograms").click(timeout=120_000)
     histogram = page.locator(".js-plotly-plot").first
     histogram.wait_for(timeout=60_000)
@@ -103,7 +103,7 @@ def test_a_box_on_the_histogram_shows_the_images_whose_scores_lie_in_it(page, ap
 
 def test_a_click_on_a_roc_point_shows_the_images_wrong_at_its_threshold(page, app_url, run_copy, tmp_path):  # noqa: F811
     scores = pd.read_parquet(run_copy / "scores.parquet")
-    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.goto(f"{app_url}/run?run={run_copy.name}")
     page.get_by_role("tab", name="ROC / PR").click(timeout=120_000)
     roc = page.locator(".js-plotly-plot").filter(has_text="ROC").first
     roc.wait_for(timeout=60_000)
@@ -136,7 +136,7 @@ def test_a_box_over_a_stretch_of_a_roc_curve_shows_the_images_between_its_thresh
     from sklearn.metrics import roc_curve
 
     scores = pd.read_parquet(run_copy / "scores.parquet")
-    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.goto(f"{app_url}/run?run={run_copy.name}")
     page.get_by_role("tab", name="ROC / PR").click(timeout=120_000)
     roc = page.locator(".js-plotly-plot").filter(has_text="ROC").first
     roc.locator("g.trace.scatter path.point").first.wait_for(timeout=60_000)
@@ -243,7 +243,7 @@ def test_the_feature_map_shows_a_hovered_points_thumbnail_and_the_images_of_a_bo
 
     received = []  # each websocket message from the server
     page.on("websocket", lambda ws: ws.on("framereceived", lambda payload: received.append(payload)))
-    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.goto(f"{app_url}/run?run={run_copy.name}")
     page.get_by_role("tab", name="Feature space").click(timeout=120_000)
     page.get_by_role("button", name="Compute the PCA map").click(timeout=60_000)
     chart = page.locator(".js-plotly-plot").filter(has_text="PCA of the features")
@@ -345,7 +345,7 @@ def test_a_figure_downloads_as_png_and_svg_where_kaleido_works(page, app_url, ru
 
     if kaleido_problem() is not None:
         pytest.skip(kaleido_problem())
-    page.goto(f"{app_url}/?run={run_copy.name}")
+    page.goto(f"{app_url}/run?run={run_copy.name}")
     page.get_by_role("tab", name="Risk–coverage").click(timeout=120_000)
     chart = page.locator(".js-plotly-plot").filter(has_text="coverage").first
     chart.wait_for(timeout=60_000)
