@@ -457,33 +457,56 @@ def memory_figure(timeline: pd.DataFrame, title: str = "Memory", stages: Sequenc
 
 
 # -- comparing runs -------------------------------------------------------------------------------
+def spaced_labels(x: np.ndarray, y: np.ndarray, names: list[str], spacing: float) -> list[str]:
+    """The names to print beside points ``(x, y)``: greedily, from the highest ``y + x`` down, a point's name when no
+    point already named lies within ``spacing`` (Euclidean, in axis units), else ``""`` (its name stays in the
+    hover): names that would print over each other are not drawn."""
+    labels = [""] * len(names)
+    named: list[tuple[float, float]] = []
+    for i in sorted(range(len(names)), key=lambda i: -(x[i] + y[i]) if np.isfinite(x[i] + y[i]) else np.inf):
+        if not np.isfinite(x[i] + y[i]):
+            continue
+        if all((x[i] - a) ** 2 + (y[i] - b) ** 2 >= spacing**2 for a, b in named):
+            labels[i] = names[i]
+            named.append((x[i], y[i]))
+    return labels
+
+
+#: the distance between two named points of :func:`compare_scatter`, a share of its axes' range
+LABEL_SPACING = 0.035
+
+
 def compare_scatter(means: pd.DataFrame, title: str, label_a: str = "run A", label_b: str = "run B") -> go.Figure:
     """One point per detector: x = its value in run A, y = in run B (``means`` has columns ``auroc_a``,
-    ``auroc_b``, indexed by detector), and the dashed diagonal y = x: points above it did better in B."""
+    ``auroc_b``, indexed by detector), and the dashed diagonal y = x: points above it did better in B. Names that
+    would overlap are left to the hover (:func:`spaced_labels`)."""
     low = float(np.nanmin(means[["auroc_a", "auroc_b"]].to_numpy(dtype=np.float64)))
     low = max(0.0, min(low - 0.02, 0.5))
+    x, y = means["auroc_a"].to_numpy(dtype=np.float64), means["auroc_b"].to_numpy(dtype=np.float64)
+    names = [str(d) for d in means.index]
     fig = go.Figure(
         [
             go.Scatter(
                 x=[low, 1.0], y=[low, 1.0], mode="lines", line={"color": "#BBBBBB", "dash": "dash"}, hoverinfo="skip"
             ),
             go.Scatter(
-                x=means["auroc_a"].to_numpy(dtype=np.float64),
-                y=means["auroc_b"].to_numpy(dtype=np.float64),
+                x=x,
+                y=y,
                 mode="markers+text",
-                text=[str(d) for d in means.index],
+                text=spaced_labels(x, y, names, LABEL_SPACING * (1.01 - low)),
+                customdata=names,
                 textposition="top center",
                 textfont={"size": 10},
                 cliponaxis=False,  # a name near AUROC 1 stays whole
                 marker={"color": OOD_COLORS[1], "size": 8},
-                hovertemplate="<b>%{text}</b><br>A %{x:.3f}<br>B %{y:.3f}<extra></extra>",
+                hovertemplate="<b>%{customdata}</b><br>A %{x:.3f}<br>B %{y:.3f}<extra></extra>",
             ),
         ]
     )
     figure_layout(
         fig,
         title,
-        height=420,
+        height=520,
         showlegend=False,
         # square axes: the plot narrows to keep the range (else plotly widens x past AUROC 1 to fill the width)
         xaxis={"title": f"AUROC in {label_a} (A)", "range": [low, 1.01], "constrain": "domain"},

@@ -111,7 +111,7 @@ def compare(root: Path, a_id: str, b_id: str) -> None:
     if diff.empty:
         st.caption("Same config: differences come from randomness or the software version.")
     else:
-        st.dataframe(diff, hide_index=True, width="stretch")
+        st.table(diff.set_index("setting"))  # wrapped, not cut: a setting's value can be a long list
     table = compare_runs(a, b)
     per_set = table[~table.ood_dataset.str.endswith(" (mean)")]
     if per_set.empty:

@@ -44,10 +44,11 @@ def write_label(path: Path, name: str, notes: str) -> None:
     write_atomic(Path(path) / LABEL_FILE, json.dumps({"name": name, "notes": notes}).encode())
 
 
-def label_editor(run: RunDir) -> None:
-    """Name and annotate a run (shown in the run list); its id and URL stay the same."""
+def label_editor(run: RunDir, place) -> None:
+    """Name and annotate a run (shown in the run list; a ``#word`` tags it), in a popover in ``place``; its id and
+    URL stay the same."""
     label = read_label(run.path)
-    with st.expander(f"Name and notes{': ' + label['name'] if label['name'] else ''}"):
+    with place.popover("Name and notes", width="stretch", help="Name the run and note what it was for; #word tags it."):
         with st.form(f"label-{run.run_id}", border=False):
             name = st.text_input("Name", label["name"], max_chars=NAME_MAX)
             notes = st.text_area("Notes", label["notes"], max_chars=NOTES_MAX, height=80)

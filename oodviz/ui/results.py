@@ -262,11 +262,24 @@ def threshold_label(page: Page) -> str:
 
 
 # -- metrics --------------------------------------------------------------------------------------
+#: how the metrics table prints its figures: three decimals (AUROC 0.957), and for AURC and risk, which are small
+#: where the classifier rarely errs, three significant digits (0.000123 is not 0.000, a perfect score)
+METRIC_FORMAT = "{:.3f}"
+SELECTIVE_FORMAT = "{:.3g}"
+
+
+def as_shown(values: pd.Series) -> pd.Series:
+    """A metrics column's values as the table prints them (:data:`METRIC_FORMAT`, :data:`SELECTIVE_FORMAT`)."""
+    if str(values.name).startswith(SELECTIVE_COLUMNS):
+        return values.map(lambda value: float(SELECTIVE_FORMAT.format(value)))
+    return values.round(3)
+
+
 def best_marks(values: pd.Series, lower_is_better: bool) -> pd.Series:
-    """:data:`BEST` on the one value that, at the table's three decimals, is strictly better than every other value
-    shown, else ``""``: a tie at the top (1.000 and 1.000, whatever their hidden fourth decimals) or a column of
-    equal values has no best to point at, and marks nothing."""
-    shown = values.round(3)
+    """:data:`BEST` on the one value that, as the table prints it (:func:`as_shown`), is strictly better than every
+    other value shown, else ``""``: a tie at the top (1.000 and 1.000, whatever their hidden fourth decimals) or a
+    column of equal values has no best to point at, and marks nothing."""
+    shown = as_shown(values)
     at_best = shown.eq(shown.min() if lower_is_better else shown.max())
     if at_best.sum() != 1:
         return pd.Series("", index=values.index)
@@ -319,7 +332,8 @@ def metrics_tab(page: Page) -> None:
             "A strict best detector per column highlighted in green (each column is one metric on one group of sets)."
         )
     numbers = [c for c in shown.columns if c.startswith(tuple(METRIC_HEADINGS.values()))]
-    styled = styled.format(dict.fromkeys(numbers, "{:.3f}"), na_rep="n/a")
+    formats = {c: SELECTIVE_FORMAT if c.startswith(SELECTIVE_COLUMNS) else METRIC_FORMAT for c in numbers}
+    styled = styled.format(formats, na_rep="n/a")
     st.dataframe(styled, hide_index=True, width="stretch", height=min(38 + 35 * len(shown), 700))
     greyed = "" if ranked else " Their columns are greyed and never highlighted."
     st.caption(f"{note} No mark where the best value is tied. {errors_note}{greyed}")

@@ -53,10 +53,11 @@ def current_run(asked: str | None) -> RunDir | None:
 
 
 def run_header(asked: str | None) -> None:
-    """The run picker (a change opens that run from its own default view) and "New run from this one"."""
+    """The run picker (a change opens that run from its own default view), the run's name and notes, and "New run from
+    this one"."""
     ids = run_choices(runs_root())
     options = ids if asked is None or asked in ids else [asked, *ids]
-    pick, again = st.columns([4, 1], vertical_alignment="bottom")
+    pick, name, again = st.columns([4, 1, 1], vertical_alignment="bottom")
     chosen = pick.selectbox(
         "Run",
         options,
@@ -67,6 +68,8 @@ def run_header(asked: str | None) -> None:
     )
     if chosen is not None and chosen != asked:
         open_run(chosen)
+    if asked in ids:
+        label_editor(RunDir(runs_root() / asked), name)
     if again.button(
         "New run from this one",
         disabled=asked not in ids,
@@ -104,7 +107,6 @@ def run_page() -> None:
         st.markdown(f"**{run_headline(ran_config, paths=show_server_details())}**")
     except (ValueError, OSError):  # a config this version cannot read: the rest of the page still shows
         ran = None
-    label_editor(run)
     for message in without_validation_warnings(run_warnings(run), config):  # those: above the results
         st.warning(shown_message(message))
     if state == "failed":

@@ -274,3 +274,19 @@ def test_figures_set_up_unchecked_are_what_plotly_checks_and_builds(scores):
         assert json.loads(go.Figure(fig.to_dict()).to_json()) == json.loads(fig.to_json())
         assert fig.layout.template.layout.to_plotly_json() == P.TEMPLATE.layout.to_plotly_json()
         assert fig.layout.hoverlabel.namelength == -1 and fig.layout.legend.font.size == 11
+
+
+def test_compare_scatter_names_points_that_do_not_overlap_and_keeps_every_name_in_the_hover():
+    means = pd.DataFrame(
+        {"auroc_a": [0.98, 0.981, 0.90, 0.70, np.nan], "auroc_b": [0.97, 0.972, 0.91, 0.72, 0.8]},
+        index=["mahalanobis", "vim", "knn", "msp", "odin"],
+    )
+    fig = P.compare_scatter(means, "t")
+    points = fig.data[1]
+    assert list(points.customdata) == list(means.index)  # the hover names every detector
+    # vim lies 0.002 from mahalanobis: the higher (vim, x + y larger) is named, mahalanobis left to the hover;
+    # a point without both values is not placed, so not named
+    assert list(points.text) == ["", "vim", "knn", "msp", ""]
+    spacing = P.LABEL_SPACING * (1.01 - 0.68)
+    named = [(x, y) for x, y, t in zip(points.x, points.y, points.text) if t]
+    assert all(np.hypot(a[0] - b[0], a[1] - b[1]) >= spacing for i, a in enumerate(named) for b in named[i + 1 :])

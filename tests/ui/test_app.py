@@ -644,6 +644,14 @@ def test_runs_can_be_named_and_annotated_and_the_url_keeps_working(app, runs_roo
     on_page(app, "run", run="r-named")
     assert not app.exception and any("first try" in c.value for c in app.caption)
     assert any(m.value.startswith("**digits-cnn · ID digits-test · OOD digits-heldout") for m in app.markdown)
+    # the header's "Name and notes": renaming keeps the run's id and URL, and tags it
+    [name] = [t for t in app.text_input if t.label == "Name"]
+    name.input("baseline #resnet")
+    [b for b in app.button if b.label == "Save"][0].click().run()
+    assert not app.exception and read_label(named)["name"] == "baseline #resnet"
+    assert app.query_params["run"] == "r-named"
+    on_page(app, "runs")
+    assert app.dataframe[0].value.set_index("run").loc["r-named", "tags"] == "resnet"
     shutil.rmtree(named)
 
 
@@ -678,7 +686,7 @@ def test_compare_two_runs_in_the_app(app, runs_root):
     assert not app.exception
     assert dict(app.query_params) == {"a": "r1", "b": "r-other-data"}
     assert any("different data: the OOD sets differ" in w.value for w in app.warning)
-    diff = [d.value for d in app.dataframe if "setting" in d.value.columns][0].set_index("setting")
+    diff = [t.value for t in app.table if t.value.index.name == "setting"][0]
     assert diff.loc["batch_size", "run A"] == "256" and diff.loc["batch_size", "run B"] == "64"
     [scatter] = list(app.get("plotly_chart"))
     figure = json.loads(scatter.proto.spec)
@@ -770,6 +778,28 @@ def test_only_a_strict_best_is_marked_and_unrankable_aurc_columns_are_greyed():
     assert list(metric_marks(aurc, ranked=False)) == [UNRANKED, UNRANKED]
     assert list(metric_marks(aurc, ranked=True)) == [BEST, ""]
     assert list(metric_marks(pd.Series([0.9, 0.8], name="AUROC near"), ranked=False)) == [BEST, ""]
+    # AURC is printed to three significant digits (a rarely wrong classifier's 1.2e-4 is not 0.000): its best is
+    # judged at that precision too
+    small = pd.Series([0.000123, 0.000456, 0.0001234], name="AURC")
+    assert list(metric_marks(small, ranked=True)) == ["", "", ""]  # 0.000123 twice: a tie
+    assert list(metric_marks(small.iloc[:2], ranked=True)) == [BEST, ""]
+
+
+def test_the_metrics_table_prints_aurc_and_risk_to_three_significant_digits(app, runs_root):
+    """The default run's classifier errs on a handful of digits: its AURC is around 1e-4, which three decimals
+    printed as 0.000 for every detector (a perfect score); the table prints it to three significant digits, the
+    other metrics to three decimals."""
+    import pyarrow as pa
+
+    app.query_params["run"] = "r1"
+    app.run()
+    [table] = [d for d in app.dataframe if "AURC" in d.value.columns]
+    shown = pa.ipc.open_stream(table.proto.arrow_data.styler.display_values).read_all().to_pandas()
+    metrics = pd.read_csv(runs_root / "r1" / "metrics.csv").drop_duplicates("detector").set_index("detector")
+    assert (metrics.aurc.between(1e-6, 5e-4)).any()  # the case the table got wrong
+    for detector, aurc, auroc in zip(shown.detector, shown.AURC, shown["AUROC near"]):
+        assert aurc == f"{metrics.aurc[detector]:.3g}" and float(aurc) > 0
+        assert len(auroc.split(".")[1]) == 3
 
 
 def test_aurc_and_risk_say_how_many_classifier_errors_they_rest_on(app, runs_root):

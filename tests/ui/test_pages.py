@@ -170,7 +170,7 @@ def test_the_compare_page_shows_the_two_runs_of_its_url(app):
     assert widget(app.selectbox, "Run B").format_func("r-cifar") == "r-cifar · big model #Baseline"
     assert compared(app) == ["**Compare r1 (A) with r-cifar (B)**"]
     assert any("different data: the ID test set differs (digits-test vs cifar10)" in w.value for w in app.warning)
-    diff = [d.value for d in app.dataframe if "setting" in d.value.columns][0].set_index("setting")
+    diff = [t.value for t in app.table if t.value.index.name == "setting"][0]
     assert diff.loc["backbone"].tolist() == ["digits-cnn", "resnet18"]
     assert dict(app.query_params) == {"a": "r1", "b": "r-cifar"}
     widget(app.selectbox, "Run B").select("r-notes").run()  # the choice goes into the URL
