@@ -197,11 +197,15 @@ def test_oodviz_app_serves_the_installed_entry_from_an_empty_directory(served, v
 @chromium
 def test_the_installed_app_renders_in_chromium(page, served, tmp_path):
     page.goto(served.url)
-    title = page.get_by_role("heading", name="oodviz")
+    title = page.get_by_role("heading", name="New run")
     title.wait_for(timeout=60_000)
     run_default = page.get_by_role("button", name="Run the default")
     run_default.wait_for(timeout=30_000)
     assert run_default.is_enabled()
     assert page.locator('[data-testid="stException"]').count() == 0
     assert "Something went wrong" not in page.inner_text("body")
+    # another page's script, from the wheel's oodviz/ui/app_pages/ (package data)
+    page.get_by_role("link", name="Detectors").click()
+    page.get_by_role("heading", name="Detectors").wait_for(timeout=60_000)
+    assert page.locator('[data-testid="stException"]').count() == 0
     page.screenshot(path=str(tmp_path / "installed-app.png"))
