@@ -205,7 +205,7 @@ def test_the_installed_app_renders_in_chromium(page, served, tmp_path):
     assert page.locator('[data-testid="stException"]').count() == 0
     assert "Something went wrong" not in page.inner_text("body")
     # another page's script, from the wheel's oodviz/ui/app_pages/ (package data)
-    page.get_by_role("link", name="Detectors").click()
+    page.get_by_role("link", name="Detectors", exact=True).click()
     page.get_by_role("heading", name="Detectors").wait_for(timeout=60_000)
     assert page.locator('[data-testid="stException"]').count() == 0
     page.screenshot(path=str(tmp_path / "installed-app.png"))

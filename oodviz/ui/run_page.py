@@ -57,7 +57,7 @@ def run_header(asked: str | None) -> None:
     this one"."""
     ids = run_choices(runs_root())
     options = ids if asked is None or asked in ids else [asked, *ids]
-    pick, name, again = st.columns([4, 1, 1], vertical_alignment="bottom")
+    pick, name, again = st.columns([5, 2, 2], vertical_alignment="bottom")  # both buttons' labels whole at 1000 px
     chosen = pick.selectbox(
         "Run",
         options,

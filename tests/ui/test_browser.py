@@ -364,6 +364,10 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     except PlaywrightTimeout:
         shoot(page, tmp_path, "tabs-1000px-scrolled")
         raise AssertionError(f"the tab row scrolls: {tabs.evaluate('e => [e.scrollWidth, e.clientWidth]')}") from None
+    page.wait_for_function(  # the header above the tabs drawn whole: every tab at its final place
+        "() => new Set([...document.querySelectorAll('[role=tab]')].map(t => t.getBoundingClientRect().top)).size == 1",
+        timeout=30_000,
+    )
     boxes = [tab.bounding_box() for tab in page.get_by_role("tab").all()]
     assert len(boxes) == len(run_tabs({})) == 8, boxes  # every tab of a one-layer run
     tops = [b["y"] for b in boxes]
