@@ -161,10 +161,10 @@ def control_key(page: Page, name: str) -> str:
 
 
 def shared_controls(page: Page) -> None:
-    """The header every tab shares, above the tabs: the detector, where the threshold starts and the threshold (and
-    the HTML report, in a popover beside them); sets them on ``page``."""
-    c1, c2, c3 = st.columns([3, 3, 1], vertical_alignment="bottom")
-    report = c3.popover(
+    """The header every tab shares, above the tabs: the detector (what it does, in a popover beside it), where the
+    threshold starts and the threshold, and the HTML report in a popover; sets them on ``page``."""
+    c1, c2, about_column, report_column = st.columns([3, 3, 1.3, 1.3], vertical_alignment="bottom")
+    report = report_column.popover(
         "HTML report",
         width="stretch",
         help="One self-contained file with this run's results, to share.",
@@ -183,8 +183,15 @@ def shared_controls(page: Page) -> None:
         format_func=lambda d: f"{d} (best mean AUROC)" if d == page.best else d,
     )
     keep(page, "detector", page.detector)
-    # full width: the formula fits; drawn only once opened (the detector classes, torch modules, are imported then)
-    about = st.expander(f"What {page.detector} does", key=f"teaching-{page.detector}", on_change="rerun")
+    # beside the detector (a row of its own moved the tabs down); drawn only once opened (the detector classes, torch
+    # modules, are imported then)
+    about = about_column.popover(
+        "What it does",
+        width="stretch",
+        help=f"What {page.detector} computes: its formula, paper, inputs and when it fails.",
+        key=f"teaching-{page.detector}",
+        on_change="rerun",
+    )
     if about.open:
         with about:
             teaching_panel(page.detector)

@@ -169,25 +169,24 @@ def opened(app, run, **view):
 
 
 def test_the_shared_detectors_explanation_is_drawn_once_opened(app):
-    """ "What <detector> does" above the tabs draws nothing while closed (it imports the detector classes, torch
-    modules); opened, it shows the formula the detector's module declares."""
+    """ "What it does" beside the detector above the tabs (a popover) draws nothing while closed (it imports the
+    detector classes, torch modules); opened, it shows the formula the detector's module declares."""
     from oodviz.detectors import describe
     from oodviz.detectors.teaching import formula_clauses
 
-    def formulas(about):  # the panel's inline KaTeX: "$clause,$" lines, the last without its comma
-        return [m.value for m in about.markdown if m.value.startswith("$")]
+    def formulas(app):  # the panel's inline KaTeX: "$clause,$" lines, the last without its comma
+        return [m.value for m in app.markdown if m.value.startswith("$")]
 
     app.query_params["run"] = "r1"
     app.run()
     shown_threshold_tab(app, "Score histograms")
     [detector_box] = [s for s in app.selectbox if s.label.startswith("Detector")]
-    [about] = [e for e in app.expander if e.label == f"What {detector_box.value} does"]
-    assert not formulas(about)
+    assert not formulas(app) and not [m for m in app.markdown if m.value.startswith(f"**{detector_box.value}**:")]
     app.session_state[f"teaching-{detector_box.value}"] = True
     app.run()
     assert not app.exception
-    [about] = [e for e in app.expander if e.label == f"What {detector_box.value} does"]
-    [shown] = formulas(about)
+    assert [m for m in app.markdown if m.value.startswith(f"**{detector_box.value}**:")]  # the popover's panel
+    [shown] = formulas(app)
     clauses = [line.strip().strip("$").removesuffix(",") for line in shown.split("  \n")]
     assert clauses == formula_clauses(describe(detector_box.value)["formula"])
 

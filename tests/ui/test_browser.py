@@ -288,12 +288,13 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
     shoot(page, tmp_path, "feature-space")
 
     page.get_by_role("tab", name="ROC / PR").click()
-    # the tab is written into the URL by a rerun: an expander opened before that rerun ends is drawn closed again
+    # the tab is written into the URL by a rerun: a popover opened before that rerun ends may be drawn closed again
     page.wait_for_url(re.compile(r"[?&]tab=roc-pr"), timeout=60_000)
-    about = page.get_by_text(re.compile(r"^What \w+ does$"))
+    page.wait_for_function(IDLE, timeout=120_000)
+    about = page.get_by_role("button", name="What it does")
     formula = page.locator(".katex:visible").first  # the chosen detector's formula
     for attempt in range(3):  # a rerun still drawing may close it again: open it until the formula shows
-        if not page.locator("details[open]").filter(has=about).count():
+        if not formula.count():
             about.click(timeout=30_000)
         try:
             formula.wait_for(timeout=20_000)
@@ -303,6 +304,8 @@ def test_probe_an_image_and_the_issue_15_views_of_the_default_run(page, app_url,
                 raise
     about.evaluate(show_tabs)
     shoot(page, tmp_path, "teaching")
+    page.keyboard.press("Escape")  # the popover closed: a click elsewhere would only close it
+    formula.wait_for(state="hidden", timeout=30_000)
 
     # what each detector does: the Detectors page, a link of the top bar (was: an expander of the sidebar)
     page.locator('[data-testid="stTopNavLink"]').filter(has_text="Detectors").click(timeout=30_000)
