@@ -20,6 +20,7 @@ import pytest
 from browser_app import app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
 from helpers import chromium, oodviz_in_process
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
+from playwright.sync_api import expect
 
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOTS = REPO / "assets" / "screenshots"
@@ -428,7 +429,9 @@ def test_compare_two_real_runs_and_nothing_cut_at_1000_px(page, app_url, runs_ro
     open_run = buttons.filter(has_text=re.compile(r"^Open$"))
     assert open_run.is_disabled() and compare.is_disabled()  # no row selected
     pick("cmp-a")
-    assert open_run.is_enabled() and compare.is_disabled()  # one run: it opens, but there is nothing to compare
+    # one run: it opens, but there is nothing to compare (waited for: the selection's rerun may still be under way)
+    expect(open_run).to_be_enabled(timeout=60_000)
+    expect(compare).to_be_disabled(timeout=60_000)
     pick("cmp-a")  # unselected
     first, second = compared("cmp-a", "cmp-same")
     scatter = page.locator(".js-plotly-plot").filter(has_text="Mean AUROC over 6 shared OOD set(s)")
