@@ -52,7 +52,10 @@ def bench_run(runs_root, tmp_path_factory):  # noqa: F811
 
 
 def board_rows(page) -> list[list[str]]:
-    return [row.locator("td").all_inner_texts() for row in page.locator("table.oodviz-board tbody tr").all()]
+    """The leaderboard table's cells, once it is drawn (the heading above it can be drawn first)."""
+    rows = page.locator("table.oodviz-board tbody tr")
+    rows.first.wait_for(timeout=120_000)
+    return [row.locator("td").all_inner_texts() for row in rows.all()]
 
 
 def test_an_openood_run_shows_the_clis_figures_beside_the_leaderboard(page, app_url, bench_run, tmp_path):  # noqa: F811
