@@ -25,8 +25,17 @@ def title(config: dict) -> str:
     return " ".join(p for p in parts if p).rstrip(",")
 
 
+def id_data(config: dict) -> str:
+    """The ID data of a run's config as a run list names it: its ID test set (an OpenOOD v1.5 benchmark's run,
+    :func:`~oodviz.results.leaderboard.run_benchmark`: ``openood <benchmark>``); "" when the config names none."""
+    if benchmark := run_benchmark(config):
+        return f"openood {benchmark}"
+    test = config.get("id_test")
+    return str(test.get("name", "")) if isinstance(test, dict) else ""
+
+
 def summarise(run: RunDir) -> dict:
-    """``run_id, state, stage, title, created, error, failed_detectors``, and for finished runs
+    """``run_id, state, stage, title, backbone, id_data, created, error, failed_detectors``, and for finished runs
     ``best_detector`` with the best mean AUROC over the OOD datasets (``best_auroc``) and its mean FPR95
     (:func:`oodviz.results.tables.best_detector`). Read-only and never raises: the state of a run whose files
     cannot be read (a ``done`` run's ``metrics.csv`` or ``scores.parquet`` included) is ``"damaged"`` and ``error``
@@ -41,6 +50,8 @@ def summarise(run: RunDir) -> dict:
         "error": status.get("error"),
         "failed_detectors": status.get("failed_detectors") or [],
         "title": title(config),
+        "backbone": str(config.get("backbone", "")),
+        "id_data": id_data(config),
         "best_detector": None,
         "best_auroc": None,
         "best_fpr95": None,

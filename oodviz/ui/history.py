@@ -89,14 +89,6 @@ def tags_of(label: dict) -> list[str]:
     return list(dict.fromkeys(tag.lower() for tag in TAG.findall(f"{label['name']} {label['notes']}")))
 
 
-def id_data(config: dict | None) -> str:
-    """The ID data of a run's config as the run list names it: the dataset (an OpenOOD run: ``openood <benchmark>``)."""
-    test = (config or {}).get("id_test") or {}
-    params = test.get("params") or {}
-    name = str(test.get("name", ""))
-    return f"{name} {params['benchmark']}" if name == "openood" and "benchmark" in params else name
-
-
 def runs_table(root: Path) -> pd.DataFrame:
     """One row per run, read-only (:func:`oodviz.results.summary.summarise`): a damaged run's state says what is wrong;
     its backbone, ID data and tags (:func:`tags_of`) to filter by, and its notes to search."""
@@ -107,7 +99,6 @@ def runs_table(root: Path) -> pd.DataFrame:
         state = s["error"] if s["state"] == "damaged" else str(s["state"])
         if s["failed_detectors"]:
             state += f" ({len(s['failed_detectors'])} detector(s) failed)"
-        config, _ = read_json_object(run.config_path)
         label = read_label(run.path)
         rows.append(
             {
@@ -117,8 +108,8 @@ def runs_table(root: Path) -> pd.DataFrame:
                 "best detector": s["best_detector"] or "",
                 "mean AUROC": s["best_auroc"],
                 "mean FPR95": s["best_fpr95"],
-                "backbone": str((config or {}).get("backbone", "")) if isinstance(config, dict) else "",
-                "ID data": id_data(config if isinstance(config, dict) else None),
+                "backbone": s["backbone"],
+                "ID data": s["id_data"],
                 "tags": ", ".join(tags_of(label)),
                 "created": time.strftime("%Y-%m-%d %H:%M", time.localtime(s["created"])) if s["created"] else "",
                 "what": s["title"],  # last: the longest, the figures stay in view at 1000 px
