@@ -49,6 +49,8 @@ from oodviz.results.analysis import curves, failure_cases, risk_coverage_curves,
 from oodviz.results.tables import (
     METRIC_HEADINGS,
     METRIC_NAMES,
+    SELECTIVE_FORMAT,
+    SELECTIVE_HEADINGS,
     SELECTIVE_NAMES,
     Results,
     best_detector,
@@ -159,7 +161,18 @@ class _Page:
             self.parts[place] = f'<p class="figure-files">Download: {" · ".join(links)}</p>'
 
     def table(self, frame: pd.DataFrame, digits: int = 3) -> None:
-        self.parts.append(frame.to_html(index=False, float_format=lambda v: f"{v:.{digits}f}", border=0, na_rep="–"))
+        """``frame`` as an HTML table: numbers to ``digits`` decimals, a metric column as the app prints it
+        (:data:`~oodviz.results.tables.SELECTIVE_FORMAT`: AURC and risk to three significant digits)."""
+        selective = {
+            c: lambda v: "–" if pd.isna(v) else SELECTIVE_FORMAT.format(v)
+            for c in frame.columns
+            if str(c).startswith(SELECTIVE_HEADINGS)
+        }
+        self.parts.append(
+            frame.to_html(
+                index=False, float_format=lambda v: f"{v:.{digits}f}", formatters=selective, border=0, na_rep="–"
+            )
+        )
 
 
 def _png_data_uri(image) -> str:

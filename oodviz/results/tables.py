@@ -57,6 +57,19 @@ METRIC_HEADINGS = {
     "aurc": "AURC",
     "risk_at_95_coverage": "risk at 95% coverage",
 }
+#: how a metric is printed: three decimals (AUROC 0.957), and AURC and risk, small where the classifier rarely errs, to
+#: three significant digits (0.000123 is not 0.000, a perfect score); :func:`metric_format` picks by heading
+METRIC_FORMAT = "{:.3f}"
+SELECTIVE_FORMAT = "{:.3g}"
+SELECTIVE_HEADINGS = tuple(METRIC_HEADINGS[name] for name in SELECTIVE_NAMES)
+
+
+def metric_format(heading: str) -> str:
+    """The format of a metrics column headed ``heading`` (``"AURC"``, ``"AUROC near"``...): :data:`SELECTIVE_FORMAT`
+    for AURC and risk, else :data:`METRIC_FORMAT`."""
+    return SELECTIVE_FORMAT if str(heading).startswith(SELECTIVE_HEADINGS) else METRIC_FORMAT
+
+
 PER_CLASS_COLUMNS = ("class", "class_name", "n", "accuracy", "false_alarms", "false_alarm_rate", "mean_score")
 #: ``per_class.csv``: :data:`PER_CLASS_COLUMNS` of every detector, with the threshold they were counted at
 PER_CLASS_FILE_COLUMNS = ("detector", *PER_CLASS_COLUMNS, "threshold")

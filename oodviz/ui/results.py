@@ -3,7 +3,8 @@
 The tabs are :data:`RESULT_TABS`, a list of ``(label, draw function)``: a new view is one more entry. Only the open
 tab is computed (``st.tabs(on_change="rerun")``), and the whole results area is one fragment: a click in it reruns
 it, not the page around it. The detector and the threshold are chosen once, in a header above the tabs that every tab
-shares and that stays the same whichever tab is open (the tab bar never moves). Each run keeps its own tab, detector and threshold, and they are in the URL
+shares and that stays the same whichever tab is open (the tab bar never moves). Each run keeps its own tab, detector
+and threshold, and they are in the URL
 (:mod:`oodviz.ui.view_url`): a reload or a link shows the same view. Tables and figures are cached per run and
 parameters.
 """
@@ -30,6 +31,7 @@ from oodviz.results.leaderboard import leaderboard_arch, run_benchmark
 from oodviz.results.tables import (
     METRIC_HEADINGS,
     METRIC_NAMES,
+    SELECTIVE_HEADINGS,
     Results,
     ResultsFileError,
     best_detector,
@@ -39,6 +41,7 @@ from oodviz.results.tables import (
     group_means,
     is_group_mean,
     load_results,
+    metric_format,
     ood_datasets_of,
     per_class_at_threshold,
     sampling_table,
@@ -67,8 +70,6 @@ PER_CLASS_HEADINGS = {
 }
 #: metrics where a lower value is better (highlighted with the minimum); the others: higher is better
 LOWER_IS_BETTER = ("FPR95", "AURC", "risk at 95% coverage")
-#: the metrics that judge a detector as a reject rule for the classifier: they need classifier errors to rank by
-SELECTIVE_COLUMNS = ("AURC", "risk at 95% coverage")
 GALLERY_SIZE = 12
 BEST = "background-color: #c8e6c9; color: #1b5e20"  # dark text: legible in the dark theme too
 #: AURC and risk columns that rest on too few classifier errors to rank detectors (MIN_CLASSIFIER_ERRORS)
@@ -269,17 +270,10 @@ def threshold_label(page: Page) -> str:
 
 
 # -- metrics --------------------------------------------------------------------------------------
-#: how the metrics table prints its figures: three decimals (AUROC 0.957), and for AURC and risk, which are small
-#: where the classifier rarely errs, three significant digits (0.000123 is not 0.000, a perfect score)
-METRIC_FORMAT = "{:.3f}"
-SELECTIVE_FORMAT = "{:.3g}"
-
-
 def as_shown(values: pd.Series) -> pd.Series:
-    """A metrics column's values as the table prints them (:data:`METRIC_FORMAT`, :data:`SELECTIVE_FORMAT`)."""
-    if str(values.name).startswith(SELECTIVE_COLUMNS):
-        return values.map(lambda value: float(SELECTIVE_FORMAT.format(value)))
-    return values.round(3)
+    """A metrics column's values as the table prints them (:func:`~oodviz.results.tables.metric_format`)."""
+    shown = metric_format(values.name)
+    return values.map(lambda value: float(shown.format(value)))
 
 
 def best_marks(values: pd.Series, lower_is_better: bool) -> pd.Series:
@@ -297,7 +291,7 @@ def metric_marks(values: pd.Series, ranked: bool) -> pd.Series:
     """The styles of one metrics column (named by its metric, e.g. ``"AURC"`` or ``"AUROC near"``): its strict best
     (:func:`best_marks`), or, for an AURC or risk column when the classifier made too few errors to rank by
     (``ranked`` False, :func:`oodviz.results.tables.classifier_errors_note`), every cell :data:`UNRANKED`."""
-    if values.name.startswith(SELECTIVE_COLUMNS) and not ranked:
+    if values.name.startswith(SELECTIVE_HEADINGS) and not ranked:
         return pd.Series(UNRANKED, index=values.index)
     return best_marks(values, values.name.startswith(LOWER_IS_BETTER))
 
@@ -339,8 +333,7 @@ def metrics_tab(page: Page) -> None:
             "A strict best detector per column highlighted in green (each column is one metric on one group of sets)."
         )
     numbers = [c for c in shown.columns if c.startswith(tuple(METRIC_HEADINGS.values()))]
-    formats = {c: SELECTIVE_FORMAT if c.startswith(SELECTIVE_COLUMNS) else METRIC_FORMAT for c in numbers}
-    styled = styled.format(formats, na_rep="n/a")
+    styled = styled.format({c: metric_format(c) for c in numbers}, na_rep="n/a")
     st.dataframe(styled, hide_index=True, width="stretch", height=min(38 + 35 * len(shown), 700))
     greyed = "" if ranked else " Their columns are greyed and never highlighted."
     st.caption(f"{note} No mark where the best value is tied. {errors_note}{greyed}")

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import pandas as pd
 import pytest
 from helpers import chromium
 
@@ -97,6 +98,18 @@ def detectors_shown(report) -> list[str]:
     """The detector sections' names (the folded tables, "Every OOD dataset" and "Config", left out)."""
     names = re.findall(r"<details(?: open)?><summary>([^<]+)</summary>", report.read_text())
     return [name for name in names if name not in ("Every OOD dataset", "Config")]
+
+
+def test_the_reports_metrics_print_aurc_to_three_significant_digits(report, default_run):
+    """As the app's table does: the default run's AURC (about 1e-4, a handful of classifier errors) printed to three
+    decimals read 0.000 for every detector, a perfect score."""
+    metrics = pd.read_csv(default_run.path / "metrics.csv").drop_duplicates("detector").set_index("detector")
+    assert metrics.aurc.between(1e-6, 5e-4).any()
+    html = report.read_text()
+    for detector, aurc in metrics.aurc.items():
+        assert re.search(
+            rf"<td>{re.escape(detector)}</td>(?:\s*<td>[^<]*</td>)*?\s*<td>{re.escape(f'{aurc:.3g}')}</td>", html
+        )
 
 
 def test_report_refuses_an_unknown_detector_and_an_unfinished_run(default_run, tmp_path):
