@@ -285,3 +285,15 @@ def checkpoint(path, seed: int) -> str:
     torch.manual_seed(seed)
     torch.save(build_openood_resnet18_32x32(10).state_dict(), path)  # OpenOOD's key names (tests/models)
     return str(path)
+
+
+#: The pooling choices the form offers on a ViT encoder block (a token layer), as it labels them: the model's own
+#: (its class token) first
+VIT_BLOCK_POOLINGS = [
+    "model's own (cls)",
+    "avg",
+    "max",
+    "cls (the class token)",
+    "mean (of the patch tokens)",
+    "none (flattened)",
+]

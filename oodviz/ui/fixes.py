@@ -100,10 +100,9 @@ def fix_buttons(
     """One button per fix of ``fixes`` that the form ``values`` can make (:func:`~oodviz.ui.form.form_fixes`), each
     ``prefix + label``; a click opens the New run page (starting from run ``from_run``) with the fix's change applied
     onto ``values``. A fix ``values`` already has is not offered again."""
-    base = values
-    for i, fix in enumerate(form_fixes(fixes, base)):
-        change = {k: v for k, v in asdict(fix.values).items() if getattr(base, k) != v}
-        if all(getattr(values, k) == v for k, v in change.items()):
+    for i, fix in enumerate(form_fixes(fixes, values)):
+        change = {k: v for k, v in asdict(fix.values).items() if getattr(values, k) != v}
+        if not change:
             continue
         if place.button(prefix + fix.label, key=f"{key}-{i}", width="stretch", wrap=True):  # long labels wrap
             apply_fix(FormFix(fix.label, replace(values, **change)), from_run)

@@ -62,8 +62,9 @@ def kept_params() -> dict[str, str]:
     return {"token": st.query_params["token"]} if "token" in st.query_params else {}
 
 
-def go(name: str, **params: str) -> None:
-    """Open page ``name`` with ``params`` as its query string (and :func:`kept_params`); stops this script run."""
+def go(name: str, **params: str | None) -> None:
+    """Open page ``name`` with ``params`` as its query string (those not None or empty; and :func:`kept_params`);
+    stops this script run."""
     st.switch_page(page(name), query_params={**kept_params(), **{k: v for k, v in params.items() if v}})
 
 
@@ -74,7 +75,7 @@ def open_run(run_id: str) -> None:
 
 def open_new_run(from_run: str | None = None) -> None:
     """The New run page, its fields filled with the choices of run ``from_run`` (None: the defaults)."""
-    go("new", **({"from": from_run} if from_run else {}))
+    go("new", **{"from": from_run})  # go leaves out a None
 
 
 def open_compare(a: str, b: str) -> None:

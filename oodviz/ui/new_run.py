@@ -83,7 +83,7 @@ OPENOOD_HELP = (
     + ") and give its checkpoint file (resnet50: torchvision's IMAGENET1K_V1 weights). The results show the "
     "figures beside OpenOOD's leaderboard."
 )
-#: the characters a grid's one-line field shows whole in the sidebar at 1000 px
+#: the characters a grid's one-line field shows whole at 1000 px (measured in the 300 px sidebar the form had)
 GRID_FIELD_CHARS = 32
 
 
@@ -120,7 +120,7 @@ def _param_input(place, detector: str, field: ParamField, value, generation: str
     )
 
 
-#: the longest choice of a detector parameter that a half row of the sidebar shows whole at 1000 px (vra's
+#: the longest choice of a detector parameter that a half row of the form shows whole at 1000 px (vra's
 #: "per_unit", 8 characters, was cut there)
 HALF_ROW_CHOICE_CHARS = 7
 

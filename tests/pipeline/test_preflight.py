@@ -4,6 +4,7 @@
 import json
 
 import pytest
+from helpers import VIT_BLOCK_POOLINGS
 
 import oodviz.pipeline.worker
 from oodviz.cli import main
@@ -193,14 +194,7 @@ def test_the_app_refuses_start_over_the_limit_unless_run_anyway(tmp_path, monkey
     layers.set_value([VIT_UNPOOLED["layer"]]).run()  # the layer's pooling field, its choices those of a token layer
     [radio for radio in app.radio if radio.label == "Weights"][0].set_value("random")
     pooling = [box for box in app.selectbox if box.label == "Pooling"][0]
-    assert pooling.value is None and pooling.options == [
-        "model's own (cls)",
-        "avg",
-        "max",
-        "cls (the class token)",
-        "mean (of the patch tokens)",
-        "none (flattened)",
-    ]
+    assert pooling.value is None and pooling.options == VIT_BLOCK_POOLINGS
     [box for box in app.selectbox if box.label == "Pooling"][0].set_value("none")
     start = [button for button in app.button if button.label == "Start run"][0]
     start.click().run()

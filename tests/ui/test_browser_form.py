@@ -9,7 +9,7 @@ import time
 
 import pytest
 from browser_app import DRAWN, app_url, runs_root, shoot  # noqa: F401  (fixtures of the app under test)
-from helpers import chromium
+from helpers import VIT_BLOCK_POOLINGS, chromium
 
 from oodviz.detectors import available, describe
 from oodviz.detectors.teaching import formula_clauses
@@ -224,14 +224,7 @@ def test_a_vits_token_layer_offers_its_class_token_and_a_map_does_not(page, app_
     token.get_by_role("combobox").click()
     page.get_by_role("option").first.wait_for(timeout=30_000)
     options = [o.inner_text() for o in page.get_by_role("option").all()]
-    assert options == [
-        "model's own (cls)",
-        "avg",
-        "max",
-        "cls (the class token)",
-        "mean (of the patch tokens)",
-        "none (flattened)",
-    ]
+    assert options == VIT_BLOCK_POOLINGS
     page.screenshot(path=str(tmp_path / f"form-pooling-choices-{scheme}.png"), timeout=90_000)
     page.keyboard.press("Escape")
     page.get_by_role("listbox").wait_for(state="hidden", timeout=30_000)
